@@ -1,0 +1,161 @@
+// CPU kernel of dllm_fast::masked_logprobs: LM head + log-softmax + gather, chunked over the vocabulary.
+//
+// Forward, per vocabulary chunk of C rows of the head: one GEMM into a reused [M, C] accumulator buffer
+// (MKL), then one pass per row that merges the chunk's max and sum of exponentials into a running
+// logsumexp and picks up the target logit. Backward recomputes each chunk's logits and turns them in place
+// into d(loss)/d(logits) = g_lse * p + g_logp * (onehot - p), then two GEMMs accumulate grad_hidden and write
+// grad_weight's rows for the chunk. Peak temporary memory is [M, C] plus one converted weight chunk.
+// bf16/fp16 inputs are upcast per chunk and every product accumulates in fp32 (fp64 for fp64 inputs).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <limits>
+#include <vector>
+
+#include "dllm_fast/ops.h"
+#include "vec_math.h"
+
+namespace dllm_fast {
+namespace {
+
+using cpu::row_max;
+using cpu::row_scaled_exp;
+using cpu::row_sum_exp;
+
+// Rows per parallel task: enough that a task touches ~64K logits.
+int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(cols, 1)); }
+
+void check_targets_in_vocab(const Tensor& targets, int64_t vocab) {
+  const int64_t* t = targets.data_ptr<int64_t>();
+  for (int64_t i = 0; i < targets.numel(); ++i) {
+    TORCH_CHECK(t[i] >= 0 && t[i] < vocab, "masked_logprobs: targets[", i, "] = ", t[i],
+                " is outside the vocabulary [0, ", vocab, "); targets must be token ids of the scored rows.");
+  }
+}
+
+template <typename acc_t>
+std::tuple<Tensor, Tensor> forward_impl(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+                                        int64_t chunk_size) {
+  const int64_t M = hidden.size(0), V = weight.size(0);
+  const auto acc = c10::CppTypeToScalarType<acc_t>::value;
+  const auto opts = hidden.options().dtype(acc);
+  Tensor logp = at::empty({M}, opts), lse = at::empty({M}, opts);
+  if (M == 0) return {logp, lse};
+
+  const Tensor tgt = targets.contiguous();
+  check_targets_in_vocab(tgt, V);
+  const Tensor h = hidden.to(acc).contiguous();
+  const Tensor w_all = weight.contiguous();
+  const int64_t C = std::min(chunk_size, V);
+  Tensor buffer = at::empty({M * C}, opts);
+
+  std::vector<acc_t> run_max(M, -std::numeric_limits<acc_t>::infinity()), run_sum(M, 0), target_logit(M, 0);
+  const int64_t* t = tgt.data_ptr<int64_t>();
+  for (int64_t v0 = 0; v0 < V; v0 += C) {
+    const int64_t c = std::min(C, V - v0);
+    const Tensor w = w_all.narrow(0, v0, c).to(acc);  // a view when weight is already acc_t
+    Tensor logits = buffer.narrow(0, 0, M * c).view({M, c});
+    at::mm_out(logits, h, w.t());
+    const acc_t* L = logits.data_ptr<acc_t>();
+    at::parallel_for(0, M, row_grain(c), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const acc_t* row = L + i * c;
+        const acc_t m = std::max(run_max[i], row_max(row, c));
+        run_sum[i] = run_sum[i] * std::exp(run_max[i] - m) + row_sum_exp(row, c, m);
+        run_max[i] = m;
+        const int64_t col = t[i] - v0;
+        if (col >= 0 && col < c) target_logit[i] = row[col];
+      }
+    });
+  }
+  acc_t* lp = logp.data_ptr<acc_t>();
+  acc_t* ls = lse.data_ptr<acc_t>();
+  for (int64_t i = 0; i < M; ++i) {
+    ls[i] = run_max[i] + std::log(run_sum[i]);
+    lp[i] = target_logit[i] - ls[i];
+  }
+  return {logp, lse};
+}
+
+template <typename acc_t>
+std::tuple<Tensor, Tensor> backward_impl(const std::optional<Tensor>& grad_logp, const std::optional<Tensor>& grad_lse,
+                                         const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+                                         const Tensor& lse, int64_t chunk_size, std::array<bool, 2> output_mask) {
+  const int64_t M = hidden.size(0), V = weight.size(0), d = hidden.size(1);
+  const auto acc = c10::CppTypeToScalarType<acc_t>::value;
+  const auto opts = hidden.options().dtype(acc);
+  const bool need_h = output_mask[0], need_w = output_mask[1];
+  Tensor grad_h = need_h ? at::zeros({M, d}, opts) : Tensor();
+  Tensor grad_w = need_w ? at::empty_like(weight, at::MemoryFormat::Contiguous) : Tensor();
+  const bool has_glp = grad_logp.has_value() && grad_logp->defined();
+  const bool has_glse = grad_lse.has_value() && grad_lse->defined();
+  if ((!need_h && !need_w) || M == 0 || (!has_glp && !has_glse)) {
+    if (need_w) grad_w.zero_();
+    return {need_h ? grad_h.to(hidden.scalar_type()) : Tensor(), grad_w};
+  }
+
+  const Tensor tgt = targets.contiguous();
+  const Tensor h = hidden.to(acc).contiguous();
+  const Tensor w_all = weight.contiguous();
+  const Tensor glp = has_glp ? grad_logp->to(acc).contiguous() : at::zeros({M}, opts);
+  const Tensor glse = has_glse ? grad_lse->to(acc).contiguous() : at::zeros({M}, opts);
+  const Tensor lse_c = lse.to(acc).contiguous();
+  const int64_t C = std::min(chunk_size, V);
+  Tensor buffer = at::empty({M * C}, opts);
+
+  const int64_t* t = tgt.data_ptr<int64_t>();
+  const acc_t* g_lp = glp.data_ptr<acc_t>();
+  const acc_t* g_lse = glse.data_ptr<acc_t>();
+  const acc_t* ls = lse_c.data_ptr<acc_t>();
+  const bool weight_is_acc = weight.scalar_type() == acc;
+  for (int64_t v0 = 0; v0 < V; v0 += C) {
+    const int64_t c = std::min(C, V - v0);
+    const Tensor w = w_all.narrow(0, v0, c).to(acc);
+    Tensor dlogits = buffer.narrow(0, 0, M * c).view({M, c});
+    at::mm_out(dlogits, h, w.t());
+    acc_t* D = dlogits.data_ptr<acc_t>();
+    at::parallel_for(0, M, row_grain(c), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        acc_t* row = D + i * c;
+        row_scaled_exp(row, c, ls[i], g_lse[i] - g_lp[i]);
+        const int64_t col = t[i] - v0;
+        if (col >= 0 && col < c) row[col] += g_lp[i];
+      }
+    });
+    if (need_h) grad_h.addmm_(dlogits, w);
+    if (need_w) {
+      Tensor rows = grad_w.narrow(0, v0, c);
+      if (weight_is_acc) {
+        at::mm_out(rows, dlogits.t(), h);
+      } else {
+        rows.copy_(at::mm(dlogits.t(), h));
+      }
+    }
+  }
+  return {need_h ? grad_h.to(hidden.scalar_type()) : Tensor(), grad_w};
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> masked_logprobs_cpu(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+                                               int64_t chunk_size) {
+  check_masked_logprobs_args(hidden, weight, targets, chunk_size);
+  if (accumulate_type(hidden.scalar_type()) == at::kDouble) {
+    return forward_impl<double>(hidden, weight, targets, chunk_size);
+  }
+  return forward_impl<float>(hidden, weight, targets, chunk_size);
+}
+
+std::tuple<Tensor, Tensor> masked_logprobs_backward_cpu(const std::optional<Tensor>& grad_logp,
+                                                        const std::optional<Tensor>& grad_lse, const Tensor& hidden,
+                                                        const Tensor& weight, const Tensor& targets, const Tensor& lse,
+                                                        int64_t chunk_size, std::array<bool, 2> output_mask) {
+  check_masked_logprobs_args(hidden, weight, targets, chunk_size);
+  if (accumulate_type(hidden.scalar_type()) == at::kDouble) {
+    return backward_impl<double>(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask);
+  }
+  return backward_impl<float>(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask);
+}
+
+}  // namespace dllm_fast

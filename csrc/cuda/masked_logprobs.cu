@@ -1,0 +1,179 @@
+// CUDA kernels of dllm_fast::masked_logprobs (CUDA headers only; see masked_logprobs.cuh for the contract).
+// The GEMMs that produce each logits chunk run in cuBLAS from glue.cpp; these kernels are the memory-bound
+// parts: an online logsumexp over the chunk, and the in-place softmax gradient for backward.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <limits>
+
+#include "masked_logprobs.cuh"
+
+namespace dllm_fast::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+
+// (max, sum of exp(x - max)) pairs combine associatively; an empty side has max = -inf and sum = 0.
+template <typename acc_t>
+__device__ __forceinline__ void merge(acc_t& m, acc_t& s, acc_t other_m, acc_t other_s) {
+  const acc_t new_m = m > other_m ? m : other_m;
+  if (new_m == -INFINITY) return;  // both empty
+  s = s * exp_acc(m - new_m) + other_s * exp_acc(other_m - new_m);
+  m = new_m;
+}
+
+// One block per row: each thread folds its strided columns into (m, s), then warps and the block combine.
+template <typename acc_t>
+__global__ void chunk_logsumexp_kernel(const acc_t* __restrict__ logits, int64_t cols, int64_t ld, int64_t v0,
+                                       const int64_t* __restrict__ targets, acc_t* __restrict__ run_max,
+                                       acc_t* __restrict__ run_sum, acc_t* __restrict__ target_logit) {
+  const int64_t row = blockIdx.x;
+  const acc_t* x = logits + row * ld;
+  acc_t m = -INFINITY, s = 0;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    const acc_t v = x[j];
+    if (v > m) {
+      s = s * exp_acc(m - v) + acc_t(1);
+      m = v;
+    } else if (v != -INFINITY) {  // a NaN lands here and poisons s
+      s += exp_acc(v - m);
+    }
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const acc_t om = __shfl_down_sync(0xffffffffu, m, offset);
+    const acc_t os = __shfl_down_sync(0xffffffffu, s, offset);
+    merge(m, s, om, os);
+  }
+  __shared__ acc_t warp_m[kWarps], warp_s[kWarps];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    warp_m[warp] = m;
+    warp_s[warp] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w) merge(m, s, warp_m[w], warp_s[w]);
+    acc_t total_m = run_max[row], total_s = run_sum[row];
+    merge(total_m, total_s, m, s);
+    run_max[row] = total_m;
+    run_sum[row] = total_s;
+    const int64_t col = targets[row] - v0;
+    if (col >= 0 && col < cols) target_logit[row] = x[col];
+  }
+}
+
+template <typename acc_t>
+__global__ void finalize_kernel(int64_t rows, const acc_t* __restrict__ run_max, const acc_t* __restrict__ run_sum,
+                                const acc_t* __restrict__ target_logit, acc_t* __restrict__ lse,
+                                acc_t* __restrict__ logp) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= rows) return;
+  const acc_t l = run_max[i] + log_acc(run_sum[i]);
+  lse[i] = l;
+  logp[i] = target_logit[i] - l;  // target_logit stays NaN for an out-of-vocabulary target
+}
+
+template <typename out_t, typename acc_t>
+__device__ __forceinline__ out_t cast_out(acc_t v) { return static_cast<out_t>(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 cast_out<__nv_bfloat16, float>(float v) { return __float2bfloat16(v); }
+template <>
+__device__ __forceinline__ __half cast_out<__half, float>(float v) { return __float2half(v); }
+
+// One block per row, threads striding over the chunk's columns.
+template <typename acc_t, typename out_t>
+__global__ void softmax_grad_kernel(const acc_t* __restrict__ logits, int64_t cols, int64_t ld, int64_t v0,
+                                    const int64_t* __restrict__ targets, const acc_t* __restrict__ lse,
+                                    const acc_t* __restrict__ grad_logp, const acc_t* __restrict__ grad_lse,
+                                    out_t* dlogits, int64_t ld_out) {
+  const int64_t row = blockIdx.x;
+  const acc_t g_lp = grad_logp ? grad_logp[row] : acc_t(0);
+  const acc_t g_lse = grad_lse ? grad_lse[row] : acc_t(0);
+  const acc_t scale = g_lse - g_lp, shift = lse[row];
+  const int64_t target_col = targets[row] - v0;
+  const acc_t* x = logits + row * ld;
+  out_t* out = dlogits + row * ld_out;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    acc_t v = scale * exp_acc(x[j] - shift);
+    if (j == target_col) v += g_lp;
+    out[j] = cast_out<out_t>(v);
+  }
+}
+
+template <typename acc_t, typename out_t>
+cudaError_t launch_softmax_grad_typed(const acc_t* logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
+                                      const int64_t* targets, const acc_t* lse, const acc_t* grad_logp,
+                                      const acc_t* grad_lse, void* dlogits, int64_t ld_out, cudaStream_t stream) {
+  softmax_grad_kernel<acc_t, out_t><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+      logits, cols, ld, v0, targets, lse, grad_logp, grad_lse, static_cast<out_t*>(dlogits), ld_out);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+template <typename acc_t>
+cudaError_t launch_chunk_logsumexp(const acc_t* logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
+                                   const int64_t* targets, acc_t* run_max, acc_t* run_sum, acc_t* target_logit,
+                                   cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  chunk_logsumexp_kernel<acc_t><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+      logits, cols, ld, v0, targets, run_max, run_sum, target_logit);
+  return cudaGetLastError();
+}
+
+template <typename acc_t>
+cudaError_t launch_finalize_logprobs(int64_t rows, const acc_t* run_max, const acc_t* run_sum,
+                                     const acc_t* target_logit, acc_t* lse, acc_t* logp, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>((rows + kThreads - 1) / kThreads);
+  finalize_kernel<acc_t><<<blocks, kThreads, 0, stream>>>(rows, run_max, run_sum, target_logit, lse, logp);
+  return cudaGetLastError();
+}
+
+template <typename acc_t>
+cudaError_t launch_chunk_softmax_grad(const acc_t* logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
+                                      const int64_t* targets, const acc_t* lse, const acc_t* grad_logp,
+                                      const acc_t* grad_lse, void* dlogits, ScalarKind out_kind, int64_t ld_out,
+                                      cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  switch (out_kind) {
+    case ScalarKind::kBFloat16:
+      return launch_softmax_grad_typed<acc_t, __nv_bfloat16>(logits, rows, cols, ld, v0, targets, lse, grad_logp,
+                                                             grad_lse, dlogits, ld_out, stream);
+    case ScalarKind::kFloat16:
+      return launch_softmax_grad_typed<acc_t, __half>(logits, rows, cols, ld, v0, targets, lse, grad_logp,
+                                                      grad_lse, dlogits, ld_out, stream);
+    case ScalarKind::kFloat32:
+      return launch_softmax_grad_typed<acc_t, float>(logits, rows, cols, ld, v0, targets, lse, grad_logp,
+                                                     grad_lse, dlogits, ld_out, stream);
+    case ScalarKind::kFloat64:
+      return launch_softmax_grad_typed<acc_t, double>(logits, rows, cols, ld, v0, targets, lse, grad_logp,
+                                                      grad_lse, dlogits, ld_out, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template cudaError_t launch_chunk_logsumexp<float>(const float*, int64_t, int64_t, int64_t, int64_t, const int64_t*,
+                                                   float*, float*, float*, cudaStream_t);
+template cudaError_t launch_chunk_logsumexp<double>(const double*, int64_t, int64_t, int64_t, int64_t,
+                                                    const int64_t*, double*, double*, double*, cudaStream_t);
+template cudaError_t launch_finalize_logprobs<float>(int64_t, const float*, const float*, const float*, float*,
+                                                     float*, cudaStream_t);
+template cudaError_t launch_finalize_logprobs<double>(int64_t, const double*, const double*, const double*, double*,
+                                                      double*, cudaStream_t);
+template cudaError_t launch_chunk_softmax_grad<float>(const float*, int64_t, int64_t, int64_t, int64_t,
+                                                      const int64_t*, const float*, const float*, const float*,
+                                                      void*, ScalarKind, int64_t, cudaStream_t);
+template cudaError_t launch_chunk_softmax_grad<double>(const double*, int64_t, int64_t, int64_t, int64_t,
+                                                       const int64_t*, const double*, const double*, const double*,
+                                                       void*, ScalarKind, int64_t, cudaStream_t);
+
+}  // namespace dllm_fast::cuda

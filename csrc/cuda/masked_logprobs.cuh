@@ -1,0 +1,39 @@
+// Launchers of the masked_logprobs CUDA kernels. Torch-free: raw pointers, sizes and a stream, so this header
+// and the kernels compile with nvcc alone; csrc/cuda/glue.cpp connects them to tensors and runs the GEMMs.
+//
+// Row-major layouts. `logits` is one vocabulary chunk: [rows, cols] with leading dimension `ld`, holding the
+// columns v0 .. v0 + cols - 1 of the full logits. Accumulators (run_max, run_sum, target_logit, lse, logp) are
+// float for fp32/bf16/fp16 inputs and double for fp64 inputs.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace dllm_fast::cuda {
+
+// Element type of the tensor a kernel writes for the backward GEMMs (the model's dtype).
+enum class ScalarKind { kFloat32, kFloat64, kBFloat16, kFloat16 };
+
+// Merge one chunk into the running logsumexp of every row and pick up the target logits that fall in it.
+// Initialise run_max to -inf, run_sum to 0 and target_logit to NaN before the first chunk.
+template <typename acc_t>
+cudaError_t launch_chunk_logsumexp(const acc_t* logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
+                                   const int64_t* targets, acc_t* run_max, acc_t* run_sum, acc_t* target_logit,
+                                   cudaStream_t stream);
+
+// lse = run_max + log(run_sum); logp = target_logit - lse (NaN where the target was outside the vocabulary).
+template <typename acc_t>
+cudaError_t launch_finalize_logprobs(int64_t rows, const acc_t* run_max, const acc_t* run_sum,
+                                     const acc_t* target_logit, acc_t* lse, acc_t* logp, cudaStream_t stream);
+
+// dlogits = (g_lse - g_logp) * exp(logits - lse) + g_logp * onehot(target): the gradient of
+// sum(g_logp * logp + g_lse * lse) with respect to one chunk of logits. Either gradient may be null (zero).
+// `dlogits` has element type `out_kind` and may alias `logits` when that type is acc_t.
+template <typename acc_t>
+cudaError_t launch_chunk_softmax_grad(const acc_t* logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
+                                      const int64_t* targets, const acc_t* lse, const acc_t* grad_logp,
+                                      const acc_t* grad_lse, void* dlogits, ScalarKind out_kind, int64_t ld_out,
+                                      cudaStream_t stream);
+
+}  // namespace dllm_fast::cuda

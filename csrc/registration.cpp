@@ -1,0 +1,47 @@
+// The one place where dllm_fast's ops are declared (TORCH_LIBRARY) and bound to their CPU and CUDA kernels.
+// Python reaches every op through torch.ops.dllm_fast.*; see dllm_fast/ops.py for the typed faces,
+// fake (meta) kernels and autograd formulas. pybind11 exposes build information only, never tensors.
+
+#include <torch/extension.h>
+
+#include "dllm_fast/ops.h"
+
+TORCH_LIBRARY(dllm_fast, m) {
+  // logp[i] = log_softmax(hidden[i] @ weight.T)[targets[i]], plus lse[i] = logsumexp(hidden[i] @ weight.T).
+  // Chunked over the vocabulary with an online logsumexp: never holds more than [M, chunk_size] logits.
+  // Outputs are fp32 (fp64 for fp64 inputs).
+  m.def("masked_logprobs(Tensor hidden, Tensor weight, Tensor targets, int chunk_size) -> (Tensor, Tensor)");
+  // Gradients of sum(grad_logp * logp + grad_lse * lse) with respect to hidden and weight, recomputing the
+  // logits chunk by chunk. output_mask selects which are computed; an unselected one comes back empty.
+  m.def(
+      "masked_logprobs_backward(Tensor? grad_logp, Tensor? grad_lse, Tensor hidden, Tensor weight, "
+      "Tensor targets, Tensor lse, int chunk_size, bool[2] output_mask) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(dllm_fast, CPU, m) {
+  m.impl("masked_logprobs", &dllm_fast::masked_logprobs_cpu);
+  m.impl("masked_logprobs_backward", &dllm_fast::masked_logprobs_backward_cpu);
+}
+
+#ifdef DLLM_FAST_WITH_CUDA
+TORCH_LIBRARY_IMPL(dllm_fast, CUDA, m) {
+  m.impl("masked_logprobs", &dllm_fast::masked_logprobs_cuda);
+  m.impl("masked_logprobs_backward", &dllm_fast::masked_logprobs_backward_cuda);
+}
+#endif
+
+#ifndef DLLM_FAST_VERSION
+#define DLLM_FAST_VERSION "0.1.0"
+#endif
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "dllm_fast compiled ops; importing this module registers torch.ops.dllm_fast.*";
+#ifdef DLLM_FAST_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  // The torch this extension was compiled against; a different runtime torch cannot load it.
+  m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
+  m.attr("version") = DLLM_FAST_VERSION;
+}

@@ -1,0 +1,42 @@
+"""Loads the compiled ops (dllm_fast._C), which registers torch.ops.dllm_fast.*, and reports what it holds."""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from dllm_fast import _C
+except ImportError as error:  # not built, or built against another torch
+    _C = None
+    LOAD_ERROR: ImportError | None = error
+else:
+    LOAD_ERROR = None
+
+HAS_EXTENSION = _C is not None
+
+
+@torch.compiler.assume_constant_result  # a registry lookup: torch.compile treats it as a constant
+def has_kernel(op: str, device_type: str) -> bool:
+    """Whether the compiled library registered `dllm_fast::<op>` for a device type ("cpu" or "cuda")."""
+    if not HAS_EXTENSION:
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"dllm_fast::{op}", device_type.upper())
+
+
+def build_info() -> dict:
+    """What the extension was built with: version, the torch it was compiled against, CUDA kernels or not."""
+    if not HAS_EXTENSION:
+        return {"extension": False, "error": str(LOAD_ERROR)}
+    return {
+        "extension": True,
+        "version": _C.version,
+        "compiled_against_torch": _C.torch_version,
+        "with_cuda": bool(_C.with_cuda),
+    }
+
+
+def missing_extension_message() -> str:
+    return (
+        f"dllm_fast's compiled ops are not available ({LOAD_ERROR}). Build them against the installed torch "
+        f"{torch.__version__} with `pip install --no-build-isolation -e .` from the repository root."
+    )

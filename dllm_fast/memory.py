@@ -1,0 +1,92 @@
+"""Memory measurement for tests and benchmarks on machines without a GPU.
+
+Two views: the bytes autograd saves for backward (exact and deterministic, via saved_tensors_hooks), and the
+peak resident memory of a fresh subprocess above its baseline (Linux /proc; the peak is reset after setup).
+On CUDA, use torch.cuda.max_memory_allocated instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+
+class SavedTensorCounter:
+    """Counts the distinct storages autograd saves while active; `bytes` is their total size."""
+
+    def __init__(self, exclude=()):
+        self._storages: dict[int, int] = {}
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._storages.values())
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._excluded:
+            self._storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+
+@contextlib.contextmanager
+def count_saved_tensors(exclude=()):
+    """`with count_saved_tensors() as saved: loss = f(x)` then `saved.bytes` is what backward will hold.
+
+    Tensors in `exclude` (typically the model's parameters, which exist anyway) are not counted."""
+    counter = SavedTensorCounter(exclude)
+    with torch.autograd.graph.saved_tensors_hooks(counter._pack, lambda tensor: tensor):
+        yield counter
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's peak resident set size (VmHWM) to its current size (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def current_rss_bytes() -> int:
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    return _status_kib("VmHWM") * 1024
+
+
+_PROBE = """
+import json, torch
+from dllm_fast.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+torch.set_num_threads({threads})
+{setup}
+reset_peak_rss()
+_baseline = current_rss_bytes()
+{run}
+print("DLLM_FAST_MEMORY " + json.dumps({{"baseline": _baseline, "peak": peak_rss_bytes()}}))
+"""
+
+
+def peak_extra_rss(setup: str, run: str, *, threads: int | None = None, timeout: float = 600) -> int:
+    """Run `setup` then `run` in a fresh Python process; return run's peak resident bytes above the baseline
+    measured right after setup. Put warm-up calls in `setup` so thread pools and libraries are resident."""
+    code = _PROBE.format(
+        threads=threads or torch.get_num_threads(), setup=textwrap.dedent(setup), run=textwrap.dedent(run)
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"memory probe failed:\n{result.stderr[-4000:]}")
+    line = next(l for l in result.stdout.splitlines() if l.startswith("DLLM_FAST_MEMORY "))
+    values = json.loads(line.split(" ", 1)[1])
+    return values["peak"] - values["baseline"]

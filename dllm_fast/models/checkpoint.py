@@ -1,0 +1,132 @@
+"""Reading and writing LLaDA checkpoints in the official layout.
+
+A checkpoint directory holds config.json (LLaDA's field names) and either model.safetensors or shards
+model-0000i-of-0000n.safetensors listed in model.safetensors.index.json. Keys carry the official names,
+"model.transformer.<...>.weight"; the native module's state_dict keys are the same without "model.".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from dllm_fast.files import atomic_path, write_text_atomic
+from dllm_fast.models.config import LLaDAConfig
+
+KEY_PREFIX = "model."
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def read_config(path: Path) -> LLaDAConfig:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} does not exist; a LLaDA checkpoint directory needs config.json.")
+    try:
+        values = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_file} is not valid JSON ({error}); the checkpoint is corrupt.") from error
+    return LLaDAConfig.from_dict(values)
+
+
+def weight_files(path: Path) -> dict[str, list[str]]:
+    """Map each safetensors file of the checkpoint to the keys the index says it holds (None: read its header)."""
+    index_file = path / INDEX_NAME
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as error:
+            raise ValueError(f"{index_file} is corrupt: {error!r}; it needs a 'weight_map' object.") from error
+        files: dict[str, list[str]] = {}
+        for key, name in weight_map.items():
+            files.setdefault(name, []).append(key)
+        return files
+    if (path / SINGLE_NAME).is_file():
+        return {SINGLE_NAME: None}
+    shards = sorted(p.name for p in path.glob("model*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{path} holds no model*.safetensors weights.")
+    return {name: None for name in shards}
+
+
+def load_checkpoint(cls, path, *, dtype=None, device=None):
+    path = Path(path)
+    config = read_config(path)
+    with torch.device("meta"):
+        model = cls(config)
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    state: dict[str, torch.Tensor] = {}
+    for name, listed_keys in weight_files(path).items():
+        file = path / name
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} is listed in {INDEX_NAME} but missing; the checkpoint is incomplete.")
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as reader:
+                keys = listed_keys if listed_keys is not None else list(reader.keys())
+                for key in keys:
+                    state[_native_key(key, file)] = _checked(reader.get_tensor(key), key, expected, file, dtype)
+        except SafetensorError as error:
+            raise ValueError(f"{file} is not a readable safetensors file ({error}); re-download or re-save it.") from error
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        shown = ", ".join(KEY_PREFIX + k for k in missing[:5])
+        raise ValueError(f"{path} lacks {len(missing)} weights the config requires, e.g. {shown}.")
+    model.load_state_dict(state, strict=True, assign=True)
+    return model
+
+
+def _native_key(key: str, file: Path) -> str:
+    if not key.startswith(KEY_PREFIX):
+        raise ValueError(f"{file} holds {key!r}; LLaDA weight names start with {KEY_PREFIX!r}.")
+    return key[len(KEY_PREFIX):]
+
+
+def _checked(tensor, key, expected, file, dtype):
+    name = key[len(KEY_PREFIX):]
+    if name not in expected:
+        raise ValueError(f"{file} holds {key!r}, which the config's architecture does not have.")
+    if tuple(tensor.shape) != expected[name]:
+        raise ValueError(f"{key} in {file} has shape {tuple(tensor.shape)}; the config requires {expected[name]}.")
+    return tensor.to(dtype) if dtype is not None else tensor
+
+
+def save_checkpoint(model, path, *, max_shard_size: int, tokenizer=None) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {KEY_PREFIX + k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    names = (
+        [SINGLE_NAME] if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for name, shard in zip(names, shards):
+        with atomic_path(path / name) as tmp:
+            save_file(shard, str(tmp), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": {key: name for name, shard in zip(names, shards) for key in shard},
+        }
+        write_text_atomic(path / INDEX_NAME, json.dumps(index, indent=2))
+    elif (path / INDEX_NAME).exists():
+        os.unlink(path / INDEX_NAME)
+    for stale in path.glob("model*.safetensors"):
+        if stale.name not in names:
+            os.unlink(stale)
+    write_text_atomic(path / "config.json", json.dumps(model.config.to_dict(), indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))

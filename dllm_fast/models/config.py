@@ -1,0 +1,125 @@
+"""LLaDAConfig: the architecture hyper-parameters under LLaDA's own config.json field names, plus presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Official config.json fields whose value must be this for the architecture dllm_fast implements
+# (LLaDA-8B's values). A checkpoint that differs is rejected by name instead of being loaded wrongly.
+_REQUIRED_VALUES: dict[str, Any] = {
+    "rope": True,
+    "rope_full_precision": True,
+    "alibi": False,
+    "block_type": "llama",
+    "activation_type": "silu",
+    "layer_norm_type": "rms",
+    "layer_norm_with_affine": True,
+    "include_bias": False,
+    "include_qkv_bias": False,
+    "attention_layer_norm": False,
+    "input_emb_norm": False,
+    "scale_logits": False,
+    "block_group_size": 1,
+}
+_MUST_BE_FALSY = ("bias_for_layer_norm", "multi_query_attention", "clip_qkv")
+_MUST_BE_ZERO = ("attention_dropout", "residual_dropout", "embedding_dropout")
+
+# LLaDA's tokenizer: <|eot_id|> ends an instruct answer; generate.py can zero its confidence.
+LLADA_EOT_TOKEN_ID = 126348
+
+
+@dataclass
+class LLaDAConfig:
+    """Hyper-parameters of a LLaDA-architecture masked diffusion LM (field names as in LLaDA's config.json).
+
+    `extra` keeps every other field of a loaded config.json (auto_map, precision, init_* ...) so that
+    save_pretrained writes them back unchanged.
+    """
+
+    d_model: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    mlp_hidden_size: int = 12288
+    vocab_size: int = 126464
+    embedding_size: int | None = None
+    max_sequence_length: int = 4096
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-5
+    weight_tying: bool = False
+    mask_token_id: int = 126336
+    eos_token_id: int = 126081
+    pad_token_id: int = 126081
+    eot_token_id: int | None = LLADA_EOT_TOKEN_ID
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.embedding_size is None:
+            self.embedding_size = self.vocab_size
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}.")
+        if (self.d_model // self.n_heads) % 2 != 0:
+            raise ValueError(f"head size d_model/n_heads = {self.d_model // self.n_heads} must be even for RoPE.")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}.")
+        if self.embedding_size < self.vocab_size:
+            raise ValueError(
+                f"embedding_size={self.embedding_size} must be at least vocab_size={self.vocab_size}."
+            )
+        for name in ("mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id"):
+            token = getattr(self, name)
+            if token is not None and not 0 <= token < self.vocab_size:
+                raise ValueError(f"{name}={token} is outside the vocabulary [0, {self.vocab_size}).")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @classmethod
+    def preset(cls, name: str) -> "LLaDAConfig":
+        """"tiny" (tests), "small" (CPU benchmarks: LLaDA's 126464 vocab, small body) or "llada-8b"."""
+        presets = {
+            "tiny": dict(
+                d_model=64, n_layers=2, n_heads=4, mlp_hidden_size=128, vocab_size=128, max_sequence_length=512,
+                mask_token_id=127, eos_token_id=126, pad_token_id=126, eot_token_id=125,
+            ),
+            "small": dict(d_model=512, n_layers=4, n_heads=8, mlp_hidden_size=1536, max_sequence_length=1024),
+            "llada-8b": dict(),
+        }
+        if name not in presets:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(presets)}.")
+        return cls(**presets[name])
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "LLaDAConfig":
+        """Build from a LLaDA config.json dict, rejecting any feature this implementation does not cover."""
+        for key, required in _REQUIRED_VALUES.items():
+            if key in values and values[key] != required:
+                raise ValueError(
+                    f"config.json has {key}={values[key]!r}; dllm_fast's LLaDA implements only {key}={required!r}."
+                )
+        for key in _MUST_BE_FALSY:
+            if values.get(key):
+                raise ValueError(f"config.json has {key}={values[key]!r}, which dllm_fast's LLaDA does not support.")
+        for key in _MUST_BE_ZERO:
+            if values.get(key, 0.0):
+                raise ValueError(
+                    f"config.json has {key}={values[key]!r}; dllm_fast's LLaDA runs without dropout, set it to 0."
+                )
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in values.items() if k in names}
+        if "eot_token_id" not in values and values.get("vocab_size") != cls.vocab_size:
+            known["eot_token_id"] = None  # <|eot_id|> is only known for LLaDA's own tokenizer
+        extra = {k: v for k, v in values.items() if k not in names}
+        return cls(**known, extra=extra)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config.json content: LLaDA's field names and the fixed architecture values."""
+        values: dict[str, Any] = {"model_type": "llada", "architectures": ["LLaDAModelLM"], **_REQUIRED_VALUES}
+        values.update(self.extra)
+        values.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"})
+        return values

@@ -1,0 +1,229 @@
+"""Native LLaDA: a bidirectional Llama-style transformer whose forward stops before the LM head.
+
+Architecture (LLaDA-8B): token embedding, n_layers blocks of
+    h = x + attn_out(SDPA(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))   with n = attn_norm(x), no causal mask
+    x = h + ff_out(silu(ff_proj(m)) * up_proj(m))                           with m = ff_norm(h)
+then ln_f. RMSNorm and RoPE (rotate-half, non-interleaved) run in fp32. The LM head `ff_out` is untied unless
+config.weight_tying. Padding enters attention as an additive bias on the padded keys.
+
+Module names equal the official checkpoint's key names (minus the leading "model."), so PEFT target_modules
+written for LLaDA (q_proj, k_proj, v_proj, attn_out, ff_proj, up_proj, ff_out) match.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dllm_fast.models.config import LLaDAConfig
+
+
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """LLaDA runs norms and RoPE in fp32; an fp64 model (gradcheck, exact tests) keeps fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.to(at_least_fp32(x.dtype))
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rotary_tables(
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, [B, 1, L, head_dim] in `dtype` (fp32, or fp64 for fp64 models), for positions [B, L]."""
+    exponents = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=dtype) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    freqs = position_ids.to(dtype)[..., None] * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on [B, H, L, D], computed in at least fp32 and returned in x's dtype."""
+    wide = x.to(at_least_fp32(x.dtype))
+    first, second = wide.chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return (wide * cos + rotated * sin).to(x.dtype)
+
+
+class LLaDABlock(nn.Module):
+    def __init__(self, config: LLaDAConfig):
+        super().__init__()
+        d, hidden, kv = config.d_model, config.mlp_hidden_size, config.n_kv_heads * config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.attn_norm = RMSNorm(d, config.rms_norm_eps)
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, kv, bias=False)
+        self.v_proj = nn.Linear(d, kv, bias=False)
+        self.attn_out = nn.Linear(d, d, bias=False)
+        self.ff_norm = RMSNorm(d, config.rms_norm_eps)
+        self.ff_proj = nn.Linear(d, hidden, bias=False)  # the gate: SiLU applies to it
+        self.up_proj = nn.Linear(d, hidden, bias=False)
+        self.ff_out = nn.Linear(hidden, d, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        B, L, _ = x.shape
+        n = self.attn_norm(x)
+        q = self.q_proj(n).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(n).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(n).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, is_causal=False)
+        h = x + self.attn_out(att.transpose(1, 2).reshape(B, L, -1))
+        m = self.ff_norm(h)
+        return h + self.ff_out(F.silu(self.ff_proj(m)) * self.up_proj(m))
+
+
+def padding_bias(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, L] mask (1 = real token) -> additive attention bias [B, 1, 1, L]: 0 on real keys, dtype-min on padding."""
+    keep = attention_mask.to(torch.bool)[:, None, None, :]
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+class LLaDAModel(nn.Module):
+    """LLaDA-architecture masked diffusion LM. `forward` returns final-normed hidden states; the LM head is
+    `lm_head_weight`, applied by the fused ops (or `logits()` for convenience)."""
+
+    def __init__(self, config: LLaDAConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(config.embedding_size, config.d_model),
+                "blocks": nn.ModuleList(LLaDABlock(config) for _ in range(config.n_layers)),
+                "ln_f": RMSNorm(config.d_model, config.rms_norm_eps),
+            }
+        )
+        if not config.weight_tying:
+            self.transformer["ff_out"] = nn.Linear(config.d_model, config.embedding_size, bias=False)
+        self.gradient_checkpointing = False
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
+
+    # -- model contract -------------------------------------------------------------------------------------
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        head = self.transformer["wte"] if self.config.weight_tying else self.transformer["ff_out"]
+        return head.weight
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.config.eos_token_id
+
+    @property
+    def eot_token_id(self) -> int | None:
+        return self.config.eot_token_id
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer["wte"].weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer["wte"].weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, L] -> hidden [B, L, d] after the final norm.
+
+        attention_mask [B, L] (1 = token, 0 = padding) masks padded keys. position_ids [B, L] default to
+        0..L-1; RoPE is relative, so left padding needs no position shift for the real tokens.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}.")
+        B, L = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
+        elif position_ids.shape != input_ids.shape:
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected {(B, L)}.")
+        x = self.transformer["wte"](input_ids)
+        cos, sin = rotary_tables(position_ids, self.config.head_dim, self.config.rope_theta, at_least_fp32(x.dtype))
+        bias = None
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, L)}.")
+            bias = padding_bias(attention_mask, x.dtype)
+        for block in self.transformer["blocks"]:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, bias, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, bias)
+        return self.transformer["ln_f"](x)
+
+    def logits(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        """Full [B, L, V] logits; prefer the fused ops, which apply the head only where needed."""
+        return F.linear(self(input_ids, attention_mask, position_ids), self.lm_head_weight)
+
+    def set_gradient_checkpointing(self, enabled: bool = True) -> None:
+        """Recompute each block in backward instead of storing its activations."""
+        self.gradient_checkpointing = enabled
+
+    # -- weights ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Random weights at a realistic scale: variance-preserving projections, residual outputs scaled by
+        1/sqrt(2 n_layers), and an LM head whose logits have a std of about 2 (not sqrt(d))."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=1.0 / math.sqrt(module.in_features), generator=generator)
+            elif isinstance(module, nn.Embedding):
+                # A tied embedding doubles as the LM head, so it takes the head's scale.
+                std = 2.0 / math.sqrt(self.config.d_model) if self.config.weight_tying else 1.0
+                nn.init.normal_(module.weight, std=std, generator=generator)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        residual_scale = 1.0 / math.sqrt(2 * self.config.n_layers)
+        for block in self.transformer["blocks"]:
+            block.attn_out.weight.mul_(residual_scale)
+            block.ff_out.weight.mul_(residual_scale)
+        if not self.config.weight_tying:
+            head = self.transformer["ff_out"].weight
+            nn.init.normal_(head, std=2.0 / math.sqrt(self.config.d_model), generator=generator)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+    ) -> "LLaDAModel":
+        """Load an official LLaDA checkpoint directory (config.json + model*.safetensors, sharded or not).
+
+        dtype defaults to the checkpoint's; device to CPU. The tokenizer loads separately with
+        `transformers.AutoTokenizer.from_pretrained(path)`.
+        """
+        from dllm_fast.models.checkpoint import load_checkpoint
+
+        return load_checkpoint(cls, path, dtype=dtype, device=device)
+
+    def save_pretrained(
+        self, path: str | os.PathLike, *, max_shard_size: int = 5 * 2**30, tokenizer=None
+    ) -> None:
+        """Write the official layout: config.json and model.safetensors (or shards plus the index when larger
+        than max_shard_size bytes), each file atomically. Pass `tokenizer` to save it alongside."""
+        from dllm_fast.models.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path, max_shard_size=max_shard_size, tokenizer=tokenizer)

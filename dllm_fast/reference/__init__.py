@@ -1,0 +1,6 @@
+"""Plain-PyTorch twins of every compiled op and published algorithm: test oracles, benchmark baselines and the
+explicit ``backend="reference"``."""
+
+from dllm_fast.reference.logprobs import accumulate_dtype, masked_logprobs
+
+__all__ = ["accumulate_dtype", "masked_logprobs"]

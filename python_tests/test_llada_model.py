@@ -1,0 +1,267 @@
+"""The native LLaDA model: official checkpoint layout in and out, and logits equal to a plain recomputation."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dllm_fast.models import LLaDAConfig, LLaDAModel
+
+P = "model.transformer."
+
+# config.json as the official LLaDA-8B-Instruct ships it, scaled down to a tiny body with GQA (2 kv heads).
+OFFICIAL_CONFIG = {
+    "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0, "architectures": ["LLaDAModelLM"],
+    "attention_dropout": 0.0, "attention_layer_norm": False, "attention_layer_norm_with_affine": True,
+    "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM",
+                 "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"},
+    "bias_for_layer_norm": False, "block_group_size": 1, "block_type": "llama", "d_model": 32,
+    "embedding_dropout": 0.0, "embedding_size": 100, "eos_token_id": 94, "flash_attention": False,
+    "include_bias": False, "include_qkv_bias": False, "init_cutoff_factor": None, "init_device": "meta",
+    "init_fn": "mitchell", "init_std": 0.02, "input_emb_norm": False, "layer_norm_type": "rms",
+    "layer_norm_with_affine": True, "mask_token_id": 95, "max_sequence_length": 128, "mlp_hidden_size": 48,
+    "mlp_ratio": 4, "model_type": "llada", "multi_query_attention": None, "n_heads": 4, "n_kv_heads": 2,
+    "n_layers": 2, "pad_token_id": 94, "precision": "amp_bf16", "residual_dropout": 0.0, "rms_norm_eps": 1e-05,
+    "rope": True, "rope_full_precision": True, "rope_theta": 500000.0, "scale_logits": False,
+    "transformers_version": "4.46.3", "use_cache": False, "vocab_size": 96, "weight_tying": False,
+}
+
+
+def official_weights(config, generator):
+    """A state dict under the official key names, written without touching dllm_fast's module code."""
+    d, hidden, emb = config["d_model"], config["mlp_hidden_size"], config["embedding_size"]
+    kv = config["n_kv_heads"] * d // config["n_heads"]
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=generator) * scale
+
+    weights = {P + "wte.weight": rand(emb, d), P + "ln_f.weight": 1 + 0.1 * rand(d),
+               P + "ff_out.weight": rand(emb, d, scale=2 / math.sqrt(d))}
+    for i in range(config["n_layers"]):
+        b = f"{P}blocks.{i}."
+        weights.update({
+            b + "attn_norm.weight": 1 + 0.1 * rand(d), b + "ff_norm.weight": 1 + 0.1 * rand(d),
+            b + "q_proj.weight": rand(d, d, scale=d**-0.5), b + "k_proj.weight": rand(kv, d, scale=d**-0.5),
+            b + "v_proj.weight": rand(kv, d, scale=d**-0.5), b + "attn_out.weight": rand(d, d, scale=d**-0.5),
+            b + "ff_proj.weight": rand(hidden, d, scale=d**-0.5), b + "up_proj.weight": rand(hidden, d, scale=d**-0.5),
+            b + "ff_out.weight": rand(d, hidden, scale=hidden**-0.5),
+        })
+    return weights
+
+
+def recompute_logits(w, config, ids, attention_mask=None):
+    """The LLaDA architecture written out in float64, straight from the official weight names."""
+    w = {k: v.double() for k, v in w.items()}
+    H, Hkv = config["n_heads"], config["n_kv_heads"]
+    D = config["d_model"] // H
+    B, L = ids.shape
+
+    def rms(x, weight):
+        return weight * x / torch.sqrt((x * x).mean(-1, keepdim=True) + config["rms_norm_eps"])
+
+    inv_freq = config["rope_theta"] ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    angle = torch.arange(L, dtype=torch.float64)[:, None] * inv_freq  # [L, D/2]
+    cos, sin = angle.cos(), angle.sin()
+
+    def rope(x):  # x [B, heads, L, D]: rotate the pair (x_j, x_{j+D/2}) by angle_j
+        a, b = x[..., : D // 2], x[..., D // 2:]
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+    bias = torch.zeros(B, 1, 1, L, dtype=torch.float64)
+    if attention_mask is not None:
+        bias = bias.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
+    x = w[P + "wte.weight"][ids]
+    for i in range(config["n_layers"]):
+        b = f"{P}blocks.{i}."
+        n = rms(x, w[b + "attn_norm.weight"])
+        q = (n @ w[b + "q_proj.weight"].T).view(B, L, H, D).transpose(1, 2)
+        k = (n @ w[b + "k_proj.weight"].T).view(B, L, Hkv, D).transpose(1, 2).repeat_interleave(H // Hkv, 1)
+        v = (n @ w[b + "v_proj.weight"].T).view(B, L, Hkv, D).transpose(1, 2).repeat_interleave(H // Hkv, 1)
+        scores = rope(q) @ rope(k).transpose(-1, -2) / math.sqrt(D) + bias  # no causal mask
+        att = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, L, H * D)
+        h = x + att @ w[b + "attn_out.weight"].T
+        m = rms(h, w[b + "ff_norm.weight"])
+        gate, up = m @ w[b + "ff_proj.weight"].T, m @ w[b + "up_proj.weight"].T
+        x = h + (gate * torch.sigmoid(gate) * up) @ w[b + "ff_out.weight"].T
+    return rms(x, w[P + "ln_f.weight"]) @ w[P + "ff_out.weight"].T
+
+
+def write_official_checkpoint(directory, config, weights, shards=1):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    keys = sorted(weights)
+    if shards == 1:
+        save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for s in range(shards):
+        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: weights[k] for k in keys[s::shards]}
+        save_file(part, directory / name, metadata={"format": "pt"})
+        weight_map.update({k: name for k in part})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.fixture
+def official(tmp_path):
+    weights = official_weights(OFFICIAL_CONFIG, torch.Generator().manual_seed(1))
+    return weights, tmp_path / "llada-tiny"
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_official_checkpoint_logits_match_recomputation(official, shards):
+    weights, directory = official
+    write_official_checkpoint(directory, OFFICIAL_CONFIG, weights, shards=shards)
+    ids = torch.randint(0, 90, (2, 11))
+
+    model = LLaDAModel.from_pretrained(directory, dtype=torch.float64)
+    expected = recompute_logits(weights, OFFICIAL_CONFIG, ids)
+    torch.testing.assert_close(model.logits(ids), expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(model(ids) @ model.lm_head_weight.T, expected, rtol=1e-10, atol=1e-10)
+
+    fp32 = LLaDAModel.from_pretrained(directory)
+    assert fp32.dtype == torch.float32
+    torch.testing.assert_close(fp32.logits(ids).double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_padding_mask_matches_recomputation(official):
+    weights, directory = official
+    write_official_checkpoint(directory, OFFICIAL_CONFIG, weights)
+    model = LLaDAModel.from_pretrained(directory, dtype=torch.float64)
+    ids = torch.randint(0, 90, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    expected = recompute_logits(weights, OFFICIAL_CONFIG, ids, mask)
+    torch.testing.assert_close(model.logits(ids, attention_mask=mask), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_left_padding_leaves_real_tokens_unchanged():
+    """RoPE is relative and padded keys are masked, so a left-padded row equals the unpadded sequence."""
+    model = LLaDAModel(LLaDAConfig.preset("tiny")).double()
+    ids = torch.randint(0, 120, (1, 7))
+    padded = torch.cat([torch.full((1, 4), model.config.pad_token_id), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 7, dtype=torch.long)], dim=1)
+    torch.testing.assert_close(model(padded, attention_mask=mask)[:, 4:], model(ids), rtol=1e-10, atol=1e-10)
+    shifted = torch.arange(7)[None] + 13
+    torch.testing.assert_close(model(ids, position_ids=shifted), model(ids), rtol=1e-10, atol=1e-10)
+
+
+def test_save_pretrained_writes_the_official_layout(official, tmp_path):
+    weights, directory = official
+    write_official_checkpoint(directory, OFFICIAL_CONFIG, weights)
+    model = LLaDAModel.from_pretrained(directory)
+
+    out = tmp_path / "resaved"
+    model.save_pretrained(out, max_shard_size=20_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(weights)
+    assert len(set(index["weight_map"].values())) > 1
+    config = json.loads((out / "config.json").read_text())
+    for key, value in OFFICIAL_CONFIG.items():  # every official field survives, auto_map included
+        assert config[key] == value, key
+
+    again = LLaDAModel.from_pretrained(out)
+    ids = torch.randint(0, 90, (1, 6))
+    assert torch.equal(again.logits(ids), model.logits(ids))
+
+    model.save_pretrained(out)  # now small enough for one file: stale shards and index are removed
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert torch.equal(LLaDAModel.from_pretrained(out).logits(ids), model.logits(ids))
+
+
+def test_tokenizer_loads_with_autotokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    specials = ["<|eot_id|>", "<|endoftext|>", "<|mdm_mask|>"]
+    vocab = {f"w{i}": i for i in range(125)} | {tok: 125 + i for i, tok in enumerate(specials)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>", mask_token="<|mdm_mask|>"
+    )
+    model = LLaDAModel(LLaDAConfig.preset("tiny"))
+    model.save_pretrained(tmp_path, tokenizer=tokenizer)
+
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded("w3 w5 <|eot_id|>").input_ids == [3, 5, 125]
+    assert loaded.mask_token_id == model.mask_token_id == 127
+    assert loaded.eos_token_id == model.eos_token_id == 126
+
+
+def test_corrupt_or_incomplete_checkpoints_are_named(official):
+    weights, directory = official
+    write_official_checkpoint(directory, OFFICIAL_CONFIG, weights, shards=2)
+    shard = directory / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors is not a readable safetensors file"):
+        LLaDAModel.from_pretrained(directory)
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors is listed"):
+        LLaDAModel.from_pretrained(directory)
+
+    missing = dict(weights)
+    del missing[P + "blocks.1.up_proj.weight"]
+    write_official_checkpoint(directory, OFFICIAL_CONFIG, missing)
+    (directory / "model.safetensors.index.json").unlink()
+    with pytest.raises(ValueError, match="lacks 1 weights .* model.transformer.blocks.1.up_proj.weight"):
+        LLaDAModel.from_pretrained(directory)
+
+    wrong = dict(weights)
+    wrong[P + "ln_f.weight"] = torch.ones(7)
+    write_official_checkpoint(directory, OFFICIAL_CONFIG, wrong)
+    with pytest.raises(ValueError, match=r"ln_f.weight .* has shape \(7,\); the config requires \(32,\)"):
+        LLaDAModel.from_pretrained(directory)
+
+    (directory / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        LLaDAModel.from_pretrained(directory)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("block_type", "sequential"), ("include_bias", True), ("residual_dropout", 0.1),
+                     ("rope", False), ("activation_type", "gelu")]
+)
+def test_unsupported_architecture_is_rejected_by_name(field, value):
+    with pytest.raises(ValueError, match=f"{field}="):
+        LLaDAConfig.from_dict({**OFFICIAL_CONFIG, field: value})
+
+
+def test_presets_and_config_checks():
+    big = LLaDAConfig.preset("llada-8b")
+    assert (big.d_model, big.n_layers, big.vocab_size, big.mask_token_id, big.eot_token_id) == (
+        4096, 32, 126464, 126336, 126348)
+    assert LLaDAConfig.preset("small").vocab_size == 126464
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        LLaDAConfig.preset("huge")
+    with pytest.raises(ValueError, match="mask_token_id=500 is outside the vocabulary"):
+        LLaDAConfig(vocab_size=100, mask_token_id=500)
+    assert LLaDAConfig.from_dict(OFFICIAL_CONFIG).eot_token_id is None  # not LLaDA's tokenizer: unknown
+
+
+def test_weight_tying_uses_the_embedding_as_head():
+    config = LLaDAConfig(**{**LLaDAConfig.preset("tiny").__dict__, "weight_tying": True})
+    model = LLaDAModel(config)
+    assert model.lm_head_weight is model.transformer["wte"].weight
+    assert "ff_out" not in model.transformer
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = LLaDAModel(LLaDAConfig.preset("tiny"))
+    ids = torch.randint(0, 120, (2, 8))
+    plain = torch.autograd.grad(model.logits(ids).square().mean(), list(model.parameters()))
+    model.set_gradient_checkpointing(True)
+    checkpointed = torch.autograd.grad(model.logits(ids).square().mean(), list(model.parameters()))
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(a, b)
+
+
+def test_bf16_forward_runs_and_is_close_to_fp32():
+    model = LLaDAModel(LLaDAConfig.preset("tiny"))
+    ids = torch.randint(0, 120, (2, 8))
+    reference = model.logits(ids)
+    low = model.to(torch.bfloat16).logits(ids)
+    assert low.dtype == torch.bfloat16
+    assert (low.float() - reference).abs().max() < 0.25
