@@ -33,4 +33,45 @@ void check_masked_logprobs_args(const Tensor& hidden, const Tensor& weight, cons
   TORCH_CHECK(chunk_size > 0, "masked_logprobs: chunk_size must be positive, got ", chunk_size, ".");
 }
 
+void check_sample_tokens_args(const Tensor& hidden, const Tensor& weight, const Tensor& row_ids, double temperature,
+                              at::IntArrayRef suppress_ids, at::IntArrayRef confidence_exclude_ids,
+                              int64_t chunk_size) {
+  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
+              "sample_tokens: hidden must be [N, d] and weight [V, d], got shapes ", hidden.sizes(), " and ",
+              weight.sizes(), ".");
+  TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), "sample_tokens: hidden is ", hidden.scalar_type(),
+              " but weight is ", weight.scalar_type(), "; cast one so both share a dtype.");
+  const auto dtype = hidden.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "sample_tokens: unsupported dtype ", dtype, "; use float32, float64, bfloat16 or float16.");
+  TORCH_CHECK(row_ids.dim() == 1 && row_ids.size(0) == hidden.size(0) && row_ids.scalar_type() == at::kLong,
+              "sample_tokens: row_ids must be int64 [N] with N = ", hidden.size(0), ", got ", row_ids.scalar_type(),
+              " ", row_ids.sizes(), ".");
+  TORCH_CHECK(hidden.device() == weight.device() && hidden.device() == row_ids.device(),
+              "sample_tokens: hidden, weight and row_ids must be on one device.");
+  TORCH_CHECK(temperature >= 0.0, "sample_tokens: temperature must be >= 0, got ", temperature, ".");
+  TORCH_CHECK(chunk_size > 0, "sample_tokens: chunk_size must be positive, got ", chunk_size, ".");
+  for (const auto& ids : {suppress_ids, confidence_exclude_ids}) {
+    for (const int64_t id : ids) {
+      TORCH_CHECK(id >= 0 && id < weight.size(0), "sample_tokens: token id ", id, " is outside the vocabulary [0, ",
+                  weight.size(0), ").");
+    }
+  }
+}
+
+void check_select_transfer_args(const Tensor& confidence, const Tensor& candidates, const Tensor& counts,
+                                double threshold) {
+  TORCH_CHECK(confidence.dim() == 2, "select_transfer: confidence must be [B, n], got ", confidence.sizes(), ".");
+  TORCH_CHECK(confidence.scalar_type() == at::kFloat || confidence.scalar_type() == at::kDouble,
+              "select_transfer: confidence must be float32 or float64, got ", confidence.scalar_type(), ".");
+  TORCH_CHECK(candidates.sizes() == confidence.sizes() && candidates.scalar_type() == at::kBool,
+              "select_transfer: candidates must be a bool tensor of confidence's shape ", confidence.sizes(), ".");
+  TORCH_CHECK(counts.dim() == 1 && counts.size(0) == confidence.size(0) && counts.scalar_type() == at::kLong,
+              "select_transfer: counts must be int64 [B] with B = ", confidence.size(0), ".");
+  TORCH_CHECK(confidence.device() == candidates.device() && confidence.device() == counts.device(),
+              "select_transfer: confidence, candidates and counts must be on one device.");
+  TORCH_CHECK(threshold <= 1.0, "select_transfer: threshold must be at most 1 (or negative for top-k), got ",
+              threshold, ".");
+}
+
 }  // namespace dllm_fast

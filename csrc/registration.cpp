@@ -16,17 +16,31 @@ TORCH_LIBRARY(dllm_fast, m) {
   m.def(
       "masked_logprobs_backward(Tensor? grad_logp, Tensor? grad_lse, Tensor hidden, Tensor weight, "
       "Tensor targets, Tensor lse, int chunk_size, bool[2] output_mask) -> (Tensor, Tensor)");
+  // One token per row of hidden, drawn from softmax(logits / temperature) by Gumbel-max with Philox noise keyed
+  // by (seed, offset, row_ids[i], token id); temperature 0 is argmax, ties to the lowest id. Also returns the
+  // softmax probability of that token under the unscaled logits. suppress_ids are removed from both;
+  // confidence_exclude_ids only from the confidence softmax (their confidence is 0).
+  m.def(
+      "sample_tokens(Tensor hidden, Tensor weight, Tensor row_ids, float temperature, int seed, int offset, "
+      "int[] suppress_ids, int[] confidence_exclude_ids, int chunk_size) -> (Tensor, Tensor)");
+  // Per row, the candidate positions to unmask: the counts[b] most confident (ties to the lowest position) when
+  // threshold < 0, else the most confident one plus every candidate whose confidence >= threshold.
+  m.def("select_transfer(Tensor confidence, Tensor candidates, Tensor counts, float threshold) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dllm_fast, CPU, m) {
   m.impl("masked_logprobs", &dllm_fast::masked_logprobs_cpu);
   m.impl("masked_logprobs_backward", &dllm_fast::masked_logprobs_backward_cpu);
+  m.impl("sample_tokens", &dllm_fast::sample_tokens_cpu);
+  m.impl("select_transfer", &dllm_fast::select_transfer_cpu);
 }
 
 #ifdef DLLM_FAST_WITH_CUDA
 TORCH_LIBRARY_IMPL(dllm_fast, CUDA, m) {
   m.impl("masked_logprobs", &dllm_fast::masked_logprobs_cuda);
   m.impl("masked_logprobs_backward", &dllm_fast::masked_logprobs_backward_cuda);
+  m.impl("sample_tokens", &dllm_fast::sample_tokens_cuda);
+  m.impl("select_transfer", &dllm_fast::select_transfer_cuda);
 }
 #endif
 

@@ -3,8 +3,18 @@
 import torch  # noqa: F401  (the compiled ops link against libtorch, so torch loads first)
 
 from dllm_fast._extension import HAS_EXTENSION, build_info
-from dllm_fast.ops import masked_logprobs
+from dllm_fast.ops import masked_logprobs, sample_tokens, select_transfer
+from dllm_fast.reference.sampling import GenerationResult
+from dllm_fast.sampling import generate
 
 __version__ = "0.1.0"
 
-__all__ = ["HAS_EXTENSION", "build_info", "masked_logprobs"]
+__all__ = [
+    "GenerationResult",
+    "HAS_EXTENSION",
+    "build_info",
+    "generate",
+    "masked_logprobs",
+    "sample_tokens",
+    "select_transfer",
+]

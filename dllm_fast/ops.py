@@ -160,3 +160,123 @@ if HAS_EXTENSION:
     torch.library.register_autograd(
         "dllm_fast::masked_logprobs", _masked_logprobs_backward, setup_context=_masked_logprobs_setup_context
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sample_tokens and select_transfer (block diffusion sampling)
+
+
+def sample_tokens(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    offset: int = 0,
+    row_ids: torch.Tensor | None = None,
+    suppress_ids=(),
+    confidence_exclude_ids=(),
+    chunk_size: int | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row from softmax(hidden @ W.T / T) and report its confidence, in one pass over V.
+
+    Args:
+        hidden: [N, d] hidden states of the positions to decode; lm_head_weight: [V, d], same dtype/device.
+        temperature: 0 means argmax (ties to the lowest id); T > 0 is Gumbel-max, an exact sample.
+        seed, offset, row_ids: the noise of row i and token j is Philox4x32-10 keyed by (seed, offset,
+            row_ids[i], j) (row_ids default 0..N-1), so results are reproducible and independent of batching.
+        suppress_ids: token ids removed from sampling and from the confidence softmax (e.g. EOS).
+        confidence_exclude_ids: token ids removed from the confidence softmax only; a row that samples one of
+            them gets confidence 0.
+
+    Returns:
+        tokens [N] int64, and confidence [N] fp32 (fp64 for fp64 inputs): softmax(hidden @ W.T)[token] under the
+        unscaled logits.
+    """
+    _check_rows_and_head("sample_tokens", hidden, lm_head_weight)
+    if not temperature >= 0:
+        raise ValueError(f"sample_tokens: temperature must be >= 0, got {temperature!r}.")
+    N, V = hidden.shape[0], lm_head_weight.shape[0]
+    suppress_ids, confidence_exclude_ids = [int(i) for i in suppress_ids], [int(i) for i in confidence_exclude_ids]
+    for token in suppress_ids + confidence_exclude_ids:
+        if not 0 <= token < V:
+            raise ValueError(f"sample_tokens: token id {token} is outside the vocabulary [0, {V}).")
+    if len(set(suppress_ids)) >= V:
+        raise ValueError("sample_tokens: every token is suppressed; nothing is left to sample.")
+    if row_ids is None:
+        row_ids = torch.arange(N, device=hidden.device)
+    elif row_ids.shape != (N,):
+        raise ValueError(f"sample_tokens: row_ids must be [N] = [{N}], got shape {tuple(row_ids.shape)}.")
+    seed = int(seed) & (2**64 - 1)
+    seed = seed - 2**64 if seed >= 2**63 else seed  # the schema's int is signed; the kernel reads the bits
+    if choose_backend("sample_tokens", hidden.device, backend) == "reference":
+        return reference.sample_tokens(hidden, lm_head_weight, row_ids, temperature, seed, offset, suppress_ids,
+                                       confidence_exclude_ids)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(N, V, hidden.device)
+    return torch.ops.dllm_fast.sample_tokens(
+        hidden.contiguous(), lm_head_weight.contiguous(), row_ids.long().contiguous(), float(temperature), seed,
+        int(offset), suppress_ids, confidence_exclude_ids, chunk_size)
+
+
+def select_transfer(
+    confidence: torch.Tensor,
+    candidates: torch.Tensor,
+    *,
+    counts: torch.Tensor | None = None,
+    threshold: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Which candidate positions to unmask this step, per row, without a Python loop or a host sync.
+
+    Args:
+        confidence: [B, n] fp32/fp64 confidence of each position's sampled token.
+        candidates: [B, n] bool, the still-masked positions of the current block.
+        counts: [B] int64, unmask the counts[b] most confident candidates (ties to the lowest position).
+        threshold: instead of counts, Fast-dLLM's rule: the most confident candidate plus every candidate with
+            confidence >= threshold.
+
+    Returns: [B, n] bool.
+    """
+    if confidence.dim() != 2 or candidates.shape != confidence.shape or candidates.dtype != torch.bool:
+        raise ValueError(f"select_transfer: confidence must be [B, n] and candidates a bool tensor of that shape, "
+                         f"got {tuple(confidence.shape)} and {candidates.dtype} {tuple(candidates.shape)}.")
+    if (counts is None) == (threshold is None):
+        raise ValueError("select_transfer: pass exactly one of counts (top-k) and threshold.")
+    if threshold is not None:
+        if not 0.0 < threshold <= 1.0:
+            raise ValueError(f"select_transfer: threshold must be in (0, 1], got {threshold!r}.")
+        counts = torch.zeros(confidence.shape[0], dtype=torch.long, device=confidence.device)
+    elif counts.shape != (confidence.shape[0],):
+        raise ValueError(f"select_transfer: counts must be [B] = [{confidence.shape[0]}], got {tuple(counts.shape)}.")
+    if confidence.dtype not in (torch.float32, torch.float64):
+        confidence = confidence.float()
+    if choose_backend("select_transfer", confidence.device, backend) == "reference":
+        return reference.select_transfer(confidence, candidates, counts.long(), threshold)
+    return torch.ops.dllm_fast.select_transfer(
+        confidence, candidates, counts.long(), -1.0 if threshold is None else float(threshold))
+
+
+def _check_rows_and_head(op: str, hidden, weight) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"{op}: hidden must be [N, d] and lm_head_weight [V, d] with the same d, got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}.")
+    if hidden.dtype not in _FLOAT_DTYPES or weight.dtype != hidden.dtype:
+        raise TypeError(f"{op}: hidden and lm_head_weight must share one of {_FLOAT_DTYPES}, got {hidden.dtype} "
+                        f"and {weight.dtype}.")
+    if hidden.device != weight.device:
+        raise ValueError(f"{op}: hidden is on {hidden.device} but lm_head_weight on {weight.device}.")
+
+
+if HAS_EXTENSION:
+
+    @torch.library.register_fake("dllm_fast::sample_tokens")
+    def _sample_tokens_fake(hidden, weight, row_ids, temperature, seed, offset, suppress_ids, exclude_ids, chunk_size):
+        rows = hidden.shape[0]
+        acc = reference.accumulate_dtype(hidden.dtype)
+        return hidden.new_empty(rows, dtype=torch.long), hidden.new_empty(rows, dtype=acc)
+
+    @torch.library.register_fake("dllm_fast::select_transfer")
+    def _select_transfer_fake(confidence, candidates, counts, threshold):
+        return torch.empty_like(candidates)

@@ -44,6 +44,52 @@ inline __attribute__((always_inline)) float expf_vec(float x) {
   return x < kMin ? 0.0f : y;
 }
 
+// cond ? a : b with bit masks: GCC vectorises this where it turns some ternaries into branches.
+inline __attribute__((always_inline)) int32_t select_bits(bool cond, int32_t a, int32_t b) {
+  const int32_t mask = -static_cast<int32_t>(cond);
+  return (a & mask) | (b & ~mask);
+}
+
+// log(x) for float with about 1 ulp of error (Cephes' polynomial), branch-free like expf_vec.
+// log(0) = -inf, log(inf) = inf, negative or NaN inputs give NaN; subnormal inputs are treated as 0.
+inline __attribute__((always_inline)) float logf_vec(float x) {
+  const int32_t bits = __builtin_bit_cast(int32_t, x);
+  int32_t mantissa = (bits & 0x007fffff) | 0x3f800000;  // m in [1, 2)
+  const int32_t big = mantissa > 0x3fb504f3 ? 1 : 0;    // m > sqrt(2): halve it so m is in [sqrt(1/2), sqrt(2))
+  mantissa -= big << 23;
+  const float e = static_cast<float>(((bits >> 23) & 0xff) - 127 + big);
+  const float f = __builtin_bit_cast(float, mantissa) - 1.0f;
+  const float z = f * f;
+  float y = 7.0376836292e-2f;
+  y = y * f - 1.1514610310e-1f;
+  y = y * f + 1.1676998740e-1f;
+  y = y * f - 1.2420140846e-1f;
+  y = y * f + 1.4249322787e-1f;
+  y = y * f - 1.6668057665e-1f;
+  y = y * f + 2.0000714765e-1f;
+  y = y * f - 2.4999993993e-1f;
+  y = y * f + 3.3333331174e-1f;
+  y = y * f * z;
+  y += -2.12194440e-4f * e;
+  y += -0.5f * z;
+  int32_t result = __builtin_bit_cast(int32_t, f + y + 0.693359375f * e);
+  result = select_bits(bits < 0x00800000, int32_t(0xff800000), result);        // +0 and subnormals: -inf
+  result = select_bits(bits == 0x7f800000, bits, result);                      // +inf
+  result = select_bits((bits < 0) | (bits > 0x7f800000), 0x7fc00000, result); // negative or NaN: NaN
+  return __builtin_bit_cast(float, result);
+}
+
+// A standard Gumbel sample from a uniform v in (0, 1]: -log(E) with E = -log1p(-v) ~ Exp(1). E comes from
+// v, not from 1 - v, so small E (large Gumbel values: the argmax winners) keeps full relative precision;
+// log1p uses Goldberg's correction. v = 1 gives -inf, a value that never wins.
+inline __attribute__((always_inline)) float gumbel_from_uniform(float v) {
+  const float u = 1.0f - v;
+  const int32_t corrected = __builtin_bit_cast(int32_t, logf_vec(u) * (-v / (u - 1.0f)));  // NaN when u == 1
+  const int32_t plain = __builtin_bit_cast(int32_t, -v);  // log1p(-v) = -v to float precision when 1 - v == 1
+  const float log1p_neg_v = __builtin_bit_cast(float, select_bits(u == 1.0f, plain, corrected));
+  return -logf_vec(-log1p_neg_v);
+}
+
 DLLM_FAST_MULTIVERSION
 [[maybe_unused]] static float row_max(const float* x, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();

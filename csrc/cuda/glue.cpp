@@ -13,6 +13,7 @@
 
 #include "dllm_fast/ops.h"
 #include "masked_logprobs.cuh"
+#include "sampling.cuh"
 
 namespace dllm_fast {
 namespace {
@@ -149,7 +150,91 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const std::optional<at::Tensor>
   return {need_h ? grad_h.to(dtype) : at::Tensor(), grad_w};
 }
 
+cuda::TokenList token_list(at::IntArrayRef ids, const char* what) {
+  TORCH_CHECK(static_cast<int64_t>(ids.size()) <= cuda::TokenList::kCapacity, "sample_tokens: at most ",
+              cuda::TokenList::kCapacity, " ", what, " on CUDA, got ", ids.size(), ".");
+  cuda::TokenList list{};
+  list.count = static_cast<int>(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) list.ids[i] = ids[i];
+  return list;
+}
+
+template <typename acc_t>
+std::tuple<at::Tensor, at::Tensor> sample_impl(const at::Tensor& hidden_in, const at::Tensor& weight_in,
+                                               const at::Tensor& row_ids_in, double temperature, int64_t seed,
+                                               int64_t offset, at::IntArrayRef suppress_ids,
+                                               at::IntArrayRef exclude_ids, int64_t chunk_size) {
+  const at::Tensor hidden = hidden_in.contiguous(), weight = weight_in.contiguous(), row_ids = row_ids_in.contiguous();
+  const int64_t N = hidden.size(0), d = hidden.size(1), V = weight.size(0);
+  const auto acc = c10::CppTypeToScalarType<acc_t>::value;
+  const auto opts = hidden.options().dtype(acc);
+  at::Tensor tokens = at::empty({N}, hidden.options().dtype(at::kLong));
+  at::Tensor confidence = at::empty({N}, opts);
+  if (N == 0) return {tokens, confidence};
+  const cuda::TokenList suppress = token_list(suppress_ids, "suppressed ids");
+  const cuda::TokenList exclude = token_list(exclude_ids, "confidence-excluded ids");
+  const int64_t C = std::min((chunk_size + 3) / 4 * 4, (V + 3) / 4 * 4);  // chunks start at multiples of 4
+  at::Tensor logits = at::empty({N * C}, opts);
+  at::Tensor best_score = at::full({N}, -std::numeric_limits<acc_t>::infinity(), opts);
+  at::Tensor best_token = at::full({N}, -1, hidden.options().dtype(at::kLong));
+  at::Tensor best_logit = at::zeros({N}, opts);
+  at::Tensor run_max = at::full({N}, -std::numeric_limits<acc_t>::infinity(), opts);
+  at::Tensor run_sum = at::zeros({N}, opts);
+  const cuda::SampleState<acc_t> state{best_score.data_ptr<acc_t>(), best_token.data_ptr<int64_t>(),
+                                       best_logit.data_ptr<acc_t>(), run_max.data_ptr<acc_t>(),
+                                       run_sum.data_ptr<acc_t>()};
+  const bool greedy = temperature == 0.0;
+  const acc_t inv_temperature = greedy ? acc_t(1) : static_cast<acc_t>(1.0 / temperature);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  for (int64_t v0 = 0; v0 < V; v0 += C) {
+    const int64_t c = std::min(C, V - v0);
+    gemm(false, true, N, c, d, hidden.data_ptr(), hidden.scalar_type(), d, byte_offset(weight, v0 * d),
+         weight.scalar_type(), d, logits.data_ptr(), acc, c, 1.0, 0.0);
+    C10_CUDA_CHECK(cuda::launch_sample_chunk<acc_t>(logits.data_ptr<acc_t>(), N, c, c, v0, row_ids.data_ptr<int64_t>(),
+                                                    greedy, inv_temperature, static_cast<uint64_t>(seed),
+                                                    static_cast<uint32_t>(offset), suppress, exclude, state, stream));
+  }
+  C10_CUDA_CHECK(cuda::launch_sample_finalize<acc_t>(N, exclude, state, tokens.data_ptr<int64_t>(),
+                                                     confidence.data_ptr<acc_t>(), stream));
+  return {tokens, confidence};
+}
+
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> sample_tokens_cuda(const at::Tensor& hidden, const at::Tensor& weight,
+                                                      const at::Tensor& row_ids, double temperature, int64_t seed,
+                                                      int64_t offset, at::IntArrayRef suppress_ids,
+                                                      at::IntArrayRef confidence_exclude_ids, int64_t chunk_size) {
+  check_sample_tokens_args(hidden, weight, row_ids, temperature, suppress_ids, confidence_exclude_ids, chunk_size);
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  if (accumulate_type(hidden.scalar_type()) == at::kDouble) {
+    return sample_impl<double>(hidden, weight, row_ids, temperature, seed, offset, suppress_ids,
+                               confidence_exclude_ids, chunk_size);
+  }
+  return sample_impl<float>(hidden, weight, row_ids, temperature, seed, offset, suppress_ids, confidence_exclude_ids,
+                            chunk_size);
+}
+
+at::Tensor select_transfer_cuda(const at::Tensor& confidence_in, const at::Tensor& candidates_in,
+                                const at::Tensor& counts_in, double threshold) {
+  check_select_transfer_args(confidence_in, candidates_in, counts_in, threshold);
+  const c10::cuda::CUDAGuard guard(confidence_in.device());
+  const at::Tensor confidence = confidence_in.contiguous(), candidates = candidates_in.contiguous();
+  const at::Tensor counts = counts_in.contiguous();
+  const int64_t B = confidence.size(0), n = confidence.size(1);
+  at::Tensor transfer = at::empty({B, n}, candidates.options());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (confidence.scalar_type() == at::kDouble) {
+    C10_CUDA_CHECK(cuda::launch_select_transfer<double>(confidence.data_ptr<double>(), candidates.data_ptr<bool>(),
+                                                        counts.data_ptr<int64_t>(), B, n, threshold,
+                                                        transfer.data_ptr<bool>(), stream));
+  } else {
+    C10_CUDA_CHECK(cuda::launch_select_transfer<float>(confidence.data_ptr<float>(), candidates.data_ptr<bool>(),
+                                                       counts.data_ptr<int64_t>(), B, n, threshold,
+                                                       transfer.data_ptr<bool>(), stream));
+  }
+  return transfer;
+}
 
 std::tuple<at::Tensor, at::Tensor> masked_logprobs_cuda(const at::Tensor& hidden, const at::Tensor& weight,
                                                         const at::Tensor& targets, int64_t chunk_size) {

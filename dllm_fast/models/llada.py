@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dllm_fast.models.config import LLaDAConfig
+from dllm_fast.models.kv_cache import KVCache
 
 
 def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
@@ -75,14 +76,22 @@ class LLaDABlock(nn.Module):
         self.ff_out = nn.Linear(hidden, d, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_bias: torch.Tensor | None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_bias: torch.Tensor | None,
+        cached: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
     ) -> torch.Tensor:
+        """`cached` = (keys, values, start, attend): write this call's keys/values at [start, start + L) of the
+        layer's cache buffers and attend over their first `attend` positions."""
         B, L, _ = x.shape
         n = self.attn_norm(x)
         q = self.q_proj(n).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(n).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(n).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cached is not None:
+            keys, values, start, attend = cached
+            keys[:, :, start : start + L] = k
+            values[:, :, start : start + L] = v
+            k, v = keys[:, :, :attend], values[:, :, :attend]
         if self.n_kv_heads != self.n_heads:
             k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
             v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
@@ -149,32 +158,64 @@ class LLaDAModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        cache_start: int = 0,
+        attend_length: int | None = None,
     ) -> torch.Tensor:
-        """input_ids [B, L] -> hidden [B, L, d] after the final norm.
+        """input_ids [B, T] -> hidden [B, T, d] after the final norm.
 
-        attention_mask [B, L] (1 = token, 0 = padding) masks padded keys. position_ids [B, L] default to
-        0..L-1; RoPE is relative, so left padding needs no position shift for the real tokens.
+        Without a cache the T tokens attend to each other (bidirectionally). attention_mask [B, T] (1 = token,
+        0 = padding) masks padded keys; position_ids [B, T] default to 0..T-1. RoPE is relative, so left
+        padding needs no position shift for the real tokens.
+
+        With a KVCache (sampling only, under torch.no_grad), the tokens sit at positions
+        [cache_start, cache_start + T): their keys/values are written there and they attend over the cached
+        positions [0, attend_length) (default cache_start + T); attention_mask then covers those
+        attend_length keys and position_ids default to cache_start + 0..T-1. See KVCache for the modes.
         """
         if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}.")
-        B, L = input_ids.shape
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}.")
+        B, T = input_ids.shape
+        keys_length = T
+        if cache is not None:
+            keys_length = self._check_cache(cache, B, T, cache_start, attend_length)
+        elif cache_start != 0 or attend_length is not None:
+            raise ValueError("cache_start and attend_length need a cache; pass cache=KVCache.for_model(...).")
         if position_ids is None:
-            position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
+            position_ids = torch.arange(cache_start, cache_start + T, device=input_ids.device).expand(B, T)
         elif position_ids.shape != input_ids.shape:
-            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected {(B, L)}.")
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected {(B, T)}.")
         x = self.transformer["wte"](input_ids)
         cos, sin = rotary_tables(position_ids, self.config.head_dim, self.config.rope_theta, at_least_fp32(x.dtype))
         bias = None
         if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, L)}.")
+            if attention_mask.shape != (B, keys_length):
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, keys_length)} "
+                    "(one entry per attended key)."
+                )
             bias = padding_bias(attention_mask, x.dtype)
-        for block in self.transformer["blocks"]:
-            if self.gradient_checkpointing and torch.is_grad_enabled():
+        for i, block in enumerate(self.transformer["blocks"]):
+            if cache is not None:
+                x = block(x, cos, sin, bias, (cache.keys[i], cache.values[i], cache_start, keys_length))
+            elif self.gradient_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, bias, use_reentrant=False)
             else:
                 x = block(x, cos, sin, bias)
         return self.transformer["ln_f"](x)
+
+    def _check_cache(self, cache: KVCache, batch: int, length: int, start: int, attend: int | None) -> int:
+        if torch.is_grad_enabled():
+            raise RuntimeError("KV caches are for sampling; run the cached forward under torch.no_grad().")
+        if cache.batch != batch or len(cache.keys) != self.config.n_layers:
+            raise ValueError(f"the cache holds {cache.batch} sequences and {len(cache.keys)} layers; the call has "
+                             f"{batch} sequences and the model {self.config.n_layers} layers.")
+        end = start + length
+        attend = end if attend is None else attend
+        if not (0 <= start and end <= attend <= cache.capacity):
+            raise ValueError(f"cache_start={start} with {length} tokens and attend_length={attend} must satisfy "
+                             f"0 <= cache_start, cache_start + tokens <= attend_length <= capacity={cache.capacity}.")
+        return attend
 
     def logits(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         """Full [B, L, V] logits; prefer the fused ops, which apply the head only where needed."""

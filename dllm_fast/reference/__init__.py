@@ -2,5 +2,6 @@
 explicit ``backend="reference"``."""
 
 from dllm_fast.reference.logprobs import accumulate_dtype, masked_logprobs
+from dllm_fast.reference.sampling import generate, sample_tokens, select_transfer
 
-__all__ = ["accumulate_dtype", "masked_logprobs"]
+__all__ = ["accumulate_dtype", "generate", "masked_logprobs", "sample_tokens", "select_transfer"]

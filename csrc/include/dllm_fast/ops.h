@@ -16,6 +16,12 @@ using at::Tensor;
 void check_masked_logprobs_args(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
                                 int64_t chunk_size);
 
+void check_sample_tokens_args(const Tensor& hidden, const Tensor& weight, const Tensor& row_ids, double temperature,
+                              at::IntArrayRef suppress_ids, at::IntArrayRef confidence_exclude_ids,
+                              int64_t chunk_size);
+void check_select_transfer_args(const Tensor& confidence, const Tensor& candidates, const Tensor& counts,
+                                double threshold);
+
 // dtype of logp / lse / the fp32-or-fp64 accumulators for a given input dtype.
 at::ScalarType accumulate_type(at::ScalarType input);
 
@@ -26,6 +32,13 @@ std::tuple<Tensor, Tensor> masked_logprobs_backward_cpu(
     const Tensor& weight, const Tensor& targets, const Tensor& lse, int64_t chunk_size,
     std::array<bool, 2> output_mask);
 
+std::tuple<Tensor, Tensor> sample_tokens_cpu(const Tensor& hidden, const Tensor& weight, const Tensor& row_ids,
+                                             double temperature, int64_t seed, int64_t offset,
+                                             at::IntArrayRef suppress_ids, at::IntArrayRef confidence_exclude_ids,
+                                             int64_t chunk_size);
+Tensor select_transfer_cpu(const Tensor& confidence, const Tensor& candidates, const Tensor& counts,
+                           double threshold);
+
 #ifdef DLLM_FAST_WITH_CUDA
 std::tuple<Tensor, Tensor> masked_logprobs_cuda(const Tensor& hidden, const Tensor& weight,
                                                 const Tensor& targets, int64_t chunk_size);
@@ -33,6 +46,12 @@ std::tuple<Tensor, Tensor> masked_logprobs_backward_cuda(
     const std::optional<Tensor>& grad_logp, const std::optional<Tensor>& grad_lse, const Tensor& hidden,
     const Tensor& weight, const Tensor& targets, const Tensor& lse, int64_t chunk_size,
     std::array<bool, 2> output_mask);
+std::tuple<Tensor, Tensor> sample_tokens_cuda(const Tensor& hidden, const Tensor& weight, const Tensor& row_ids,
+                                              double temperature, int64_t seed, int64_t offset,
+                                              at::IntArrayRef suppress_ids, at::IntArrayRef confidence_exclude_ids,
+                                              int64_t chunk_size);
+Tensor select_transfer_cuda(const Tensor& confidence, const Tensor& candidates, const Tensor& counts,
+                            double threshold);
 #endif
 
 }  // namespace dllm_fast

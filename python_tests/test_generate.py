@@ -1,0 +1,198 @@
+"""dllm_fast.generate against the reference LLaDA / Fast-dLLM sampler, and the sampler's properties."""
+
+import pytest
+import torch
+
+import dllm_fast
+from dllm_fast import reference
+from dllm_fast.models import LLaDAConfig, LLaDAModel
+from dllm_fast.models.kv_cache import KVCache
+from dllm_fast.reference.sampling import completion_mask
+
+
+def tiny_model(device, dtype=torch.float64, head_scale=1.0, seed=0):
+    torch.manual_seed(seed)
+    model = LLaDAModel(LLaDAConfig.preset("tiny")).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        model.lm_head_weight.mul_(head_scale)  # a larger head makes confident predictions (threshold tests)
+    return model.eval()
+
+
+def prompts(device, lengths, pad_id=126):
+    """Left-padded prompts of the given lengths and their attention mask."""
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad_id, device=device)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long, device=device)
+    for row, length in enumerate(lengths):
+        ids[row, width - length:] = torch.randint(0, 120, (length,), device=device)
+        mask[row, width - length:] = 1
+    return ids, mask
+
+
+def both(model, ids, mask, **kwargs):
+    seed = kwargs.pop("seed", 0)
+    fused = dllm_fast.generate(model, ids, mask, generator=torch.Generator(ids.device).manual_seed(seed), **kwargs)
+    plain = reference.generate(model, ids, mask, generator=torch.Generator(ids.device).manual_seed(seed), **kwargs)
+    return fused, plain
+
+
+@pytest.mark.parametrize("lengths", [[5], [3, 9, 6], [1, 12]])
+@pytest.mark.parametrize("gen_length,block_length,steps", [(16, 16, 16), (16, 4, 8), (24, 8, 6), (12, 4, 12)])
+def test_greedy_no_cache_is_token_identical_to_reference(device, lengths, gen_length, block_length, steps):
+    model = tiny_model(device)
+    ids, mask = prompts(device, lengths)
+    fused, plain = both(model, ids, mask, gen_length=gen_length, block_length=block_length, steps=steps)
+    assert torch.equal(fused.sequences, plain.sequences)
+    assert fused.nfe == plain.nfe == steps
+    assert not (fused.completion_ids == model.mask_token_id).any()
+    assert torch.equal(fused.sequences[:, : ids.shape[1]], ids)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(steps=8), dict(steps=16, remasking="random"), dict(steps=8, cfg_scale=1.0),
+     dict(steps=8, logits_eos_inf=True, confidence_eos_eot_inf=True)],
+)
+def test_cached_modes_match_the_reference_fast_dllm(device, cache, options):
+    """Batch > 1 with left padding: the fused cached sampler reproduces the reference's cache semantics."""
+    model = tiny_model(device)
+    ids, mask = prompts(device, [4, 10, 7])
+    fused, plain = both(model, ids, mask, gen_length=16, block_length=4, cache=cache, **options)
+    assert torch.equal(fused.sequences, plain.sequences)
+    assert fused.nfe == plain.nfe
+
+
+@pytest.mark.parametrize("options", [dict(remasking="random"), dict(cfg_scale=2.0),
+                                     dict(logits_eos_inf=True, confidence_eos_eot_inf=True)])
+def test_options_without_cache_match_reference(device, options):
+    model = tiny_model(device)
+    ids, mask = prompts(device, [6, 3])
+    fused, plain = both(model, ids, mask, gen_length=12, block_length=4, steps=6, **options)
+    assert torch.equal(fused.sequences, plain.sequences)
+    if options.get("logits_eos_inf"):
+        assert not (fused.completion_ids == model.eos_token_id).any()
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_one_step_per_block_makes_caches_exact(device, cache):
+    """With one step per block every step is a refresh, so a cache changes nothing by construction."""
+    model = tiny_model(device, torch.float32)
+    ids, mask = prompts(device, [5, 8])
+    kwargs = dict(gen_length=16, block_length=4, steps=4, generator=None)
+    plain = dllm_fast.generate(model, ids, mask, cache="none", **kwargs)
+    cached = dllm_fast.generate(model, ids, mask, cache=cache, **kwargs)
+    assert torch.equal(plain.sequences, cached.sequences)
+
+
+def test_threshold_one_is_the_greedy_single_token_schedule(device):
+    model = tiny_model(device)
+    ids, mask = prompts(device, [4, 6])
+    adaptive = dllm_fast.generate(model, ids, mask, gen_length=12, block_length=4, threshold=1.0)
+    single = dllm_fast.generate(model, ids, mask, gen_length=12, block_length=4, steps=12)
+    assert adaptive.nfe == 12  # exactly one token per step
+    assert torch.equal(adaptive.sequences, single.sequences)
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_threshold_decodes_in_parallel_and_matches_reference(device, cache):
+    model = tiny_model(device, head_scale=6.0)
+    ids, mask = prompts(device, [4, 7, 5])
+    fused, plain = both(model, ids, mask, gen_length=16, block_length=8, threshold=0.7, cache=cache)
+    assert torch.equal(fused.sequences, plain.sequences)
+    assert fused.nfe == plain.nfe < 16  # confident tokens were unmasked together
+
+
+def test_sampling_is_reproducible_and_seeded(device):
+    model = tiny_model(device, torch.float32)
+    ids, mask = prompts(device, [5, 5])
+
+    def run(seed):
+        generator = torch.Generator(device).manual_seed(seed)
+        return dllm_fast.generate(model, ids, mask, gen_length=16, block_length=8, steps=8, temperature=1.0,
+                                  generator=generator).sequences
+
+    assert torch.equal(run(1), run(1))
+    assert not torch.equal(run(1), run(2))
+
+
+def test_temperature_sampling_matches_reference_in_distribution(device):
+    """Different RNGs (Philox vs float64 torch.rand), same distribution: the first generated token's
+    frequencies agree between the fused and the reference sampler (two-sample chi-square)."""
+    model = tiny_model(device, torch.float32, head_scale=0.3)  # a flat distribution over many tokens
+    ids = torch.randint(0, 120, (1, 4), device=device).expand(400, 4).contiguous()
+    kwargs = dict(gen_length=1, block_length=1, steps=1, temperature=1.0)
+    fused = dllm_fast.generate(model, ids, generator=torch.Generator(device).manual_seed(0), **kwargs)
+    plain = reference.generate(model, ids, generator=torch.Generator(device).manual_seed(0), **kwargs)
+    probs = torch.softmax(model.logits(torch.cat([ids[:1], torch.tensor([[127]], device=device)], 1))[0, -1], -1)
+    counts = [torch.bincount(r.completion_ids[:, 0].cpu(), minlength=128).double() for r in (fused, plain)]
+    # Group tokens into 8 bins of roughly equal probability so expected counts are large.
+    order = torch.argsort(probs.cpu(), descending=True)
+    bins = torch.zeros(128, dtype=torch.long)
+    bins[order] = torch.clamp((torch.cumsum(probs.cpu()[order], 0) * 8).long(), max=7)
+    a, b = (torch.zeros(8, dtype=torch.float64).index_add_(0, bins, c) for c in counts)
+    chi2 = (((a - b) ** 2) / (a + b).clamp(min=1)).sum().item()
+    assert chi2 < 24.3  # the 1e-3 upper quantile of chi-square with 7 degrees of freedom
+
+
+def test_completion_mask_stops_after_the_first_eos():
+    completion = torch.tensor([[3, 126, 5, 126], [1, 2, 3, 4], [126, 126, 0, 0]])
+    assert completion_mask(completion, 126).tolist() == [
+        [True, True, False, False], [True, True, True, True], [True, False, False, False]]
+
+
+def test_kv_cache_reproduces_the_full_forward(device):
+    model = tiny_model(device)
+    ids, mask = prompts(device, [3, 9])
+    x = torch.cat([ids, torch.randint(0, 120, (2, 8), device=device)], dim=1)
+    full_mask = torch.cat([mask, torch.ones(2, 8, dtype=torch.long, device=device)], dim=1)
+    with torch.no_grad():
+        full = model(x, attention_mask=full_mask)
+        kv = KVCache.for_model(model, 2, x.shape[1])
+        torch.testing.assert_close(model(x, attention_mask=full_mask, cache=kv), full)
+        start = ids.shape[1] + 4
+        suffix = model(x[:, start:], attention_mask=full_mask, cache=kv, cache_start=start, attend_length=x.shape[1])
+        torch.testing.assert_close(suffix, full[:, start:])
+        block = model(x[:, start:start + 2], attention_mask=full_mask, cache=kv, cache_start=start,
+                      attend_length=x.shape[1])
+        torch.testing.assert_close(block, full[:, start:start + 2])
+    with pytest.raises(RuntimeError, match="under torch.no_grad"):
+        model(x, cache=kv)
+    with torch.no_grad(), pytest.raises(ValueError, match="attend_length=3 must satisfy"):
+        model(x[:, :4], cache=kv, cache_start=0, attend_length=3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(gen_length=10, block_length=4, steps=4), "gen_length=10 is not a multiple of block_length=4"),
+        (dict(gen_length=8, block_length=4, steps=3), "steps=3 is not a multiple of the number of blocks 2"),
+        (dict(gen_length=8, block_length=4, steps=4, threshold=0.9), "steps=4 is ignored when threshold"),
+        (dict(gen_length=8, block_length=4), "steps must be a positive int"),
+        (dict(gen_length=8, block_length=4, steps=4, cache="paged"), "cache='paged' is not one of"),
+        (dict(gen_length=8, block_length=4, steps=4, remasking="entropy"), "remasking='entropy' is not one of"),
+        (dict(gen_length=8, block_length=4, steps=4, temperature=-0.1), "temperature must be >= 0"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    model = tiny_model("cpu", torch.float32)
+    ids, mask = prompts("cpu", [3])
+    with pytest.raises(ValueError, match=message):
+        dllm_fast.generate(model, ids, mask, **kwargs)
+
+
+def test_bad_prompts_are_named():
+    model = tiny_model("cpu", torch.float32)
+    ids, mask = prompts("cpu", [3, 5])
+    kwargs = dict(gen_length=4, block_length=4, steps=4)
+    bad = ids.clone()
+    bad[1, 2] = model.mask_token_id
+    with pytest.raises(ValueError, match=r"input_ids\[1, 2\] is the mask token 127 \(prompt\)"):
+        dllm_fast.generate(model, bad, mask, **kwargs)
+    with pytest.raises(ValueError, match="empty batch"):
+        dllm_fast.generate(model, ids[:0], mask[:0], **kwargs)
+    with pytest.raises(ValueError, match="must be left-padded"):
+        dllm_fast.generate(model, ids, mask.flip(1), **kwargs)
+    no_eot = LLaDAModel(LLaDAConfig(**{**LLaDAConfig.preset("tiny").__dict__, "eot_token_id": None}))
+    with pytest.raises(ValueError, match="confidence_eos_eot_inf needs"):
+        dllm_fast.generate(no_eot, ids, mask, confidence_eos_eot_inf=True, **kwargs)

@@ -1,0 +1,133 @@
+"""The fused sampling ops against their plain-PyTorch twins: tokens, confidences, distribution, selection."""
+
+import math
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from dllm_fast import ops, reference
+from dllm_fast.reference.sampling import philox4x32_10
+
+
+def head(N, d, V, device, dtype=torch.float32, scale=1.0):
+    hidden = torch.randn(N, d, device=device).to(dtype)
+    weight = (torch.randn(V, d, device=device) * scale * 2 / d**0.5).to(dtype)
+    return hidden, weight
+
+
+def test_philox_known_answers():
+    """Random123's published Philox4x32-10 test vectors (the compiled kernels share the same stream)."""
+    vectors = [
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    ]
+    for counter, key, expected in vectors:
+        words = philox4x32_10([torch.tensor([c]) for c in counter], key)
+        assert tuple(int(w) for w in words) == expected
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.6, 1.0, 1.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_sample_tokens_matches_reference(device, temperature, dtype):
+    hidden, weight = head(48, 16, 1003, device, dtype)
+    row_ids = torch.randint(0, 10**9, (48,), device=device)
+    kwargs = dict(temperature=temperature, seed=2**40 + 17, offset=9, row_ids=row_ids, suppress_ids=[5, 900],
+                  confidence_exclude_ids=[7])
+    tokens, confidence = ops.sample_tokens(hidden, weight, chunk_size=100, **kwargs)  # chunks that split quads
+    ref_tokens, ref_confidence = ops.sample_tokens(hidden, weight, backend="reference", **kwargs)
+    assert torch.equal(tokens, ref_tokens)
+    assert confidence.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    torch.testing.assert_close(confidence, ref_confidence, rtol=1e-5, atol=1e-7)
+    assert not torch.isin(tokens, torch.tensor([5, 900], device=device)).any()
+    assert (confidence[tokens == 7] == 0).all()
+
+
+def test_greedy_ties_go_to_the_lowest_id(device):
+    hidden = torch.ones(3, 4, device=device)
+    weight = torch.zeros(10, 4, device=device)
+    weight[[2, 6, 8]] = 1.0  # three equal maxima
+    tokens, confidence = ops.sample_tokens(hidden, weight, chunk_size=4)
+    assert tokens.tolist() == [2, 2, 2]
+    torch.testing.assert_close(confidence, torch.full((3,), math.e**4 / (3 * math.e**4 + 7), device=device))
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_token_distribution_is_softmax_over_temperature(device, temperature):
+    """Chi-square goodness of fit of 40k samples against softmax(logits / T), with one suppressed id."""
+    V, samples, suppressed = 7, 40_000, 3
+    hidden = torch.randn(1, 8, device=device).expand(samples, 8).contiguous()
+    weight = torch.randn(V, 8, device=device)
+    tokens, _ = ops.sample_tokens(hidden, weight, temperature=temperature, seed=1234, offset=3,
+                                  suppress_ids=[suppressed])
+    logits = (hidden[0] @ weight.T).double() / temperature
+    logits[suppressed] = float("-inf")
+    expected = torch.softmax(logits, dim=0).cpu() * samples
+    observed = torch.bincount(tokens.cpu(), minlength=V).double()
+    assert observed[suppressed] == 0
+    keep = torch.arange(V) != suppressed
+    chi2 = (((observed - expected)[keep]) ** 2 / expected[keep]).sum().item()
+    assert chi2 < 27.86  # the 1e-4 upper quantile of chi-square with 5 degrees of freedom
+
+
+def test_noise_depends_on_seed_offset_and_row_id_only(device):
+    hidden, weight = head(32, 8, 500, device)
+    base = dict(temperature=1.0, seed=3, offset=4)
+    tokens, _ = ops.sample_tokens(hidden, weight, **base)
+    permutation = torch.randperm(32, device=device)
+    permuted, _ = ops.sample_tokens(hidden[permutation], weight, row_ids=permutation, **base)
+    assert torch.equal(permuted, tokens[permutation])  # keyed by row id, not by position in the batch
+    assert not torch.equal(ops.sample_tokens(hidden, weight, **{**base, "offset": 5})[0], tokens)
+    assert not torch.equal(ops.sample_tokens(hidden, weight, **{**base, "seed": 4})[0], tokens)
+
+
+@pytest.mark.parametrize("rule", ["counts", "threshold"])
+def test_select_transfer_matches_reference(device, rule):
+    confidence = torch.rand(6, 20, device=device)
+    confidence[:, 5:9] = 0.5  # ties
+    candidates = torch.rand(6, 20, device=device) > 0.3
+    candidates[4] = False  # a row with nothing left to unmask
+    counts = torch.tensor([1, 3, 0, 20, 2, 5], device=device)
+    kwargs = dict(counts=counts) if rule == "counts" else dict(threshold=0.5)
+    chosen = ops.select_transfer(confidence, candidates, **kwargs)
+    assert torch.equal(chosen, ops.select_transfer(confidence, candidates, backend="reference", **kwargs))
+    assert not (chosen & ~candidates).any() and not chosen[4].any()
+    if rule == "counts":
+        assert torch.equal(chosen.sum(1), torch.minimum(counts, candidates.sum(1)))
+    else:
+        assert (chosen.sum(1)[candidates.any(1)] >= 1).all()
+
+
+def test_select_transfer_ties_go_to_the_lowest_position(device):
+    confidence = torch.tensor([[0.2, 0.9, 0.9, 0.9, 0.1]], device=device)
+    candidates = torch.ones(1, 5, dtype=torch.bool, device=device)
+    chosen = ops.select_transfer(confidence, candidates, counts=torch.tensor([2], device=device))
+    assert chosen.tolist() == [[False, True, True, False, False]]
+
+
+def test_opcheck(device):
+    hidden, weight = head(6, 8, 50, device)
+    rows = torch.arange(6, device=device)
+    opcheck(torch.ops.dllm_fast.sample_tokens.default, (hidden, weight, rows, 0.7, 11, 2, [1], [2], 16))
+    confidence, candidates = torch.rand(3, 9, device=device), torch.rand(3, 9, device=device) > 0.5
+    counts = torch.tensor([1, 2, 3], device=device)
+    opcheck(torch.ops.dllm_fast.select_transfer.default, (confidence, candidates, counts, -1.0))
+    opcheck(torch.ops.dllm_fast.select_transfer.default, (confidence, candidates, counts, 0.4))
+
+
+def test_bad_input_is_named():
+    hidden, weight = head(4, 8, 20, "cpu")
+    with pytest.raises(ValueError, match="token id 20 is outside the vocabulary"):
+        ops.sample_tokens(hidden, weight, suppress_ids=[20])
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        ops.sample_tokens(hidden, weight, temperature=-1.0)
+    with pytest.raises(ValueError, match="every token is suppressed"):
+        ops.sample_tokens(hidden, weight, suppress_ids=range(20))
+    with pytest.raises(ValueError, match=r"row_ids must be \[N\] = \[4\]"):
+        ops.sample_tokens(hidden, weight, row_ids=torch.arange(3))
+    with pytest.raises(ValueError, match="exactly one of counts"):
+        ops.select_transfer(torch.rand(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"threshold must be in \(0, 1\]"):
+        ops.select_transfer(torch.rand(2, 3), torch.ones(2, 3, dtype=torch.bool), threshold=1.5)
