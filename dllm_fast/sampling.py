@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from dllm_fast import ops
-from dllm_fast.models.kv_cache import KVCache
 from dllm_fast.reference.sampling import GenerationResult, check_generate_args, completion_mask
 
 
@@ -45,7 +44,7 @@ def generate(
 
     Args:
         model: a diffusion LM with the dllm_fast model contract (hidden-state forward, lm_head_weight,
-            mask_token_id, eos_token_id; eot_token_id for confidence_eos_eot_inf; a KV cache for cache modes).
+            mask_token_id, eos_token_id; eot_token_id for confidence_eos_eot_inf; new_cache for cache modes).
         input_ids: [B, P] prompts, left-padded; attention_mask: [B, P], 1 on tokens, 0 on padding.
         gen_length, block_length: the completion is decoded in gen_length / block_length blocks, left to right.
         steps: total denoising steps (a multiple of the number of blocks); each step of a block unmasks
@@ -78,7 +77,7 @@ def generate(
     if cfg_scale > 0:
         masked_prompt = torch.full((B, P), mask_id, dtype=torch.long, device=device)  # CFG's unconditional input
         attention_mask = None if attention_mask is None else torch.cat([attention_mask, attention_mask])
-    kv = KVCache.for_model(model, 2 * B if cfg_scale > 0 else B, total) if cache != "none" else None
+    kv = model.new_cache(2 * B if cfg_scale > 0 else B, total) if cache != "none" else None
     seed = 0
     if temperature > 0:
         seed = int(torch.randint(2**62, (1,), generator=generator,

@@ -217,6 +217,10 @@ class LLaDAModel(nn.Module):
                              f"0 <= cache_start, cache_start + tokens <= attend_length <= capacity={cache.capacity}.")
         return attend
 
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty KV cache for `batch` sequences of up to `capacity` positions (see KVCache)."""
+        return KVCache.for_model(self, batch, capacity)
+
     def logits(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         """Full [B, L, V] logits; prefer the fused ops, which apply the head only where needed."""
         return F.linear(self(input_ids, attention_mask, position_ids), self.lm_head_weight)

@@ -181,6 +181,8 @@ def check_generate_args(model, input_ids, attention_mask, *, gen_length, block_l
         raise ValueError(f"cfg_scale must be >= 0, got {cfg_scale!r}.")
     if cache not in CACHE_MODES:
         raise ValueError(f"cache={cache!r} is not one of {CACHE_MODES}.")
+    if cache != "none" and not hasattr(model, "new_cache"):
+        raise ValueError(f"cache={cache!r} needs a model with a KV cache (new_cache); use cache='none' for this model.")
     if confidence_eos_eot_inf and getattr(model, "eot_token_id", None) is None:
         raise ValueError("confidence_eos_eot_inf needs the model's end-of-turn id; set config.eot_token_id.")
     return steps_per_block
@@ -209,10 +211,7 @@ def generate(model, input_ids, attention_mask=None, *, gen_length, block_length,
         attention_mask = torch.cat([attention_mask.long(), attention_mask.new_ones(B, gen_length).long()], dim=1)
     prompt_positions = x != mask_id
     weight = model.lm_head_weight
-    kv = None
-    if cache != "none":
-        from dllm_fast.models.kv_cache import KVCache  # the model's own cache mechanism
-        kv = KVCache.for_model(model, 2 * B if cfg_scale > 0 else B, total)
+    kv = model.new_cache(2 * B if cfg_scale > 0 else B, total) if cache != "none" else None
 
     def logits_at(start: int, end: int, refresh: bool) -> torch.Tensor:
         """Logits for positions [start, end) of x, with the cache semantics of the current mode."""
