@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dllm_fast import ops
-from dllm_fast.reference.sampling import GenerationResult, check_generate_args, completion_mask
+from dllm_fast.reference.sampling import GenerationResult, check_generate_args, completion_mask, initial_canvas
 
 
 def masked_count_schedule(block_length: int, steps_per_block: int) -> list[int]:
@@ -71,9 +71,7 @@ def generate(
     device, mask_id = input_ids.device, model.mask_token_id
     B, P = input_ids.shape
     total = P + gen_length
-    x = torch.cat([input_ids.long(), torch.full((B, gen_length), mask_id, dtype=torch.long, device=device)], dim=1)
-    if attention_mask is not None:
-        attention_mask = torch.cat([attention_mask.long(), attention_mask.new_ones(B, gen_length).long()], dim=1)
+    x, attention_mask = initial_canvas(input_ids, attention_mask, gen_length, mask_id)
     if cfg_scale > 0:
         masked_prompt = torch.full((B, P), mask_id, dtype=torch.long, device=device)  # CFG's unconditional input
         attention_mask = None if attention_mask is None else torch.cat([attention_mask, attention_mask])

@@ -5,30 +5,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cmath>
-#include <limits>
-
+#include "device_math.cuh"
 #include "masked_logprobs.cuh"
 
 namespace dllm_fast::cuda {
 namespace {
-
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-
-__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
-__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
-__device__ __forceinline__ float log_acc(float x) { return logf(x); }
-__device__ __forceinline__ double log_acc(double x) { return log(x); }
-
-// (max, sum of exp(x - max)) pairs combine associatively; an empty side has max = -inf and sum = 0.
-template <typename acc_t>
-__device__ __forceinline__ void merge(acc_t& m, acc_t& s, acc_t other_m, acc_t other_s) {
-  const acc_t new_m = m > other_m ? m : other_m;
-  if (new_m == -INFINITY) return;  // both empty
-  s = s * exp_acc(m - new_m) + other_s * exp_acc(other_m - new_m);
-  m = new_m;
-}
 
 // One block per row: each thread folds its strided columns into (m, s), then warps and the block combine.
 template <typename acc_t>
@@ -50,7 +31,7 @@ __global__ void chunk_logsumexp_kernel(const acc_t* __restrict__ logits, int64_t
   for (int offset = 16; offset > 0; offset >>= 1) {
     const acc_t om = __shfl_down_sync(0xffffffffu, m, offset);
     const acc_t os = __shfl_down_sync(0xffffffffu, s, offset);
-    merge(m, s, om, os);
+    merge_logsumexp(m, s, om, os);
   }
   __shared__ acc_t warp_m[kWarps], warp_s[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -60,9 +41,9 @@ __global__ void chunk_logsumexp_kernel(const acc_t* __restrict__ logits, int64_t
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w) merge(m, s, warp_m[w], warp_s[w]);
+    for (int w = 1; w < kWarps; ++w) merge_logsumexp(m, s, warp_m[w], warp_s[w]);
     acc_t total_m = run_max[row], total_s = run_sum[row];
-    merge(total_m, total_s, m, s);
+    merge_logsumexp(total_m, total_s, m, s);
     run_max[row] = total_m;
     run_sum[row] = total_s;
     const int64_t col = targets[row] - v0;

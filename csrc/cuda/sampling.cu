@@ -2,21 +2,12 @@
 // glue.cpp; these kernels fold each logits chunk into a Gumbel-max and a logsumexp per row, and pick the
 // positions to unmask.
 
-#include <cmath>
-
+#include "device_math.cuh"
 #include "dllm_fast/philox.h"
 #include "sampling.cuh"
 
 namespace dllm_fast::cuda {
 namespace {
-
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-
-__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
-__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
-__device__ __forceinline__ float log_acc(float x) { return logf(x); }
-__device__ __forceinline__ double log_acc(double x) { return log(x); }
 
 __device__ __forceinline__ bool contains(const TokenList& list, int64_t id) {
   for (int i = 0; i < list.count; ++i) {
@@ -38,14 +29,6 @@ struct Best {
 template <typename acc_t>
 __device__ __forceinline__ void take_better(Best<acc_t>& a, const Best<acc_t>& b) {
   if (b.token >= 0 && (a.token < 0 || b.score > a.score || (b.score == a.score && b.token < a.token))) a = b;
-}
-
-template <typename acc_t>
-__device__ __forceinline__ void merge_lse(acc_t& m, acc_t& s, acc_t om, acc_t os) {
-  const acc_t nm = m > om ? m : om;
-  if (nm == -INFINITY) return;
-  s = s * exp_acc(m - nm) + os * exp_acc(om - nm);
-  m = nm;
 }
 
 template <typename acc_t>
@@ -82,7 +65,7 @@ __global__ void sample_chunk_kernel(const acc_t* __restrict__ logits, int64_t co
                       __shfl_down_sync(0xffffffffu, best.token, step),
                       __shfl_down_sync(0xffffffffu, best.logit, step)};
     take_better(best, other);
-    merge_lse(m, s, __shfl_down_sync(0xffffffffu, m, step), __shfl_down_sync(0xffffffffu, s, step));
+    merge_logsumexp(m, s, __shfl_down_sync(0xffffffffu, m, step), __shfl_down_sync(0xffffffffu, s, step));
   }
   __shared__ Best<acc_t> warp_best[kWarps];
   __shared__ acc_t warp_m[kWarps], warp_s[kWarps];
@@ -96,7 +79,7 @@ __global__ void sample_chunk_kernel(const acc_t* __restrict__ logits, int64_t co
   if (threadIdx.x == 0) {
     for (int w = 1; w < kWarps; ++w) {
       take_better(best, warp_best[w]);
-      merge_lse(m, s, warp_m[w], warp_s[w]);
+      merge_logsumexp(m, s, warp_m[w], warp_s[w]);
     }
     Best<acc_t> total{state.best_score[row], state.best_token[row], state.best_logit[row]};
     take_better(total, best);
@@ -104,7 +87,7 @@ __global__ void sample_chunk_kernel(const acc_t* __restrict__ logits, int64_t co
     state.best_token[row] = total.token;
     state.best_logit[row] = total.logit;
     acc_t tm = state.run_max[row], ts = state.run_sum[row];
-    merge_lse(tm, ts, m, s);
+    merge_logsumexp(tm, ts, m, s);
     state.run_max[row] = tm;
     state.run_sum[row] = ts;
   }

@@ -114,6 +114,16 @@ def completion_mask(completion: torch.Tensor, eos_token_id: int) -> torch.Tensor
     return (is_eos.cumsum(dim=1) - is_eos) == 0
 
 
+def initial_canvas(input_ids, attention_mask, gen_length: int, mask_id: int):
+    """The prompts followed by gen_length mask tokens, and the attention mask extended over them."""
+    B = input_ids.shape[0]
+    masks = torch.full((B, gen_length), mask_id, dtype=torch.long, device=input_ids.device)
+    x = torch.cat([input_ids.long(), masks], dim=1)
+    if attention_mask is not None:
+        attention_mask = torch.cat([attention_mask.long(), torch.ones_like(masks)], dim=1)
+    return x, attention_mask
+
+
 def transfer_schedule(masked_in_block: torch.Tensor, steps: int) -> torch.Tensor:
     """[B, steps] tokens to unmask per step (LLaDA's get_num_transfer_tokens): n // steps each, and the
     first n % steps steps one more."""
@@ -206,9 +216,7 @@ def generate(model, input_ids, attention_mask=None, *, gen_length, block_length,
     mask_id, device = model.mask_token_id, input_ids.device
     B, P = input_ids.shape
     total = P + gen_length
-    x = torch.cat([input_ids.long(), torch.full((B, gen_length), mask_id, dtype=torch.long, device=device)], dim=1)
-    if attention_mask is not None:
-        attention_mask = torch.cat([attention_mask.long(), attention_mask.new_ones(B, gen_length).long()], dim=1)
+    x, attention_mask = initial_canvas(input_ids, attention_mask, gen_length, mask_id)
     prompt_positions = x != mask_id
     weight = model.lm_head_weight
     kv = model.new_cache(2 * B if cfg_scale > 0 else B, total) if cache != "none" else None
