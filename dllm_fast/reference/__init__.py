@@ -2,5 +2,6 @@
 explicit ``backend="reference"``."""
 
 from dllm_fast.reference.logprobs import accumulate_dtype, masked_logprobs
+from dllm_fast.reference import likelihood
 
 __all__ = ["accumulate_dtype", "masked_logprobs"]
