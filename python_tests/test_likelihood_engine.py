@@ -34,7 +34,8 @@ def perturbed(model, scale=0.05, seed=1):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in other.parameters():
-            p.add_(scale * p.std().nan_to_num(0.0) * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device)
+            p.add_(scale * p.std().nan_to_num(0.0) * noise)
     return other
 
 
@@ -386,3 +387,19 @@ def test_bad_input_names_the_value():
         eubo(torch.zeros(3, 4, 10), masks, beta=0)
     with pytest.raises(ValueError, match="omega=2 must be in"):
         mixture(torch.zeros(3, 4, 10), masks, omega=2)
+
+
+@pytest.mark.cuda
+def test_cuda_engine_matches_naive_fp32():
+    model = tiny_model(torch.float32).cuda()
+    sequences, attention_mask = (t.cuda() for t in rollouts(model))
+    for generator in (torch.Generator(), torch.Generator(device="cuda")):  # draws move to the sequences' device
+        masks = sample_masks(sequences, prompt_length=P, n_t=4, sampler="stratified_l",
+                             eos_token_id=model.eos_token_id, generator=generator.manual_seed(0))
+        assert masks.masked.is_cuda
+    advantages = torch.tensor([1.0, -0.7, 0.4], device="cuda")
+    objective = objectives(model, sequences, masks, attention_mask, advantages)["vrpo_ol"]
+    value, want = naive_gradient(model, sequences, masks, objective, attention_mask)
+    got_value, got = engine_gradient(model, sequences, masks, objective, attention_mask, micro_batch=3)
+    assert relative_error(got, want) < 1e-4
+    torch.testing.assert_close(got_value, value, rtol=1e-5, atol=1e-5)

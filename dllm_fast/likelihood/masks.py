@@ -55,7 +55,7 @@ SAMPLERS = ("random_t", "stratified_l", "complementary", "block", "mean_field")
 COUNT_MODES = ("eos", "all")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: compare fields explicitly, never with ==
 class MonteCarloMasks:
     """n_t stored masks for each of N sequences of length P + L (P = prompt_length).
 
