@@ -371,6 +371,8 @@ def test_bad_input_names_the_value():
         run(lambda lp: 1.0)
     with pytest.raises(ValueError, match=r"objective\(lp_pairs, \.\.\.\) must return a 0-dim tensor"):
         run(lambda lp, n, j: lp.sum(-1), separable=True)
+    with pytest.raises(ValueError, match="score_micro_batch=4 sets pass 1's batch, which separable=True skips"):
+        run(lambda lp, n, j: lp.sum(), separable=True, score_micro_batch=4)
     with pytest.raises(TypeError, match="objective must be callable, got str"):
         run("elbo")
     with pytest.raises(FloatingPointError, match="d objective / d lp is not finite"):

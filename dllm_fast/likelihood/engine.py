@@ -54,6 +54,7 @@ def streaming_backward(
               these calls over any partition of the N * n_t pairs, i.e. a sum of per-pair terms. Pairs with
               nothing masked are passed with all-zero rows and no model call.
         micro_batch: (sequence, sample) pairs per recomputed graph; peak memory scales with it, not with n_t.
+            Pass 2 skips the pairs whose coefficients are all zero (e.g. zero advantage).
         attention_mask: optional [N, P + L], passed to the model (left-padded prompts).
         separable: take the one-pass path described above.
         score_micro_batch: pairs per model call in the no-grad pass 1 (default: micro_batch).
@@ -65,6 +66,9 @@ def streaming_backward(
     check_inputs(model, sequences, masks, attention_mask=attention_mask, micro_batch=micro_batch)
     if not callable(objective):
         raise TypeError(f"objective must be callable, got {type(objective).__name__}.")
+    if separable and score_micro_batch is not None:
+        raise ValueError(f"score_micro_batch={score_micro_batch!r} sets pass 1's batch, which separable=True skips; "
+                         "drop it or use separable=False.")
     if separable:
         return _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size)
     if score_micro_batch is not None:

@@ -61,20 +61,27 @@ def eubo(lp: torch.Tensor, masks: MonteCarloMasks, beta: float = 1.0) -> torch.T
 
     It omits SPG's theta-independent constant, so it is *not* a pointwise upper bound on log p (see the tests:
     with L=2 one can have log p = -0.89 and EUBO(1) = -1.39); only its gradient carries the bound.
+    SPG's code uses the per-token mean over present positions instead: `values.sum(-1) / present.sum(-1)`
+    from `eubo_per_position`.
     """
     values, _ = eubo_per_position(lp, masks, beta)
     return values.sum(-1)
 
 
 def mixture(lp: torch.Tensor, masks: MonteCarloMasks, beta: float = 1.0, omega: float = 0.5) -> torch.Tensor:
-    """SPG's bound mixture (SPG Eq. 8): omega * EUBO(beta) + (1 - omega) * ELBO, [N]."""
+    """SPG's bound mixture (SPG Eq. 8): omega * EUBO(beta) + (1 - omega) * ELBO, [N], both at sequence scale.
+
+    SPG's code mixes per-token means (EUBO over present positions, ELBO over L_n); dividing this by L_n matches
+    it when every counted position is masked in some sample.
+    """
     if not 0.0 <= omega <= 1.0:
         raise ValueError(f"omega={omega!r} must be in [0, 1] (SPG uses 0.5).")
     return omega * eubo(lp, masks, beta) + (1.0 - omega) * elbo(lp, masks)
 
 
 def mean_field(lp: torch.Tensor, masks: MonteCarloMasks) -> torch.Tensor:
-    """d1's one-step mean-field log-likelihood, sum_i lp[n, 0, i], [N] (masks from the "mean_field" sampler).
+    """d1's one-step mean-field log-likelihood, sum_i lp[n, 0, i], [N] (masks from the "mean_field" sampler;
+    BGPO Sec. 2 calls it diffu-GRPO's single-pass estimation).
 
     With n_t > 1 (several prompt perturbations) it averages over samples: (1/n_t) sum_j sum_i lp[n, j, i].
     """
