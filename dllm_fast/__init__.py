@@ -4,6 +4,7 @@ import torch  # noqa: F401  (the compiled ops link against libtorch, so torch lo
 
 from dllm_fast._extension import HAS_EXTENSION, build_info
 from dllm_fast.ops import masked_logprobs, sample_tokens, select_transfer
+from dllm_fast import likelihood  # noqa: E402  (after ops: the engine builds on masked_logprobs)
 from dllm_fast.reference.sampling import GenerationResult
 from dllm_fast.sampling import generate
 
@@ -14,6 +15,7 @@ __all__ = [
     "HAS_EXTENSION",
     "build_info",
     "generate",
+    "likelihood",
     "masked_logprobs",
     "sample_tokens",
     "select_transfer",

@@ -1,0 +1,41 @@
+"""The likelihood engine: Monte Carlo masks, per-token log-probs lp[N, n_t, L], estimators and the streaming
+backward that differentiates any objective of lp in memory independent of n_t.
+
+    masks = sample_masks(sequences, prompt_length=P, n_t=16, sampler="stratified_l", generator=g,
+                         eos_token_id=model.eos_token_id)
+    with torch.no_grad():
+        lp_old = score(old_model, sequences, masks, micro_batch=8)        # same masks for old, ref, current
+    def objective(lp):
+        return -(torch.exp(elbo(lp, masks) - elbo(lp_old, masks)) * advantages).mean()
+    value = streaming_backward(model, sequences, masks, objective, micro_batch=1)
+"""
+
+from dllm_fast.likelihood.engine import streaming_backward
+from dllm_fast.likelihood.estimators import elbo, eubo, eubo_per_position, mean_field, mixture
+from dllm_fast.likelihood.masks import (
+    COUNT_MODES,
+    SAMPLERS,
+    MonteCarloMasks,
+    counted_positions,
+    draw_masks,
+    sample_masks,
+)
+from dllm_fast.likelihood.scoring import active_pairs, score, score_pairs
+
+__all__ = [
+    "COUNT_MODES",
+    "SAMPLERS",
+    "MonteCarloMasks",
+    "active_pairs",
+    "counted_positions",
+    "draw_masks",
+    "elbo",
+    "eubo",
+    "eubo_per_position",
+    "mean_field",
+    "mixture",
+    "sample_masks",
+    "score",
+    "score_pairs",
+    "streaming_backward",
+]

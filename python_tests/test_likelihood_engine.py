@@ -1,0 +1,407 @@
+"""streaming_backward: exact gradients of nonlinear objectives, the separable path, LoRA, activation
+checkpointing, shared masks, memory independent of n_t, and input checks."""
+
+import copy
+import weakref
+
+import pytest
+import torch
+
+from dllm_fast import likelihood, reference
+from dllm_fast.likelihood import elbo, eubo, mixture, sample_masks, score, streaming_backward
+from dllm_fast.models import LLaDAConfig, LLaDAModel
+
+P, L = 4, 10
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny shapes run faster on one thread, and do not stall when another process holds a core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    return LLaDAModel(LLaDAConfig.preset("tiny")).to(dtype)
+
+
+def perturbed(model, scale=0.05, seed=1):
+    """Another policy near `model` (the old or reference policy)."""
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device)
+            p.add_(scale * p.std().nan_to_num(0.0) * noise)
+    return other
+
+
+def rollouts(model, N=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    sequences = torch.randint(0, 120, (N, P + L), generator=gen)
+    sequences[0, P + 6:] = model.eos_token_id
+    attention_mask = torch.ones_like(sequences)
+    attention_mask[-1, :2] = 0
+    return sequences, attention_mask
+
+
+def draw(model, sequences, sampler, n_t=4, seed=2, **kwargs):
+    return sample_masks(sequences, prompt_length=P, n_t=n_t, sampler=sampler, eos_token_id=model.eos_token_id,
+                        generator=torch.Generator().manual_seed(seed), block_length=4, **kwargs)
+
+
+def trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def naive_gradient(model, sequences, masks, objective, attention_mask):
+    """The oracle: all pairs in one graph through full logits, then autograd."""
+    loss = objective(reference.likelihood.score_naive(model, sequences, masks, attention_mask))
+    return loss.detach(), torch.autograd.grad(loss, trainable(model))
+
+
+def engine_gradient(model, sequences, masks, objective, attention_mask, **kwargs):
+    model.zero_grad(set_to_none=True)
+    value = streaming_backward(model, sequences, masks, objective, attention_mask=attention_mask, **kwargs)
+    return value, [p.grad.clone() for p in trainable(model)]
+
+
+def relative_error(got, want):
+    diff = sum(((g - w) ** 2).sum() for g, w in zip(got, want)).sqrt()
+    return (diff / sum((w**2).sum() for w in want).sqrt()).item()
+
+
+def objectives(model, sequences, masks, attention_mask, advantages):
+    """Nonlinear objectives of the current lp, with old-policy lp on the same masks as constants."""
+    with torch.no_grad():
+        lp_old = score(perturbed(model), sequences, masks, micro_batch=8, attention_mask=attention_mask)
+        lp_now = score(model, sequences, masks, micro_batch=8, attention_mask=attention_mask)
+    elbo_old = elbo(lp_old, masks)
+    lengths = masks.num_counted.to(lp_old.dtype)
+    # ESPO's clip range between the smallest and largest |ratio - 1|, so that both branches are exercised
+    distance = (torch.exp((elbo(lp_now, masks) - elbo_old) / lengths) - 1).abs()
+    epsilon = ((distance.min() + distance.max()) / 2).item()
+
+    def vrpo_ol(lp):  # BGPO Eq. 7: exp(B_theta - B_old) * A
+        return -(torch.exp(elbo(lp, masks) - elbo_old) * advantages).mean()
+
+    def spg_eubo(lp):  # SPG: A * ELBO for A > 0, A * log-mean-exp EUBO (or the mixture) for A <= 0
+        negative = torch.where(advantages > 0, elbo(lp, masks), eubo(lp, masks, beta=1.5))
+        mixed = torch.where(advantages > 0, elbo(lp, masks), mixture(lp, masks, beta=1.0, omega=0.5))
+        return -(advantages * (negative + mixed)).sum() / lengths.sum()
+
+    def espo_clipped(lp):  # ESPO Eq. 8: per-token ratio exp((ELBO - ELBO_old) / L), PPO clip
+        ratio = torch.exp((elbo(lp, masks) - elbo_old) / lengths)
+        return -torch.minimum(ratio * advantages, ratio.clamp(1 - epsilon, 1 + epsilon) * advantages).mean()
+
+    return {"vrpo_ol": vrpo_ol, "spg_eubo": spg_eubo, "espo_clipped": espo_clipped}
+
+
+@pytest.mark.parametrize("name, sampler", [("vrpo_ol", "stratified_l"), ("spg_eubo", "block"),
+                                           ("spg_eubo", "random_t"), ("espo_clipped", "complementary")])
+def test_exact_gradient_of_nonlinear_objectives_float64(name, sampler):
+    model = tiny_model()
+    sequences, attention_mask = rollouts(model)
+    masks = draw(model, sequences, sampler, n_t=4)
+    advantages = torch.tensor([1.0, -0.7, 0.4], dtype=torch.float64)
+    objective = objectives(model, sequences, masks, attention_mask, advantages)[name]
+    value, want = naive_gradient(model, sequences, masks, objective, attention_mask)
+    for micro_batch, score_micro_batch in ((1, None), (5, 2), (64, None)):
+        got_value, got = engine_gradient(model, sequences, masks, objective, attention_mask,
+                                         micro_batch=micro_batch, score_micro_batch=score_micro_batch)
+        assert relative_error(got, want) < 1e-6
+        torch.testing.assert_close(got_value, value, rtol=1e-12, atol=1e-12)
+        assert got_value.dim() == 0 and not got_value.requires_grad
+
+
+def bgpo_bound(masks, lp_old, advantages):
+    """BGPO Eq. 13, separable: g_j = (1 + d_j) A / n_t if A >= 0 else exp(d_j) A / n_t, d_j = l_j - l_old,j,
+    with l_j = w_j sum_i lp[n, j, i] (BGPO Eq. 4); loss = -(1/N) sum_n sum_j g_j."""
+    weight = masks.weight.to(lp_old.dtype)
+
+    def objective(lp_pairs, n, j):
+        d = weight[n, j] * (lp_pairs.sum(-1) - lp_old[n, j].sum(-1))
+        a = advantages[n]
+        g = torch.where(a >= 0, (1 + d) * a, torch.exp(d) * a) / masks.n_t
+        return -g.sum() / masks.num_sequences
+
+    return objective
+
+
+def test_bgpo_bound_equals_vrpo_ol_on_policy_value_and_gradient():
+    """BGPO's claim (Sec. 3.2): on-policy with shared masks, the linear bound (separable path, one pass) has the
+    value and gradient of VRPO-OL's exp objective (two-pass path)."""
+    model = tiny_model()
+    sequences, attention_mask = rollouts(model)
+    masks = draw(model, sequences, "stratified_l", n_t=6)
+    advantages = torch.tensor([0.9, -1.2, 0.0], dtype=torch.float64)
+    with torch.no_grad():
+        lp_old = score(model, sequences, masks, micro_batch=4, attention_mask=attention_mask)
+
+    def vrpo_ol(lp):
+        return -(torch.exp(elbo(lp, masks) - elbo(lp_old, masks)) * advantages).mean()
+
+    value, want = engine_gradient(model, sequences, masks, vrpo_ol, attention_mask, micro_batch=2)
+    bound, got = engine_gradient(model, sequences, masks, bgpo_bound(masks, lp_old, advantages), attention_mask,
+                                 micro_batch=2, separable=True)
+    torch.testing.assert_close(bound, value, rtol=1e-12, atol=1e-12)
+    assert value.item() == pytest.approx(-advantages.mean().item())
+    assert relative_error(got, want) < 1e-10
+
+
+def test_separable_path_equals_two_pass_off_policy_including_empty_samples():
+    """Off-policy the bound is its own objective; both paths must agree on it. Complementary masks include
+    empty halves, which the separable path evaluates without a model call."""
+    model = tiny_model()
+    sequences, attention_mask = rollouts(model)
+    masks = draw(model, sequences, "complementary", n_t=8, count="all", seed=4)
+    assert (masks.num_masked == 0).any()
+    advantages = torch.tensor([0.9, -1.2, 0.3], dtype=torch.float64)
+    with torch.no_grad():
+        lp_old = score(perturbed(model), sequences, masks, micro_batch=4, attention_mask=attention_mask)
+    per_pair = bgpo_bound(masks, lp_old, advantages)
+    N, n_t = masks.num_sequences, masks.n_t
+    n, j = torch.arange(N).repeat_interleave(n_t), torch.arange(n_t).repeat(N)
+
+    def full(lp):
+        return per_pair(lp.reshape(N * n_t, L), n, j)
+
+    value, want = naive_gradient(model, sequences, masks, full, attention_mask)
+    for micro_batch in (1, 3):
+        got_value, got = engine_gradient(model, sequences, masks, per_pair, attention_mask,
+                                         micro_batch=micro_batch, separable=True)
+        torch.testing.assert_close(got_value, value, rtol=1e-12, atol=1e-12)
+        assert relative_error(got, want) < 1e-10
+
+
+def test_lora_gradients_equal_naive_autograd():
+    peft = pytest.importorskip("peft")
+    base = tiny_model()
+    sequences, attention_mask = rollouts(base)
+    masks = draw(base, sequences, "stratified_l", n_t=4)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "up_proj"],
+                             init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    params = trainable(model)
+    assert params and all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
+    with torch.no_grad(), model.disable_adapter():  # the reference policy: the base weights
+        lp_ref = score(model, sequences, masks, micro_batch=4, attention_mask=attention_mask)
+    advantages = torch.tensor([1.0, -0.5, 0.25], dtype=torch.float64)
+
+    def objective(lp):  # exp objective plus a k2-style KL to the reference on the sequence ELBO (ESPO)
+        diff = elbo(lp, masks) - elbo(lp_ref, masks)
+        return -(torch.exp(diff / masks.num_counted) * advantages).mean() + 0.1 * (0.5 * diff**2).mean()
+
+    value, want = naive_gradient(model, sequences, masks, objective, attention_mask)
+    got_value, got = engine_gradient(model, sequences, masks, objective, attention_mask, micro_batch=3)
+    assert relative_error(got, want) < 1e-6
+    torch.testing.assert_close(got_value, value)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+
+
+def test_activation_checkpointing_gives_the_same_gradient():
+    model = tiny_model()
+    sequences, attention_mask = rollouts(model)
+    masks = draw(model, sequences, "random_t", n_t=4)
+    advantages = torch.tensor([1.0, -0.5, 0.25], dtype=torch.float64)
+    objective = objectives(model, sequences, masks, attention_mask, advantages)["vrpo_ol"]
+    _, want = naive_gradient(model, sequences, masks, objective, attention_mask)
+    model.set_gradient_checkpointing(True)
+    _, got = engine_gradient(model, sequences, masks, objective, attention_mask, micro_batch=2)
+    _, got_separable = engine_gradient(model, sequences, masks, lambda lp, n, j: -lp.sum(), attention_mask,
+                                       micro_batch=2, separable=True)
+    model.set_gradient_checkpointing(False)
+    assert relative_error(got, want) < 1e-6
+    _, want_separable = naive_gradient(model, sequences, masks, lambda lp: -lp.sum(), attention_mask)
+    assert relative_error(got_separable, want_separable) < 1e-10
+
+
+class Recorder(torch.nn.Module):
+    """Any object with the model contract; records every noisy input it is shown."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.inputs = inner, []
+
+    def forward(self, input_ids, attention_mask=None):
+        self.inputs.append(input_ids.detach().clone())
+        return self.inner(input_ids, attention_mask=attention_mask)
+
+    @property
+    def lm_head_weight(self):
+        return self.inner.lm_head_weight
+
+    @property
+    def mask_token_id(self):
+        return self.inner.mask_token_id
+
+    def seen(self):
+        rows = torch.cat(self.inputs)
+        self.inputs = []
+        return sorted(tuple(r.tolist()) for r in rows)
+
+
+def test_current_old_and_reference_see_identical_masks():
+    """(d) One stored mask object, scored by three policies with different micro-batches and by both engine
+    passes: every policy sees exactly the same noisy sequences. On-policy, the ratio is exactly 1."""
+    model = tiny_model()
+    sequences, attention_mask = rollouts(model)
+    masks = draw(model, sequences, "complementary", n_t=4)
+    current, old, ref = Recorder(model), Recorder(perturbed(model, seed=3)), Recorder(perturbed(model, seed=4))
+    active = likelihood.active_pairs(masks)
+    expected = reference.likelihood.noisy_sequences(sequences, masks.masked, model.mask_token_id)
+    expected = sorted(tuple(r.tolist()) for r in expected.reshape(-1, P + L)[active])
+    with torch.no_grad():
+        lp_old = score(old, sequences, masks, micro_batch=3, attention_mask=attention_mask)
+        score(ref, sequences, masks, micro_batch=5, attention_mask=attention_mask)
+        lp_same = score(model, sequences, masks, micro_batch=2, attention_mask=attention_mask)
+    assert old.seen() == ref.seen() == expected
+    streaming_backward(current, sequences, masks, lambda lp: -elbo(lp, masks).sum(), micro_batch=4,
+                       attention_mask=attention_mask, score_micro_batch=7)
+    assert current.seen() == sorted(expected + expected)  # pass 1 and pass 2
+    with torch.no_grad():
+        lp_current = score(current, sequences, masks, micro_batch=2, attention_mask=attention_mask)
+        rechunked = score(current, sequences, masks, micro_batch=1, attention_mask=attention_mask)
+    assert torch.equal(lp_current, lp_same)  # same chunking: bitwise; other chunking: rounding only
+    torch.testing.assert_close(rechunked, lp_same, rtol=1e-12, atol=1e-12)
+    assert torch.equal(torch.exp(elbo(lp_current, masks) - elbo(lp_same, masks)), torch.ones(3, dtype=torch.float64))
+    assert not torch.equal(lp_old, lp_same)
+
+
+def test_pairs_with_zero_coefficient_are_not_recomputed():
+    model = Recorder(tiny_model())
+    sequences, attention_mask = rollouts(model.inner)
+    masks = draw(model.inner, sequences, "stratified_l", n_t=4)
+    streaming_backward(model, sequences, masks, lambda lp: -elbo(lp, masks)[0], micro_batch=1,
+                       attention_mask=attention_mask)
+    calls = [x.shape[0] for x in model.inputs]
+    assert sum(calls) == 3 * 4 + 4  # pass 1 scores all 12 pairs; pass 2 only sequence 0's four
+
+
+def test_works_under_no_grad_and_objective_without_lp_dependence():
+    model = tiny_model()
+    sequences, attention_mask = rollouts(model)
+    masks = draw(model, sequences, "mean_field", n_t=1)
+    with torch.no_grad():
+        value = streaming_backward(model, sequences, masks, lambda lp: -likelihood.mean_field(lp, masks).sum(),
+                                   micro_batch=2, attention_mask=attention_mask)
+    assert model.lm_head_weight.grad is not None
+    model.zero_grad(set_to_none=True)
+    constant = streaming_backward(model, sequences, masks, lambda lp: torch.tensor(2.0), micro_batch=2)
+    assert constant.item() == 2.0 and model.lm_head_weight.grad is None
+    assert value.item() > 0
+
+
+class LiveSavedBytes:
+    """Peak bytes of tensors saved for backward that are alive at the same time (parameters excluded)."""
+
+    def __init__(self, exclude):
+        self.excluded = {p.untyped_storage().data_ptr() for p in exclude}
+        self.live, self.current, self.peak = {}, 0, 0
+
+    def pack(self, tensor):
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in self.excluded:
+            entry = self.live.setdefault(ptr, [tensor.untyped_storage().nbytes(), 0])
+            if entry[1] == 0:
+                self.current += entry[0]
+                self.peak = max(self.peak, self.current)
+            entry[1] += 1
+            weakref.finalize(tensor, self.release, ptr)
+        return tensor
+
+    def release(self, ptr):
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[ptr]
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+
+def test_saved_memory_is_independent_of_n_t():
+    """Streaming keeps one micro-batch's graph alive; the naive path keeps all n_t."""
+    model = tiny_model(torch.float32)
+    sequences, _ = rollouts(model, N=1)
+    peaks = {}
+    for n_t in (2, 8):
+        masks = draw(model, sequences, "stratified_l", n_t=n_t, count="all")  # every sample scores
+        for name in ("two_pass", "separable", "naive"):
+            with LiveSavedBytes(model.parameters()) as saved:
+                if name == "naive":
+                    reference.likelihood.score_naive(model, sequences, masks).sum().backward()
+                else:
+                    objective = (lambda lp, n, j: lp.sum()) if name == "separable" else (lambda lp: lp.sum())
+                    streaming_backward(model, sequences, masks, objective, micro_batch=1,
+                                       separable=name == "separable")
+            peaks[name, n_t] = saved.peak
+    for name in ("two_pass", "separable"):
+        assert peaks[name, 8] <= 1.05 * peaks[name, 2], peaks
+    assert peaks["naive", 8] >= 3.5 * peaks["naive", 2], peaks
+
+
+def test_bad_input_names_the_value():
+    model = tiny_model()
+    sequences, attention_mask = rollouts(model)
+    masks = draw(model, sequences, "stratified_l")
+
+    def run(objective, **kwargs):
+        arguments = dict(micro_batch=2)
+        arguments.update(kwargs)
+        return streaming_backward(model, sequences, masks, objective, **arguments)
+
+    with pytest.raises(ValueError, match="micro_batch=0 must be an int >= 1"):
+        run(lambda lp: lp.sum(), micro_batch=0)
+    with pytest.raises(ValueError, match="micro_batch=-1 must be an int >= 1"):
+        run(lambda lp: lp.sum(), score_micro_batch=-1)
+    with pytest.raises(ValueError, match=r"objective\(lp\) must return a 0-dim tensor .* got a tensor of shape "
+                                         r"\(3,\); reduce it"):
+        run(lambda lp: elbo(lp, masks))
+    with pytest.raises(ValueError, match=r"must return a 0-dim tensor .* got float"):
+        run(lambda lp: 1.0)
+    with pytest.raises(ValueError, match=r"objective\(lp_pairs, \.\.\.\) must return a 0-dim tensor"):
+        run(lambda lp, n, j: lp.sum(-1), separable=True)
+    with pytest.raises(ValueError, match="score_micro_batch=4 sets pass 1's batch, which separable=True skips"):
+        run(lambda lp, n, j: lp.sum(), separable=True, score_micro_batch=4)
+    with pytest.raises(TypeError, match="objective must be callable, got str"):
+        run("elbo")
+    with pytest.raises(FloatingPointError, match="d objective / d lp is not finite"):
+        run(lambda lp: torch.exp(1000 * elbo(lp, masks).neg()).sum())
+    with pytest.raises(ValueError, match=r"sequences has shape \(2, 14\) but masks were drawn for \(3, 14\)"):
+        streaming_backward(model, sequences[:2], masks, lambda lp: lp.sum(), micro_batch=1)
+    bad = sequences.clone()
+    bad[1, 0] = model.mask_token_id
+    with pytest.raises(ValueError, match=r"sequences\[1, 0\] \(in the prompt\) is the mask token id 127"):
+        streaming_backward(model, bad, masks, lambda lp: lp.sum(), micro_batch=1)
+    with pytest.raises(ValueError, match=r"lp must be \[N, n_t, L\] = \[3, 4, 10\]"):
+        elbo(torch.zeros(3, 4, 9), masks)
+    with pytest.raises(ValueError, match="beta=0 must be > 0"):
+        eubo(torch.zeros(3, 4, 10), masks, beta=0)
+    with pytest.raises(ValueError, match="omega=2 must be in"):
+        mixture(torch.zeros(3, 4, 10), masks, omega=2)
+
+
+@pytest.mark.cuda
+def test_cuda_engine_matches_naive_fp32():
+    model = tiny_model(torch.float32).cuda()
+    sequences, attention_mask = (t.cuda() for t in rollouts(model))
+    for generator in (torch.Generator(), torch.Generator(device="cuda")):  # draws move to the sequences' device
+        masks = sample_masks(sequences, prompt_length=P, n_t=4, sampler="stratified_l",
+                             eos_token_id=model.eos_token_id, generator=generator.manual_seed(0))
+        assert masks.masked.is_cuda
+    advantages = torch.tensor([1.0, -0.7, 0.4], device="cuda")
+    objective = objectives(model, sequences, masks, attention_mask, advantages)["vrpo_ol"]
+    value, want = naive_gradient(model, sequences, masks, objective, attention_mask)
+    got_value, got = engine_gradient(model, sequences, masks, objective, attention_mask, micro_batch=3)
+    assert relative_error(got, want) < 1e-4
+    torch.testing.assert_close(got_value, value, rtol=1e-5, atol=1e-5)
