@@ -17,8 +17,8 @@ old policy's ELBO is the current one, detached, so no extra scoring pass is need
 Time is the median of --repeats runs after one warm-up per provider, reported per MC sample. Memory:
   - saved: bytes autograd keeps for backward in the largest graph alive at once (count_saved_tensors with the
     parameters excluded): the whole graph for naive/all_graphs, one micro-batch's graph for the streaming paths;
-  - peak: on CPU the resident peak of a fresh subprocess above its baseline (after a warm-up run that allocates
-    the gradients), on CUDA torch.cuda.max_memory_allocated above what was allocated before the run. The CPU
+  - peak: on CPU the resident peak of a fresh subprocess above its baseline (after a warm-up run on one fully
+    masked sample, which allocates the gradients and the largest per-sample buffers), on CUDA torch.cuda.max_memory_allocated above what was allocated before the run. The CPU
     subprocess runs with MALLOC_MMAP_THRESHOLD_=1 MiB: glibc's dynamic threshold otherwise keeps freed
     multi-MiB activations in its heap, so RSS would creep with the number of micro-batches from allocator
     retention rather than live memory (about +10% at n_t=24-64 here); --default-malloc measures it that way.
@@ -117,9 +117,16 @@ class Case:
     def parameters(self):
         return [p for p in self.model.parameters()]
 
-    def run(self, provider: str, n_t: int) -> None:
+    def warm_up(self, provider: str) -> None:
+        """One run on a single fully masked sample: allocates the gradients and the largest per-sample buffers
+        (the most rows through the LM head), so a later peak measures transient memory, not first touches."""
+        full = sample_masks(self.sequences, prompt_length=self.prompt, n_t=1, sampler="mean_field", count="all",
+                            perturb_prob=0.0, generator=torch.Generator(device=self.device).manual_seed(0))
+        self.run(provider, 1, masks=full)
+
+    def run(self, provider: str, n_t: int, masks=None) -> None:
         self.model.zero_grad(set_to_none=False)  # gradients stay allocated: they are part of the baseline
-        masks = self.masks(n_t)
+        masks = masks if masks is not None else self.masks(n_t)
         if provider == "naive":
             vrpo_ol(masks)(reference.likelihood.score_naive(self.model, self.sequences, masks)).backward()
         elif provider == "all_graphs":
@@ -164,7 +171,7 @@ case = b.Case(preset={args.preset!r}, prompt={args.prompt}, completion={args.com
               checkpointing={args.checkpointing}, micro_batch={args.micro_batch},
               score_micro_batch={args.score_micro_batch})
 case.masks({n_t})
-case.run({provider!r}, 1)  # warm-up: threads, allocator and the gradients themselves
+case.warm_up({provider!r})  # threads, allocator, the gradients and the largest per-sample buffers
 """
     saved_environment = os.environ.copy()
     if not args.default_malloc:
@@ -214,7 +221,7 @@ def sweep(case: Case, args) -> list[dict]:
     rows, failed = [], set()
     for provider in args.providers:  # one warm-up per provider (threads, allocator, gradients)
         try:
-            case.run(provider, 1)
+            case.warm_up(provider)
         except torch.cuda.OutOfMemoryError:
             failed.add(provider)
         free_memory(case)
