@@ -18,10 +18,12 @@ Time is the median of --repeats runs after one warm-up per provider, reported pe
   - saved: bytes autograd keeps for backward in the largest graph alive at once (count_saved_tensors with the
     parameters excluded): the whole graph for naive/all_graphs, one micro-batch's graph for the streaming paths;
   - peak: on CPU the resident peak of a fresh subprocess above its baseline (after a warm-up run on one fully
-    masked sample, which allocates the gradients and the largest per-sample buffers), on CUDA torch.cuda.max_memory_allocated above what was allocated before the run. The CPU
-    subprocess runs with MALLOC_MMAP_THRESHOLD_=1 MiB: glibc's dynamic threshold otherwise keeps freed
-    multi-MiB activations in its heap, so RSS would creep with the number of micro-batches from allocator
-    retention rather than live memory (about +10% at n_t=24-64 here); --default-malloc measures it that way.
+    masked sample, which allocates the gradients and the largest per-sample buffers); on CUDA
+    torch.cuda.max_memory_allocated above what was allocated before the run. The CPU subprocess runs with
+    MALLOC_MMAP_THRESHOLD_=64 KiB, so that freed tensors go back to the OS: with glibc's default (dynamic,
+    up to 32 MiB) threshold the `small` preset's 0.6 MiB activations stay in the heap once freed and RSS counts
+    allocator retention (a step of about +10-20% from the second micro-batch on) rather than live memory;
+    --default-malloc measures it that way.
 On CPU, naive is skipped where its logits alone would exceed --naive-max-gib; on CUDA an out-of-memory error is
 caught and reported, and larger n_t are not tried for that provider.
 """
@@ -175,7 +177,7 @@ case.warm_up({provider!r})  # threads, allocator, the gradients and the largest 
 """
     saved_environment = os.environ.copy()
     if not args.default_malloc:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 << 10)
     try:
         return peak_extra_rss(setup, f"case.run({provider!r}, {n_t})", threads=torch.get_num_threads())
     finally:
