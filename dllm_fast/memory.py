@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import torch
 
@@ -42,6 +43,45 @@ def count_saved_tensors(exclude=()):
     counter = SavedTensorCounter(exclude)
     with torch.autograd.graph.saved_tensors_hooks(counter._pack, lambda tensor: tensor):
         yield counter
+
+
+class LiveSavedTensors:
+    """Peak bytes of tensors saved for backward that are alive at the same time (`peak`), where
+    SavedTensorCounter counts every storage ever saved: the right measure for code that runs several
+    backward passes, such as the streaming likelihood engine."""
+
+    def __init__(self, exclude=()):
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._live: dict[int, list[int]] = {}  # storage pointer -> [bytes, saved references alive]
+        self.current = 0
+        self.peak = 0
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer not in self._excluded:
+            entry = self._live.setdefault(pointer, [tensor.untyped_storage().nbytes(), 0])
+            if entry[1] == 0:
+                self.current += entry[0]
+                self.peak = max(self.peak, self.current)
+            entry[1] += 1
+            weakref.finalize(tensor, self._release, pointer)
+        return tensor
+
+    def _release(self, pointer: int) -> None:
+        entry = self._live[pointer]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self._live[pointer]
+
+
+@contextlib.contextmanager
+def track_live_saved_tensors(exclude=()):
+    """`with track_live_saved_tensors(model.parameters()) as live: ...` then `live.peak` is the most saved-for-
+    backward memory that was alive at once."""
+    tracker = LiveSavedTensors(exclude)
+    with torch.autograd.graph.saved_tensors_hooks(tracker._pack, lambda tensor: tensor):
+        yield tracker
 
 
 def _status_kib(field: str) -> int:
