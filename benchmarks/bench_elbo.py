@@ -57,10 +57,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj"]  # what d1/SPG's LoRA e
 def build_model(preset: str, device: torch.device, dtype: torch.dtype, *, lora: bool, lora_rank: int,
                 checkpointing: bool, seed: int = 0):
     """Random weights at a realistic scale, allocated directly in `dtype` on `device`."""
-    with torch.device("meta"):
-        model = LLaDAModel(LLaDAConfig.preset(preset))
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.init_weights(generator=torch.Generator(device=device).manual_seed(seed))
+    model = LLaDAModel.with_random_weights(LLaDAConfig.preset(preset), dtype=dtype, device=device, seed=seed)
     model.set_gradient_checkpointing(checkpointing)
     if lora:
         import peft

@@ -37,31 +37,19 @@ PROVIDERS = {
 GPU_PEAKS = {"H100": (989.4e12, 3.35e12), "H200": (989.4e12, 4.8e12)}
 
 
-def build_model(preset: str, device: str, dtype: torch.dtype, seed: int):
-    from dllm_fast.models import LLaDAConfig, LLaDAModel
-
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # build the weights in place, without an fp32 copy of an 8B model
-    try:
-        with torch.device(device):
-            model = LLaDAModel(LLaDAConfig.preset(preset))
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
-
-
 def run_provider(name: str, settings: dict) -> dict:
     """In a fresh process: build the model, warm up, then time one rollout and record its peak memory."""
     import dllm_fast
     from dllm_fast import reference
     from dllm_fast.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+    from dllm_fast.models import LLaDAConfig, LLaDAModel
 
     device = torch.device(settings["device"])
-    model = build_model(settings["preset"], settings["device"], getattr(torch, settings["dtype"]), settings["seed"])
-    torch.manual_seed(settings["seed"] + 1)
+    model = LLaDAModel.with_random_weights(LLaDAConfig.preset(settings["preset"]), device=device,
+                                           dtype=getattr(torch, settings["dtype"]), seed=settings["seed"]).eval()
     B, P = settings["batch"], settings["prompt"]
-    prompts = torch.randint(0, model.config.mask_token_id, (B, P), device=device)
+    generator = torch.Generator(device).manual_seed(settings["seed"] + 1)
+    prompts = torch.randint(0, model.config.mask_token_id, (B, P), device=device, generator=generator)
     options = dict(PROVIDERS[name])
     generate = reference.generate if options.pop("backend", None) == "reference" else dllm_fast.generate
     steps = None if "threshold" in options else settings["steps"]

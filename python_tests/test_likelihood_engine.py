@@ -14,13 +14,7 @@ from dllm_fast.models import LLaDAConfig, LLaDAModel
 P, L = 4, 10
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes run faster on one thread, and do not stall when another process holds a core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(dtype=torch.float64, seed=0):

@@ -11,13 +11,7 @@ from dllm_fast.likelihood import SAMPLERS, elbo, eubo, eubo_per_position, mean_f
 P, L = 3, 9
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes run faster on one thread, and do not stall when another process holds a core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def lp_and_masks(sampler, n_t=4, seed=0):

@@ -10,13 +10,7 @@ from dllm_fast.likelihood import SAMPLERS, counted_positions, draw_masks, sample
 EOS, MASK = 126, 127  # the tiny preset's ids
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes run faster on one thread, and do not stall when another process holds a core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_sequences(N=4, P=3, L=10, eos_at=(None, 4, 0, 9), seed=0):

@@ -265,3 +265,15 @@ def test_bf16_forward_runs_and_is_close_to_fp32():
     low = model.to(torch.bfloat16).logits(ids)
     assert low.dtype == torch.bfloat16
     assert (low.float() - reference).abs().max() < 0.25
+
+
+def test_with_random_weights_is_seeded_and_built_in_place():
+    config = LLaDAConfig.preset("tiny")
+    model = LLaDAModel.with_random_weights(config, dtype=torch.bfloat16, seed=3)
+    assert model.dtype == torch.bfloat16 and not any(p.is_meta for p in model.parameters())
+    again = LLaDAModel(config)
+    again.init_weights(generator=torch.Generator().manual_seed(3))
+    for a, b in zip(model.parameters(), again.to(torch.bfloat16).parameters()):
+        assert torch.equal(a, b)
+    other = LLaDAModel.with_random_weights(config, dtype=torch.bfloat16, seed=4)
+    assert not torch.equal(other.lm_head_weight, model.lm_head_weight)

@@ -252,6 +252,17 @@ class LLaDAModel(nn.Module):
             nn.init.normal_(head, std=2.0 / math.sqrt(self.config.d_model), generator=generator)
 
     @classmethod
+    def with_random_weights(cls, config: LLaDAConfig, *, dtype: torch.dtype = torch.float32,
+                            device: str | torch.device = "cpu", seed: int = 0) -> "LLaDAModel":
+        """`init_weights`' random weights from `seed`, allocated directly in `dtype` on `device` (an 8B model
+        never exists in fp32 on the host)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to(dtype=dtype).to_empty(device=device)
+        model.init_weights(generator=torch.Generator(device=device).manual_seed(seed))
+        return model
+
+    @classmethod
     def from_pretrained(
         cls, path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device | None = None
     ) -> "LLaDAModel":
