@@ -18,6 +18,7 @@ void check_masked_logprobs_args(const Tensor& hidden, const Tensor& weight, cons
   TORCH_CHECK(hidden.size(1) == weight.size(1), "masked_logprobs: hidden has d = ", hidden.size(1),
               " but weight has d = ", weight.size(1), "; both must share the model width.");
   TORCH_CHECK(weight.size(0) > 0, "masked_logprobs: weight has an empty vocabulary (V = 0).");
+  TORCH_CHECK(hidden.size(1) > 0, "masked_logprobs: hidden has width d = 0; the model width must be positive.");
   TORCH_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0), "masked_logprobs: targets must be 1-D [M] with M = ",
               hidden.size(0), " (the rows of hidden), got shape ", targets.sizes(), ".");
   TORCH_CHECK(targets.scalar_type() == at::kLong, "masked_logprobs: targets must be int64, got ",
@@ -39,6 +40,8 @@ void check_sample_tokens_args(const Tensor& hidden, const Tensor& weight, const 
   TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
               "sample_tokens: hidden must be [N, d] and weight [V, d], got shapes ", hidden.sizes(), " and ",
               weight.sizes(), ".");
+  TORCH_CHECK(hidden.size(1) > 0 && weight.size(0) > 0, "sample_tokens: hidden width d and vocabulary V must be "
+              "positive, got d = ", hidden.size(1), " and V = ", weight.size(0), ".");
   TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), "sample_tokens: hidden is ", hidden.scalar_type(),
               " but weight is ", weight.scalar_type(), "; cast one so both share a dtype.");
   const auto dtype = hidden.scalar_type();

@@ -188,11 +188,12 @@ def sample_tokens(
             row_ids[i], j) (row_ids default 0..N-1), so results are reproducible and independent of batching.
         suppress_ids: token ids removed from sampling and from the confidence softmax (e.g. EOS).
         confidence_exclude_ids: token ids removed from the confidence softmax only; a row that samples one of
-            them gets confidence 0.
+            them gets confidence 0. On CUDA each list holds at most 8 ids.
 
     Returns:
         tokens [N] int64, and confidence [N] fp32 (fp64 for fp64 inputs): softmax(hidden @ W.T)[token] under the
-        unscaled logits.
+        unscaled logits. A row with no finite logit (NaN hidden states) raises on CPU; on CUDA, where checking
+        would cost a host sync, it comes back as token -1 with confidence NaN.
     """
     _check_rows_and_head("sample_tokens", hidden, lm_head_weight)
     if not temperature >= 0:

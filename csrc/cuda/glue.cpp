@@ -116,12 +116,12 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const std::optional<at::Tensor>
   const auto opts = hidden.options().dtype(acc);
   const bool need_h = output_mask[0], need_w = output_mask[1];
   at::Tensor grad_h = need_h ? at::zeros({M, d}, opts) : at::Tensor();  // fp32 accumulator across chunks
-  at::Tensor grad_w = need_w ? at::zeros_like(weight) : at::Tensor();
   const bool has_glp = grad_logp.has_value() && grad_logp->defined();
   const bool has_glse = grad_lse.has_value() && grad_lse->defined();
   if ((!need_h && !need_w) || M == 0 || (!has_glp && !has_glse)) {
-    return {need_h ? grad_h.to(dtype) : at::Tensor(), grad_w};
+    return {need_h ? grad_h.to(dtype) : at::Tensor(), need_w ? at::zeros_like(weight) : at::Tensor()};
   }
+  at::Tensor grad_w = need_w ? at::empty_like(weight) : at::Tensor();  // every chunk writes its rows
   const at::Tensor glp = has_glp ? grad_logp->to(acc).contiguous() : at::Tensor();
   const at::Tensor glse = has_glse ? grad_lse->to(acc).contiguous() : at::Tensor();
   const at::Tensor lse = lse_in.to(acc).contiguous();

@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "device_math.cuh"
 #include "masked_logprobs.cuh"
 
@@ -13,7 +15,7 @@ namespace {
 
 // One block per row: each thread folds its strided columns into (m, s), then warps and the block combine.
 template <typename acc_t>
-__global__ void chunk_logsumexp_kernel(const acc_t* __restrict__ logits, int64_t cols, int64_t ld, int64_t v0,
+__global__ void __launch_bounds__(kThreads) chunk_logsumexp_kernel(const acc_t* __restrict__ logits, int64_t cols, int64_t ld, int64_t v0,
                                        const int64_t* __restrict__ targets, acc_t* __restrict__ run_max,
                                        acc_t* __restrict__ run_sum, acc_t* __restrict__ target_logit) {
   const int64_t row = blockIdx.x;
@@ -62,16 +64,23 @@ __global__ void finalize_kernel(int64_t rows, const acc_t* __restrict__ run_max,
   logp[i] = target_logit[i] - l;  // target_logit stays NaN for an out-of-vocabulary target
 }
 
+// torch builds with __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__, so 16-bit outputs need the
+// explicit intrinsics (the double -> 16-bit paths are never taken, but they must compile).
 template <typename out_t, typename acc_t>
-__device__ __forceinline__ out_t cast_out(acc_t v) { return static_cast<out_t>(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 cast_out<__nv_bfloat16, float>(float v) { return __float2bfloat16(v); }
-template <>
-__device__ __forceinline__ __half cast_out<__half, float>(float v) { return __float2half(v); }
+__device__ __forceinline__ out_t cast_out(acc_t v) {
+  if constexpr (std::is_same_v<out_t, __nv_bfloat16>) {
+    return __float2bfloat16(static_cast<float>(v));
+  } else if constexpr (std::is_same_v<out_t, __half>) {
+    return __float2half(static_cast<float>(v));
+  } else {
+    return static_cast<out_t>(v);
+  }
+}
 
-// One block per row, threads striding over the chunk's columns.
+// One block per row, threads striding over the chunk's columns. `logits` is not __restrict__: for fp32/fp64
+// the gradient is written in place (dlogits aliases logits).
 template <typename acc_t, typename out_t>
-__global__ void softmax_grad_kernel(const acc_t* __restrict__ logits, int64_t cols, int64_t ld, int64_t v0,
+__global__ void softmax_grad_kernel(const acc_t* logits, int64_t cols, int64_t ld, int64_t v0,
                                     const int64_t* __restrict__ targets, const acc_t* __restrict__ lse,
                                     const acc_t* __restrict__ grad_logp, const acc_t* __restrict__ grad_lse,
                                     out_t* dlogits, int64_t ld_out) {

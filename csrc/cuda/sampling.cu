@@ -9,11 +9,12 @@
 namespace dllm_fast::cuda {
 namespace {
 
+// A fixed, unrolled loop keeps the lists in registers (a loop bounded by count spills them to the stack).
 __device__ __forceinline__ bool contains(const TokenList& list, int64_t id) {
-  for (int i = 0; i < list.count; ++i) {
-    if (list.ids[i] == id) return true;
-  }
-  return false;
+  bool hit = false;
+#pragma unroll
+  for (int i = 0; i < TokenList::kCapacity; ++i) hit |= (i < list.count) & (list.ids[i] == id);
+  return hit;
 }
 
 // Same transform as the CPU kernel: E = -log1p(-v) ~ Exp(1), Gumbel = -log(E).
@@ -32,7 +33,7 @@ __device__ __forceinline__ void take_better(Best<acc_t>& a, const Best<acc_t>& b
 }
 
 template <typename acc_t>
-__global__ void sample_chunk_kernel(const acc_t* __restrict__ logits, int64_t cols, int64_t ld, int64_t v0,
+__global__ void __launch_bounds__(kThreads) sample_chunk_kernel(const acc_t* __restrict__ logits, int64_t cols, int64_t ld, int64_t v0,
                                     const int64_t* __restrict__ row_ids, bool greedy, acc_t inv_temperature,
                                     uint64_t seed, uint32_t offset, TokenList suppress, TokenList exclude,
                                     SampleState<acc_t> state) {
@@ -49,7 +50,7 @@ __global__ void sample_chunk_kernel(const acc_t* __restrict__ logits, int64_t co
       if (contains(suppress, token)) continue;
       const acc_t l = x[j];
       const acc_t score = greedy ? l : l * inv_temperature + static_cast<acc_t>(gumbel(words.w[k]));
-      take_better(best, Best<acc_t>{score, token, l});
+      if (score > -INFINITY) take_better(best, Best<acc_t>{score, token, l});  // NaN and -inf never win, as on CPU
       if (!contains(exclude, token) && l != -INFINITY) {
         if (l > m) {
           s = s * exp_acc(m - l) + acc_t(1);
