@@ -119,11 +119,12 @@ def _check_masked_logprobs(hidden, weight, targets, chunk_size) -> None:
             f"{hidden.dtype} and {weight.dtype}; cast with .to(dtype)."
         )
     if targets.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"masked_logprobs: targets must be int64 token ids, got {targets.dtype}.")
+        raise TypeError(f"masked_logprobs: targets must be int64 (or int32) token ids, got {targets.dtype}; "
+                        "pass targets.long().")
     if not (hidden.device == weight.device == targets.device):
         raise ValueError(
             f"masked_logprobs: hidden, lm_head_weight and targets must be on one device, got "
-            f"{hidden.device}, {weight.device} and {targets.device}."
+            f"{hidden.device}, {weight.device} and {targets.device}; move them with .to(lm_head_weight.device)."
         )
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"masked_logprobs: chunk_size must be a positive int or None, got {chunk_size!r}.")

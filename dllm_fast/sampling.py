@@ -50,7 +50,8 @@ def generate(
         steps: total denoising steps (a multiple of the number of blocks); each step of a block unmasks
             block_length / steps_per_block tokens (the remainder goes to the first steps).
         temperature: 0 is greedy; T > 0 samples softmax(logits / T) exactly (Gumbel-max with Philox noise keyed
-            by a seed drawn once from `generator`).
+            by a seed drawn once from `generator`, the row, and the position in the completion, so a prompt's
+            sample depends on its row but not on how wide the batch is padded).
         remasking: "low_confidence" unmasks the most probable sampled tokens first; "random" in random order
             (uniforms drawn from `generator`, as in LLaDA).
         cfg_scale: unsupervised classifier-free guidance, logits = u + (s + 1)(c - u) with the prompt masked for u.
@@ -58,8 +59,10 @@ def generate(
         threshold: Fast-dLLM parallel decoding: unmask the most confident token plus every token with
             confidence >= threshold, until the block is done; needs steps=None.
         logits_eos_inf: never sample EOS. confidence_eos_eot_inf: EOS and EoT get confidence 0 (removed from
-            the confidence softmax), so they are unmasked last within a block.
-        generator: the source of all randomness; a fixed generator state gives identical outputs.
+            the confidence softmax), so they are unmasked last within a block. This holds at every temperature;
+            LLaDA's generate.py, through a chained assignment, removes only EoT when T > 0.
+        generator: the source of all randomness, on input_ids' device; a fixed generator state gives
+            identical outputs (None: torch's default generator).
 
     Returns: GenerationResult(sequences [B, P+G], completion_ids [B, G], completion_mask [B, G] (up to and
         including the first EOS), nfe).
@@ -67,7 +70,7 @@ def generate(
     steps_per_block = check_generate_args(
         model, input_ids, attention_mask, gen_length=gen_length, block_length=block_length, steps=steps,
         temperature=temperature, remasking=remasking, cfg_scale=cfg_scale, cache=cache, threshold=threshold,
-        confidence_eos_eot_inf=confidence_eos_eot_inf)
+        confidence_eos_eot_inf=confidence_eos_eot_inf, generator=generator)
     device, mask_id = input_ids.device, model.mask_token_id
     B, P = input_ids.shape
     total = P + gen_length
@@ -83,7 +86,8 @@ def generate(
     suppress = [model.eos_token_id] if logits_eos_inf else []
     exclude = [model.eos_token_id, model.eot_token_id] if confidence_eos_eot_inf else []
     weight = model.lm_head_weight
-    row_base = torch.arange(B, device=device)[:, None] * total  # noise is keyed by (sequence, absolute position)
+    # Noise is keyed by (row, position in the completion): a prompt's sample does not depend on the padded width.
+    row_base = torch.arange(B, device=device)[:, None] * gen_length
 
     def block_hidden(start: int, end: int, refresh: bool) -> torch.Tensor:
         """Hidden states [B, end - start, d] of the current block under the cache mode (CFG applied)."""
@@ -124,7 +128,7 @@ def generate(
             rows = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
             tokens, confidence = ops.sample_tokens(
                 rows.reshape(-1, rows.shape[-1]), weight, temperature=temperature, seed=seed, offset=nfe,
-                row_ids=(row_base + start + positions).reshape(-1), suppress_ids=suppress,
+                row_ids=(row_base + (start - P) + positions).reshape(-1), suppress_ids=suppress,
                 confidence_exclude_ids=exclude)
             if remasking == "random":  # LLaDA draws one uniform per fed position, in this order
                 seen = 0 if refresh else start

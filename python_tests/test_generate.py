@@ -36,8 +36,34 @@ def both(model, ids, mask, **kwargs):
     return fused, plain
 
 
+class ScriptedModel(torch.nn.Module):
+    """The model contract with context-free logits: position j's logits are table[j] whatever the canvas, so a
+    test knows every token in advance and can read the unmasking order off the canvases it was fed."""
+
+    mask_token_id, eos_token_id, eot_token_id = 7, 6, 5
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = table  # [L, V]
+        self.lm_head_weight = torch.eye(table.shape[1], dtype=table.dtype)  # hidden states are the logits
+        self.canvases = []
+
+    def forward(self, input_ids, attention_mask=None):
+        self.canvases.append(input_ids.clone())
+        return self.table[: input_ids.shape[1]].expand(input_ids.shape[0], -1, -1)
+
+
+def unmask_steps(canvases, mask_id):
+    """[B, L] the step at which each position stopped being masked (-1 for the prompt)."""
+    stacked = torch.stack(canvases)  # [steps, B, L]; canvas s is the input of step s
+    still_masked = (stacked == mask_id).sum(dim=0)
+    return still_masked - 1
+
+
 @pytest.mark.parametrize("lengths", [[5], [3, 9, 6], [1, 12]])
-@pytest.mark.parametrize("gen_length,block_length,steps", [(16, 16, 16), (16, 4, 8), (24, 8, 6), (12, 4, 12)])
+@pytest.mark.parametrize(
+    "gen_length,block_length,steps", [(16, 16, 16), (16, 4, 8), (24, 8, 6), (12, 4, 12), (16, 8, 6), (15, 5, 6)]
+)
 def test_greedy_no_cache_is_token_identical_to_reference(device, lengths, gen_length, block_length, steps):
     model = tiny_model(device)
     ids, mask = prompts(device, lengths)
@@ -48,11 +74,60 @@ def test_greedy_no_cache_is_token_identical_to_reference(device, lengths, gen_le
     assert torch.equal(fused.sequences[:, : ids.shape[1]], ids)
 
 
+def test_transfer_counts_split_each_block_evenly_remainder_first():
+    """LLaDA's schedule: 8 tokens over 3 steps unmask 3, 3, 2 (the remainder goes to the first steps)."""
+    model = tiny_model("cpu")
+    ids, mask = prompts("cpu", [4, 6])
+    canvases = []
+    hook = model.register_forward_pre_hook(lambda module, args: canvases.append(args[0].clone()))
+    dllm_fast.generate(model, ids, mask, gen_length=16, block_length=8, steps=6)
+    hook.remove()
+    masked = [int((c[:, ids.shape[1]:] == model.mask_token_id).sum(dim=1).unique()) for c in canvases]
+    assert masked == [16, 13, 10, 8, 5, 2]
+
+
+EOS_POSITIONS, EOT_POSITIONS = [1, 7, 12], [3, 10]  # completion positions where EOS / EoT are near-certain
+
+
+def eos_prone_table(prompt_length, gen_length, generator):
+    """Random logits over 5 words, EoT (5) and EOS (6), with EOS or EoT near-certain at a few positions."""
+    table = torch.randn(prompt_length + gen_length, 8, generator=generator, dtype=torch.float64)
+    table[:, 7] = -1e4  # the mask token is never predicted (finite: hidden @ eye must not make NaNs)
+    table[[prompt_length + i for i in EOS_POSITIONS], 6] += 6.0
+    table[[prompt_length + i for i in EOT_POSITIONS], 5] += 6.0
+    return table
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(logits_eos_inf=True), dict(confidence_eos_eot_inf=True),
+                                    dict(logits_eos_inf=True, confidence_eos_eot_inf=True)])
+def test_eos_options_change_what_is_sampled_and_when(kwargs):
+    table = eos_prone_table(2, 16, torch.Generator().manual_seed(0))
+    ids = torch.tensor([[1, 2]])
+    run = dict(gen_length=16, block_length=8, steps=16, **kwargs)  # one token per step: the order is visible
+    model = ScriptedModel(table)
+    fused = dllm_fast.generate(model, ids, **run)
+    assert torch.equal(fused.sequences, reference.generate(ScriptedModel(table), ids, **run).sequences)
+
+    completion, when = fused.completion_ids[0], unmask_steps(model.canvases, model.mask_token_id)[0, 2:]
+    assert (completion[EOS_POSITIONS] == 6).all() != kwargs.get("logits_eos_inf", False)
+    assert not (completion == 6).any() or not kwargs.get("logits_eos_inf")
+    assert (completion[EOT_POSITIONS] == 5).all()
+    confident = torch.zeros(16, dtype=torch.bool)
+    confident[EOT_POSITIONS if kwargs.get("logits_eos_inf") else EOS_POSITIONS + EOT_POSITIONS] = True
+    eos_or_eot = (completion == 5) | (completion == 6)
+    for block in (slice(0, 8), slice(8, 16)):
+        if kwargs.get("confidence_eos_eot_inf"):  # confidence 0: unmasked after every other token of the block
+            assert when[block][eos_or_eot[block]].min() > when[block][~eos_or_eot[block]].max()
+        else:  # near-certain predictions: unmasked first
+            assert when[block][confident[block]].max() < when[block][~confident[block]].min()
+
+
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 @pytest.mark.parametrize(
     "options",
     [dict(steps=8), dict(steps=16, remasking="random"), dict(steps=8, cfg_scale=1.0),
-     dict(steps=8, logits_eos_inf=True, confidence_eos_eot_inf=True)],
+     dict(steps=8, logits_eos_inf=True, confidence_eos_eot_inf=True),
+     dict(threshold=0.7, remasking="random"), dict(threshold=0.5, cfg_scale=1.0), dict(steps=12)],
 )
 def test_cached_modes_match_the_reference_fast_dllm(device, cache, options):
     """Batch > 1 with left padding: the fused cached sampler reproduces the reference's cache semantics."""
@@ -103,17 +178,42 @@ def test_threshold_decodes_in_parallel_and_matches_reference(device, cache):
     assert fused.nfe == plain.nfe < 16  # confident tokens were unmasked together
 
 
-def test_sampling_is_reproducible_and_seeded(device):
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_sampling_is_reproducible_and_seeded(device, cache):
     model = tiny_model(device, torch.float32)
     ids, mask = prompts(device, [5, 5])
 
     def run(seed):
         generator = torch.Generator(device).manual_seed(seed)
         return dllm_fast.generate(model, ids, mask, gen_length=16, block_length=8, steps=8, temperature=1.0,
-                                  generator=generator).sequences
+                                  cache=cache, generator=generator).sequences
 
     assert torch.equal(run(1), run(1))
     assert not torch.equal(run(1), run(2))
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_a_sample_does_not_depend_on_the_padded_width(device, cache):
+    """At T > 0, row 0 samples the same completion alone or left-padded beside a longer prompt."""
+    model = tiny_model(device)
+    ids, mask = prompts(device, [4, 9])
+    kwargs = dict(gen_length=8, block_length=4, steps=4, temperature=1.0, cache=cache)
+    batched = dllm_fast.generate(model, ids, mask, generator=torch.Generator(device).manual_seed(3), **kwargs)
+    alone = dllm_fast.generate(model, ids[:1, -4:], generator=torch.Generator(device).manual_seed(3), **kwargs)
+    assert torch.equal(batched.completion_ids[0], alone.completion_ids[0])
+
+
+@pytest.mark.parametrize("cache, fed", [("prefix", [24, 16, 24, 12, 24, 8, 24, 4]), ("dual", [24, 4] * 4)])
+def test_caches_feed_only_what_fast_dllm_recomputes(cache, fed):
+    """Fast-dLLM: each block starts with a full refresh; later steps feed [block start, L) under the prefix
+    cache and only the block under the dual cache (the suffix's keys and values stay as refreshed)."""
+    model = tiny_model("cpu")
+    ids, mask = prompts("cpu", [5, 8])
+    lengths = []
+    hook = model.register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
+    dllm_fast.generate(model, ids, mask, gen_length=16, block_length=4, steps=8, cache=cache)
+    hook.remove()
+    assert lengths == fed  # prompt width 8 + 16 generated: 24 positions, blocks start at 8, 12, 16, 20
 
 
 def test_temperature_sampling_matches_reference_in_distribution(device):
@@ -196,3 +296,13 @@ def test_bad_prompts_are_named():
     no_eot = LLaDAModel(LLaDAConfig(**{**LLaDAConfig.preset("tiny").__dict__, "eot_token_id": None}))
     with pytest.raises(ValueError, match="confidence_eos_eot_inf needs"):
         dllm_fast.generate(no_eot, ids, mask, confidence_eos_eot_inf=True, **kwargs)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator or None, got int"):
+        dllm_fast.generate(model, ids, mask, generator=42, **kwargs)
+
+
+@pytest.mark.cuda
+def test_generator_on_another_device_is_named():
+    model = tiny_model("cuda", torch.float32)
+    ids, mask = prompts("cuda", [3])
+    with pytest.raises(ValueError, match="generator is on cpu but input_ids on cuda"):
+        dllm_fast.generate(model, ids, mask, gen_length=4, block_length=4, steps=4, generator=torch.Generator())

@@ -171,24 +171,75 @@ def test_save_pretrained_writes_the_official_layout(official, tmp_path):
     assert torch.equal(LLaDAModel.from_pretrained(out).logits(ids), model.logits(ids))
 
 
-def test_tokenizer_loads_with_autotokenizer(tmp_path):
+def word_level_tokenizer(size):
+    """A fast tokenizer over words w0..w{size-4} plus LLaDA's three special tokens as the last ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     specials = ["<|eot_id|>", "<|endoftext|>", "<|mdm_mask|>"]
-    vocab = {f"w{i}": i for i in range(125)} | {tok: 125 + i for i, tok in enumerate(specials)}
+    words = size - len(specials)
+    vocab = {f"w{i}": i for i in range(words)} | {tok: words + i for i, tok in enumerate(specials)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>", mask_token="<|mdm_mask|>"
     )
+
+
+def test_tokenizer_loads_with_autotokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
     model = LLaDAModel(LLaDAConfig.preset("tiny"))
-    model.save_pretrained(tmp_path, tokenizer=tokenizer)
+    model.save_pretrained(tmp_path, tokenizer=word_level_tokenizer(128))
 
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded("w3 w5 <|eot_id|>").input_ids == [3, 5, 125]
     assert loaded.mask_token_id == model.mask_token_id == 127
     assert loaded.eos_token_id == model.eos_token_id == 126
+
+
+def test_load_then_save_carries_the_tokenizer_and_remote_code(official, tmp_path):
+    """An official directory (auto_map config, tokenizer, modeling files) survives from_pretrained + save_pretrained."""
+    from transformers import AutoTokenizer
+
+    weights, directory = official
+    write_official_checkpoint(directory, OFFICIAL_CONFIG, weights)
+    word_level_tokenizer(96).save_pretrained(directory)
+    (directory / "configuration_llada.py").write_text("# the official remote-code config class\n")
+
+    out = tmp_path / "resaved"
+    LLaDAModel.from_pretrained(directory).save_pretrained(out)
+    assert (out / "configuration_llada.py").read_text() == (directory / "configuration_llada.py").read_text()
+    assert json.loads((out / "config.json").read_text())["auto_map"] == OFFICIAL_CONFIG["auto_map"]
+    loaded = AutoTokenizer.from_pretrained(out)
+    assert loaded("w3 <|eot_id|>").input_ids == [3, 93]
+    assert (loaded.mask_token_id, loaded.eos_token_id) == (OFFICIAL_CONFIG["mask_token_id"], OFFICIAL_CONFIG["eos_token_id"])
+
+
+def test_load_arguments_are_checked(official):
+    weights, directory = official
+    write_official_checkpoint(directory, OFFICIAL_CONFIG, weights)
+    assert LLaDAModel.from_pretrained(directory, dtype="bfloat16").dtype == torch.bfloat16
+    assert LLaDAModel.from_pretrained(directory, dtype=torch.float16, device="cpu").dtype == torch.float16
+    with pytest.raises(ValueError, match="dtype='bfloat' names no torch dtype"):
+        LLaDAModel.from_pretrained(directory, dtype="bfloat")
+    with pytest.raises(ValueError, match="dtype=torch.int64 is not a floating-point torch dtype"):
+        LLaDAModel.from_pretrained(directory, dtype=torch.int64)
+    with pytest.raises(ValueError, match="device='gpu' is not a torch device"):
+        LLaDAModel.from_pretrained(directory, device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda', but this torch has no usable CUDA device"):
+            LLaDAModel.from_pretrained(directory, device="cuda")
+
+
+def test_bad_token_ids_are_named():
+    model = LLaDAModel(LLaDAConfig.preset("tiny"))
+    with pytest.raises(TypeError, match="input_ids must hold integer token ids, got torch.float32"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match=r"token id 128, outside the model's embedding table \[0, 128\)"):
+        model(torch.tensor([[1, 128]]))
+    with pytest.raises(ValueError, match="token id -1"):
+        model(torch.tensor([[-1, 3]]))
 
 
 def test_corrupt_or_incomplete_checkpoints_are_named(official):
@@ -200,6 +251,15 @@ def test_corrupt_or_incomplete_checkpoints_are_named(official):
         LLaDAModel.from_pretrained(directory)
     shard.unlink()
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors is listed"):
+        LLaDAModel.from_pretrained(directory)
+
+    write_official_checkpoint(directory, OFFICIAL_CONFIG, weights, shards=2)
+    index_file = directory / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    moved = next(k for k, f in index["weight_map"].items() if f.startswith("model-00002"))
+    index["weight_map"][moved] = "model-00001-of-00002.safetensors"
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"lists '{moved}' .* in .*model-00001-of-00002.safetensors, which lacks it"):
         LLaDAModel.from_pretrained(directory)
 
     missing = dict(weights)
@@ -258,13 +318,20 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(a, b)
 
 
-def test_bf16_forward_runs_and_is_close_to_fp32():
+def test_bf16_forward_keeps_rope_in_fp32():
+    """A bf16 model is as close to its fp32 twin at position 3000 as at position 0. Were RoPE's angles formed in
+    bf16 (8 mantissa bits: errors of several radians at position 3000), the far positions would be garbage."""
     model = LLaDAModel(LLaDAConfig.preset("tiny"))
     ids = torch.randint(0, 120, (2, 8))
-    reference = model.logits(ids)
-    low = model.to(torch.bfloat16).logits(ids)
-    assert low.dtype == torch.bfloat16
-    assert (low.float() - reference).abs().max() < 0.25
+    near, far = torch.arange(8)[None].expand(2, 8), torch.arange(8)[None].expand(2, 8) + 3000
+    reference = {name: model.logits(ids, position_ids=pos) for name, pos in (("near", near), ("far", far))}
+    model.to(torch.bfloat16)
+    errors = {}
+    for name, pos in (("near", near), ("far", far)):
+        low = model.logits(ids, position_ids=pos)
+        assert low.dtype == torch.bfloat16
+        errors[name] = (low.float() - reference[name]).abs().max().item()
+    assert errors["near"] < 0.15 and errors["far"] < 2 * errors["near"] + 0.02, errors
 
 
 def test_with_random_weights_is_seeded_and_built_in_place():

@@ -95,6 +95,7 @@ def test_low_precision_error_at_most_twice_torch(device, dtype):
         return (x.double() - y).abs().max().item()
 
     assert err(ours, oracle) <= 2 * err(torch_lp, oracle) + 1e-6
+    assert err(ours, oracle) <= 1e-4  # fp32 accumulation and an fp32 result: far tighter than the dtype's eps
     for mine, theirs, truth in zip(our_grads, torch_grads, oracle_grads):
         assert err(mine, truth) <= 2 * err(theirs, truth) + 1e-6
 
@@ -140,7 +141,7 @@ def test_saves_no_logits_for_backward():
     assert naive.bytes >= M * V * 4  # sanity: the naive path does keep the logits
 
 
-def test_peak_memory_is_one_chunk_not_the_logits():
+def test_peak_memory_is_a_few_chunks_not_the_logits():
     """In a fresh process, forward+backward's peak resident memory above baseline stays far below [M, V]."""
     M, d, V, chunk = 512, 64, 100_000, 2048
     setup = f"""
@@ -154,7 +155,9 @@ h.grad = None; W.grad = None
     extra = peak_extra_rss(setup, f"dllm_fast.masked_logprobs(h, W, y, chunk_size={chunk}).sum().backward()")
     grads = (M * d + V * d) * 4
     logits = M * V * 4
-    assert extra - grads <= logits / 8, f"peak {extra / 1e6:.1f} MB above baseline"
+    chunk_buffer = M * chunk * 4
+    # A few [M, chunk] buffers (logits, softmax grad) at most: about 1/12 of the [M, V] logits here.
+    assert extra - grads <= 4 * chunk_buffer < logits / 8, f"peak {extra / 1e6:.1f} MB above baseline"
 
 
 @pytest.mark.parametrize(

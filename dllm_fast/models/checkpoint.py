@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -21,6 +22,11 @@ from dllm_fast.models.config import LLaDAConfig
 KEY_PREFIX = "model."
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# Files beside the weights that belong to the checkpoint: the tokenizer's and the generation defaults.
+COMPANION_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json",
+)
 
 
 def read_config(path: Path) -> LLaDAConfig:
@@ -56,11 +62,12 @@ def weight_files(path: Path) -> dict[str, list[str]]:
 
 def load_checkpoint(cls, path, *, dtype=None, device=None):
     path = Path(path)
+    dtype = _checked_dtype(dtype)
+    device = _checked_device(device)
     config = read_config(path)
     with torch.device("meta"):
         model = cls(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    device = torch.device(device) if device is not None else torch.device("cpu")
     state: dict[str, torch.Tensor] = {}
     for name, listed_keys in weight_files(path).items():
         file = path / name
@@ -69,6 +76,12 @@ def load_checkpoint(cls, path, *, dtype=None, device=None):
         try:
             with safe_open(str(file), framework="pt", device=str(device)) as reader:
                 keys = listed_keys if listed_keys is not None else list(reader.keys())
+                absent = sorted(set(keys) - set(reader.keys()))
+                if absent:
+                    raise ValueError(
+                        f"{INDEX_NAME} lists {absent[0]!r} (and {len(absent) - 1} more) in {file}, which lacks it; "
+                        "the index does not match its shards: re-download the checkpoint or re-save it."
+                    )
                 for key in keys:
                     state[_native_key(key, file)] = _checked(reader.get_tensor(key), key, expected, file, dtype)
         except SafetensorError as error:
@@ -78,7 +91,30 @@ def load_checkpoint(cls, path, *, dtype=None, device=None):
         shown = ", ".join(KEY_PREFIX + k for k in missing[:5])
         raise ValueError(f"{path} lacks {len(missing)} weights the config requires, e.g. {shown}.")
     model.load_state_dict(state, strict=True, assign=True)
+    model.name_or_path = str(path)
     return model
+
+
+def _checked_dtype(dtype):
+    if isinstance(dtype, str):
+        named = getattr(torch, dtype, None)
+        if not isinstance(named, torch.dtype):
+            raise ValueError(f"dtype={dtype!r} names no torch dtype; pass e.g. torch.bfloat16 or 'bfloat16'.")
+        dtype = named
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"dtype={dtype!r} is not a floating-point torch dtype; pass torch.bfloat16, "
+                         "torch.float16, torch.float32 or None (the checkpoint's own).")
+    return dtype
+
+
+def _checked_device(device):
+    try:
+        device = torch.device(device) if device is not None else torch.device("cpu")
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device={device!r} is not a torch device ({error}); pass e.g. 'cpu' or 'cuda:0'.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}, but this torch has no usable CUDA device; pass device='cpu'.")
+    return device
 
 
 def _native_key(key: str, file: Path) -> str:
@@ -130,3 +166,16 @@ def save_checkpoint(model, path, *, max_shard_size: int, tokenizer=None) -> None
     write_text_atomic(path / "config.json", json.dumps(model.config.to_dict(), indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path))
+    else:
+        _copy_companion_files(Path(getattr(model, "name_or_path", "") or path), path)
+
+
+def _copy_companion_files(source: Path, target: Path) -> None:
+    """Carry the tokenizer (and the remote-code files config.json's auto_map names) of the directory the model
+    was loaded from, so that a loaded-and-saved checkpoint still loads with AutoTokenizer."""
+    if not source.is_dir() or source.resolve() == target.resolve():
+        return
+    for file in source.iterdir():
+        if file.is_file() and (file.name in COMPANION_FILES or file.suffix == ".py"):
+            with atomic_path(target / file.name) as tmp:
+                shutil.copyfile(file, tmp)

@@ -112,8 +112,8 @@ class LLaDAConfig:
                 )
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in values.items() if k in names}
-        if "eot_token_id" not in values and values.get("vocab_size") != cls.vocab_size:
-            known["eot_token_id"] = None  # <|eot_id|> is only known for LLaDA's own tokenizer
+        if "eot_token_id" not in values:
+            known["eot_token_id"] = _inferred_eot_token_id(values.get("vocab_size", cls.vocab_size))
         extra = {k: v for k, v in values.items() if k not in names}
         return cls(**known, extra=extra)
 
@@ -122,4 +122,11 @@ class LLaDAConfig:
         values: dict[str, Any] = {"model_type": "llada", "architectures": ["LLaDAModelLM"], **_REQUIRED_VALUES}
         values.update(self.extra)
         values.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"})
+        if self.eot_token_id == _inferred_eot_token_id(self.vocab_size):
+            del values["eot_token_id"]  # not a field of LLaDA's config.json; from_dict infers it again
         return values
+
+
+def _inferred_eot_token_id(vocab_size: int) -> int | None:
+    """<|eot_id|> is only known for LLaDA's own tokenizer (its 126464-token vocabulary)."""
+    return LLADA_EOT_TOKEN_ID if vocab_size == LLaDAConfig.vocab_size else None

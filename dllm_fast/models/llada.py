@@ -124,6 +124,7 @@ class LLaDAModel(nn.Module):
         if not config.weight_tying:
             self.transformer["ff_out"] = nn.Linear(config.d_model, config.embedding_size, bias=False)
         self.gradient_checkpointing = False
+        self.name_or_path: str | None = None  # the checkpoint directory from_pretrained read, if any
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 
@@ -175,6 +176,13 @@ class LLaDAModel(nn.Module):
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}.")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}; pass ids.long().")
+        if input_ids.device.type == "cpu" and input_ids.numel():  # on GPU this check would cost a host sync
+            low, high = input_ids.min().item(), input_ids.max().item()
+            if low < 0 or high >= self.config.embedding_size:
+                raise ValueError(f"input_ids holds token id {low if low < 0 else high}, outside the model's "
+                                 f"embedding table [0, {self.config.embedding_size}); check the tokenizer.")
         B, T = input_ids.shape
         keys_length = T
         if cache is not None:
@@ -268,8 +276,8 @@ class LLaDAModel(nn.Module):
     ) -> "LLaDAModel":
         """Load an official LLaDA checkpoint directory (config.json + model*.safetensors, sharded or not).
 
-        dtype defaults to the checkpoint's; device to CPU. The tokenizer loads separately with
-        `transformers.AutoTokenizer.from_pretrained(path)`.
+        dtype (a torch dtype or its name) defaults to the checkpoint's; device to CPU. The tokenizer loads
+        separately with `transformers.AutoTokenizer.from_pretrained(path)`; `save_pretrained` carries it over.
         """
         from dllm_fast.models.checkpoint import load_checkpoint
 
@@ -279,7 +287,8 @@ class LLaDAModel(nn.Module):
         self, path: str | os.PathLike, *, max_shard_size: int = 5 * 2**30, tokenizer=None
     ) -> None:
         """Write the official layout: config.json and model.safetensors (or shards plus the index when larger
-        than max_shard_size bytes), each file atomically. Pass `tokenizer` to save it alongside."""
+        than max_shard_size bytes), each file atomically. Pass `tokenizer` to save it alongside; without one,
+        the tokenizer files of the directory the model was loaded from are copied."""
         from dllm_fast.models.checkpoint import save_checkpoint
 
         save_checkpoint(self, path, max_shard_size=max_shard_size, tokenizer=tokenizer)

@@ -133,7 +133,8 @@ def transfer_schedule(masked_in_block: torch.Tensor, steps: int) -> torch.Tensor
 
 
 def check_generate_args(model, input_ids, attention_mask, *, gen_length, block_length, steps, temperature,
-                        remasking, cfg_scale, cache, threshold, confidence_eos_eot_inf) -> int | None:
+                        remasking, cfg_scale, cache, threshold, confidence_eos_eot_inf,
+                        generator=None) -> int | None:
     """Validate a generate() call; returns the steps per block (None when threshold sets them adaptively)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a [B, P] tensor of prompt token ids, got {getattr(input_ids, 'shape', input_ids)!r}.")
@@ -195,6 +196,12 @@ def check_generate_args(model, input_ids, attention_mask, *, gen_length, block_l
         raise ValueError(f"cache={cache!r} needs a model with a KV cache (new_cache); use cache='none' for this model.")
     if confidence_eos_eot_inf and getattr(model, "eot_token_id", None) is None:
         raise ValueError("confidence_eos_eot_inf needs the model's end-of-turn id; set config.eot_token_id.")
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
+        if generator.device.type != input_ids.device.type:
+            raise ValueError(f"generator is on {generator.device} but input_ids on {input_ids.device}; pass "
+                             f"torch.Generator(device={str(input_ids.device)!r}).manual_seed(seed).")
     return steps_per_block
 
 
@@ -212,7 +219,7 @@ def generate(model, input_ids, attention_mask=None, *, gen_length, block_length,
     steps_per_block = check_generate_args(
         model, input_ids, attention_mask, gen_length=gen_length, block_length=block_length, steps=steps,
         temperature=temperature, remasking=remasking, cfg_scale=cfg_scale, cache=cache, threshold=threshold,
-        confidence_eos_eot_inf=confidence_eos_eot_inf)
+        confidence_eos_eot_inf=confidence_eos_eot_inf, generator=generator)
     mask_id, device = model.mask_token_id, input_ids.device
     B, P = input_ids.shape
     total = P + gen_length
