@@ -15,8 +15,9 @@ old policy's ELBO is the current one, detached, so no extra scoring pass is need
     separable   streaming_backward(separable=True) on BGPO's per-sample linear bound (BGPO Eq. 13).
 
 Time is the median of --repeats runs after one warm-up per provider, reported per MC sample. Memory:
-  - saved: bytes autograd keeps for backward in the largest graph alive at once (count_saved_tensors with the
-    parameters excluded): the whole graph for naive/all_graphs, one micro-batch's graph for the streaming paths;
+  - saved: the peak of the bytes autograd keeps for backward and that are alive at once during one full run
+    (track_live_saved_tensors, parameters excluded): every graph for naive/all_graphs, one micro-batch's graph
+    for the streaming paths;
   - peak: on CPU the resident peak of a fresh subprocess above its baseline (after a warm-up run on one fully
     masked sample, which allocates the gradients and the largest per-sample buffers); on CUDA
     torch.cuda.max_memory_allocated above what was allocated before the run. The CPU subprocess runs with
@@ -25,7 +26,8 @@ Time is the median of --repeats runs after one warm-up per provider, reported pe
     allocator retention (a step of about +10-20% from the second micro-batch on) rather than live memory;
     --default-malloc measures it that way.
 On CPU, naive is skipped where its logits alone would exceed --naive-max-gib; on CUDA an out-of-memory error is
-caught and reported, and larger n_t are not tried for that provider.
+caught and reported (at warm-up, or at the n_t where it happened), and larger n_t are not tried for that
+provider.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from pathlib import Path
 import torch
 
 from dllm_fast import reference
-from dllm_fast.likelihood import elbo, sample_masks, score, score_pairs, streaming_backward
-from dllm_fast.memory import count_saved_tensors, peak_extra_rss
+from dllm_fast.likelihood import elbo, sample_masks, score, streaming_backward
+from dllm_fast.memory import peak_extra_rss, track_live_saved_tensors
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -141,18 +143,10 @@ class Case:
             raise ValueError(f"provider={provider!r} is not one of {PROVIDERS}.")
 
     def saved_bytes(self, provider: str, n_t: int) -> int:
-        """Bytes saved for backward by the largest graph the provider holds at once (forward only)."""
-        masks = self.masks(n_t)
-        with count_saved_tensors(exclude=self.parameters()) as saved:
-            if provider == "naive":
-                loss = vrpo_ol(masks)(reference.likelihood.score_naive(self.model, self.sequences, masks))
-            elif provider == "all_graphs":
-                loss = vrpo_ol(masks)(score(self.model, self.sequences, masks, micro_batch=masks.n_t))
-            else:  # pass 2 (and the separable pass) hold one micro-batch's graph at a time
-                pairs = torch.arange(min(self.micro_batch, n_t), device=self.device)
-                loss = score_pairs(self.model, self.sequences, masks, pairs).sum()
-        del loss
-        return saved.bytes
+        """Peak bytes saved for backward and alive at once during one full run (parameters excluded)."""
+        with track_live_saved_tensors(exclude=self.parameters()) as saved:
+            self.run(provider, n_t)
+        return saved.peak
 
 
 def naive_logits_bytes(n_t: int, length: int, vocab: int) -> int:
@@ -217,17 +211,17 @@ def free_memory(case: Case) -> None:
 def sweep(case: Case, args) -> list[dict]:
     vocab = case.model.lm_head_weight.shape[0]
     length = case.sequences.shape[1]
-    rows, failed = [], set()
+    rows, failed = [], {}  # provider -> why it no longer runs
     for provider in args.providers:  # one warm-up per provider (threads, allocator, gradients)
         try:
             case.warm_up(provider)
         except torch.cuda.OutOfMemoryError:
-            failed.add(provider)
+            failed[provider] = "oom at warm-up (one fully masked sample)"
         free_memory(case)
     for n_t in args.nt:
         for provider in args.providers:
             if provider in failed:
-                rows.append(dict(n_t=n_t, provider=provider, status="oom at a smaller n_t"))
+                rows.append(dict(n_t=n_t, provider=provider, status=failed[provider]))
                 continue
             if provider == "naive" and case.device.type == "cpu":
                 need = naive_logits_bytes(n_t, length, vocab)
@@ -239,7 +233,7 @@ def sweep(case: Case, args) -> list[dict]:
                 row = measure(case, args, provider, n_t)
                 row["status"] = "ok"
             except torch.cuda.OutOfMemoryError:
-                failed.add(provider)
+                failed[provider] = f"oom at n_t={n_t}"
                 row = dict(n_t=n_t, provider=provider, status="oom")
             free_memory(case)
             rows.append(row)

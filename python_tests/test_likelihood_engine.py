@@ -196,6 +196,57 @@ def test_lora_gradients_equal_naive_autograd():
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lora_with_dropout_gives_the_exact_gradient_of_the_drawn_masks(checkpointing):
+    """PEFT's lora_dropout in training mode: pass 2 replays pass 1's RNG state, so the gradient equals autograd
+    through the very forward that scored lp (same seed, same micro-batches), with or without checkpointing."""
+    peft = pytest.importorskip("peft")
+    base = tiny_model()
+    sequences, attention_mask = rollouts(base)
+    masks = draw(base, sequences, "stratified_l", n_t=4)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5, init_lora_weights=False,
+                             target_modules=["q_proj", "k_proj", "v_proj", "up_proj"])
+    model = peft.get_peft_model(base, config).train()
+    model.set_gradient_checkpointing(checkpointing)
+    assert likelihood.engine.has_active_dropout(model)
+    advantages = torch.tensor([1.0, -0.5, 0.25], dtype=torch.float64)
+
+    def objective(lp):
+        return -(torch.exp(elbo(lp, masks) / masks.num_counted) * advantages).sum()
+
+    def naive(seed):
+        torch.manual_seed(seed)
+        loss = objective(score(model, sequences, masks, micro_batch=3, attention_mask=attention_mask))
+        return loss.detach(), torch.autograd.grad(loss, trainable(model)), torch.rand(3)
+
+    value, want, next_draw = naive(7)
+    torch.manual_seed(7)
+    got_value, got = engine_gradient(model, sequences, masks, objective, attention_mask, micro_batch=3)
+    assert relative_error(got, want) < 1e-6
+    torch.testing.assert_close(got_value, value)
+    assert torch.equal(torch.rand(3), next_draw)  # the engine leaves the RNG where one forward pass would
+    _, other_draw, _ = naive(8)
+    assert relative_error(other_draw, want) > 1e-3  # the dropout masks do matter
+    with pytest.raises(ValueError, match="score_micro_batch=6 differs from micro_batch=3, but the model has "
+                                         "active dropout"):
+        streaming_backward(model, sequences, masks, objective, micro_batch=3, score_micro_batch=6)
+
+
+@pytest.mark.parametrize("separable", [False, True])
+def test_return_lp_gives_the_scored_log_probs(separable):
+    model = tiny_model()
+    sequences, attention_mask = rollouts(model)
+    masks = draw(model, sequences, "block", n_t=3)
+    with torch.no_grad():
+        want = score(model, sequences, masks, micro_batch=4, attention_mask=attention_mask)
+    objective = (lambda lp, n, j: -lp.sum()) if separable else (lambda lp: -torch.exp(lp.sum(-1) / 10).sum())
+    value, lp = streaming_backward(model, sequences, masks, objective, micro_batch=2, separable=separable,
+                                   attention_mask=attention_mask, return_lp=True)
+    assert not lp.requires_grad and lp.shape == want.shape
+    torch.testing.assert_close(lp, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(value, -want.sum() if separable else -torch.exp(want.sum(-1) / 10).sum())
+
+
 def test_activation_checkpointing_gives_the_same_gradient():
     model = tiny_model()
     sequences, attention_mask = rollouts(model)

@@ -186,3 +186,17 @@ def test_complementary_pairs_have_lower_variance_than_independent_draws(toy):
     assert paired.var() * 1.5 < independent.var()
     exact = exact_elbo_by_masks(table, L)
     assert abs(z_score(paired, exact)) < 4.5 and abs(z_score(independent, exact)) < 4.5
+
+
+def test_complementary_pairs_beat_two_independent_stratified_draws(toy):
+    """The stronger baseline: two independent stratified_l samples (l ~ U{1..L}, weight L/l), the best
+    independent sampler here. The pair's variance is about 0.78x theirs (measured at 20k copies)."""
+    model, table = toy
+    copies = 10000
+    lp, masks = sampled(model, "complementary", copies, 2, seed=6)
+    paired = (lp.sum(-1) * masks.weight).mean(-1)
+    lp, masks = sampled(model, "stratified_l", copies, 2, seed=7)
+    independent = (lp.sum(-1) * masks.weight).mean(-1)
+    assert paired.var() * 1.1 < independent.var()
+    exact = exact_elbo_by_masks(table, L)
+    assert abs(z_score(paired, exact)) < 4.5 and abs(z_score(independent, exact)) < 4.5

@@ -10,6 +10,10 @@ micro-batch of (sequence, sample) pairs at a time and backpropagates (coef * lp)
 micro-batch's graph before the next. Peak memory is one micro-batch's graph, whatever n_t is. An objective that
 is a sum of per-pair terms (BGPO's bound) needs no coef: the separable path scores and backpropagates each
 micro-batch once, skipping pass 1.
+
+Pass 2 must recompute exactly what pass 1 scored. With active dropout (e.g. PEFT's lora_dropout in training
+mode) the engine therefore records the RNG state before each pass-1 micro-batch and replays it in pass 2 over
+the same micro-batches, as activation checkpointing does; the gradient stays exact for the dropout masks drawn.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Callable
 import torch
 
 from dllm_fast.likelihood.masks import MonteCarloMasks
-from dllm_fast.likelihood.scoring import active_pairs, check_inputs, score, score_pairs
+from dllm_fast.likelihood.scoring import active_pairs, check_inputs, score_pairs
 from dllm_fast.reference import accumulate_dtype
 
 
@@ -34,12 +38,13 @@ def streaming_backward(
     separable: bool = False,
     score_micro_batch: int | None = None,
     chunk_size: int | None = None,
-) -> torch.Tensor:
+    return_lp: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Backpropagate `objective` of the current policy's lp into the model's `.grad`, micro-batch by micro-batch.
 
     Gradients accumulate into `.grad` of whatever requires grad in `model` (full weights or LoRA adapters),
-    exactly as `objective(score(model, ...)).backward()` would, activation checkpointing included. The model's
-    forward must be deterministic (no dropout), because pass 2 recomputes what pass 1 scored.
+    exactly as `objective(score(model, ...)).backward()` would (with the same RNG state), activation
+    checkpointing and dropout included.
 
     Args:
         model: the model contract (see `score`); the current policy.
@@ -54,14 +59,19 @@ def streaming_backward(
               these calls over any partition of the N * n_t pairs, i.e. a sum of per-pair terms. Pairs with
               nothing masked are passed with all-zero rows and no model call.
         micro_batch: (sequence, sample) pairs per recomputed graph; peak memory scales with it, not with n_t.
-            Pass 2 skips the pairs whose coefficients are all zero (e.g. zero advantage).
+            Pass 2 skips the pairs whose coefficients are all zero (e.g. zero advantage); with active dropout it
+            skips only whole micro-batches, since it must replay pass 1's batches.
         attention_mask: optional [N, P + L], passed to the model (left-padded prompts).
         separable: take the one-pass path described above.
-        score_micro_batch: pairs per model call in the no-grad pass 1 (default: micro_batch).
+        score_micro_batch: pairs per model call in the no-grad pass 1 (default: micro_batch; must equal it
+            under active dropout).
         chunk_size: vocabulary chunk of the fused LM head.
+        return_lp: also return the current policy's lp [N, n_t, L] (detached), e.g. as the old policy's lp on
+            the first update of an on-policy step, or for logging; it costs nothing extra.
 
     Returns:
-        The objective's value, a detached 0-dim tensor (fp32, or fp64 for an fp64 model).
+        The objective's value, a detached 0-dim tensor (fp32, or fp64 for an fp64 model); with return_lp,
+        the pair (value, lp).
     """
     check_inputs(model, sequences, masks, attention_mask=attention_mask, micro_batch=micro_batch)
     if not callable(objective):
@@ -70,22 +80,49 @@ def streaming_backward(
         raise ValueError(f"score_micro_batch={score_micro_batch!r} sets pass 1's batch, which separable=True skips; "
                          "drop it or use separable=False.")
     if separable:
-        return _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size)
+        value, lp = _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size)
+        return (value, lp) if return_lp else value
     if score_micro_batch is not None:
         check_inputs(model, sequences, masks, micro_batch=score_micro_batch)
+    replay = has_active_dropout(model)
+    if replay and score_micro_batch not in (None, micro_batch):
+        raise ValueError(f"score_micro_batch={score_micro_batch} differs from micro_batch={micro_batch}, but the "
+                         "model has active dropout, so pass 2 must replay pass 1's micro-batches; drop "
+                         "score_micro_batch, or call model.eval() / set the dropout to 0.")
+    value, lp = _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch or micro_batch,
+                          attention_mask, chunk_size, replay)
+    return (value, lp) if return_lp else value
 
-    with torch.no_grad():
-        lp = score(model, sequences, masks, micro_batch=score_micro_batch or micro_batch,
-                   attention_mask=attention_mask, chunk_size=chunk_size)
-    lp.requires_grad_(True)
+
+def has_active_dropout(model) -> bool:
+    """Whether the forward draws random numbers: a dropout module with p > 0 in training mode."""
+    return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
+               for m in model.modules())
+
+
+def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch, attention_mask, chunk_size,
+              replay):
+    device = sequences.device
+    N, n_t, L = masks.num_sequences, masks.n_t, masks.completion_length
+    batches = active_pairs(masks).split(micro_batch if replay else score_micro_batch)
+    rng_states = []
+    with torch.no_grad():  # pass 1
+        lp = torch.zeros(N * n_t, L, dtype=accumulate_dtype(model.lm_head_weight.dtype), device=device)
+        for batch in batches:
+            if replay:
+                rng_states.append(_rng_state(device))
+            lp[batch] = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
+                                    chunk_size=chunk_size)
+    lp = lp.view(N, n_t, L).requires_grad_(True)
     with torch.enable_grad():
         loss = _scalar(objective(lp), "objective(lp)")
     value = loss.detach()
     if not loss.requires_grad:
-        return value  # the objective does not depend on lp: no gradient
+        return value, lp.detach()  # the objective does not depend on lp: no gradient
     (coef,) = torch.autograd.grad(loss, lp, allow_unused=True)
+    lp = lp.detach()
     if coef is None:
-        return value
+        return value, lp
     # lp is a constant 0 where nothing is scored, so coef there carries no gradient.
     coef = torch.where(masks.scored, coef, torch.zeros((), dtype=coef.dtype, device=coef.device))
     if not torch.isfinite(coef).all():
@@ -94,23 +131,46 @@ def streaming_backward(
             f"(objective value {value.item()}); check the objective for overflow (e.g. exp of a large ELBO "
             "difference) before stepping."
         )
-    coef_rows = coef.view(-1, masks.completion_length)
-    pairs = coef_rows.ne(0).any(-1).nonzero().squeeze(-1)  # pairs whose gradient weight is zero are skipped
+    coef_rows = coef.view(-1, L)
+    needed = coef_rows.ne(0).any(-1)  # pairs whose gradient weight is zero are skipped
+    if replay:  # the same micro-batches as pass 1, each under the RNG state it was scored with
+        after_pass_1 = _rng_state(device)
+        pass_2 = [(batch, state) for batch, state in zip(batches, rng_states) if needed[batch].any()]
+    else:
+        pass_2 = [(batch, None) for batch in needed.nonzero().squeeze(-1).split(micro_batch)]
     with torch.enable_grad():
-        for batch in pairs.split(micro_batch):
+        for batch, state in pass_2:
+            if state is not None:
+                _set_rng_state(state, device)
             lp_batch = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
                                    chunk_size=chunk_size)
             if lp_batch.requires_grad:
                 (coef_rows[batch] * lp_batch).sum().backward()
-    return value
+    if replay:
+        _set_rng_state(after_pass_1, device)  # later draws continue as if pass 2 had drawn nothing
+    return value, lp
 
 
-def _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size) -> torch.Tensor:
+def _rng_state(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _set_rng_state(states: list[torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+
+
+def _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size):
     n_t, L = masks.n_t, masks.completion_length
     dtype = accumulate_dtype(model.lm_head_weight.dtype)
     device = sequences.device
     active = active_pairs(masks)
     value = torch.zeros((), dtype=dtype, device=device)
+    lp = torch.zeros(masks.num_sequences * n_t, L, dtype=dtype, device=device)
     with torch.enable_grad():
         for batch in active.split(micro_batch):
             lp_batch = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
@@ -119,6 +179,7 @@ def _separable(model, sequences, masks, objective, micro_batch, attention_mask, 
             if loss.requires_grad:
                 loss.backward()
             value += loss.detach()
+            lp[batch] = lp_batch.detach()
     idle = torch.ones(masks.num_sequences * n_t, dtype=torch.bool, device=device)
     idle[active] = False
     idle = idle.nonzero().squeeze(-1)
@@ -126,7 +187,7 @@ def _separable(model, sequences, masks, objective, micro_batch, attention_mask, 
         with torch.no_grad():  # their lp is exactly 0 and constant: they add value, never gradient
             zeros = torch.zeros(idle.numel(), L, dtype=dtype, device=device)
             value += _scalar(objective(zeros, idle // n_t, idle % n_t), "objective(lp_pairs, ...)").detach()
-    return value
+    return value, lp.view(masks.num_sequences, n_t, L)
 
 
 def _scalar(loss, call: str) -> torch.Tensor:
