@@ -5,13 +5,15 @@ import torch  # noqa: F401  (the compiled ops link against libtorch, so torch lo
 from dllm_fast._extension import HAS_EXTENSION, build_info
 from dllm_fast.ops import masked_logprobs, sample_tokens, select_transfer
 from dllm_fast import likelihood  # noqa: E402  (after ops: the engine builds on masked_logprobs)
-from dllm_fast.reference.sampling import GenerationResult
+from dllm_fast.contracts import DiffusionLM, GenerationResult, RolloutBatch
 from dllm_fast.sampling import generate
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DiffusionLM",
     "GenerationResult",
+    "RolloutBatch",
     "HAS_EXTENSION",
     "build_info",
     "generate",

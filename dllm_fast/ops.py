@@ -19,6 +19,7 @@ import torch
 
 from dllm_fast import reference
 from dllm_fast._extension import HAS_EXTENSION, has_kernel, missing_extension_message
+from dllm_fast.contracts import accumulate_dtype
 
 BACKENDS = ("auto", "compiled", "reference")
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -134,7 +135,7 @@ if HAS_EXTENSION:
 
     @torch.library.register_fake("dllm_fast::masked_logprobs")
     def _masked_logprobs_fake(hidden, weight, targets, chunk_size):
-        acc = reference.accumulate_dtype(hidden.dtype)
+        acc = accumulate_dtype(hidden.dtype)
         rows = hidden.shape[0]
         return hidden.new_empty(rows, dtype=acc), hidden.new_empty(rows, dtype=acc)
 
@@ -276,7 +277,7 @@ if HAS_EXTENSION:
     @torch.library.register_fake("dllm_fast::sample_tokens")
     def _sample_tokens_fake(hidden, weight, row_ids, temperature, seed, offset, suppress_ids, exclude_ids, chunk_size):
         rows = hidden.shape[0]
-        acc = reference.accumulate_dtype(hidden.dtype)
+        acc = accumulate_dtype(hidden.dtype)
         return hidden.new_empty(rows, dtype=torch.long), hidden.new_empty(rows, dtype=acc)
 
     @torch.library.register_fake("dllm_fast::select_transfer")

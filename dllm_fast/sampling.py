@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from dllm_fast import ops
-from dllm_fast.reference.sampling import GenerationResult, check_generate_args, completion_mask, initial_canvas
+from dllm_fast.contracts import GenerationResult, completion_mask, logit_shift
+from dllm_fast.decoding import check_generate_args, initial_canvas
 
 
 def masked_count_schedule(block_length: int, steps_per_block: int) -> list[int]:
@@ -74,10 +75,12 @@ def generate(
     device, mask_id = input_ids.device, model.mask_token_id
     B, P = input_ids.shape
     total = P + gen_length
-    x, attention_mask = initial_canvas(input_ids, attention_mask, gen_length, mask_id)
+    x, result_mask = initial_canvas(input_ids, attention_mask, gen_length, mask_id)
+    attention_mask = result_mask
     if cfg_scale > 0:
         masked_prompt = torch.full((B, P), mask_id, dtype=torch.long, device=device)  # CFG's unconditional input
         attention_mask = None if attention_mask is None else torch.cat([attention_mask, attention_mask])
+    shift = logit_shift(model)  # the hidden state at i - shift predicts token i
     kv = model.new_cache(2 * B if cfg_scale > 0 else B, total) if cache != "none" else None
     seed = 0
     if temperature > 0:
@@ -93,7 +96,7 @@ def generate(
         """Hidden states [B, end - start, d] of the current block under the cache mode (CFG applied)."""
         ids = x if cfg_scale <= 0 else torch.cat([x, torch.cat([masked_prompt, x[:, P:]], dim=1)])
         if cache == "none":
-            hidden = model(ids, attention_mask=attention_mask)[:, start:end]
+            hidden = model(ids, attention_mask=attention_mask)[:, start - shift:end - shift]
         elif refresh:
             hidden = model(ids, attention_mask=attention_mask, cache=kv)[:, start:end]
         else:
@@ -147,4 +150,4 @@ def generate(
             nfe += 1
             step += 1
     completion = x[:, P:]
-    return GenerationResult(x, completion, completion_mask(completion, model.eos_token_id), nfe)
+    return GenerationResult(x, completion, completion_mask(completion, model.eos_token_id), nfe, result_mask)

@@ -7,7 +7,7 @@ import dllm_fast
 from dllm_fast import reference
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 from dllm_fast.models.kv_cache import KVCache
-from dllm_fast.reference.sampling import completion_mask
+from dllm_fast.contracts import completion_mask
 
 
 def tiny_model(device, dtype=torch.float64, head_scale=1.0, seed=0):

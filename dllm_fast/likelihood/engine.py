@@ -22,9 +22,9 @@ from typing import Callable
 
 import torch
 
+from dllm_fast.contracts import accumulate_dtype
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.likelihood.scoring import active_pairs, check_inputs, score_pairs
-from dllm_fast.reference import accumulate_dtype
 
 
 def streaming_backward(

@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dllm_fast.contracts import completion_mask
+
 SAMPLERS = ("random_t", "stratified_l", "complementary", "block", "mean_field")
 COUNT_MODES = ("eos", "all")
 
@@ -125,8 +127,8 @@ class MonteCarloMasks:
 def counted_positions(completion: torch.Tensor, *, eos_token_id: int | None, count: str = "eos") -> torch.Tensor:
     """Which completion positions count: [N, L] token ids -> [N, L] bool.
 
-    count="eos": positions up to and including the first `eos_token_id` (all of them if there is none);
-    count="all": every position.
+    count="eos": `dllm_fast.contracts.completion_mask`, positions up to and including the first `eos_token_id`
+    (all of them if there is none), the same mask a rollout reports; count="all": every position.
     """
     if count not in COUNT_MODES:
         raise ValueError(f"count={count!r} is not one of {COUNT_MODES}.")
@@ -134,9 +136,7 @@ def counted_positions(completion: torch.Tensor, *, eos_token_id: int | None, cou
         return torch.ones_like(completion, dtype=torch.bool)
     if eos_token_id is None:
         raise ValueError("count='eos' needs eos_token_id (e.g. model.eos_token_id); or pass count='all'.")
-    is_eos = completion == eos_token_id
-    eos_before = torch.cumsum(is_eos.long(), dim=-1) - is_eos.long()  # EOS strictly before each position
-    return eos_before == 0
+    return completion_mask(completion, eos_token_id)
 
 
 def sample_masks(

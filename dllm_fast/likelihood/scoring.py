@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from dllm_fast.contracts import accumulate_dtype, logit_shift
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.ops import masked_logprobs
-from dllm_fast.reference import accumulate_dtype
 
 
 def score(
@@ -82,8 +82,9 @@ def score_pairs(
     hidden = model(noisy, attention_mask=None if attention_mask is None else attention_mask[seq_index])
     scored = masked[:, P:] & masks.counted[seq_index]
     rows, positions = scored.nonzero(as_tuple=True)
-    logp = masked_logprobs(hidden[rows, P + positions], model.lm_head_weight, tokens[rows, P + positions],
-                           chunk_size=chunk_size)
+    # Token i is predicted by the hidden state at i - logit_shift (0 for LLaDA, 1 for Dream-style models).
+    logp = masked_logprobs(hidden[rows, P + positions - logit_shift(model)], model.lm_head_weight,
+                           tokens[rows, P + positions], chunk_size=chunk_size)
     out = torch.zeros(scored.shape, dtype=logp.dtype, device=logp.device)
     return out.index_put((rows, positions), logp)
 
@@ -117,6 +118,10 @@ def check_inputs(model, sequences, masks, *, attention_mask=None, micro_batch=No
                                     or micro_batch < 1):
         raise ValueError(f"micro_batch={micro_batch!r} must be an int >= 1 ((sequence, sample) pairs per "
                          "model call).")
+    if logit_shift(model) > masks.prompt_length:
+        raise ValueError(f"model.logit_shift={logit_shift(model)} needs a prompt of at least that many positions "
+                         f"(prompt_length={masks.prompt_length}): the first completion token is predicted from "
+                         "the position before it.")
     mask_id = model.mask_token_id
     real = torch.ones_like(sequences, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     clash = (sequences == mask_id) & real

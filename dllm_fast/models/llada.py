@@ -129,6 +129,8 @@ class LLaDAModel(nn.Module):
             self.init_weights()
 
     # -- model contract -------------------------------------------------------------------------------------
+    logit_shift = 0  # the hidden state at position i predicts token i (no shift, unlike Dream)
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         head = self.transformer["wte"] if self.config.weight_tying else self.transformer["ff_out"]

@@ -2,7 +2,7 @@
 explicit ``backend="reference"``."""
 
 from dllm_fast.reference import likelihood
-from dllm_fast.reference.logprobs import accumulate_dtype, masked_logprobs
+from dllm_fast.reference.logprobs import masked_logprobs
 from dllm_fast.reference.sampling import generate, sample_tokens, select_transfer
 
-__all__ = ["accumulate_dtype", "generate", "likelihood", "masked_logprobs", "sample_tokens", "select_transfer"]
+__all__ = ["generate", "likelihood", "masked_logprobs", "sample_tokens", "select_transfer"]

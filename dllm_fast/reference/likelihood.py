@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dllm_fast.reference.logprobs import accumulate_dtype
+from dllm_fast.contracts import accumulate_dtype, logit_shift
 
 
 def noisy_sequences(sequences: torch.Tensor, masked: torch.Tensor, mask_token_id: int) -> torch.Tensor:
@@ -34,7 +34,8 @@ def score_naive(model, sequences: torch.Tensor, masks, attention_mask: torch.Ten
     logits = F.linear(hidden, model.lm_head_weight)  # LLaDAModel.logits: [N * n_t, S, V]
     logp = torch.log_softmax(logits.to(accumulate_dtype(logits.dtype)), dim=-1)
     targets = sequences[:, None, P:].expand(N, n_t, S - P).reshape(N * n_t, S - P)
-    lp = logp[:, P:].gather(-1, targets[..., None]).squeeze(-1).view(N, n_t, S - P)
+    shift = logit_shift(model)  # logits at i - shift predict token i
+    lp = logp[:, P - shift:S - shift].gather(-1, targets[..., None]).squeeze(-1).view(N, n_t, S - P)
     scored = masks.masked[..., P:] & masks.counted[:, None, :]
     return torch.where(scored, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
 

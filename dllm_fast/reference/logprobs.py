@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import torch
 
-
-def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the log-prob ops accumulate and return in: fp64 for fp64 inputs, else fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from dllm_fast.contracts import accumulate_dtype
 
 
 def masked_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
