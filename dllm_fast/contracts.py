@@ -44,11 +44,20 @@ LOGIT_SHIFTS = (0, 1)
 
 def logit_shift(model) -> int:
     """The model's `logit_shift` (0 when it does not declare one, as LLaDA-style models need not), checked."""
-    shift = getattr(model, "logit_shift", 0)
+    shift = getattr(unwrap_model(model), "logit_shift", 0)
     if isinstance(shift, bool) or shift not in LOGIT_SHIFTS:
         raise ValueError(f"model.logit_shift={shift!r} must be 0 (hidden at i predicts token i, LLaDA) or 1 "
                          "(hidden at i predicts token i + 1, Dream).")
     return int(shift)
+
+
+def unwrap_model(model):
+    """The module that carries the model contract's attributes: DistributedDataParallel's `.module`, else the model.
+
+    Forward calls still go through the wrapper (so that DDP sees them); only attributes are read here."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    return model
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -386,8 +386,10 @@ def test_bad_input_names_the_value():
         run(lambda lp, n, j: lp.sum(), separable=True, score_micro_batch=4)
     with pytest.raises(TypeError, match="objective must be callable, got str"):
         run("elbo")
-    with pytest.raises(FloatingPointError, match="d objective / d lp is not finite"):
+    with pytest.raises(FloatingPointError, match=r"objective\(lp\) is inf; no gradient was kept"):
         run(lambda lp: torch.exp(1000 * elbo(lp, masks).neg()).sum())
+    with pytest.raises(FloatingPointError, match="d objective / d lp is not finite"):
+        run(lambda lp: torch.sqrt((lp * 0).sum()))  # value 0, coefficient 0 * inf
     with pytest.raises(ValueError, match=r"sequences has shape \(2, 14\) but masks were drawn for \(3, 14\)"):
         streaming_backward(model, sequences[:2], masks, lambda lp: lp.sum(), micro_batch=1)
     bad = sequences.clone()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dllm_fast import reference
+from dllm_fast import likelihood, reference
 from dllm_fast.likelihood import SAMPLERS, active_pairs, sample_masks, score
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 
@@ -136,4 +136,22 @@ def test_bad_input_names_the_value():
     padded = sequences.clone()
     padded[1, 0] = model.mask_token_id
     with torch.no_grad():
-        score(model, padded, masks, micro_batch=4, attention_mask=attention_mask)
+        score(model, padded, masks_for(model, padded), micro_batch=4, attention_mask=attention_mask)
+
+
+def test_masks_drawn_for_other_sequences_are_rejected():
+    """Issue 10 (7): masks of the right shape drawn for other sequences would score the wrong positions (their
+    counted positions come from the other sequences' EOS); the recorded fingerprint catches it."""
+    model = tiny_model()
+    sequences, attention_mask = batch(model)
+    masks = masks_for(model, sequences)
+    other = sequences.clone()
+    other[2, P + 3] = (other[2, P + 3] + 1) % 100
+    with pytest.raises(ValueError, match=r"sequences\[2\] is not the sequence these masks were drawn for"):
+        score(model, other, masks, micro_batch=2, attention_mask=attention_mask)
+    with pytest.raises(ValueError, match=r"sequences\[2\] is not the sequence these masks were drawn for"):
+        likelihood.streaming_backward(model, other, masks, lambda lp: -lp.sum(), micro_batch=2)
+    moved = masks.to("cpu")
+    assert torch.equal(moved.fingerprint, masks.fingerprint)
+    with torch.no_grad():  # the sequences they were drawn for still score
+        score(model, sequences, moved, micro_batch=2, attention_mask=attention_mask)

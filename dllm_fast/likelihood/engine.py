@@ -18,13 +18,15 @@ the same micro-batches, as activation checkpointing does; the gradient stays exa
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, ContextManager
 
 import torch
 
-from dllm_fast.contracts import accumulate_dtype
+from dllm_fast.contracts import accumulate_dtype, unwrap_model
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.likelihood.scoring import active_pairs, check_inputs, score_pairs
+from dllm_fast.validation import check_bool, check_int
 
 
 def streaming_backward(
@@ -36,9 +38,13 @@ def streaming_backward(
     micro_batch: int,
     attention_mask: torch.Tensor | None = None,
     separable: bool = False,
+    lp: torch.Tensor | None = None,
     score_micro_batch: int | None = None,
     chunk_size: int | None = None,
     return_lp: bool = False,
+    sync_gradients: bool = True,
+    grad_sync: Callable[[], ContextManager] | None = None,
+    backward: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Backpropagate `objective` of the current policy's lp into the model's `.grad`, micro-batch by micro-batch.
 
@@ -47,7 +53,8 @@ def streaming_backward(
     checkpointing and dropout included.
 
     Args:
-        model: the model contract (see `score`); the current policy.
+        model: the model contract (see `score`); the current policy. A DistributedDataParallel wrapper works:
+            forwards go through it, attributes are read from `.module`.
         sequences: [N, P + L] token ids, completion in the last L positions.
         masks: stored masks from `sample_masks`; score the old and reference policies on the same object.
         objective:
@@ -63,11 +70,32 @@ def streaming_backward(
             skips only whole micro-batches, since it must replay pass 1's batches.
         attention_mask: optional [N, P + L], passed to the model (left-padded prompts).
         separable: take the one-pass path described above.
+        lp: the current policy's lp on these masks when it is already known, e.g. the old policy's lp at the
+            first inner update of an on-policy step (the policy has not moved yet). Pass 1 is skipped; the
+            gradient is identical. Not with separable=True (no pass 1 to skip) nor with active dropout (pass 2
+            could not replay the draws lp was scored under).
         score_micro_batch: pairs per model call in the no-grad pass 1 (default: micro_batch; must equal it
             under active dropout).
         chunk_size: vocabulary chunk of the fused LM head.
         return_lp: also return the current policy's lp [N, n_t, L] (detached), e.g. as the old policy's lp on
             the first update of an on-policy step, or for logging; it costs nothing extra.
+        sync_gradients: whether this call all-reduces its gradients in data-parallel training. True: only the
+            last backward synchronises (one all-reduce per call, not one per micro-batch); False: none does
+            (accumulating over several calls before an optimizer step; the last of them passes True). Every
+            rank must make the same calls: a rank with nothing to backpropagate still runs one zero-weighted
+            backward so that the collective happens.
+        grad_sync: a factory of the context manager that suspends gradient synchronisation, entered around every
+            backward that must not all-reduce. Default: `model.no_sync` for DistributedDataParallel,
+            `set_requires_gradient_sync(False)` for an FSDP2 module, nothing for a single process.
+        backward: called as `backward(loss)` instead of `loss.backward()`, for host trainers that own the
+            backward (e.g. `accelerator.backward`).
+
+    Gradients are all or nothing: if the objective raises or returns a non-finite value or coefficient, if a
+    micro-batch fails, or if the call is interrupted (KeyboardInterrupt), every `.grad` is left exactly as it was
+    before the call, so an optimizer never steps on a partial gradient. While the call runs, gradients that
+    existed before it are set aside and added back at the end (one extra gradient buffer only when
+    accumulating into existing gradients; after `zero_grad(set_to_none=True)` it costs nothing). Gradients that
+    live outside `.grad` (DeepSpeed ZeRO through `backward=`) are not covered.
 
     Returns:
         The objective's value, a detached 0-dim tensor (fp32, or fp64 for an fp64 model); with return_lp,
@@ -76,22 +104,97 @@ def streaming_backward(
     check_inputs(model, sequences, masks, attention_mask=attention_mask, micro_batch=micro_batch)
     if not callable(objective):
         raise TypeError(f"objective must be callable, got {type(objective).__name__}.")
+    check_bool("separable", separable)
+    check_bool("sync_gradients", sync_gradients)
+    if backward is not None and not callable(backward):
+        raise TypeError(f"backward must be callable (e.g. accelerator.backward), got {type(backward).__name__}.")
     if separable and score_micro_batch is not None:
         raise ValueError(f"score_micro_batch={score_micro_batch!r} sets pass 1's batch, which separable=True skips; "
                          "drop it or use separable=False.")
-    if separable:
-        value, lp = _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size)
-        return (value, lp) if return_lp else value
+    if separable and lp is not None:
+        raise ValueError("lp= skips pass 1, which separable=True does not run; drop lp or use separable=False.")
     if score_micro_batch is not None:
-        check_inputs(model, sequences, masks, micro_batch=score_micro_batch)
+        check_int("score_micro_batch", score_micro_batch, minimum=1, hint="(sequence, sample) pairs per model call")
     replay = has_active_dropout(model)
     if replay and score_micro_batch not in (None, micro_batch):
         raise ValueError(f"score_micro_batch={score_micro_batch} differs from micro_batch={micro_batch}, but the "
                          "model has active dropout, so pass 2 must replay pass 1's micro-batches; drop "
                          "score_micro_batch, or call model.eval() / set the dropout to 0.")
-    value, lp = _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch or micro_batch,
-                          attention_mask, chunk_size, replay)
+    if lp is not None:
+        if replay:
+            raise ValueError("lp= was given but the model has active dropout: pass 2 cannot replay the dropout "
+                             "masks lp was scored under. Drop lp, or call model.eval() / set the dropout to 0.")
+        masks.check_lp(lp, "lp")
+        lp = lp.detach().to(accumulate_dtype(unwrap_model(model).lm_head_weight.dtype))
+    backward_pass = _Backward(model, backward, grad_sync, sync_gradients)
+    with _all_or_nothing(model):
+        if separable:
+            value, lp = _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size,
+                                   backward_pass)
+        else:
+            value, lp = _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch or micro_batch,
+                                  attention_mask, chunk_size, replay, lp, backward_pass)
     return (value, lp) if return_lp else value
+
+
+class _Backward:
+    """Runs each micro-batch's backward, letting only the last one of the call all-reduce across ranks."""
+
+    def __init__(self, model, backward, grad_sync, sync_gradients: bool):
+        self.run = backward if backward is not None else torch.Tensor.backward
+        self.grad_sync = grad_sync if grad_sync is not None else default_grad_sync(model)
+        self.sync_gradients = sync_gradients
+
+    @property
+    def distributed(self) -> bool:
+        return self.grad_sync is not None
+
+    def __call__(self, loss: torch.Tensor, last: bool) -> None:
+        if self.grad_sync is None or (last and self.sync_gradients):
+            self.run(loss)
+        else:
+            with self.grad_sync():
+                self.run(loss)
+
+
+def default_grad_sync(model) -> Callable[[], ContextManager] | None:
+    """The context that suspends gradient all-reduce for `model`: DDP's `no_sync`, FSDP2's
+    `set_requires_gradient_sync(False)`, or None for a model that does not synchronise."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.no_sync
+    if hasattr(model, "set_requires_gradient_sync"):  # torch.distributed.fsdp.FSDPModule (fully_shard)
+
+        @contextlib.contextmanager
+        def fsdp_no_sync():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+
+        return fsdp_no_sync
+    return None
+
+
+@contextlib.contextmanager
+def _all_or_nothing(model):
+    """Set existing gradients aside; add them back on success, restore them untouched on any failure."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    kept = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    except BaseException:
+        for p, grad in zip(params, kept):
+            p.grad = grad
+        raise
+    for p, grad in zip(params, kept):
+        if grad is None:
+            continue
+        if p.grad is not None:
+            grad.add_(p.grad)
+        p.grad = grad
 
 
 def has_active_dropout(model) -> bool:
@@ -101,22 +204,25 @@ def has_active_dropout(model) -> bool:
 
 
 def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch, attention_mask, chunk_size,
-              replay):
+              replay, lp, backward_pass):
     device = sequences.device
     N, n_t, L = masks.num_sequences, masks.n_t, masks.completion_length
     batches = active_pairs(masks).split(micro_batch if replay else score_micro_batch)
     rng_states = []
-    with torch.no_grad():  # pass 1
-        lp = torch.zeros(N * n_t, L, dtype=accumulate_dtype(model.lm_head_weight.dtype), device=device)
-        for batch in batches:
-            if replay:
-                rng_states.append(_rng_state(device))
-            lp[batch] = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
-                                    chunk_size=chunk_size)
-    lp = lp.view(N, n_t, L).requires_grad_(True)
+    if lp is None:
+        with torch.no_grad():  # pass 1
+            lp = torch.zeros(N * n_t, L, dtype=accumulate_dtype(unwrap_model(model).lm_head_weight.dtype),
+                             device=device)
+            for batch in batches:
+                if replay:
+                    rng_states.append(_rng_state(device))
+                lp[batch] = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
+                                        chunk_size=chunk_size)
+    lp = lp.reshape(N, n_t, L).clone().requires_grad_(True)
     with torch.enable_grad():
         loss = _scalar(objective(lp), "objective(lp)")
     value = loss.detach()
+    _check_finite_value(value, "objective(lp)")
     if not loss.requires_grad:
         return value, lp.detach()  # the objective does not depend on lp: no gradient
     (coef,) = torch.autograd.grad(loss, lp, allow_unused=True)
@@ -136,16 +242,20 @@ def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch
     if replay:  # the same micro-batches as pass 1, each under the RNG state it was scored with
         after_pass_1 = _rng_state(device)
         pass_2 = [(batch, state) for batch, state in zip(batches, rng_states) if needed[batch].any()]
+        if not pass_2 and backward_pass.distributed and batches:
+            pass_2 = [(batches[0], rng_states[0])]  # zero-weighted, so that this rank joins the all-reduce
     else:
         pass_2 = [(batch, None) for batch in needed.nonzero().squeeze(-1).split(micro_batch)]
+        if not pass_2 and backward_pass.distributed and batches:
+            pass_2 = [(batches[0][:micro_batch], None)]
     with torch.enable_grad():
-        for batch, state in pass_2:
+        for index, (batch, state) in enumerate(pass_2):
             if state is not None:
                 _set_rng_state(state, device)
             lp_batch = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
                                    chunk_size=chunk_size)
             if lp_batch.requires_grad:
-                (coef_rows[batch] * lp_batch).sum().backward()
+                backward_pass((coef_rows[batch] * lp_batch).sum(), last=index == len(pass_2) - 1)
     if replay:
         _set_rng_state(after_pass_1, device)  # later draws continue as if pass 2 had drawn nothing
     return value, lp
@@ -164,20 +274,24 @@ def _set_rng_state(states: list[torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(states[1], device)
 
 
-def _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size):
+def _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size, backward_pass):
     n_t, L = masks.n_t, masks.completion_length
-    dtype = accumulate_dtype(model.lm_head_weight.dtype)
+    dtype = accumulate_dtype(unwrap_model(model).lm_head_weight.dtype)
     device = sequences.device
     active = active_pairs(masks)
     value = torch.zeros((), dtype=dtype, device=device)
     lp = torch.zeros(masks.num_sequences * n_t, L, dtype=dtype, device=device)
+    batches = active.split(micro_batch)
     with torch.enable_grad():
-        for batch in active.split(micro_batch):
+        for index, batch in enumerate(batches):
             lp_batch = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
                                    chunk_size=chunk_size)
             loss = _scalar(objective(lp_batch, batch // n_t, batch % n_t), "objective(lp_pairs, ...)")
+            _check_finite_value(loss.detach(), "objective(lp_pairs, ...)", batch, n_t)
             if loss.requires_grad:
-                loss.backward()
+                backward_pass(loss, last=index == len(batches) - 1)
+            elif backward_pass.distributed and index == len(batches) - 1 and lp_batch.requires_grad:
+                backward_pass((lp_batch * 0).sum(), last=True)  # this rank must still join the all-reduce
             value += loss.detach()
             lp[batch] = lp_batch.detach()
     idle = torch.ones(masks.num_sequences * n_t, dtype=torch.bool, device=device)
@@ -186,8 +300,21 @@ def _separable(model, sequences, masks, objective, micro_batch, attention_mask, 
     if idle.numel():
         with torch.no_grad():  # their lp is exactly 0 and constant: they add value, never gradient
             zeros = torch.zeros(idle.numel(), L, dtype=dtype, device=device)
-            value += _scalar(objective(zeros, idle // n_t, idle % n_t), "objective(lp_pairs, ...)").detach()
+            idle_value = _scalar(objective(zeros, idle // n_t, idle % n_t), "objective(lp_pairs, ...)").detach()
+            _check_finite_value(idle_value, "objective(lp_pairs, ...)", idle, n_t)
+            value += idle_value
     return value, lp.view(masks.num_sequences, n_t, L)
+
+
+def _check_finite_value(value: torch.Tensor, call: str, pairs: torch.Tensor | None = None, n_t: int = 1) -> None:
+    if torch.isfinite(value):
+        return
+    where = ""
+    if pairs is not None:
+        where = " on pairs (sequence, sample) " + ", ".join(f"({int(p) // n_t}, {int(p) % n_t})" for p in pairs[:4])
+        where += " ..." if len(pairs) > 4 else ""
+    raise FloatingPointError(f"{call} is {value.item()}{where}; no gradient was kept. Check the objective for "
+                             "overflow (e.g. exp of a large log-ratio) or non-finite constants (advantages, old lp).")
 
 
 def _scalar(loss, call: str) -> torch.Tensor:

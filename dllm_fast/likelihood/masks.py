@@ -47,6 +47,7 @@ is never masked.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,9 @@ class MonteCarloMasks:
         num_masked: [N, n_t] int64, masked counted completion positions of each sample.
         prompt_length: P.
         sampler: the name of the sampler that drew them.
+        fingerprint: [N, 2] int64 hash of the sequences they were drawn for (`sequence_fingerprint`), or None
+            (masks drawn from explicit inputs by `draw_masks`). Scoring checks it, so masks drawn for other
+            sequences of the same shape are rejected instead of scoring the wrong positions.
     """
 
     masked: torch.Tensor
@@ -78,6 +82,7 @@ class MonteCarloMasks:
     num_masked: torch.Tensor
     prompt_length: int
     sampler: str
+    fingerprint: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.masked.dim() != 3 or self.masked.dtype != torch.bool:
@@ -93,6 +98,9 @@ class MonteCarloMasks:
             if value.shape != (N, n_t):
                 raise ValueError(f"MonteCarloMasks.{name} must be [N, n_t] = [{N}, {n_t}], "
                                  f"got shape {tuple(value.shape)}.")
+        if self.fingerprint is not None and tuple(self.fingerprint.shape) != (N, 2):
+            raise ValueError(f"MonteCarloMasks.fingerprint must be [N, 2] = [{N}, 2], got shape "
+                             f"{tuple(self.fingerprint.shape)}.")
 
     @property
     def num_sequences(self) -> int:
@@ -120,8 +128,58 @@ class MonteCarloMasks:
         return MonteCarloMasks(
             masked=self.masked.to(device), counted=self.counted.to(device), weight=self.weight.to(device),
             t=self.t.to(device), num_masked=self.num_masked.to(device), prompt_length=self.prompt_length,
-            sampler=self.sampler,
+            sampler=self.sampler, fingerprint=None if self.fingerprint is None else self.fingerprint.to(device),
         )
+
+    def check_sequences(self, sequences: torch.Tensor) -> None:
+        """Raise unless `sequences` are the ones these masks were drawn for (when a fingerprint was recorded)."""
+        if self.fingerprint is None:
+            return
+        mismatch = (sequence_fingerprint(sequences) != self.fingerprint.to(sequences.device)).any(-1)
+        if mismatch.any():
+            row = int(mismatch.nonzero()[0])
+            raise ValueError(f"sequences[{row}] is not the sequence these masks were drawn for (its fingerprint "
+                             "differs): draw masks for these sequences with sample_masks, and score every policy "
+                             "on the sequences they were drawn for.")
+
+    def check_lp(self, lp: torch.Tensor, name: str = "lp") -> None:
+        """Raise unless `lp` [N, n_t, L] could have been scored on these masks: right shape, floating point,
+        finite, <= 0, and exactly 0 wherever these masks score nothing. Catches log-probs scored on another
+        draw (its nonzero pattern differs)."""
+        expected = (self.num_sequences, self.n_t, self.completion_length)
+        if not isinstance(lp, torch.Tensor) or tuple(lp.shape) != expected:
+            shape = tuple(lp.shape) if isinstance(lp, torch.Tensor) else type(lp).__name__
+            raise ValueError(f"{name} must be [N, n_t, L] = {list(expected)} (scored on these masks), got {shape}.")
+        if not lp.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {lp.dtype}.")
+        stray = (lp != 0) & ~self.scored.to(lp.device)
+        if stray.any():
+            n, j, i = (int(v) for v in stray.nonzero()[0])
+            raise ValueError(f"{name}[{n}, {j}, {i}] = {float(lp[n, j, i])} but these masks score nothing there: "
+                             f"{name} was scored on other masks. Score every policy on the same MonteCarloMasks.")
+        bad = ~torch.isfinite(lp) | (lp > 0)
+        if bad.any():
+            n, j, i = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"{name}[{n}, {j}, {i}] = {float(lp[n, j, i])} is not a log-probability (finite, "
+                             "<= 0).")
+
+
+_FINGERPRINT_PRIME = 2**31 - 1
+_fingerprint_multipliers: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def sequence_fingerprint(sequences: torch.Tensor) -> torch.Tensor:
+    """[N, S] token ids -> [N, 2] int64: two position-weighted sums modulo 2^31 - 1 with fixed pseudo-random
+    multipliers. Equal sequences give equal fingerprints; different ones collide with probability ~2^-62."""
+    S = sequences.shape[1]
+    key = (S, str(sequences.device))
+    multipliers = _fingerprint_multipliers.get(key)
+    if multipliers is None:
+        generator = torch.Generator().manual_seed(20251122)
+        multipliers = torch.randint(1, _FINGERPRINT_PRIME, (2, S), generator=generator).to(sequences.device)
+        _fingerprint_multipliers[key] = multipliers
+    tokens = sequences.long() % _FINGERPRINT_PRIME  # each product stays below 2^62, each sum below 2^63
+    return ((tokens[:, None, :] * multipliers) % _FINGERPRINT_PRIME).sum(-1) % _FINGERPRINT_PRIME
 
 
 def counted_positions(completion: torch.Tensor, *, eos_token_id: int | None, count: str = "eos") -> torch.Tensor:
@@ -184,8 +242,9 @@ def sample_masks(
         torch.ones(sequences.shape[0], prompt_length, dtype=torch.bool, device=sequences.device)
         if attention_mask is None else attention_mask[:, :prompt_length].bool()
     )
-    return draw_masks(sampler, counted, n_t, generator=generator, prompt_real=prompt_real,
-                      block_length=block_length, perturb_prob=perturb_prob)
+    masks = draw_masks(sampler, counted, n_t, generator=generator, prompt_real=prompt_real,
+                       block_length=block_length, perturb_prob=perturb_prob)
+    return dataclasses.replace(masks, fingerprint=sequence_fingerprint(sequences))
 
 
 def draw_masks(

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from dllm_fast.contracts import accumulate_dtype, logit_shift
+from dllm_fast.contracts import accumulate_dtype, logit_shift, unwrap_model
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.ops import masked_logprobs
+from dllm_fast.validation import check_int
 
 
 def score(
@@ -44,7 +45,7 @@ def score(
     """
     check_inputs(model, sequences, masks, attention_mask=attention_mask, micro_batch=micro_batch)
     N, n_t, L = masks.num_sequences, masks.n_t, masks.completion_length
-    dtype = accumulate_dtype(model.lm_head_weight.dtype)
+    dtype = accumulate_dtype(unwrap_model(model).lm_head_weight.dtype)
     pairs = active_pairs(masks)
     if not torch.is_grad_enabled():
         lp = torch.zeros(N * n_t, L, dtype=dtype, device=sequences.device)
@@ -75,15 +76,16 @@ def score_pairs(
     `score` and `check_inputs`).
     """
     n_t, P = masks.n_t, masks.prompt_length
+    core = unwrap_model(model)  # forwards go through a DDP wrapper; attributes live on the module
     seq_index, sample_index = pairs // n_t, pairs % n_t
     tokens = sequences[seq_index]
     masked = masks.masked[seq_index, sample_index]
-    noisy = tokens.masked_fill(masked, model.mask_token_id)
+    noisy = tokens.masked_fill(masked, core.mask_token_id)
     hidden = model(noisy, attention_mask=None if attention_mask is None else attention_mask[seq_index])
     scored = masked[:, P:] & masks.counted[seq_index]
     rows, positions = scored.nonzero(as_tuple=True)
     # Token i is predicted by the hidden state at i - logit_shift (0 for LLaDA, 1 for Dream-style models).
-    logp = masked_logprobs(hidden[rows, P + positions - logit_shift(model)], model.lm_head_weight,
+    logp = masked_logprobs(hidden[rows, P + positions - logit_shift(core)], core.lm_head_weight,
                            tokens[rows, P + positions], chunk_size=chunk_size)
     out = torch.zeros(scored.shape, dtype=logp.dtype, device=logp.device)
     return out.index_put((rows, positions), logp)
@@ -114,15 +116,13 @@ def check_inputs(model, sequences, masks, *, attention_mask=None, micro_batch=No
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(sequences.shape):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; it must match sequences, "
                          f"{tuple(sequences.shape)}.")
-    if micro_batch is not None and (isinstance(micro_batch, bool) or not isinstance(micro_batch, int)
-                                    or micro_batch < 1):
-        raise ValueError(f"micro_batch={micro_batch!r} must be an int >= 1 ((sequence, sample) pairs per "
-                         "model call).")
+    if micro_batch is not None:
+        check_int("micro_batch", micro_batch, minimum=1, hint="(sequence, sample) pairs per model call")
     if logit_shift(model) > masks.prompt_length:
         raise ValueError(f"model.logit_shift={logit_shift(model)} needs a prompt of at least that many positions "
                          f"(prompt_length={masks.prompt_length}): the first completion token is predicted from "
                          "the position before it.")
-    mask_id = model.mask_token_id
+    mask_id = unwrap_model(model).mask_token_id
     real = torch.ones_like(sequences, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     clash = (sequences == mask_id) & real
     if clash.any():
@@ -132,3 +132,4 @@ def check_inputs(model, sequences, masks, *, attention_mask=None, micro_batch=No
             f"sequences[{n}, {position}] (in the {part}) is the mask token id {mask_id}; a clean sequence must "
             "not contain it (finish the rollout, or replace it / mark it as padding with attention_mask=0)."
         )
+    masks.check_sequences(sequences)
