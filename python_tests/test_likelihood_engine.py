@@ -418,3 +418,230 @@ def test_cuda_engine_matches_naive_fp32():
     got_value, got = engine_gradient(model, sequences, masks, objective, attention_mask, micro_batch=3)
     assert relative_error(got, want) < 1e-4
     torch.testing.assert_close(got_value, value, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# lp= (skip pass 1), all-or-nothing gradients, one all-reduce per call, host-owned backward
+
+
+def test_known_lp_skips_pass_1_with_an_identical_gradient():
+    model = Recorder(tiny_model())
+    sequences, attention_mask = rollouts(model.inner)
+    masks = draw(model.inner, sequences, "stratified_l", n_t=4)
+    advantages = torch.tensor([1.0, -0.7, 0.4], dtype=torch.float64)
+    with torch.no_grad():
+        lp_old = score(model.inner, sequences, masks, micro_batch=8, attention_mask=attention_mask)
+
+    def vrpo_ol(lp):
+        return -(torch.exp(elbo(lp, masks) - elbo(lp_old, masks)) * advantages).mean()
+
+    value, want = engine_gradient(model, sequences, masks, vrpo_ol, attention_mask, micro_batch=5)
+    calls_two_pass = sum(x.shape[0] for x in model.inputs)
+    model.inputs = []
+    got_value, got = engine_gradient(model, sequences, masks, vrpo_ol, attention_mask, micro_batch=5, lp=lp_old)
+    calls_known = sum(x.shape[0] for x in model.inputs)
+    assert calls_two_pass == 2 * 12 and calls_known == 12  # pass 1 skipped
+    torch.testing.assert_close(got_value, value, rtol=1e-12, atol=1e-12)
+    assert relative_error(got, want) < 1e-12
+
+
+def test_known_lp_is_checked():
+    model = tiny_model()
+    sequences, attention_mask = rollouts(model)
+    masks = draw(model, sequences, "stratified_l", n_t=4)
+    other = draw(model, sequences, "stratified_l", n_t=4, seed=9)
+    with torch.no_grad():
+        lp_other = score(model, sequences, other, micro_batch=8, attention_mask=attention_mask)
+    with pytest.raises(ValueError, match="lp was scored on other masks"):
+        streaming_backward(model, sequences, masks, lambda lp: -lp.sum(), micro_batch=2, lp=lp_other)
+    with pytest.raises(ValueError, match=r"lp must be \[N, n_t, L\]"):
+        streaming_backward(model, sequences, masks, lambda lp: -lp.sum(), micro_batch=2, lp=lp_other[:2])
+    with pytest.raises(ValueError, match="lp= skips pass 1, which separable=True does not run"):
+        streaming_backward(model, sequences, masks, lambda lp, n, j: -lp.sum(), micro_batch=2, separable=True,
+                           lp=torch.zeros(3, 4, L, dtype=torch.float64))
+    dropout = DropoutModel(model, p=0.5).train()
+    with pytest.raises(ValueError, match="active dropout: pass 2 cannot replay"):
+        streaming_backward(dropout, sequences, masks, lambda lp: -lp.sum(), micro_batch=2,
+                           lp=torch.zeros(3, 4, L, dtype=torch.float64))
+
+
+class DropoutModel(torch.nn.Module):
+    """The model contract with a plain nn.Dropout on the hidden states (no PEFT needed)."""
+
+    def __init__(self, inner, p):
+        super().__init__()
+        self.inner, self.dropout = inner, torch.nn.Dropout(p)
+        self.mask_token_id = inner.mask_token_id
+
+    @property
+    def lm_head_weight(self):
+        return self.inner.lm_head_weight
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.dropout(self.inner(input_ids, attention_mask=attention_mask))
+
+
+def test_plain_dropout_is_replayed_exactly():
+    """Issue 10 (16): the replay must be tested without PEFT too. Removing the RNG restore in pass 2 fails it."""
+    model = DropoutModel(tiny_model(), p=0.3).train()
+    sequences, attention_mask = rollouts(model.inner)
+    masks = draw(model.inner, sequences, "stratified_l", n_t=4)
+    advantages = torch.tensor([1.0, -0.5, 0.25], dtype=torch.float64)
+
+    def objective(lp):
+        return -(torch.exp(elbo(lp, masks) / masks.num_counted) * advantages).sum()
+
+    torch.manual_seed(11)
+    loss = objective(score(model, sequences, masks, micro_batch=3, attention_mask=attention_mask))
+    want = torch.autograd.grad(loss, trainable(model))
+    torch.manual_seed(11)
+    value, got = engine_gradient(model, sequences, masks, objective, attention_mask, micro_batch=3)
+    torch.testing.assert_close(value, loss.detach())
+    assert relative_error(got, want) < 1e-10
+
+
+class FailingModel(Recorder):
+    """Raises `error` on its `fail_at`-th forward call (counting from 1)."""
+
+    def __init__(self, inner, fail_at, error):
+        super().__init__(inner)
+        self.calls, self.fail_at, self.error = 0, fail_at, error
+
+    def forward(self, input_ids, attention_mask=None):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise self.error
+        return super().forward(input_ids, attention_mask)
+
+
+def grads(model):
+    return [None if p.grad is None else p.grad.clone() for p in trainable(model)]
+
+
+def same_grads(a, b):
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+               for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("separable", [False, True])
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("out of memory")])
+def test_a_failure_midway_leaves_gradients_untouched(separable, error):
+    """Issue 8: no partial gradients. Pass-2 micro-batch 2 fails after micro-batch 1 has written .grad."""
+    inner = tiny_model()
+    sequences, attention_mask = rollouts(inner)
+    masks = draw(inner, sequences, "stratified_l", n_t=4)
+    inner.lm_head_weight.grad = torch.full_like(inner.lm_head_weight, 0.5)  # accumulated by an earlier call
+    before = grads(inner)
+    forwards_before_failure = 2 if separable else 12 // 4 + 2  # pass 1 (3 calls of 4), then pass 2's second call
+    model = FailingModel(inner, fail_at=forwards_before_failure, error=error)
+    objective = (lambda lp, n, j: -lp.sum()) if separable else (lambda lp: -lp.sum())
+    with pytest.raises(type(error)):
+        streaming_backward(model, sequences, masks, objective, micro_batch=4, attention_mask=attention_mask,
+                           separable=separable)
+    assert same_grads(grads(inner), before)
+
+
+def test_non_finite_objective_values_leave_gradients_untouched():
+    model = tiny_model()
+    sequences, attention_mask = rollouts(model)
+    masks = draw(model, sequences, "stratified_l", n_t=4)
+    before = grads(model)
+
+    def nan_on_second_batch(lp, n, j):  # the separable path used to write the first batch's NaN-free grads
+        return -lp.sum() * (float("nan") if int(n[0]) > 0 else 1.0)
+
+    with pytest.raises(FloatingPointError, match=r"objective\(lp_pairs, \.\.\.\) is nan on pairs \(sequence, "
+                                                 r"sample\) \(1, 0\)"):
+        streaming_backward(model, sequences, masks, nan_on_second_batch, micro_batch=4, separable=True)
+    assert same_grads(grads(model), before)
+    with pytest.raises(ZeroDivisionError):
+        streaming_backward(model, sequences, masks, lambda lp: 1 / 0, micro_batch=4)
+    assert same_grads(grads(model), before)
+
+
+def test_gradients_accumulate_across_calls():
+    model = tiny_model()
+    sequences, attention_mask = rollouts(model)
+    masks = draw(model, sequences, "stratified_l", n_t=4)
+    objective = lambda lp: -elbo(lp, masks).sum()  # noqa: E731
+    _, once = engine_gradient(model, sequences, masks, objective, attention_mask, micro_batch=3)
+    streaming_backward(model, sequences, masks, objective, micro_batch=3, attention_mask=attention_mask)
+    assert relative_error(grads(model), [2 * g for g in once]) < 1e-12
+
+
+class SyncCounter:
+    """A grad_sync stand-in: counts the backwards run inside it (not all-reduced) and outside it."""
+
+    def __init__(self):
+        self.inside = 0
+        self.depth = 0
+
+    def __call__(self):
+        counter = self
+
+        class Context:
+            def __enter__(self):
+                counter.depth += 1
+                counter.inside += 1
+
+            def __exit__(self, *args):
+                counter.depth -= 1
+
+        return Context()
+
+
+@pytest.mark.parametrize("separable", [False, True])
+@pytest.mark.parametrize("sync_gradients", [True, False])
+def test_only_the_last_backward_of_a_call_synchronises(separable, sync_gradients):
+    model = tiny_model()
+    sequences, attention_mask = rollouts(model)
+    masks = draw(model, sequences, "stratified_l", n_t=4)
+    counter, backwards = SyncCounter(), []
+
+    def backward(loss):
+        backwards.append(counter.depth == 0)  # True: this backward all-reduces
+        loss.backward()
+
+    objective = (lambda lp, n, j: -lp.sum()) if separable else (lambda lp: -lp.sum())
+    streaming_backward(model, sequences, masks, objective, micro_batch=5, separable=separable, grad_sync=counter,
+                       sync_gradients=sync_gradients, backward=backward)
+    assert len(backwards) == 3  # 12 pairs in micro-batches of 5
+    assert backwards == [False, False, sync_gradients]
+
+
+def test_a_rank_with_nothing_to_backpropagate_still_joins_the_all_reduce():
+    model = tiny_model()
+    sequences, attention_mask = rollouts(model)
+    masks = draw(model, sequences, "stratified_l", n_t=4)
+    counter, backwards = SyncCounter(), []
+
+    def backward(loss):
+        backwards.append(counter.depth == 0)
+        loss.backward()
+
+    value = streaming_backward(model, sequences, masks, lambda lp: 0 * lp.sum(), micro_batch=5, grad_sync=counter,
+                               backward=backward)
+    assert value.item() == 0 and backwards == [True]
+    assert all(p.grad is None or not p.grad.any() for p in trainable(model))
+
+
+def test_distributed_data_parallel_wrapper(tmp_path):
+    """A DDP-wrapped model (one gloo process): forwards go through the wrapper, attributes come from .module,
+    and the gradient equals the unwrapped model's."""
+    import torch.distributed as dist
+
+    model = tiny_model()
+    sequences, attention_mask = rollouts(model)
+    masks = draw(model, sequences, "stratified_l", n_t=4)
+    objective = lambda lp: -torch.exp(elbo(lp, masks) / 10).sum()  # noqa: E731
+    _, want = engine_gradient(model, sequences, masks, objective, attention_mask, micro_batch=5)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        assert likelihood.engine.default_grad_sync(wrapped) == wrapped.no_sync
+        model.zero_grad(set_to_none=True)
+        streaming_backward(wrapped, sequences, masks, objective, micro_batch=5, attention_mask=attention_mask)
+        got = [p.grad.clone() for p in trainable(model)]
+    finally:
+        dist.destroy_process_group()
+    assert relative_error(got, want) < 1e-12

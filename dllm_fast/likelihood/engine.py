@@ -245,7 +245,7 @@ def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch
         if not pass_2 and backward_pass.distributed and batches:
             pass_2 = [(batches[0], rng_states[0])]  # zero-weighted, so that this rank joins the all-reduce
     else:
-        pass_2 = [(batch, None) for batch in needed.nonzero().squeeze(-1).split(micro_batch)]
+        pass_2 = [(batch, None) for batch in needed.nonzero().squeeze(-1).split(micro_batch) if batch.numel()]
         if not pass_2 and backward_pass.distributed and batches:
             pass_2 = [(batches[0][:micro_batch], None)]
     with torch.enable_grad():
