@@ -1,0 +1,66 @@
+"""The published RL objectives for masked diffusion LMs, each a short module over the likelihood engine's lp.
+
+    from dllm_fast import objectives
+    objective = objectives.get("bgpo", n_t=8)          # the paper's defaults, with overrides
+    out = objective.backward(model, batch, micro_batch=4, generator=torch.Generator().manual_seed(0))
+    out.loss, out.stats                                # gradients are in model's .grad
+
+| name | paper | estimator | ratio / clip | KL |
+|---|---|---|---|---|
+| diffu_grpo | d1 | mean-field, prompt perturbation, n_t 1 | token, two-sided eps | k3 per token |
+| wd1 | wd1 | mean-field, n_t 1 | none (group softmax(+-A) weights) | none |
+| vrpo_ol | BGPO Eqs. 3-7 | ELBO, n_t 4 | exp(ELBO - ELBO_old) | none |
+| bgpo | BGPO | ELBO, n_t 16, separable bound | (1 + d) or e^d per sample | none |
+| spg | SPG | block masks, ELBO / EUBO / mixture | none | none |
+| espo | ESPO | complementary pairs | exp(dELBO / L), two-sided clip | k2 on the ELBO |
+| rspo | RSPO | ELBO vs reference, n_t 2 | none (residual weights) | implicit |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dllm_fast.objectives.advantages import group_advantages, zero_std_fraction
+from dllm_fast.objectives.base import LossInputs, Objective, ObjectiveConfig, ObjectiveOutput
+from dllm_fast.objectives.bgpo import BGPO, BGPOConfig
+from dllm_fast.objectives.diffu_grpo import DiffuGRPO, DiffuGRPOConfig
+from dllm_fast.objectives.espo import ESPO, ESPOConfig
+from dllm_fast.objectives.rspo import RSPO, RSPOConfig
+from dllm_fast.objectives.spg import SPG, SPGConfig
+from dllm_fast.objectives.vrpo_ol import VRPOOL, VRPOOLConfig
+from dllm_fast.objectives.wd1 import WD1, WD1Config
+
+_REGISTRY: dict[str, type[Objective]] = {}
+
+
+def register(cls: type[Objective]) -> type[Objective]:
+    """Make an Objective subclass available to `get` by its `name` (usable as a class decorator)."""
+    if not (isinstance(cls, type) and issubclass(cls, Objective)) or not cls.name:
+        raise TypeError(f"register takes an Objective subclass with a name, got {cls!r}.")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"an objective named {cls.name!r} is already registered ({_REGISTRY[cls.name].__name__}).")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+for _cls in (DiffuGRPO, WD1, VRPOOL, BGPO, SPG, ESPO, RSPO):
+    register(_cls)
+
+
+def available() -> tuple[str, ...]:
+    """The registered objective names."""
+    return tuple(_REGISTRY)
+
+
+def get(name: str, **overrides: Any) -> Objective:
+    """The objective `name` with its paper's defaults, any config field overridden by keyword."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown objective {name!r}; available: {', '.join(available())}.")
+    return _REGISTRY[name](**overrides)
+
+
+__all__ = [
+    "BGPO", "BGPOConfig", "DiffuGRPO", "DiffuGRPOConfig", "ESPO", "ESPOConfig", "LossInputs", "Objective",
+    "ObjectiveConfig", "ObjectiveOutput", "RSPO", "RSPOConfig", "SPG", "SPGConfig", "VRPOOL", "VRPOOLConfig",
+    "WD1", "WD1Config", "available", "get", "group_advantages", "register", "zero_std_fraction",
+]

@@ -1,0 +1,178 @@
+"""Plain-PyTorch twins of the seven objectives: each paper's formula written as loops over sequences and samples,
+independently of dllm_fast.objectives (its own advantages, estimators and normalisations). They are the test
+oracle for the vectorised losses: same value, same gradient with respect to lp.
+
+Every function takes lp [N, n_t, L] (differentiable), the masks it was scored on (any object with `scored`,
+`weight`, `n_t`, `completion_length` and `counted` like MonteCarloMasks), the rewards [N] and the group size G;
+lp_old=None means on-policy (old = lp detached).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def advantages(rewards, group_size, *, baseline="mean", scale="none", std_epsilon=1e-6) -> list[float]:
+    values = [float(r) for r in rewards]
+    out = []
+    for start in range(0, len(values), group_size):
+        group = values[start:start + group_size]
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (len(group) - 1)) if len(group) > 1 else 0.0
+        for i, r in enumerate(group):
+            if len(group) == 1:
+                a = 0.0
+            elif baseline == "leave_one_out":
+                a = r - (sum(group) - r) / (len(group) - 1)
+            else:
+                a = r - mean
+            if scale == "std":
+                a = a / (std + std_epsilon) if std_epsilon > 0 else (a / std if std > 0 else 0.0)
+            out.append(a)
+    return out
+
+
+def sample_elbo(lp, masks, n, j):
+    """w_nj * sum over the scored positions of sample j: one term of the Monte Carlo ELBO."""
+    total = lp.new_zeros(())
+    for i in range(lp.shape[2]):
+        if masks.scored[n, j, i]:
+            total = total + lp[n, j, i]
+    return float(masks.weight[n, j]) * total
+
+
+def mc_elbo(lp, masks, n):
+    return sum(sample_elbo(lp, masks, n, j) for j in range(masks.n_t)) / masks.n_t
+
+
+def mc_eubo(lp, masks, n, beta, mean_over_positions=False):
+    """SPG's EUBO of sequence n: (1/beta) sum_i log (1/n_t) sum_j w_j 1[scored] p^beta, unscored positions dropped."""
+    total, present = lp.new_zeros(()), 0
+    for i in range(lp.shape[2]):
+        terms = [float(masks.weight[n, j]) * torch.exp(beta * lp[n, j, i])
+                 for j in range(masks.n_t) if masks.scored[n, j, i]]
+        if terms:
+            total = total + torch.log(sum(terms) / masks.n_t) / beta
+            present += 1
+    return total / max(present, 1) if mean_over_positions else total
+
+
+def diffu_grpo(lp, masks, rewards, group_size, lp_old=None, lp_ref=None, *, epsilon=0.5, beta=0.04,
+               normalization="token"):
+    old = lp.detach() if lp_old is None else lp_old
+    adv = advantages(rewards, group_size)
+    N, n_t, L = lp.shape
+    per_sequence, counts = [], []
+    for n in range(N):
+        total, count = lp.new_zeros(()), 0
+        for j in range(n_t):
+            for i in range(L):
+                if not masks.scored[n, j, i]:
+                    continue
+                ratio = torch.exp(lp[n, j, i] - old[n, j, i])
+                term = -torch.minimum(ratio * adv[n], ratio.clamp(1 - epsilon, 1 + epsilon) * adv[n])
+                if beta > 0:
+                    x = lp_ref[n, j, i] - lp[n, j, i]
+                    term = term + beta * (torch.exp(x) - x - 1)
+                total, count = total + term, count + 1
+        per_sequence.append(total)
+        counts.append(count)
+    if normalization == "token":
+        return sum(per_sequence) / sum(counts)
+    return sum(t / c for t, c in zip(per_sequence, counts)) / N
+
+
+def wd1(lp, masks, rewards, group_size):
+    adv = advantages(rewards, group_size)
+    N, n_t, L = lp.shape
+    loss = lp.new_zeros(())
+    groups = N // group_size
+    for g in range(groups):
+        members = range(g * group_size, (g + 1) * group_size)
+        positive = torch.softmax(torch.tensor([adv[n] for n in members], dtype=torch.float64), 0)
+        negative = torch.softmax(torch.tensor([-adv[n] for n in members], dtype=torch.float64), 0)
+        for k, n in enumerate(members):
+            log_pi = sum(lp[n, j, i] for j in range(n_t) for i in range(L) if masks.scored[n, j, i]) / n_t
+            loss = loss - float(positive[k]) * log_pi + float(negative[k]) * log_pi
+    return loss / groups
+
+
+def vrpo_ol(lp, masks, rewards, group_size, lp_old=None, *, std_epsilon=1e-6):
+    old = lp.detach() if lp_old is None else lp_old
+    adv = advantages(rewards, group_size, scale="std", std_epsilon=std_epsilon)
+    N = lp.shape[0]
+    return -sum(torch.exp(mc_elbo(lp, masks, n) - mc_elbo(old, masks, n)) * adv[n] for n in range(N)) / N
+
+
+def bgpo(lp, masks, rewards, group_size, lp_old=None, *, std_epsilon=1e-6, scale="none", clip_epsilon=None,
+         dual_clip=None):
+    old = lp.detach() if lp_old is None else lp_old
+    adv = advantages(rewards, group_size, scale="std", std_epsilon=std_epsilon)
+    N, n_t, L = lp.shape
+    total = lp.new_zeros(())
+    for n in range(N):
+        divisor = {"none": 1.0, "padded_length": float(L), "response_length": float(masks.counted[n].sum())}[scale]
+        for j in range(n_t):
+            d = (sample_elbo(lp, masks, n, j) - sample_elbo(old, masks, n, j)) / divisor
+            ratio = 1 + d if adv[n] >= 0 else torch.exp(d)
+            gain = ratio * adv[n]
+            if clip_epsilon is not None:
+                gain = torch.minimum(gain, ratio.clamp(1 - clip_epsilon, 1 + clip_epsilon) * adv[n])
+            if dual_clip is not None and adv[n] < 0:
+                gain = torch.maximum(gain, torch.tensor(dual_clip * adv[n], dtype=lp.dtype))
+            total = total + gain / n_t
+    return -total / N
+
+
+def spg(lp, masks, rewards, group_size, *, bound="mix", beta=1.0, omega=0.5, normalization="paper"):
+    adv = advantages(rewards, group_size)
+    N = lp.shape[0]
+    token = normalization == "token"
+    values, lengths = [], []
+    for n in range(N):
+        length = float(masks.counted[n].sum())
+        lower = mc_elbo(lp, masks, n) / (length if token else 1.0)
+        if adv[n] >= 0 or bound == "elbo":
+            value = lower
+        else:
+            upper = mc_eubo(lp, masks, n, beta, mean_over_positions=token)
+            value = upper if bound == "eubo" else omega * upper + (1 - omega) * lower
+        values.append(adv[n] * value)
+        lengths.append(length)
+    if token:
+        return -sum(v * c for v, c in zip(values, lengths)) / sum(lengths)
+    return -sum(values) / N
+
+
+def espo(lp, masks, rewards, group_size, lp_old=None, lp_ref=None, *, epsilon_low=0.2, epsilon_high=0.2,
+         beta=1e-3, advantage="mean"):
+    old = lp.detach() if lp_old is None else lp_old
+    adv = advantages(rewards, group_size, baseline=advantage)
+    N, _, L = lp.shape
+    loss = lp.new_zeros(())
+    for n in range(N):
+        ratio = torch.exp((mc_elbo(lp, masks, n) - mc_elbo(old, masks, n)) / L)
+        loss = loss - torch.minimum(ratio * adv[n], ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv[n]) / N
+        if beta > 0:
+            loss = loss + beta * 0.5 * (mc_elbo(lp, masks, n) - mc_elbo(lp_ref, masks, n)) ** 2 / (N * L)
+    return loss
+
+
+def rspo(lp, masks, rewards, group_size, lp_ref=None, *, lam=0.01, center="batch", scale_rewards=False):
+    adv = advantages(rewards, group_size, scale="std" if scale_rewards else "none", std_epsilon=1e-4)
+    N = lp.shape[0]
+    delta = [(mc_elbo(lp, masks, n) - mc_elbo(lp_ref, masks, n)) / float(masks.counted[n].sum()) for n in range(N)]
+    loss = lp.new_zeros(())
+    for n in range(N):
+        if center == "group":
+            start = n - n % group_size
+            members = delta[start:start + group_size]
+        else:
+            members = delta
+        centre = (sum(members) / len(members)).detach()
+        delta_hat = delta[n] - centre
+        weight = adv[n] - lam * float(delta_hat.detach())
+        loss = loss - weight * delta_hat / N
+    return loss
