@@ -35,6 +35,7 @@ VARIANTS = [  # (name, overrides): every default, plus each documented option
     ("spg", {"bound": "elbo"}),
     ("spg", {"normalization": "token"}),
     ("espo", {"advantage": "leave_one_out", "epsilon_low": 0.01, "epsilon_high": 0.02, "beta": 0.1}),
+    ("espo", {"count": "eos"}),  # the ratio is still normalised by the fixed width L, not the response length
     ("rspo", {"center": "group", "scale_rewards": True, "lam": 0.5}),
 ]
 
