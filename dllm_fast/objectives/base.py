@@ -103,6 +103,7 @@ class Objective:
     name: ClassVar[str] = ""
     Config: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
     separable: ClassVar[bool] = False
+    uses_old_policy: ClassVar[bool] = False  # a ratio to the old policy (reads lp_old; on-policy without it)
 
     def __init__(self, config: ObjectiveConfig | None = None, **overrides: Any):
         if config is None:

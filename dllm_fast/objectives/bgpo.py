@@ -52,6 +52,7 @@ class BGPOConfig(ObjectiveConfig):
 class BGPO(Objective):
     name = "bgpo"
     Config = BGPOConfig
+    uses_old_policy = True
     separable = True
 
     def advantages(self, batch):

@@ -44,6 +44,7 @@ class DiffuGRPOConfig(ObjectiveConfig):
 class DiffuGRPO(Objective):
     name = "diffu_grpo"
     Config = DiffuGRPOConfig
+    uses_old_policy = True
     separable = True
 
     @property

@@ -44,6 +44,7 @@ class ESPOConfig(ObjectiveConfig):
 class ESPO(Objective):
     name = "espo"
     Config = ESPOConfig
+    uses_old_policy = True
 
     @property
     def needs_reference(self) -> bool:

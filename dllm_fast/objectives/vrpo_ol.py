@@ -35,6 +35,7 @@ class VRPOOLConfig(ObjectiveConfig):
 class VRPOOL(Objective):
     name = "vrpo_ol"
     Config = VRPOOLConfig
+    uses_old_policy = True
 
     def advantages(self, batch):
         return group_advantages(batch.rewards, batch.group_size, scale="std", std_epsilon=self.config.std_epsilon)

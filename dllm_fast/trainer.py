@@ -1,0 +1,467 @@
+"""The minimal trainer: RL for masked diffusion LMs in one loop that reads top to bottom.
+
+    python -m dllm_fast train                                    # the embedded default: sudoku4 on CPU
+    python -m dllm_fast train --task countdown --objective espo --model path/to/LLaDA-8B-Instruct --lora true
+
+Each step:
+  1. take the next prompts (a seeded, resumable order over the task's training examples);
+  2. roll out G completions per prompt with `dllm_fast.generate`;
+  3. score them with the task's reward and build the RolloutBatch;
+  4. draw the objective's Monte Carlo masks for each inner update and score the old policy on them (the
+     reference is scored inside the objective's entry point, on the same masks);
+  5. run mu inner updates through `Objective.backward` (exact gradient, memory independent of n_t), each followed
+     by gradient clipping, an AdamW step and the learning-rate schedule.
+Around the loop: JSONL metrics and a progress bar, greedy evaluation at several generation lengths, atomic
+checkpoints every K steps from which `--resume true` continues bit for bit, and a PNG of the curves at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dllm_fast import objectives
+from dllm_fast.contracts import RolloutBatch, check_finite_rewards, unwrap_model
+from dllm_fast.files import atomic_directory, write_text_atomic
+from dllm_fast.likelihood import score
+from dllm_fast.likelihood.engine import has_active_dropout
+from dllm_fast.memory import peak_rss_bytes, reset_peak_rss
+from dllm_fast.sampling import generate
+from dllm_fast.tasks import get_task
+from dllm_fast.tasks.encoding import decode_completions, encode_prompts
+from dllm_fast.tasks.evaluate import evaluate
+from dllm_fast.train_config import TrainConfig
+
+CHECKPOINT = "checkpoint"
+METRICS = "metrics.jsonl"
+PLOT = "curves.png"
+
+
+@dataclass
+class TrainResult:
+    """base_accuracy / final_accuracy: greedy test accuracy per evaluation generation length, before the first
+    step and after the last. history: every metrics row written."""
+
+    output_dir: Path
+    base_accuracy: dict[int, float]
+    final_accuracy: dict[int, float]
+    steps: int
+    seconds: float
+    history: list[dict] = field(default_factory=list)
+
+
+def train(config: TrainConfig) -> TrainResult:
+    run = Run(config)
+    started = time.perf_counter()
+    if run.step == 0:
+        run.log(run.evaluate())  # the base model
+    progress = run.progress(range(run.step, config.steps))
+    for step in progress:
+        step_started = time.perf_counter()
+        run.reset_peak_memory()
+
+        # 1-2. Prompts, then G rollouts each.
+        examples = run.data.take(config.prompts_per_step)
+        rollout, completions, rollout_seconds = run.roll_out(examples)
+
+        # 3. Rewards and the batch the objective consumes.
+        batch = run.rollout_batch(examples, rollout, completions)
+
+        # 4. Masks for each inner update; the old policy's lp on them before the policy moves.
+        masks = [run.objective.draw_masks(batch, generator=run.mask_generator, eos_token_id=run.core.eos_token_id)
+                 for _ in range(config.inner_updates)]
+        lp_old = run.score_old_policy(batch, masks)
+
+        # 5. Inner updates: objective gradient, clip, AdamW, schedule.
+        updates = [run.update(batch, masks[k], lp_old[k], first=k == 0) for k in range(config.inner_updates)]
+
+        row = run.step_metrics(step + 1, batch, examples, completions, updates, rollout, rollout_seconds,
+                               time.perf_counter() - step_started)
+        run.step = step + 1
+        if run.step % config.eval_every == 0 or run.step == config.steps:
+            row.update(run.evaluate())
+        run.log(row)
+        progress.set_postfix(reward=f"{row['reward_mean']:.3f}", accuracy=f"{row['accuracy']:.3f}")
+        if run.step % config.checkpoint_every == 0 or run.step == config.steps:
+            run.save_checkpoint()
+
+    result = run.result(time.perf_counter() - started)
+    if config.plot:
+        plot_curves(result.history, result.output_dir / PLOT)
+    return result
+
+
+class Run:
+    """Everything one training run holds: model, reference, task, objective, optimiser, random streams, data
+    position and step. Built from a TrainConfig; `--resume` restores it from the latest checkpoint."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.output_dir = Path(config.output_dir)
+        self.device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
+                                   else ("cpu" if config.device == "auto" else config.device))
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        seed_everything(config.seed)
+        self.bf16 = config.bf16 if config.bf16 is not None else self.device.type == "cuda"
+        self.task = get_task(config.task, **self._task_options())
+        self.objective = objectives.get(config.objective, **config.objective_options)
+        base, self.tokenizer = load_model_and_tokenizer(config, self.device)
+        base.set_gradient_checkpointing(config.gradient_checkpointing)
+        # The reference policy: the initial weights. With LoRA, the objective disables the adapters instead.
+        self.ref_model = None
+        if self.objective.needs_reference and not config.lora:
+            self.ref_model = copy.deepcopy(base).eval().requires_grad_(False)
+        self.model = add_lora(base, config) if config.lora else base
+        self.core = unwrap_model(self.model)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, betas=tuple(config.betas),
+                                           weight_decay=config.weight_decay)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, learning_rate_factor(config))
+        self.rollout_generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.mask_generator = torch.Generator().manual_seed(config.seed + 1)
+        self.data = PromptStream(self.task.train_examples(seed=config.seed), seed=config.seed)
+        self.test_examples = self.task.test_examples()[:config.eval_examples]
+        self.step = 0
+        self.history: list[dict] = []
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if config.resume and (self.output_dir / CHECKPOINT).is_dir():
+            self.load_checkpoint()
+        else:
+            (self.output_dir / METRICS).write_text("")
+            write_text_atomic(self.output_dir / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
+
+    def _task_options(self) -> dict:
+        options = dict(self.config.task_options)
+        if self.config.task == "sudoku4" and self.config.model == "sudoku4":
+            from dllm_fast.assets import SUDOKU4_TASK_OPTIONS
+
+            options = {**SUDOKU4_TASK_OPTIONS, **options}  # the prompt style the embedded model was trained on
+        return options
+
+    # -- the loop's steps -----------------------------------------------------------------------------------
+    def autocast(self):
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def roll_out(self, examples):
+        """G completions per prompt (rows g * G .. g * G + G - 1 are prompt g's), decoded."""
+        c = self.config
+        prompts = [self.task.prompt(e, self.tokenizer) for e in examples for _ in range(c.group_size)]
+        input_ids, attention_mask = encode_prompts(self.tokenizer, prompts, device=self.device,
+                                                   pad_token_id=self.core.eos_token_id)
+        started = time.perf_counter()
+        self.model.eval()  # no dropout while sampling
+        with torch.no_grad(), self.autocast():
+            result = generate(self.model, input_ids, attention_mask, gen_length=c.gen_length,
+                              block_length=c.block_length, steps=c.diffusion_steps, temperature=c.temperature,
+                              remasking=c.remasking, cache=c.cache, threshold=c.threshold,
+                              generator=self.rollout_generator)
+        self.model.train()
+        return result, decode_completions(self.tokenizer, result), time.perf_counter() - started
+
+    def rollout_batch(self, examples, rollout, completions) -> RolloutBatch:
+        G = self.config.group_size
+        rewards = [self.task.reward(examples[row // G], text) for row, text in enumerate(completions)]
+        for row, value in enumerate(rewards):
+            if not math.isfinite(value):
+                raise ValueError(f"task {self.task.name!r} returned reward {value} for prompt {row // G} of step "
+                                 f"{self.step + 1} ({examples[row // G].question[:200]!r}), completion "
+                                 f"{completions[row][:200]!r}; a reward must be finite: fix the task's reward.")
+        rewards = torch.tensor(rewards, dtype=torch.float32, device=self.device)
+        check_finite_rewards(rewards, G)
+        return RolloutBatch.from_generation(rollout, rewards, group_size=G)
+
+    def score_old_policy(self, batch, masks) -> list[torch.Tensor | None]:
+        """The old policy's lp on each inner update's masks. With one inner update the old policy is the current
+        one (the objective's on-policy default); ratio-free objectives need none."""
+        if self.config.inner_updates == 1 or not self.objective.uses_old_policy:
+            return [None] * len(masks)
+        with torch.no_grad(), self.autocast():
+            return [score(self.model, batch.sequences, m, micro_batch=self.config.micro_batch,
+                          attention_mask=batch.attention_mask) for m in masks]
+
+    def update(self, batch, masks, lp_old, first: bool) -> dict:
+        """One inner update: the objective's gradient, clipping, an AdamW step and the schedule."""
+        # At the first inner update the policy has not moved: its lp is the old policy's (skip a scoring pass).
+        known = lp_old if first and lp_old is not None and not has_active_dropout(self.model) else None
+        with self.autocast():
+            out = self.objective.backward(self.model, batch, masks=masks, lp=known, lp_old=lp_old,
+                                          ref_model=self.ref_model, micro_batch=self.config.micro_batch)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.config.grad_clip)
+        if not torch.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"the gradient norm is {float(norm)} at step {self.step + 1}; no update was "
+                                     "taken. Lower the learning rate or check the objective's options.")
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {**out.stats, "grad_norm": float(norm)}
+
+    # -- evaluation and metrics -----------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        c = self.config
+        row = {"step": self.step}
+        for length in c.eval_gen_lengths:
+            block, steps = eval_schedule(c, length)
+            with self.autocast():
+                result = evaluate(self.model, self.tokenizer, self.task, self.test_examples, gen_length=length,
+                                  block_length=block, steps=steps, batch_size=c.eval_batch_size,
+                                  threshold=c.threshold if steps is None else None, cache=c.cache)
+            row[f"eval_accuracy@{length}"] = result.accuracy
+            row[f"eval_reward@{length}"] = result.mean_reward
+        return row
+
+    def step_metrics(self, step, batch, examples, completions, updates, rollout, rollout_seconds, seconds) -> dict:
+        G = self.config.group_size
+        rewards = batch.rewards.double()
+        correct = [self.task.correct(examples[row // G], text) for row, text in enumerate(completions)]
+        averaged = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
+        return {
+            "step": step,
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "accuracy": sum(correct) / len(correct),
+            **averaged,
+            "completion_length": float(batch.completion_lengths.double().mean()),
+            "rollout_tokens_per_s": rollout.completion_ids.numel() / max(rollout_seconds, 1e-9),
+            "rollout_seconds": rollout_seconds, "step_seconds": seconds,
+            "lr": self.schedule.get_last_lr()[0], "peak_memory_mib": self.peak_memory() / 2**20,
+        }
+
+    def log(self, row: dict) -> None:
+        self.history.append(row)
+        with open(self.output_dir / METRICS, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def progress(self, steps):
+        if self.config.progress:
+            from tqdm.auto import tqdm
+
+            return tqdm(steps, desc=f"{self.config.objective} on {self.config.task}", unit="step",
+                        initial=self.step, total=self.config.steps)
+        return _Silent(steps)
+
+    def reset_peak_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            with contextlib.suppress(OSError):
+                reset_peak_rss()
+
+    def peak_memory(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        with contextlib.suppress(OSError, RuntimeError):
+            return peak_rss_bytes()
+        return 0
+
+    def result(self, seconds: float) -> TrainResult:
+        evals = [row for row in self.history if any(k.startswith("eval_accuracy@") for k in row)]
+        accuracy = lambda row: {int(k.split("@")[1]): v for k, v in row.items() if k.startswith("eval_accuracy@")}  # noqa: E731
+        return TrainResult(self.output_dir, accuracy(evals[0]) if evals else {},
+                           accuracy(evals[-1]) if evals else {}, self.step, seconds, self.history)
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        """Write the whole run state into output_dir/checkpoint atomically: a crash leaves the previous one."""
+        with atomic_directory(self.output_dir / CHECKPOINT) as directory:
+            if self.config.lora:
+                self.model.save_pretrained(str(directory / "adapter"))
+            else:
+                self.core.save_pretrained(directory / "model", tokenizer=self.tokenizer)
+            torch.save({
+                "step": self.step,
+                "data_position": self.data.position,
+                "optimizer": self.optimizer.state_dict(),
+                "schedule": self.schedule.state_dict(),
+                "rng": rng_state(self.device),
+                "rollout_generator": self.rollout_generator.get_state(),
+                "mask_generator": self.mask_generator.get_state(),
+                "history": self.history,
+            }, directory / "state.pt")
+            write_text_atomic(directory / "config.json", json.dumps(self.config.to_dict(), indent=2) + "\n")
+
+    def load_checkpoint(self) -> None:
+        directory = self.output_dir / CHECKPOINT
+        state = torch.load(directory / "state.pt", map_location="cpu", weights_only=False)
+        if self.config.lora:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            adapter = load_file(str(directory / "adapter" / "adapter_model.safetensors"), device=str(self.device))
+            set_peft_model_state_dict(self.model, adapter)
+        else:
+            from dllm_fast.models import LLaDAModel
+
+            saved = LLaDAModel.from_pretrained(directory / "model", dtype=self.core.dtype, device=self.device)
+            self.core.load_state_dict(saved.state_dict())
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        set_rng_state(state["rng"], self.device)
+        self.rollout_generator.set_state(state["rollout_generator"])
+        self.mask_generator.set_state(state["mask_generator"])
+        self.step, self.data.position, self.history = state["step"], state["data_position"], state["history"]
+        # The metrics file may hold steps past the checkpoint (written before a crash): keep what the state has.
+        write_text_atomic(self.output_dir / METRICS, "".join(json.dumps(row) + "\n" for row in self.history))
+
+
+class _Silent:
+    def __init__(self, steps):
+        self.steps = steps
+
+    def __iter__(self):
+        return iter(self.steps)
+
+    def set_postfix(self, **values) -> None:
+        pass
+
+
+class PromptStream:
+    """The training examples in a fresh seeded order each epoch; `position` (examples taken so far) is all the
+    state a resumed run needs."""
+
+    def __init__(self, examples, seed: int):
+        if not examples:
+            raise ValueError("the task has no training examples.")
+        self.examples, self.seed, self.position = list(examples), seed, 0
+        self._epoch, self._order = -1, []
+
+    def take(self, count: int):
+        taken = []
+        for _ in range(count):
+            epoch, index = divmod(self.position, len(self.examples))
+            if epoch != self._epoch:
+                self._order = list(range(len(self.examples)))
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
+                self._epoch = epoch
+            taken.append(self.examples[self._order[index]])
+            self.position += 1
+        return taken
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Setup helpers
+
+
+def load_model_and_tokenizer(config: TrainConfig, device: torch.device):
+    """The policy's initial weights and its tokenizer, from the embedded default, a checkpoint directory or a
+    preset with random weights (the tokenizer then comes from `config.tokenizer` or the embedded default)."""
+    from transformers import AutoTokenizer
+
+    from dllm_fast.assets import SUDOKU4_DIR
+    from dllm_fast.models import LLaDAConfig, LLaDAModel
+
+    presets = ("tiny", "small", "llada-8b")
+    dtype = torch.float32
+    if config.model in presets:
+        model = LLaDAModel.with_random_weights(LLaDAConfig.preset(config.model), dtype=dtype, device=device,
+                                               seed=config.seed)
+        tokenizer_dir = config.tokenizer or SUDOKU4_DIR
+    else:
+        directory = SUDOKU4_DIR if config.model == "sudoku4" else Path(config.model)
+        if not (Path(directory) / "config.json").is_file():
+            raise FileNotFoundError(f"--model {config.model!r} is neither a preset {presets}, 'sudoku4' (the "
+                                    "embedded default), nor a directory holding config.json.")
+        model = LLaDAModel.from_pretrained(directory, dtype=dtype, device=device)
+        tokenizer_dir = config.tokenizer or directory
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    return model.train(), tokenizer
+
+
+def lora_target_pattern(targets) -> str:
+    """A PEFT target regex matching the named modules inside the transformer blocks only: LLaDA's LM head is also
+    called ff_out, and an adapter on it would be ignored by the fused ops, which read lm_head_weight directly."""
+    return r".*blocks\.\d+\.(" + "|".join(targets) + r")$"
+
+
+def add_lora(model, config: TrainConfig):
+    import peft
+
+    lora = peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                           target_modules=lora_target_pattern(config.lora_targets))
+    return peft.get_peft_model(model, lora)
+
+
+def learning_rate_factor(config: TrainConfig):
+    total = config.steps * config.inner_updates
+    warmup = config.warmup_steps
+
+    def factor(update: int) -> float:
+        if update < warmup:
+            return (update + 1) / warmup
+        if config.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (update - warmup) / max(1, total - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if config.schedule == "cosine" else 1.0 - progress
+
+    return factor
+
+
+def eval_schedule(config: TrainConfig, length: int) -> tuple[int, int | None]:
+    """Block length and diffusion steps for evaluating at `length` tokens: the training block when it divides the
+    length, and the training rollout's steps per token."""
+    block = config.block_length if length % config.block_length == 0 else length
+    if config.diffusion_steps is None:
+        return block, None
+    blocks = length // block
+    per_block = max(1, round(config.diffusion_steps * length / config.gen_length / blocks))
+    return block, blocks * per_block
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def plot_curves(history: list[dict], path: Path) -> Path:
+    """Training reward and accuracy per step, and greedy test accuracy at each evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in history if "reward_mean" in r]
+    evals = [r for r in history if any(k.startswith("eval_accuracy@") for k in r)]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], label="rollout reward")
+    left.plot([r["step"] for r in steps], [r["accuracy"] for r in steps], label="rollout accuracy")
+    left.set_xlabel("step")
+    left.set_title("training rollouts")
+    left.legend()
+    for key in sorted({k for r in evals for k in r if k.startswith("eval_accuracy@")}):
+        points = [(r["step"], r[key]) for r in evals if key in r]
+        right.plot(*zip(*points), marker="o", label=f"greedy, {key.split('@')[1]} tokens")
+    right.set_xlabel("step")
+    right.set_title("test accuracy")
+    right.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
