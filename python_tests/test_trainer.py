@@ -1,0 +1,163 @@
+"""The trainer: configuration, LoRA targets, a short run's outputs, every objective, bad rewards, and a run killed
+with SIGKILL that resumes to exactly the parameters of an uninterrupted one."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dllm_fast import objectives
+from dllm_fast.models import LLaDAConfig, LLaDAModel
+from dllm_fast.tasks import get_task, register_task
+from dllm_fast.tasks.sudoku4 import Sudoku4
+from dllm_fast.train_config import LORA_TARGETS, TrainConfig, parse_overrides
+from dllm_fast.trainer import add_lora, load_model_and_tokenizer, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# A small, fast run of the embedded default: 2 prompts x G = 4 per step, a 16-puzzle test split.
+QUICK = dict(steps=2, prompts_per_step=2, group_size=4, eval_every=2, checkpoint_every=1, eval_examples=16,
+             progress=False, plot=False, threads=1)
+
+
+def quick_config(tmp_path, **overrides):
+    return TrainConfig(**{**QUICK, "output_dir": str(tmp_path / "run"), **overrides})
+
+
+def test_config_from_file_and_command_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("objective: bgpo\nlr: 0.001\nobjective_options:\n  n_t: 4\n")
+    config = TrainConfig.from_file(path, **parse_overrides(["--lr", "2e-4", "--eval-gen-lengths", "24", "48",
+                                                            "--lora", "true", "--threshold", "none"]))
+    assert (config.objective, config.lr, config.objective_options) == ("bgpo", 2e-4, {"n_t": 4})
+    assert config.eval_gen_lengths == [24, 48] and config.lora is True and config.threshold is None
+    (tmp_path / "run.json").write_text(json.dumps({"steps": 3}))
+    assert TrainConfig.from_file(tmp_path / "run.json").steps == 3
+    with pytest.raises(ValueError, match="unknown training option --learning-rate"):
+        parse_overrides(["--learning-rate", "1"])
+    with pytest.raises(ValueError, match="--steps takes an integer, got 'many'"):
+        parse_overrides(["--steps", "many"])
+    with pytest.raises(ValueError, match=r"unknown training option\(s\) \['stepz'\]"):
+        TrainConfig.from_dict({"stepz": 1})
+    with pytest.raises(ValueError, match="group_size=0 must be an int >= 1"):
+        TrainConfig(group_size=0)
+
+
+def test_default_lora_targets_wrap_every_llada_module_but_not_the_lm_head():
+    peft = pytest.importorskip("peft")
+    model = LLaDAModel(LLaDAConfig.preset("tiny"))
+    wrapped = add_lora(model, TrainConfig(lora=True))
+    lora_layer = peft.tuners.lora.LoraLayer
+    for block in model.transformer["blocks"]:
+        for name in LORA_TARGETS:
+            assert isinstance(getattr(block, name), lora_layer), name
+    assert not isinstance(model.transformer["ff_out"], lora_layer)  # the LM head, read directly by the fused ops
+    assert all("lora_" in n for n, p in wrapped.named_parameters() if p.requires_grad)
+
+
+def test_a_short_run_writes_metrics_checkpoint_and_curves(tmp_path):
+    result = train(quick_config(tmp_path, plot=True, objective="bgpo", objective_options={"n_t": 2}))
+    out = Path(result.output_dir)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in ("reward_mean", "reward_std", "accuracy", "loss", "grad_norm", "completion_length",
+                "rollout_tokens_per_s", "step_seconds", "peak_memory_mib", "zero_std_fraction", "ratio_mean"):
+        assert key in rows[1] and math.isfinite(rows[1][key]), key
+    assert "eval_accuracy@24" in rows[0] and "eval_accuracy@24" in rows[2]
+    assert set(result.base_accuracy) == set(result.final_accuracy) == {24}
+    assert (out / "curves.png").stat().st_size > 1000
+    assert (out / "checkpoint" / "state.pt").is_file() and (out / "checkpoint" / "model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("name", objectives.available())
+def test_every_objective_trains_without_nan(tmp_path, name):
+    small = {"n_t": 2} if objectives.get(name).config.n_t > 2 else {}
+    result = train(quick_config(tmp_path, objective=name, objective_options=small, steps=1, inner_updates=2,
+                                eval_every=10, checkpoint_every=10, eval_examples=4))
+    row = result.history[-1]
+    assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
+
+
+def test_lora_run_trains_only_adapters_and_uses_the_base_as_reference(tmp_path):
+    pytest.importorskip("peft")
+    result = train(quick_config(tmp_path, objective="rspo", lora=True, lora_rank=4, steps=1, eval_every=10))
+    assert math.isfinite(result.history[-1]["loss"]) and result.history[-1]["delta_var"] >= 0
+    assert (Path(result.output_dir) / "checkpoint" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_checkpointing_and_bf16_autocast_run_on_cpu(tmp_path):
+    result = train(quick_config(tmp_path, gradient_checkpointing=True, bf16=True, steps=1, eval_every=10))
+    assert math.isfinite(result.history[-1]["loss"])
+
+
+class NaNReward(Sudoku4):
+    name = "nan_sudoku4"
+
+    def reward_components(self, example, completion):
+        return {"broken": float("nan")}
+
+
+register_task("nan_sudoku4", lambda **options: NaNReward(**options))
+
+
+def test_a_nan_reward_names_the_prompt(tmp_path):
+    from dllm_fast.assets import SUDOKU4_TASK_OPTIONS
+
+    with pytest.raises(ValueError, match=r"reward of .* is nan"):
+        train(quick_config(tmp_path, task="nan_sudoku4", task_options=SUDOKU4_TASK_OPTIONS, steps=1))
+
+
+def test_zero_variance_groups_are_kept_and_counted(tmp_path):
+    # Greedy rollouts: every completion of a prompt is the same, so every group has zero reward variance.
+    result = train(quick_config(tmp_path, temperature=0.0, steps=1, eval_every=10))
+    row = result.history[-1]
+    assert row["zero_std_fraction"] == 1.0 and row["loss"] == 0.0 and row["grad_norm"] == 0.0
+
+
+def final_parameters(output_dir):
+    model, _ = load_model_and_tokenizer(TrainConfig(model=str(Path(output_dir) / "checkpoint" / "model")), "cpu")
+    return model.state_dict()
+
+
+def run_cli(output_dir, *extra):
+    flags = []
+    for key, value in {**QUICK, "steps": 6, "eval_every": 6, "checkpoint_every": 1}.items():
+        flags += [f"--{key.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return [sys.executable, "-m", "dllm_fast", "train", "--output-dir", str(output_dir), "--objective", "espo",
+            *flags, *extra]
+
+
+def test_a_run_killed_mid_step_resumes_to_the_uninterrupted_parameters(tmp_path):
+    """SIGKILL after the step-2 checkpoint, while a later step runs; --resume finishes; the parameters equal those of
+    an uninterrupted run with the same seed, bit for bit."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    uninterrupted = tmp_path / "uninterrupted"
+    subprocess.run(run_cli(uninterrupted), check=True, env=env, capture_output=True)
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(run_cli(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    state = killed / "checkpoint" / "state.pt"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        if state.is_file() and torch.load(state, weights_only=False)["step"] >= 2:
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, "the run finished before it could be killed"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    step_at_kill = torch.load(state, weights_only=False)["step"]
+    assert 2 <= step_at_kill < 6
+    subprocess.run(run_cli(killed, "--resume", "true"), check=True, env=env, capture_output=True)
+
+    want, got = final_parameters(uninterrupted), final_parameters(killed)
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    rows = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]  # no duplicated steps from before the crash
