@@ -37,7 +37,10 @@ def read_config(path: Path) -> LLaDAConfig:
         values = json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_file} is not valid JSON ({error}); the checkpoint is corrupt.") from error
-    return LLaDAConfig.from_dict(values)
+    try:
+        return LLaDAConfig.from_dict(values)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{config_file}: {error}") from error
 
 
 def weight_files(path: Path) -> dict[str, list[str]]:
