@@ -74,3 +74,28 @@ def test_optional_config_fields_may_be_null_and_configs_round_trip():
     for config in [LLaDAConfig.from_dict(OFFICIAL_CONFIG)] + [LLaDAConfig.preset(n) for n in ("tiny", "small", "llada-8b")]:
         written = json.loads(json.dumps(config.to_dict()))
         assert LLaDAConfig.from_dict(written).to_dict() == written
+
+
+# -- empty batches --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0), (5,)])
+def test_a_forward_needs_a_nonempty_batch(shape):
+    model = LLaDAModel(LLaDAConfig.preset("tiny"))
+    with pytest.raises(ValueError, match=re.escape(f"input_ids must be [B, T] with B >= 1 sequences of T >= 1 "
+                                                   f"tokens, got shape {shape}")):
+        model(torch.zeros(shape, dtype=torch.long))
+
+
+def test_a_kv_cache_needs_positive_sizes():
+    model = LLaDAModel(LLaDAConfig.preset("tiny"))
+    with pytest.raises(ValueError, match="batch=0 must be an int >= 1"):
+        model.new_cache(0, 8)
+    with pytest.raises(ValueError, match="capacity=0 must be an int >= 1"):
+        model.new_cache(2, 0)
+    with pytest.raises(TypeError, match="capacity=8.0 must be an int"):
+        model.new_cache(2, 8.0)
+
+
+def test_max_shard_size_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="max_shard_size=0 must be an int >= 1"):
+        LLaDAModel(LLaDAConfig.preset("tiny")).save_pretrained(tmp_path, max_shard_size=0)

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from dllm_fast.files import atomic_path, write_text_atomic
 from dllm_fast.models.config import LLaDAConfig
+from dllm_fast.validation import check_int
 
 KEY_PREFIX = "model."
 INDEX_NAME = "model.safetensors.index.json"
@@ -136,6 +137,7 @@ def _checked(tensor, key, expected, file, dtype):
 
 
 def save_checkpoint(model, path, *, max_shard_size: int, tokenizer=None) -> None:
+    check_int("max_shard_size", max_shard_size, minimum=1, hint="bytes per safetensors file")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {KEY_PREFIX + k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}

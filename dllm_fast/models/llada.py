@@ -176,8 +176,9 @@ class LLaDAModel(nn.Module):
         positions [0, attend_length) (default cache_start + T); attention_mask then covers those
         attend_length keys and position_ids default to cache_start + 0..T-1. See KVCache for the modes.
         """
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}.")
+        if input_ids.dim() != 2 or 0 in input_ids.shape:
+            raise ValueError(f"input_ids must be [B, T] with B >= 1 sequences of T >= 1 tokens, got shape "
+                             f"{tuple(input_ids.shape)}.")
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}; pass ids.long().")
         if input_ids.device.type == "cpu" and input_ids.numel():  # on GPU this check would cost a host sync
