@@ -76,6 +76,63 @@ def test_optional_config_fields_may_be_null_and_configs_round_trip():
         assert LLaDAConfig.from_dict(written).to_dict() == written
 
 
+# -- dtypes and devices ---------------------------------------------------------------------------------------
+
+def test_a_mixed_dtype_checkpoint_loads_in_its_majority_dtype(tmp_path):
+    weights = official_weights(OFFICIAL_CONFIG, torch.Generator().manual_seed(1))
+    mixed = {k: v if k.endswith("norm.weight") or k.endswith("ln_f.weight") else v.bfloat16()
+             for k, v in weights.items()}  # bf16 matrices, fp32 norms: LLaDA's own layout
+    write_official_checkpoint(tmp_path, OFFICIAL_CONFIG, mixed)
+    model = LLaDAModel.from_pretrained(tmp_path)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    ids = torch.randint(0, 90, (2, 7))
+    assert torch.equal(model.logits(ids), LLaDAModel.from_pretrained(tmp_path, dtype=torch.bfloat16).logits(ids))
+    fp32 = LLaDAModel.from_pretrained(tmp_path, dtype=torch.float32)
+    assert torch.equal(fp32.transformer["ln_f"].weight, weights[P + "ln_f.weight"])  # cast from the stored values
+
+    mostly_fp32 = {k: v.bfloat16() if k.endswith("norm.weight") else v for k, v in weights.items()}
+    write_official_checkpoint(tmp_path, OFFICIAL_CONFIG, mostly_fp32)
+    assert {p.dtype for p in LLaDAModel.from_pretrained(tmp_path).parameters()} == {torch.float32}
+
+    write_official_checkpoint(tmp_path, OFFICIAL_CONFIG, {**weights, P + "ln_f.weight": torch.ones(32, dtype=torch.int64)})
+    with pytest.raises(ValueError, match="ln_f.weight in .*model.safetensors is stored as I64; LLaDA weights must be "
+                                         "floating point"):
+        LLaDAModel.from_pretrained(tmp_path)
+
+
+def test_a_meta_load_gives_a_checked_skeleton(tmp_path):
+    weights = official_weights(OFFICIAL_CONFIG, torch.Generator().manual_seed(1))
+    write_official_checkpoint(tmp_path, OFFICIAL_CONFIG, {k: v.bfloat16() for k, v in weights.items()}, shards=2)
+    skeleton = LLaDAModel.from_pretrained(tmp_path, device="meta")
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in skeleton.parameters())
+    assert skeleton.lm_head_weight.shape == (100, 32)
+    assert LLaDAModel.from_pretrained(tmp_path, device="meta", dtype="float32").dtype == torch.float32
+    assert skeleton(torch.zeros(1, 3, dtype=torch.long, device="meta")).shape == (1, 3, 32)
+    with pytest.raises(ValueError, match="the model is on the meta device and holds no weights"):
+        skeleton(torch.zeros(1, 3, dtype=torch.long))
+
+    write_official_checkpoint(tmp_path, OFFICIAL_CONFIG, {**weights, P + "ln_f.weight": torch.ones(7)})
+    (tmp_path / "model.safetensors.index.json").unlink()
+    for shard in tmp_path.glob("model-*.safetensors"):
+        shard.unlink()
+    with pytest.raises(ValueError, match=r"ln_f.weight .* has shape \(7,\); the config requires \(32,\)"):
+        LLaDAModel.from_pretrained(tmp_path, device="meta")
+
+
+def test_weights_stored_twice_are_named(tmp_path):
+    weights = official_weights(OFFICIAL_CONFIG, torch.Generator().manual_seed(1))
+    write_official_checkpoint(tmp_path, OFFICIAL_CONFIG, weights)
+    save_file({P + "ln_f.weight": torch.ones(32)}, tmp_path / "model-extra.safetensors")
+    (tmp_path / "model.safetensors").rename(tmp_path / "model-main.safetensors")
+    with pytest.raises(ValueError, match="ln_f.weight is stored twice"):
+        LLaDAModel.from_pretrained(tmp_path)
+
+
+def test_a_missing_directory_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="absent is not a directory; from_pretrained needs a checkpoint"):
+        LLaDAModel.from_pretrained(tmp_path / "absent")
+
+
 # -- empty batches --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", [(0, 5), (2, 0), (5,)])

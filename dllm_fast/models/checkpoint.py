@@ -7,10 +7,13 @@ model-0000i-of-0000n.safetensors listed in model.safetensors.index.json. Keys ca
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -65,38 +68,108 @@ def weight_files(path: Path) -> dict[str, list[str]]:
 
 
 def load_checkpoint(cls, path, *, dtype=None, device=None):
-    path = Path(path)
     dtype = _checked_dtype(dtype)
     device = _checked_device(device)
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory; from_pretrained needs a checkpoint directory "
+                                "(config.json and model*.safetensors).")
     config = read_config(path)
     with torch.device("meta"):
         model = cls(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    state: dict[str, torch.Tensor] = {}
+    stored = _stored_weights(path, expected)
+    missing = sorted(set(expected) - set(stored))
+    if missing:
+        shown = ", ".join(KEY_PREFIX + k for k in missing[:5])
+        raise ValueError(f"{path} lacks {len(missing)} weights the config requires, e.g. {shown}.")
+    dtype = dtype or _majority_dtype(stored)
+    model.load_state_dict(_read_weights(stored, dtype, device), strict=True, assign=True)
+    model.name_or_path = str(path)
+    return model
+
+
+class _StoredWeight(NamedTuple):
+    file: Path
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _stored_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, _StoredWeight]:
+    """Every weight of the checkpoint by native name, with its file, shape and dtype, from the safetensors
+    headers alone (no tensor data is read); names, shapes and dtypes are checked against the architecture."""
+    stored: dict[str, _StoredWeight] = {}
     for name, listed_keys in weight_files(path).items():
         file = path / name
         if not file.is_file():
             raise FileNotFoundError(f"{file} is listed in {INDEX_NAME} but missing; the checkpoint is incomplete.")
-        try:
-            with safe_open(str(file), framework="pt", device=str(device)) as reader:
-                keys = listed_keys if listed_keys is not None else list(reader.keys())
-                absent = sorted(set(keys) - set(reader.keys()))
-                if absent:
-                    raise ValueError(
-                        f"{INDEX_NAME} lists {absent[0]!r} (and {len(absent) - 1} more) in {file}, which lacks it; "
-                        "the index does not match its shards: re-download the checkpoint or re-save it."
-                    )
-                for key in keys:
-                    state[_native_key(key, file)] = _checked(reader.get_tensor(key), key, expected, file, dtype)
-        except SafetensorError as error:
-            raise ValueError(f"{file} is not a readable safetensors file ({error}); re-download or re-save it.") from error
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        shown = ", ".join(KEY_PREFIX + k for k in missing[:5])
-        raise ValueError(f"{path} lacks {len(missing)} weights the config requires, e.g. {shown}.")
-    model.load_state_dict(state, strict=True, assign=True)
-    model.name_or_path = str(path)
-    return model
+        with _safetensors_reader(file, "cpu") as reader:
+            keys = listed_keys if listed_keys is not None else list(reader.keys())
+            absent = sorted(set(keys) - set(reader.keys()))
+            if absent:
+                raise ValueError(
+                    f"{INDEX_NAME} lists {absent[0]!r} (and {len(absent) - 1} more) in {file}, which lacks it; "
+                    "the index does not match its shards: re-download the checkpoint or re-save it."
+                )
+            for key in keys:
+                native = _native_key(key, file)
+                header = reader.get_slice(key)
+                weight = _StoredWeight(file, key, tuple(header.get_shape()), _torch_dtype(header.get_dtype(), key, file))
+                if native not in expected:
+                    raise ValueError(f"{file} holds {key!r}, which the config's architecture does not have.")
+                if weight.shape != expected[native]:
+                    raise ValueError(f"{key} in {file} has shape {weight.shape}; the config requires {expected[native]}.")
+                if native in stored:
+                    raise ValueError(f"{key} is stored twice, in {stored[native].file} and {file}; remove one copy.")
+                stored[native] = weight
+    return stored
+
+
+def _majority_dtype(stored: dict[str, _StoredWeight]) -> torch.dtype:
+    """The dtype that holds the most weight elements (ties: the wider dtype): a checkpoint that mixes dtypes,
+    e.g. bf16 matrices with fp32 norms, loads entirely in it, so the model runs in one dtype."""
+    elements: dict[torch.dtype, int] = {}
+    for weight in stored.values():
+        elements[weight.dtype] = elements.get(weight.dtype, 0) + math.prod(weight.shape)
+    return max(elements, key=lambda dtype: (elements[dtype], dtype.itemsize))
+
+
+def _read_weights(stored: dict[str, _StoredWeight], dtype: torch.dtype, device: torch.device):
+    if device.type == "meta":  # a skeleton: the shapes and dtypes were checked, no data is read
+        return {name: torch.empty(w.shape, dtype=dtype, device=device) for name, w in stored.items()}
+    by_file: dict[Path, dict[str, str]] = {}
+    for name, weight in stored.items():
+        by_file.setdefault(weight.file, {})[name] = weight.key
+    state: dict[str, torch.Tensor] = {}
+    for file, keys in by_file.items():
+        with _safetensors_reader(file, str(device)) as reader:
+            for name, key in keys.items():
+                state[name] = reader.get_tensor(key).to(dtype)
+    return state
+
+
+@contextlib.contextmanager
+def _safetensors_reader(file: Path, device: str):
+    try:
+        with safe_open(str(file), framework="pt", device=device) as reader:
+            yield reader
+    except SafetensorError as error:
+        raise ValueError(f"{file} is not a readable safetensors file ({error}); re-download or re-save it.") from error
+
+
+# safetensors' dtype names of the floating-point dtypes a model can hold.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _torch_dtype(name: str, key: str, file: Path) -> torch.dtype:
+    if name not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"{key} in {file} is stored as {name}; LLaDA weights must be floating point "
+                         f"({', '.join(_SAFETENSORS_DTYPES)}).")
+    return _SAFETENSORS_DTYPES[name]
 
 
 def _checked_dtype(dtype):
@@ -125,15 +198,6 @@ def _native_key(key: str, file: Path) -> str:
     if not key.startswith(KEY_PREFIX):
         raise ValueError(f"{file} holds {key!r}; LLaDA weight names start with {KEY_PREFIX!r}.")
     return key[len(KEY_PREFIX):]
-
-
-def _checked(tensor, key, expected, file, dtype):
-    name = key[len(KEY_PREFIX):]
-    if name not in expected:
-        raise ValueError(f"{file} holds {key!r}, which the config's architecture does not have.")
-    if tuple(tensor.shape) != expected[name]:
-        raise ValueError(f"{key} in {file} has shape {tuple(tensor.shape)}; the config requires {expected[name]}.")
-    return tensor.to(dtype) if dtype is not None else tensor
 
 
 def save_checkpoint(model, path, *, max_shard_size: int, tokenizer=None) -> None:

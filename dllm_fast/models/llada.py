@@ -179,6 +179,9 @@ class LLaDAModel(nn.Module):
         if input_ids.dim() != 2 or 0 in input_ids.shape:
             raise ValueError(f"input_ids must be [B, T] with B >= 1 sequences of T >= 1 tokens, got shape "
                              f"{tuple(input_ids.shape)}.")
+        if self.device.type == "meta" and input_ids.device.type != "meta":
+            raise ValueError("the model is on the meta device and holds no weights (from_pretrained(device='meta') "
+                             "gives a skeleton); load it with device='cpu' or 'cuda' to run it.")
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}; pass ids.long().")
         if input_ids.device.type == "cpu" and input_ids.numel():  # on GPU this check would cost a host sync
@@ -279,8 +282,13 @@ class LLaDAModel(nn.Module):
     ) -> "LLaDAModel":
         """Load an official LLaDA checkpoint directory (config.json + model*.safetensors, sharded or not).
 
-        dtype (a torch dtype or its name) defaults to the checkpoint's; device to CPU. The tokenizer loads
-        separately with `transformers.AutoTokenizer.from_pretrained(path)`; `save_pretrained` carries it over.
+        dtype (a torch dtype or its name) defaults to the checkpoint's. A checkpoint that mixes dtypes (e.g. bf16
+        matrices with fp32 norms) loads entirely in the dtype that holds most of its weight elements, so that the
+        model runs; pass dtype to choose another. device defaults to CPU; device="meta" gives a skeleton with
+        the checkpoint's shapes and dtype checked and no data read. config.json is validated field by field
+        (name, type, range) before any weight is read.
+        The tokenizer loads separately with `transformers.AutoTokenizer.from_pretrained(path)`;
+        `save_pretrained` carries it over.
         """
         from dllm_fast.models.checkpoint import load_checkpoint
 
