@@ -13,8 +13,202 @@ import torch
 from safetensors.torch import save_file
 
 from dllm_fast import files
+from dllm_fast.files import atomic_directory
 from dllm_fast.models import LLaDAConfig, LLaDAModel, checkpoint
 from test_llada_model import OFFICIAL_CONFIG, P, official_weights, word_level_tokenizer, write_official_checkpoint
+
+
+# -- interrupted saves ------------------------------------------------------------------------------------------
+
+class SimulatedCrash(BaseException):
+    """The process dies here: nothing after it runs, not even cleanup code."""
+
+
+def crash_after(patch, steps, tokenizer=None):
+    """Make the k-th file operation of a save its last: each file written, copied or linked, each rename or
+    exchange and each directory removal counts as one. Returns the operation counter."""
+    state = {"done": 0, "crashed": False}
+
+    def counted(function, *, cleanup=False):
+        def wrapped(*args, **kwargs):
+            if state["crashed"]:
+                if cleanup:  # a dead process removes nothing
+                    return None
+                raise SimulatedCrash
+            result = function(*args, **kwargs)
+            state["done"] += 1
+            if state["done"] == steps:
+                state["crashed"] = True
+                raise SimulatedCrash
+            return result
+        return wrapped
+
+    for module, name in [(checkpoint, "save_file"), (checkpoint, "_write_json"), (checkpoint, "_copy_file"),
+                         (files, "_link_or_copy"), (files, "_rename"), (files, "_exchange")]:
+        patch.setattr(module, name, counted(getattr(module, name)))
+    patch.setattr(files, "_remove_tree", counted(files._remove_tree, cleanup=True))
+    if tokenizer is not None:
+        patch.setattr(tokenizer, "save_pretrained", counted(tokenizer.save_pretrained))
+    return state
+
+
+def official_directory(path):
+    """An official single-file checkpoint with its tokenizer and remote code, plus a user's own files."""
+    write_official_checkpoint(path, OFFICIAL_CONFIG, official_weights(OFFICIAL_CONFIG, torch.Generator().manual_seed(1)))
+    word_level_tokenizer(96).save_pretrained(path)
+    (path / "configuration_llada.py").write_text("# the official remote-code config class\n")
+    (path / "notes.txt").write_text("the user's notes")
+    (path / "logs").mkdir()
+    (path / "logs" / "run.txt").write_text("the user's log")
+    return path
+
+
+def checkpoint_state(path):
+    model = LLaDAModel.from_pretrained(path)
+    return {k: v.clone() for k, v in model.state_dict().items()}, model.config.to_dict()
+
+
+def same_state(a, b):
+    return a[1] == b[1] and a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+
+
+# Every pair of (swap, old layout, tokenizer) options, in four runs.
+CRASH_CASES = [(True, "single", False), (True, "sharded", True), (False, "sharded", False), (False, "single", True)]
+
+
+@pytest.mark.parametrize("exchange, old_layout, pass_tokenizer", CRASH_CASES,
+                         ids=["exchange-single-carried", "exchange-sharded-given", "aside-sharded-carried",
+                              "aside-single-given"])
+def test_a_save_interrupted_after_any_file_leaves_the_old_or_the_new_checkpoint(
+    tmp_path, monkeypatch, one_thread, exchange, old_layout, pass_tokenizer
+):
+    """Save a changed model (new weights and config, in 5 shards) over the checkpoint it was loaded from (one
+    file, or the same 5 shard names), killed after each file operation in turn: the path loads exactly the old
+    or exactly the new checkpoint, with its tokenizer, remote code and the user's files; the next save clears
+    the leftovers. `exchange=False` takes the swap without RENAME_EXCHANGE."""
+    template = official_directory(tmp_path / "template")
+    if old_layout == "sharded":
+        LLaDAModel.from_pretrained(template).save_pretrained(template, max_shard_size=20_000)
+        assert (template / "model.safetensors.index.json").is_file()
+    old = checkpoint_state(template)
+    model = LLaDAModel.from_pretrained(template)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    model.config.rope_theta = 10000.0
+    outcomes = []
+    for steps in itertools.count(1):
+        path = tmp_path / f"crash-{steps}" / "llada"
+        shutil.copytree(template, path)
+        model.name_or_path = str(path)  # saving into the directory it was loaded from
+        tokenizer = word_level_tokenizer(96) if pass_tokenizer else None
+        with monkeypatch.context() as patch:
+            if not exchange:
+                patch.setattr(files, "_exchange", lambda first, second: False)
+            crash_after(patch, steps, tokenizer)
+            try:
+                model.save_pretrained(path, max_shard_size=20_000, tokenizer=tokenizer)
+                finished = True
+            except SimulatedCrash:
+                finished = False
+        missing = not path.exists()  # a crash between the rename-aside swap's two renames
+        loaded = checkpoint_state(path)
+        if finished:
+            new = loaded
+            assert len(list(path.glob("model-*-of-00005.safetensors"))) == 5
+            break
+        outcomes.append(("old" if same_state(loaded, old) else "unknown", missing, loaded))
+        for name in ("tokenizer.json", "tokenizer_config.json", "configuration_llada.py"):
+            assert (path / name).is_file(), (steps, name)
+        assert (path / "notes.txt").read_text() == "the user's notes"
+        assert (path / "logs" / "run.txt").read_text() == "the user's log"
+        model.save_pretrained(path, max_shard_size=20_000)  # after the crash: succeeds, no leftovers remain
+        assert os.listdir(path.parent) == ["llada"], steps
+    outcomes = [("new" if kind == "unknown" and same_state(state, new) else kind, missing)
+                for kind, missing, state in outcomes]
+    assert all(kind in ("old", "new") for kind, _ in outcomes), outcomes
+    assert {kind for kind, _ in outcomes} == {"old", "new"}, outcomes  # crashes before and after the swap
+    assert any(missing for _, missing in outcomes) == (not exchange), outcomes
+    assert len(outcomes) >= 10  # five shards, index, config, companions, user files, swap
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(path)("w3 <|eot_id|>").input_ids == [3, 93]
+
+
+def test_a_failed_save_leaves_the_old_checkpoint_and_no_staging_directory(tmp_path):
+    path = official_directory(tmp_path / "llada")
+    before = sorted(p.name for p in path.iterdir())
+    old = checkpoint_state(path)
+
+    class BrokenTokenizer:
+        def save_pretrained(self, directory):
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        LLaDAModel.from_pretrained(path).save_pretrained(path, tokenizer=BrokenTokenizer())
+    assert os.listdir(tmp_path) == ["llada"]
+    assert sorted(p.name for p in path.iterdir()) == before
+    assert same_state(checkpoint_state(path), old)
+
+
+def test_a_save_keeps_the_users_files_and_drops_stale_checkpoint_files(tmp_path):
+    path = official_directory(tmp_path / "llada")
+    save_file({"x": torch.zeros(1)}, path / "model-00002-of-00009.safetensors")  # a stale shard
+    (path / "modeling_llada.py").write_text("# remote code\n")
+    model = LLaDAModel(LLaDAConfig.preset("tiny"))  # loaded from nowhere: the directory's companions stay
+    model.save_pretrained(path)
+    assert sorted(p.name for p in path.iterdir()) == [
+        "config.json", "configuration_llada.py", "logs", "model.safetensors", "modeling_llada.py", "notes.txt",
+        "tokenizer.json", "tokenizer_config.json"]
+    assert (path / "logs" / "run.txt").read_text() == "the user's log"
+    ids = torch.randint(0, 120, (1, 5))
+    assert torch.equal(LLaDAModel.from_pretrained(path).logits(ids), model.logits(ids))
+
+    other = tmp_path / "other"  # a model loaded elsewhere brings that checkpoint's companions instead
+    write_official_checkpoint(other, OFFICIAL_CONFIG, official_weights(OFFICIAL_CONFIG, torch.Generator().manual_seed(2)))
+    (other / "configuration_llada.py").write_text("# the other checkpoint's remote code\n")
+    LLaDAModel.from_pretrained(other).save_pretrained(path)
+    assert sorted(p.name for p in path.iterdir()) == [
+        "config.json", "configuration_llada.py", "logs", "model.safetensors", "notes.txt"]
+    assert (path / "configuration_llada.py").read_text() == "# the other checkpoint's remote code\n"
+
+
+def test_atomic_directory_replaces_a_directory_whole(tmp_path):
+    """The generic helper the trainer's checkpoints use: the old content is replaced, not merged."""
+    path = tmp_path / "step"
+    with atomic_directory(path) as staging:
+        (staging / "optimizer.pt").write_text("one")
+        (staging / "rng.pt").write_text("one")
+    assert sorted(os.listdir(path)) == ["optimizer.pt", "rng.pt"]
+    assert oct(path.stat().st_mode & 0o777) == oct(0o777 & ~_umask())
+    with pytest.raises(RuntimeError, match="interrupted"):
+        with atomic_directory(path) as staging:
+            (staging / "optimizer.pt").write_text("two")
+            raise RuntimeError("interrupted")
+    assert (path / "optimizer.pt").read_text() == "one" and os.listdir(tmp_path) == ["step"]
+    with atomic_directory(path, keep_old=lambda name: name == "rng.pt") as staging:
+        (staging / "adapter.safetensors").write_text("two")
+    assert sorted(os.listdir(path)) == ["adapter.safetensors", "rng.pt"]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match="file exists and is not a directory"):
+        with atomic_directory(tmp_path / "file"):
+            pass
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_save_through_a_symlink_replaces_its_target(tmp_path):
+    real = official_directory(tmp_path / "real")
+    link = tmp_path / "latest"
+    link.symlink_to(real)
+    model = LLaDAModel.from_pretrained(link)
+    model.config.rope_theta = 10000.0
+    model.save_pretrained(link)
+    assert link.is_symlink() and LLaDAModel.from_pretrained(real).config.rope_theta == 10000.0
 
 
 # -- config.json ----------------------------------------------------------------------------------------------

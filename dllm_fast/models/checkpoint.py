@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 from typing import NamedTuple
@@ -19,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from dllm_fast.files import atomic_path, write_text_atomic
+from dllm_fast.files import atomic_directory, settled_directory
 from dllm_fast.models.config import LLaDAConfig
 from dllm_fast.validation import check_int
 
@@ -70,7 +69,7 @@ def weight_files(path: Path) -> dict[str, list[str]]:
 def load_checkpoint(cls, path, *, dtype=None, device=None):
     dtype = _checked_dtype(dtype)
     device = _checked_device(device)
-    path = Path(path)
+    path = settled_directory(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory; from_pretrained needs a checkpoint directory "
                                 "(config.json and model*.safetensors).")
@@ -201,9 +200,12 @@ def _native_key(key: str, file: Path) -> str:
 
 
 def save_checkpoint(model, path, *, max_shard_size: int, tokenizer=None) -> None:
+    """Write the checkpoint into a staging directory beside `path` and swap it in whole (files.atomic_directory):
+    an interrupted save leaves the old checkpoint loadable, never a mix. Files of the old directory that are
+    not part of a checkpoint (see `_is_checkpoint_file`) are kept."""
     check_int("max_shard_size", max_shard_size, minimum=1, hint="bytes per safetensors file")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    # Companions come from the directory the model was loaded from (else `path`), read before the swap.
+    source = Path(getattr(model, "name_or_path", None) or path)
     tensors = {KEY_PREFIX + k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -218,33 +220,41 @@ def save_checkpoint(model, path, *, max_shard_size: int, tokenizer=None) -> None
         [SINGLE_NAME] if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    for name, shard in zip(names, shards):
-        with atomic_path(path / name) as tmp:
-            save_file(shard, str(tmp), metadata={"format": "pt"})
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-            "weight_map": {key: name for name, shard in zip(names, shards) for key in shard},
-        }
-        write_text_atomic(path / INDEX_NAME, json.dumps(index, indent=2))
-    elif (path / INDEX_NAME).exists():
-        os.unlink(path / INDEX_NAME)
-    for stale in path.glob("model*.safetensors"):
-        if stale.name not in names:
-            os.unlink(stale)
-    write_text_atomic(path / "config.json", json.dumps(model.config.to_dict(), indent=2))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(path))
-    else:
-        _copy_companion_files(Path(getattr(model, "name_or_path", "") or path), path)
+    with atomic_directory(path, keep_old=lambda name: not _is_checkpoint_file(name)) as staging:
+        for name, shard in zip(names, shards):
+            save_file(shard, str(staging / name), metadata={"format": "pt"})
+        if len(shards) > 1:
+            _write_json(staging / INDEX_NAME, {
+                "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                "weight_map": {key: name for name, shard in zip(names, shards) for key in shard},
+            })
+        _write_json(staging / "config.json", model.config.to_dict())
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(staging))
+        _copy_companion_files(source, staging, tokenizer_files=tokenizer is None)
 
 
-def _copy_companion_files(source: Path, target: Path) -> None:
-    """Carry the tokenizer (and the remote-code files config.json's auto_map names) of the directory the model
-    was loaded from, so that a loaded-and-saved checkpoint still loads with AutoTokenizer."""
-    if not source.is_dir() or source.resolve() == target.resolve():
+def _is_checkpoint_file(name: str) -> bool:
+    """Files a save writes anew (weights, index, config, tokenizer, remote code); the old ones are dropped."""
+    weights = name.startswith("model") and name.endswith(".safetensors")
+    return weights or name in (INDEX_NAME, "config.json") or name in COMPANION_FILES or name.endswith(".py")
+
+
+def _write_json(file: Path, values) -> None:
+    file.write_text(json.dumps(values, indent=2))
+
+
+def _copy_companion_files(source: Path, target: Path, *, tokenizer_files: bool) -> None:
+    """Carry the remote-code files (config.json's auto_map names them) and, unless a tokenizer was saved, the
+    tokenizer of the directory the model was loaded from, so that the saved checkpoint still loads with
+    AutoTokenizer and trust_remote_code."""
+    if not source.is_dir():
         return
     for file in source.iterdir():
-        if file.is_file() and (file.name in COMPANION_FILES or file.suffix == ".py"):
-            with atomic_path(target / file.name) as tmp:
-                shutil.copyfile(file, tmp)
+        tokenizer_file = tokenizer_files and file.name in COMPANION_FILES
+        if file.is_file() and (tokenizer_file or file.suffix == ".py") and not (target / file.name).exists():
+            _copy_file(file, target / file.name)
+
+
+def _copy_file(source: Path, target: Path) -> None:
+    shutil.copyfile(source, target)

@@ -286,9 +286,9 @@ class LLaDAModel(nn.Module):
         matrices with fp32 norms) loads entirely in the dtype that holds most of its weight elements, so that the
         model runs; pass dtype to choose another. device defaults to CPU; device="meta" gives a skeleton with
         the checkpoint's shapes and dtype checked and no data read. config.json is validated field by field
-        (name, type, range) before any weight is read.
-        The tokenizer loads separately with `transformers.AutoTokenizer.from_pretrained(path)`;
-        `save_pretrained` carries it over.
+        (name, type, range) before any weight is read. After a save interrupted mid-swap (see save_pretrained),
+        the complete checkpoint is moved into place first. The tokenizer loads separately with
+        `transformers.AutoTokenizer.from_pretrained(path)`; `save_pretrained` carries it over.
         """
         from dllm_fast.models.checkpoint import load_checkpoint
 
@@ -298,8 +298,14 @@ class LLaDAModel(nn.Module):
         self, path: str | os.PathLike, *, max_shard_size: int = 5 * 2**30, tokenizer=None
     ) -> None:
         """Write the official layout: config.json and model.safetensors (or shards plus the index when larger
-        than max_shard_size bytes), each file atomically. Pass `tokenizer` to save it alongside; without one,
-        the tokenizer files of the directory the model was loaded from are copied."""
+        than max_shard_size bytes). Pass `tokenizer` to save it alongside; without one, the tokenizer files of
+        the directory the model was loaded from are copied (remote-code *.py files always are).
+
+        The save is atomic for the whole directory: the checkpoint is written (and fsynced) into a staging
+        directory beside `path`, then swapped in. An interrupted save leaves the old checkpoint at `path`,
+        loadable and unmixed; saving into the directory the model was loaded from works. Files in an existing
+        `path` that are not part of a checkpoint (anything but model*.safetensors, the index, config.json,
+        tokenizer files and *.py) are kept. One writer per path at a time."""
         from dllm_fast.models.checkpoint import save_checkpoint
 
         save_checkpoint(self, path, max_shard_size=max_shard_size, tokenizer=tokenizer)
