@@ -43,9 +43,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 
 # Siblings of a directory being written by atomic_directory: ".<name>.staging-<random>" while it is filled,
-# ".<name>.complete" and ".<name>.replaced" during a swap without RENAME_EXCHANGE.
+# ".<name>.replaced" (the old directory) during a swap without RENAME_EXCHANGE.
 _STAGING = ".staging-"
-_COMPLETE = ".complete"
 _REPLACED = ".replaced"
 
 
@@ -60,10 +59,10 @@ def atomic_directory(path: str | os.PathLike, *, keep_old: Callable[[str], bool]
             ...
 
     - Before the swap every file and directory inside is fsynced; after it, the parent.
-    - The swap is one renameat2(RENAME_EXCHANGE) on Linux. Where the system or filesystem lacks it, the staging
-      directory is renamed to ".<name>.complete", the old directory aside to ".<name>.replaced", then the
-      complete one to `path`: a crash between the last two renames leaves `path` missing, and
-      `settled_directory(path)`, which readers call first, moves the complete directory into place.
+    - The swap is one renameat2(RENAME_EXCHANGE) on Linux. Where the system or filesystem lacks it, the old
+      directory is renamed aside to ".<name>.replaced", then the staging directory to `path`: a crash between
+      the two renames leaves `path` missing, and `settled_directory(path)`, which readers call first, moves
+      the old directory back.
     - keep_old(name) picks top-level entries of the old directory to carry into the new one (as hard links, or
       copies where the filesystem has none) unless the block wrote an entry of that name. By default nothing
       is carried: the new directory replaces the old one entirely.
@@ -90,21 +89,18 @@ def atomic_directory(path: str | os.PathLike, *, keep_old: Callable[[str], bool]
 
 
 def settled_directory(path: str | os.PathLike) -> Path:
-    """The absolute path of the complete directory last written to `path` by `atomic_directory`: `path`
-    itself, unless a crash in the middle of a swap without RENAME_EXCHANGE left `path` missing; then the waiting
-    complete directory is renamed into place (or, where that is not permitted, its own path is returned)."""
+    """The absolute path of the complete directory at `path` written by `atomic_directory`: `path` itself,
+    unless a crash in the middle of a swap without RENAME_EXCHANGE left `path` missing; then the old directory,
+    renamed aside, is renamed back (or, where that is not permitted, its own path is returned)."""
     target = _absolute(path)
-    if os.path.lexists(target):
+    replaced = _sibling(target, _REPLACED)
+    if os.path.lexists(target) or not replaced.is_dir():
         return target
-    # The complete new directory first; ".replaced" alone means `path` was removed after a swap: the old one.
-    for waiting in (_sibling(target, _COMPLETE), _sibling(target, _REPLACED)):
-        if waiting.is_dir():
-            try:
-                _rename(waiting, target)
-            except OSError:
-                return target if target.is_dir() else waiting  # another reader settled it, or read-only
-            _fsync_directory(target.parent)
-            return target
+    try:
+        _rename(replaced, target)
+    except OSError:
+        return target if target.is_dir() else replaced  # another reader settled it, or a read-only parent
+    _fsync_directory(target.parent)
     return target
 
 
@@ -134,7 +130,7 @@ def _new_staging_directory(target: Path) -> Path:
 def _remove_leftovers(target: Path) -> None:
     settled_directory(target)
     leftovers = list(target.parent.glob(f".{glob.escape(target.name)}{_STAGING}*"))
-    leftovers += [_sibling(target, _COMPLETE), _sibling(target, _REPLACED)]
+    leftovers.append(_sibling(target, _REPLACED))
     for leftover in leftovers:
         if leftover.is_dir() and not leftover.is_symlink():
             _remove_tree(leftover)
@@ -170,10 +166,9 @@ def _swap_into_place(staging: Path, target: Path) -> None:
         _fsync_directory(target.parent)
         _remove_tree(staging)  # the old directory, now under the staging name
     else:
-        complete, replaced = _sibling(target, _COMPLETE), _sibling(target, _REPLACED)
-        _rename(staging, complete)
+        replaced = _sibling(target, _REPLACED)
         _rename(target, replaced)
-        _rename(complete, target)
+        _rename(staging, target)
         _fsync_directory(target.parent)
         _remove_tree(replaced)
 

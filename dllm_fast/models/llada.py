@@ -286,8 +286,8 @@ class LLaDAModel(nn.Module):
         matrices with fp32 norms) loads entirely in the dtype that holds most of its weight elements, so that the
         model runs; pass dtype to choose another. device defaults to CPU; device="meta" gives a skeleton with
         the checkpoint's shapes and dtype checked and no data read. config.json is validated field by field
-        (name, type, range) before any weight is read. After a save interrupted mid-swap (see save_pretrained),
-        the complete checkpoint is moved into place first. The tokenizer loads separately with
+        (name, type, range) before any weight is read. If a save was interrupted mid-swap (see save_pretrained),
+        the old checkpoint is moved back into place first. The tokenizer loads separately with
         `transformers.AutoTokenizer.from_pretrained(path)`; `save_pretrained` carries it over.
         """
         from dllm_fast.models.checkpoint import load_checkpoint
