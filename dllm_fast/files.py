@@ -1,11 +1,19 @@
-"""Atomic file writes: a reader sees the old file or the complete new one, never a partial write."""
+"""Atomic writes: a reader sees the old file (or directory) or the complete new one, never a partial write."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
+import glob
 import os
+import secrets
+import shutil
+import sys
 import tempfile
 from pathlib import Path
+from typing import Callable, Iterator
 
 
 @contextlib.contextmanager
@@ -32,3 +40,190 @@ def atomic_path(path: str | os.PathLike):
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)
+
+
+# Siblings of a directory being written by atomic_directory: ".<name>.staging-<random>" while it is filled,
+# ".<name>.replaced" (the old directory) during a swap without RENAME_EXCHANGE.
+_STAGING = ".staging-"
+_REPLACED = ".replaced"
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike, *, keep_old: Callable[[str], bool] | None = None) -> Iterator[Path]:
+    """Replace the directory `path` as a whole: yield an empty staging directory beside it to fill; when the
+    block succeeds, the staging directory becomes `path` in one step. A crash at any point leaves either the
+    old complete directory or the new complete one (find it with `settled_directory`), never a mix.
+
+        with atomic_directory("run/checkpoint") as staging:
+            torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+            ...
+
+    - Before the swap every file and directory inside is fsynced; after it, the parent.
+    - The swap is one renameat2(RENAME_EXCHANGE) on Linux. Where the system or filesystem lacks it, the old
+      directory is renamed aside to ".<name>.replaced", then the staging directory to `path`: a crash between
+      the two renames leaves `path` missing, and `settled_directory(path)`, which readers call first, moves
+      the old directory back.
+    - keep_old(name) picks top-level entries of the old directory to carry into the new one (as hard links, or
+      copies where the filesystem has none) unless the block wrote an entry of that name. By default nothing
+      is carried: the new directory replaces the old one entirely.
+    - If the block raises, the staging directory is removed and `path` is untouched.
+    - One writer per path at a time: the leftovers of an interrupted write (staging directories, an aside copy)
+      are removed when the next write of the same path starts, so a concurrent writer would lose its work.
+    """
+    target = _absolute(path)
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"{target} exists and is not a directory; choose a directory path or move the file.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(target)
+    staging = _new_staging_directory(target)
+    try:
+        yield staging
+        if keep_old is not None and target.is_dir():
+            _carry_entries(target, staging, keep_old)
+        _fsync_tree(staging)
+        _swap_into_place(staging, target)
+    except BaseException:
+        if staging.exists():  # after an exchange, the staging name holds the old directory: removed either way
+            _remove_tree(staging)
+        raise
+
+
+def settled_directory(path: str | os.PathLike) -> Path:
+    """The absolute path of the complete directory at `path` written by `atomic_directory`: `path` itself,
+    unless a crash in the middle of a swap without RENAME_EXCHANGE left `path` missing; then the old directory,
+    renamed aside, is renamed back (or, where that is not permitted, its own path is returned)."""
+    target = _absolute(path)
+    replaced = _sibling(target, _REPLACED)
+    if os.path.lexists(target) or not replaced.is_dir():
+        return target
+    try:
+        _rename(replaced, target)
+    except OSError:
+        return target if target.is_dir() else replaced  # another reader settled it, or a read-only parent
+    _fsync_directory(target.parent)
+    return target
+
+
+def _absolute(path: str | os.PathLike) -> Path:
+    target = Path(os.path.realpath(path))
+    if not target.name:
+        raise ValueError(f"{str(path)!r} names no directory that can be replaced; pass a subdirectory path.")
+    return target
+
+
+def _sibling(target: Path, tag: str) -> Path:
+    return target.parent / f".{target.name}{tag}"
+
+
+def _new_staging_directory(target: Path) -> Path:
+    while True:
+        staging = _sibling(target, _STAGING + secrets.token_hex(4))
+        try:
+            staging.mkdir()  # not mkdtemp: the directory gets the usual permissions, not 0700
+        except FileExistsError:
+            continue
+        if target.is_dir():
+            shutil.copymode(target, staging)
+        return staging
+
+
+def _remove_leftovers(target: Path) -> None:
+    settled_directory(target)
+    leftovers = list(target.parent.glob(f".{glob.escape(target.name)}{_STAGING}*"))
+    leftovers.append(_sibling(target, _REPLACED))
+    for leftover in leftovers:
+        if leftover.is_dir() and not leftover.is_symlink():
+            _remove_tree(leftover)
+
+
+def _carry_entries(old: Path, staging: Path, keep_old: Callable[[str], bool]) -> None:
+    for entry in old.iterdir():
+        destination = staging / entry.name
+        if not keep_old(entry.name) or os.path.lexists(destination):
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry), destination)
+        elif entry.is_dir():
+            shutil.copytree(entry, destination, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, destination)
+
+
+def _link_or_copy(source, destination):
+    """A hard link (instant, no extra space; the old directory is deleted after the swap), else a copy."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+    return destination
+
+
+def _swap_into_place(staging: Path, target: Path) -> None:
+    if not target.exists():
+        _rename(staging, target)
+        _fsync_directory(target.parent)
+    elif _exchange(staging, target):
+        _fsync_directory(target.parent)
+        _remove_tree(staging)  # the old directory, now under the staging name
+    else:
+        replaced = _sibling(target, _REPLACED)
+        _rename(target, replaced)
+        _rename(staging, target)
+        _fsync_directory(target.parent)
+        _remove_tree(replaced)
+
+
+def _rename(source: Path, destination: Path) -> None:
+    os.rename(source, destination)
+
+
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)  # a leftover is removed by the next write of the same path
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+@functools.cache
+def _renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc >= 2.28
+    if function is not None:
+        function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        function.restype = ctypes.c_int
+    return function
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 with RENAME_EXCHANGE); False where that is unsupported."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(first), None, str(second))
+
+
+def _fsync_tree(root: Path) -> None:
+    for directory, _, files in os.walk(root):
+        for name in files:
+            file = os.path.join(directory, name)
+            if not os.path.islink(file):
+                with open(file, "rb") as handle:
+                    os.fsync(handle.fileno())
+        _fsync_directory(Path(directory))
+
+
+def _fsync_directory(directory: Path) -> None:
+    if os.name != "posix":  # directories cannot be opened for fsync elsewhere
+        return
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -7,17 +7,20 @@ model-0000i-of-0000n.safetensors listed in model.safetensors.index.json. Keys ca
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
+import math
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from dllm_fast.files import atomic_path, write_text_atomic
+from dllm_fast.files import atomic_directory, settled_directory
 from dllm_fast.models.config import LLaDAConfig
+from dllm_fast.validation import check_int
 
 KEY_PREFIX = "model."
 INDEX_NAME = "model.safetensors.index.json"
@@ -37,7 +40,10 @@ def read_config(path: Path) -> LLaDAConfig:
         values = json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_file} is not valid JSON ({error}); the checkpoint is corrupt.") from error
-    return LLaDAConfig.from_dict(values)
+    try:
+        return LLaDAConfig.from_dict(values)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{config_file}: {error}") from error
 
 
 def weight_files(path: Path) -> dict[str, list[str]]:
@@ -61,38 +67,108 @@ def weight_files(path: Path) -> dict[str, list[str]]:
 
 
 def load_checkpoint(cls, path, *, dtype=None, device=None):
-    path = Path(path)
     dtype = _checked_dtype(dtype)
     device = _checked_device(device)
+    path = settled_directory(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory; from_pretrained needs a checkpoint directory "
+                                "(config.json and model*.safetensors).")
     config = read_config(path)
     with torch.device("meta"):
         model = cls(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    state: dict[str, torch.Tensor] = {}
+    stored = _stored_weights(path, expected)
+    missing = sorted(set(expected) - set(stored))
+    if missing:
+        shown = ", ".join(KEY_PREFIX + k for k in missing[:5])
+        raise ValueError(f"{path} lacks {len(missing)} weights the config requires, e.g. {shown}.")
+    dtype = dtype or _majority_dtype(stored)
+    model.load_state_dict(_read_weights(stored, dtype, device), strict=True, assign=True)
+    model.name_or_path = str(path)
+    return model
+
+
+class _StoredWeight(NamedTuple):
+    file: Path
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _stored_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, _StoredWeight]:
+    """Every weight of the checkpoint by native name, with its file, shape and dtype, from the safetensors
+    headers alone (no tensor data is read); names, shapes and dtypes are checked against the architecture."""
+    stored: dict[str, _StoredWeight] = {}
     for name, listed_keys in weight_files(path).items():
         file = path / name
         if not file.is_file():
             raise FileNotFoundError(f"{file} is listed in {INDEX_NAME} but missing; the checkpoint is incomplete.")
-        try:
-            with safe_open(str(file), framework="pt", device=str(device)) as reader:
-                keys = listed_keys if listed_keys is not None else list(reader.keys())
-                absent = sorted(set(keys) - set(reader.keys()))
-                if absent:
-                    raise ValueError(
-                        f"{INDEX_NAME} lists {absent[0]!r} (and {len(absent) - 1} more) in {file}, which lacks it; "
-                        "the index does not match its shards: re-download the checkpoint or re-save it."
-                    )
-                for key in keys:
-                    state[_native_key(key, file)] = _checked(reader.get_tensor(key), key, expected, file, dtype)
-        except SafetensorError as error:
-            raise ValueError(f"{file} is not a readable safetensors file ({error}); re-download or re-save it.") from error
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        shown = ", ".join(KEY_PREFIX + k for k in missing[:5])
-        raise ValueError(f"{path} lacks {len(missing)} weights the config requires, e.g. {shown}.")
-    model.load_state_dict(state, strict=True, assign=True)
-    model.name_or_path = str(path)
-    return model
+        with _safetensors_reader(file, "cpu") as reader:
+            keys = listed_keys if listed_keys is not None else list(reader.keys())
+            absent = sorted(set(keys) - set(reader.keys()))
+            if absent:
+                raise ValueError(
+                    f"{INDEX_NAME} lists {absent[0]!r} (and {len(absent) - 1} more) in {file}, which lacks it; "
+                    "the index does not match its shards: re-download the checkpoint or re-save it."
+                )
+            for key in keys:
+                native = _native_key(key, file)
+                header = reader.get_slice(key)
+                weight = _StoredWeight(file, key, tuple(header.get_shape()), _torch_dtype(header.get_dtype(), key, file))
+                if native not in expected:
+                    raise ValueError(f"{file} holds {key!r}, which the config's architecture does not have.")
+                if weight.shape != expected[native]:
+                    raise ValueError(f"{key} in {file} has shape {weight.shape}; the config requires {expected[native]}.")
+                if native in stored:
+                    raise ValueError(f"{key} is stored twice, in {stored[native].file} and {file}; remove one copy.")
+                stored[native] = weight
+    return stored
+
+
+def _majority_dtype(stored: dict[str, _StoredWeight]) -> torch.dtype:
+    """The dtype that holds the most weight elements (ties: the wider dtype): a checkpoint that mixes dtypes,
+    e.g. bf16 matrices with fp32 norms, loads entirely in it, so the model runs in one dtype."""
+    elements: dict[torch.dtype, int] = {}
+    for weight in stored.values():
+        elements[weight.dtype] = elements.get(weight.dtype, 0) + math.prod(weight.shape)
+    return max(elements, key=lambda dtype: (elements[dtype], dtype.itemsize))
+
+
+def _read_weights(stored: dict[str, _StoredWeight], dtype: torch.dtype, device: torch.device):
+    if device.type == "meta":  # a skeleton: the shapes and dtypes were checked, no data is read
+        return {name: torch.empty(w.shape, dtype=dtype, device=device) for name, w in stored.items()}
+    by_file: dict[Path, dict[str, str]] = {}
+    for name, weight in stored.items():
+        by_file.setdefault(weight.file, {})[name] = weight.key
+    state: dict[str, torch.Tensor] = {}
+    for file, keys in by_file.items():
+        with _safetensors_reader(file, str(device)) as reader:
+            for name, key in keys.items():
+                state[name] = reader.get_tensor(key).to(dtype)
+    return state
+
+
+@contextlib.contextmanager
+def _safetensors_reader(file: Path, device: str):
+    try:
+        with safe_open(str(file), framework="pt", device=device) as reader:
+            yield reader
+    except SafetensorError as error:
+        raise ValueError(f"{file} is not a readable safetensors file ({error}); re-download or re-save it.") from error
+
+
+# safetensors' dtype names of the floating-point dtypes a model can hold.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _torch_dtype(name: str, key: str, file: Path) -> torch.dtype:
+    if name not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"{key} in {file} is stored as {name}; LLaDA weights must be floating point "
+                         f"({', '.join(_SAFETENSORS_DTYPES)}).")
+    return _SAFETENSORS_DTYPES[name]
 
 
 def _checked_dtype(dtype):
@@ -123,18 +199,13 @@ def _native_key(key: str, file: Path) -> str:
     return key[len(KEY_PREFIX):]
 
 
-def _checked(tensor, key, expected, file, dtype):
-    name = key[len(KEY_PREFIX):]
-    if name not in expected:
-        raise ValueError(f"{file} holds {key!r}, which the config's architecture does not have.")
-    if tuple(tensor.shape) != expected[name]:
-        raise ValueError(f"{key} in {file} has shape {tuple(tensor.shape)}; the config requires {expected[name]}.")
-    return tensor.to(dtype) if dtype is not None else tensor
-
-
 def save_checkpoint(model, path, *, max_shard_size: int, tokenizer=None) -> None:
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    """Write the checkpoint into a staging directory beside `path` and swap it in whole (files.atomic_directory):
+    an interrupted save leaves the old checkpoint loadable, never a mix. Files of the old directory that are
+    not part of a checkpoint (see `_is_checkpoint_file`) are kept."""
+    check_int("max_shard_size", max_shard_size, minimum=1, hint="bytes per safetensors file")
+    # Companions come from the directory the model was loaded from (else `path`), read before the swap.
+    source = Path(getattr(model, "name_or_path", None) or path)
     tensors = {KEY_PREFIX + k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -149,33 +220,41 @@ def save_checkpoint(model, path, *, max_shard_size: int, tokenizer=None) -> None
         [SINGLE_NAME] if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    for name, shard in zip(names, shards):
-        with atomic_path(path / name) as tmp:
-            save_file(shard, str(tmp), metadata={"format": "pt"})
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-            "weight_map": {key: name for name, shard in zip(names, shards) for key in shard},
-        }
-        write_text_atomic(path / INDEX_NAME, json.dumps(index, indent=2))
-    elif (path / INDEX_NAME).exists():
-        os.unlink(path / INDEX_NAME)
-    for stale in path.glob("model*.safetensors"):
-        if stale.name not in names:
-            os.unlink(stale)
-    write_text_atomic(path / "config.json", json.dumps(model.config.to_dict(), indent=2))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(path))
-    else:
-        _copy_companion_files(Path(getattr(model, "name_or_path", "") or path), path)
+    with atomic_directory(path, keep_old=lambda name: not _is_checkpoint_file(name)) as staging:
+        for name, shard in zip(names, shards):
+            save_file(shard, str(staging / name), metadata={"format": "pt"})
+        if len(shards) > 1:
+            _write_json(staging / INDEX_NAME, {
+                "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                "weight_map": {key: name for name, shard in zip(names, shards) for key in shard},
+            })
+        _write_json(staging / "config.json", model.config.to_dict())
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(staging))
+        _copy_companion_files(source, staging, tokenizer_files=tokenizer is None)
 
 
-def _copy_companion_files(source: Path, target: Path) -> None:
-    """Carry the tokenizer (and the remote-code files config.json's auto_map names) of the directory the model
-    was loaded from, so that a loaded-and-saved checkpoint still loads with AutoTokenizer."""
-    if not source.is_dir() or source.resolve() == target.resolve():
+def _is_checkpoint_file(name: str) -> bool:
+    """Files a save writes anew (weights, index, config, tokenizer, remote code); the old ones are dropped."""
+    weights = name.startswith("model") and name.endswith(".safetensors")
+    return weights or name in (INDEX_NAME, "config.json") or name in COMPANION_FILES or name.endswith(".py")
+
+
+def _write_json(file: Path, values) -> None:
+    file.write_text(json.dumps(values, indent=2))
+
+
+def _copy_companion_files(source: Path, target: Path, *, tokenizer_files: bool) -> None:
+    """Carry the remote-code files (config.json's auto_map names them) and, unless a tokenizer was saved, the
+    tokenizer of the directory the model was loaded from, so that the saved checkpoint still loads with
+    AutoTokenizer and trust_remote_code."""
+    if not source.is_dir():
         return
     for file in source.iterdir():
-        if file.is_file() and (file.name in COMPANION_FILES or file.suffix == ".py"):
-            with atomic_path(target / file.name) as tmp:
-                shutil.copyfile(file, tmp)
+        tokenizer_file = tokenizer_files and file.name in COMPANION_FILES
+        if file.is_file() and (tokenizer_file or file.suffix == ".py") and not (target / file.name).exists():
+            _copy_file(file, target / file.name)
+
+
+def _copy_file(source: Path, target: Path) -> None:
+    shutil.copyfile(source, target)

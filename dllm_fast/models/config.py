@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from dllm_fast.validation import check_bool, check_float, check_int
+
 # Official config.json fields whose value must be this for the architecture dllm_fast implements
 # (LLaDA-8B's values). A checkpoint that differs is rejected by name instead of being loaded wrongly.
 _REQUIRED_VALUES: dict[str, Any] = {
@@ -56,24 +58,33 @@ class LLaDAConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("d_model", "n_layers", "n_heads", "mlp_hidden_size", "vocab_size", "max_sequence_length"):
+            check_int(name, getattr(self, name), minimum=1)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        check_int("n_kv_heads", self.n_kv_heads, minimum=1, hint="or null for n_heads")
         if self.embedding_size is None:
             self.embedding_size = self.vocab_size
+        check_int("embedding_size", self.embedding_size, minimum=self.vocab_size,
+                  hint="or null for vocab_size")
+        self.rope_theta = check_float("rope_theta", self.rope_theta, minimum=0.0, open_minimum=True)
+        self.rms_norm_eps = check_float("rms_norm_eps", self.rms_norm_eps, minimum=0.0, open_minimum=True)
+        check_bool("weight_tying", self.weight_tying)
+        for name in ("mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id"):
+            token = getattr(self, name)
+            if token is None and name == "eot_token_id":
+                continue  # <|eot_id|> is optional: unknown for other tokenizers
+            check_int(name, token, hint="a token id")
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"{name}={token} is outside the vocabulary [0, {self.vocab_size}).")
+        if not isinstance(self.extra, dict):
+            raise TypeError(f"extra must be a dict of further config.json fields, got {type(self.extra).__name__}.")
         if self.d_model % self.n_heads != 0:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}.")
         if (self.d_model // self.n_heads) % 2 != 0:
             raise ValueError(f"head size d_model/n_heads = {self.d_model // self.n_heads} must be even for RoPE.")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}.")
-        if self.embedding_size < self.vocab_size:
-            raise ValueError(
-                f"embedding_size={self.embedding_size} must be at least vocab_size={self.vocab_size}."
-            )
-        for name in ("mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id"):
-            token = getattr(self, name)
-            if token is not None and not 0 <= token < self.vocab_size:
-                raise ValueError(f"{name}={token} is outside the vocabulary [0, {self.vocab_size}).")
 
     @property
     def head_dim(self) -> int:
@@ -96,19 +107,23 @@ class LLaDAConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "LLaDAConfig":
-        """Build from a LLaDA config.json dict, rejecting any feature this implementation does not cover."""
+        """Build from a LLaDA config.json dict, rejecting any feature this implementation does not cover and any
+        field of the wrong type or out of range (by name)."""
+        if not isinstance(values, dict):
+            raise TypeError(f"the config must be a JSON object of fields, got a JSON {_json_type(values)}.")
         for key, required in _REQUIRED_VALUES.items():
-            if key in values and values[key] != required:
+            # type() too: JSON's 1.0 or true equal 1 in Python, but are not LLaDA's block_group_size.
+            if key in values and (type(values[key]) is not type(required) or values[key] != required):
                 raise ValueError(
-                    f"config.json has {key}={values[key]!r}; dllm_fast's LLaDA implements only {key}={required!r}."
+                    f"{key}={values[key]!r} is not supported: dllm_fast's LLaDA implements only {key}={required!r}."
                 )
         for key in _MUST_BE_FALSY:
             if values.get(key):
-                raise ValueError(f"config.json has {key}={values[key]!r}, which dllm_fast's LLaDA does not support.")
+                raise ValueError(f"{key}={values[key]!r} is not supported by dllm_fast's LLaDA; set it to null or false.")
         for key in _MUST_BE_ZERO:
             if values.get(key, 0.0):
                 raise ValueError(
-                    f"config.json has {key}={values[key]!r}; dllm_fast's LLaDA runs without dropout, set it to 0."
+                    f"{key}={values[key]!r} is not supported: dllm_fast's LLaDA runs without dropout, set it to 0."
                 )
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in values.items() if k in names}
@@ -130,3 +145,8 @@ class LLaDAConfig:
 def _inferred_eot_token_id(vocab_size: int) -> int | None:
     """<|eot_id|> is only known for LLaDA's own tokenizer (its 126464-token vocabulary)."""
     return LLADA_EOT_TOKEN_ID if vocab_size == LLaDAConfig.vocab_size else None
+
+
+def _json_type(value: Any) -> str:
+    names = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from dllm_fast.validation import check_int
+
 
 class KVCache:
     """Per-layer keys (RoPE applied) and values of a batch, for positions [0, capacity).
@@ -21,6 +23,9 @@ class KVCache:
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
+        for name, value in (("n_layers", n_layers), ("batch", batch), ("n_kv_heads", n_kv_heads),
+                            ("capacity", capacity), ("head_dim", head_dim)):
+            check_int(name, value, minimum=1)
         shape = (batch, n_kv_heads, capacity, head_dim)
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]

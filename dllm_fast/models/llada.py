@@ -176,8 +176,12 @@ class LLaDAModel(nn.Module):
         positions [0, attend_length) (default cache_start + T); attention_mask then covers those
         attend_length keys and position_ids default to cache_start + 0..T-1. See KVCache for the modes.
         """
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}.")
+        if input_ids.dim() != 2 or 0 in input_ids.shape:
+            raise ValueError(f"input_ids must be [B, T] with B >= 1 sequences of T >= 1 tokens, got shape "
+                             f"{tuple(input_ids.shape)}.")
+        if self.device.type == "meta" and input_ids.device.type != "meta":
+            raise ValueError("the model is on the meta device and holds no weights (from_pretrained(device='meta') "
+                             "gives a skeleton); load it with device='cpu' or 'cuda' to run it.")
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}; pass ids.long().")
         if input_ids.device.type == "cpu" and input_ids.numel():  # on GPU this check would cost a host sync
@@ -278,8 +282,13 @@ class LLaDAModel(nn.Module):
     ) -> "LLaDAModel":
         """Load an official LLaDA checkpoint directory (config.json + model*.safetensors, sharded or not).
 
-        dtype (a torch dtype or its name) defaults to the checkpoint's; device to CPU. The tokenizer loads
-        separately with `transformers.AutoTokenizer.from_pretrained(path)`; `save_pretrained` carries it over.
+        dtype (a torch dtype or its name) defaults to the checkpoint's. A checkpoint that mixes dtypes (e.g. bf16
+        matrices with fp32 norms) loads entirely in the dtype that holds most of its weight elements, so that the
+        model runs; pass dtype to choose another. device defaults to CPU; device="meta" gives a skeleton with
+        the checkpoint's shapes and dtype checked and no data read. config.json is validated field by field
+        (name, type, range) before any weight is read. If a save was interrupted mid-swap (see save_pretrained),
+        the old checkpoint is moved back into place first. The tokenizer loads separately with
+        `transformers.AutoTokenizer.from_pretrained(path)`; `save_pretrained` carries it over.
         """
         from dllm_fast.models.checkpoint import load_checkpoint
 
@@ -289,8 +298,14 @@ class LLaDAModel(nn.Module):
         self, path: str | os.PathLike, *, max_shard_size: int = 5 * 2**30, tokenizer=None
     ) -> None:
         """Write the official layout: config.json and model.safetensors (or shards plus the index when larger
-        than max_shard_size bytes), each file atomically. Pass `tokenizer` to save it alongside; without one,
-        the tokenizer files of the directory the model was loaded from are copied."""
+        than max_shard_size bytes). Pass `tokenizer` to save it alongside; without one, the tokenizer files of
+        the directory the model was loaded from are copied (remote-code *.py files always are).
+
+        The save is atomic for the whole directory: the checkpoint is written (and fsynced) into a staging
+        directory beside `path`, then swapped in. An interrupted save leaves the old checkpoint at `path`,
+        loadable and unmixed; saving into the directory the model was loaded from works. Files in an existing
+        `path` that are not part of a checkpoint (anything but model*.safetensors, the index, config.json,
+        tokenizer files and *.py) are kept. One writer per path at a time."""
         from dllm_fast.models.checkpoint import save_checkpoint
 
         save_checkpoint(self, path, max_shard_size=max_shard_size, tokenizer=tokenizer)
