@@ -138,10 +138,9 @@ std::tuple<Tensor, Tensor> backward_impl(const std::optional<Tensor>& grad_logp,
 std::tuple<Tensor, Tensor> masked_logprobs_cpu(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
                                                int64_t chunk_size) {
   check_masked_logprobs_args(hidden, weight, targets, chunk_size);
-  if (accumulate_type(hidden.scalar_type()) == at::kDouble) {
-    return forward_impl<double>(hidden, weight, targets, chunk_size);
-  }
-  return forward_impl<float>(hidden, weight, targets, chunk_size);
+  return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
+    return forward_impl<decltype(acc)>(hidden, weight, targets, chunk_size);
+  });
 }
 
 std::tuple<Tensor, Tensor> masked_logprobs_backward_cpu(const std::optional<Tensor>& grad_logp,
@@ -149,10 +148,9 @@ std::tuple<Tensor, Tensor> masked_logprobs_backward_cpu(const std::optional<Tens
                                                         const Tensor& weight, const Tensor& targets, const Tensor& lse,
                                                         int64_t chunk_size, std::array<bool, 2> output_mask) {
   check_masked_logprobs_args(hidden, weight, targets, chunk_size);
-  if (accumulate_type(hidden.scalar_type()) == at::kDouble) {
-    return backward_impl<double>(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask);
-  }
-  return backward_impl<float>(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask);
+  return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
+    return backward_impl<decltype(acc)>(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask);
+  });
 }
 
 }  // namespace dllm_fast

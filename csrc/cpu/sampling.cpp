@@ -153,12 +153,10 @@ std::tuple<Tensor, Tensor> sample_tokens_cpu(const Tensor& hidden, const Tensor&
                                              at::IntArrayRef suppress_ids, at::IntArrayRef confidence_exclude_ids,
                                              int64_t chunk_size) {
   check_sample_tokens_args(hidden, weight, row_ids, temperature, suppress_ids, confidence_exclude_ids, chunk_size);
-  if (accumulate_type(hidden.scalar_type()) == at::kDouble) {
-    return sample_impl<double>(hidden, weight, row_ids, temperature, seed, offset, suppress_ids,
-                               confidence_exclude_ids, chunk_size);
-  }
-  return sample_impl<float>(hidden, weight, row_ids, temperature, seed, offset, suppress_ids,
-                            confidence_exclude_ids, chunk_size);
+  return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
+    return sample_impl<decltype(acc)>(hidden, weight, row_ids, temperature, seed, offset, suppress_ids,
+                                      confidence_exclude_ids, chunk_size);
+  });
 }
 
 Tensor select_transfer_cpu(const Tensor& confidence, const Tensor& candidates, const Tensor& counts,

@@ -1,5 +1,5 @@
-// Row kernels for the CPU ops: max, sum of exponentials, the online logsumexp update and the softmax-gradient
-// transform over one contiguous row. The float versions are compiled for AVX-512, AVX2 and baseline x86-64, and the loader
+// Row kernels for the CPU ops: max, sum of exponentials, the online logsumexp update and the
+// softmax-gradient transform over one contiguous row. The float versions are compiled for AVX-512, AVX2 and baseline x86-64, and the loader
 // picks one (GCC target_clones; hence `static`: one resolver per translation unit). That way the loops
 // vectorise on the machine they run on without a -march flag that would break elsewhere. The double
 // versions are plain loops; they serve gradcheck.
