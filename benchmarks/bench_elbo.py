@@ -14,7 +14,7 @@ old policy's ELBO is the current one, detached, so no extra scoring pass is need
     two_pass    dllm_fast.likelihood.streaming_backward on the same objective, `--micro-batch` pairs per graph;
     separable   streaming_backward(separable=True) on BGPO's per-sample linear bound (BGPO Eq. 13).
 
-Time is the median of --repeats runs after one warm-up per provider, reported per MC sample. Memory:
+Time is the median (and the minimum) of --repeats runs after a warm-up, reported per MC sample. Memory:
   - saved: the peak of the bytes autograd keeps for backward and that are alive at once during one full run
     (track_live_saved_tensors, parameters excluded): every graph for naive/all_graphs, one micro-batch's graph
     for the streaming paths;
@@ -33,25 +33,23 @@ provider.
 from __future__ import annotations
 
 import argparse
-import gc
-import os
-import statistics
+import functools
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from dllm_fast import reference
 from dllm_fast.likelihood import elbo, sample_masks, score, streaming_backward
-from dllm_fast.memory import peak_extra_rss, track_live_saved_tensors
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from common import print_table, synchronize, write_results  # noqa: E402
+from common import (  # noqa: E402
+    Provider, add_ratio, add_results_dir_argument, peak_extra_bytes, print_table, run_sweep, saved_bytes, time_call,
+    write_results,
+)
 
-PROVIDERS = ("naive", "all_graphs", "two_pass", "separable")
 ADVANTAGE = 1.0
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj"]  # what d1/SPG's LoRA effectively adapts in LLaDA
 
@@ -93,7 +91,7 @@ def bgpo_bound(masks):
 
 
 class Case:
-    """One model, one sequence and the masks for each n_t; runs a provider's forward + backward."""
+    """One model and one sequence, shared by every provider and n_t of a sweep; the masks for each n_t."""
 
     def __init__(self, *, preset, prompt, completion, device, dtype, lora, lora_rank, checkpointing, micro_batch,
                  score_micro_batch=None, seed=0):
@@ -115,38 +113,72 @@ class Case:
                                             generator=torch.Generator(device=self.device).manual_seed(n_t))
         return self._masks[n_t]
 
+    def fully_masked(self):
+        """One sample with every completion position masked: the most rows through the LM head."""
+        return sample_masks(self.sequences, prompt_length=self.prompt, n_t=1, sampler="mean_field", count="all",
+                            perturb_prob=0.0, generator=torch.Generator(device=self.device).manual_seed(0))
+
     def parameters(self):
         return [p for p in self.model.parameters()]
 
-    def warm_up(self, provider: str) -> None:
-        """One run on a single fully masked sample: allocates the gradients and the largest per-sample buffers
-        (the most rows through the LM head), so a later peak measures transient memory, not first touches."""
-        full = sample_masks(self.sequences, prompt_length=self.prompt, n_t=1, sampler="mean_field", count="all",
-                            perturb_prob=0.0, generator=torch.Generator(device=self.device).manual_seed(0))
-        self.run(provider, 1, masks=full)
 
-    def run(self, provider: str, n_t: int, masks=None) -> None:
-        self.model.zero_grad(set_to_none=False)  # gradients stay allocated: they are part of the baseline
-        masks = masks if masks is not None else self.masks(n_t)
-        if provider == "naive":
-            vrpo_ol(masks)(reference.likelihood.score_naive(self.model, self.sequences, masks)).backward()
-        elif provider == "all_graphs":
-            lp = score(self.model, self.sequences, masks, micro_batch=masks.n_t)
-            vrpo_ol(masks)(lp).backward()
-        elif provider == "two_pass":
-            streaming_backward(self.model, self.sequences, masks, vrpo_ol(masks), micro_batch=self.micro_batch,
-                               score_micro_batch=self.score_micro_batch)
-        elif provider == "separable":
-            streaming_backward(self.model, self.sequences, masks, bgpo_bound(masks), micro_batch=self.micro_batch,
-                               separable=True)
-        else:
-            raise ValueError(f"provider={provider!r} is not one of {PROVIDERS}.")
+CASE_KEYS = ("preset", "prompt", "completion", "device", "dtype", "lora", "lora_rank", "checkpointing", "micro_batch",
+             "score_micro_batch")
 
-    def saved_bytes(self, provider: str, n_t: int) -> int:
-        """Peak bytes saved for backward and alive at once during one full run (parameters excluded)."""
-        with track_live_saved_tensors(exclude=self.parameters()) as saved:
-            self.run(provider, n_t)
-        return saved.peak
+
+@functools.lru_cache(maxsize=1)
+def cached_case(*values) -> Case:
+    """The sweep's one Case (model and sequence), built once per process and shared by every provider."""
+    settings = dict(zip(CASE_KEYS, values))
+    settings["dtype"] = getattr(torch, settings["dtype"])
+    return Case(**settings)
+
+
+def setup(point: dict):
+    """(case, masks) for the point's n_t."""
+    case = cached_case(*(point[key] for key in CASE_KEYS))
+    return case, case.masks(point["n_t"])
+
+
+# One function per provider: forward + backward of the objective on (case, masks).
+
+
+def naive(case: Case, masks) -> None:
+    vrpo_ol(masks)(reference.likelihood.score_naive(case.model, case.sequences, masks)).backward()
+
+
+def all_graphs(case: Case, masks) -> None:
+    vrpo_ol(masks)(score(case.model, case.sequences, masks, micro_batch=masks.n_t)).backward()
+
+
+def two_pass(case: Case, masks) -> None:
+    streaming_backward(case.model, case.sequences, masks, vrpo_ol(masks), micro_batch=case.micro_batch,
+                       score_micro_batch=case.score_micro_batch)
+
+
+def separable(case: Case, masks) -> None:
+    streaming_backward(case.model, case.sequences, masks, bgpo_bound(masks), micro_batch=case.micro_batch,
+                       separable=True)
+
+
+def run(backward, state) -> None:
+    case, masks = state
+    case.model.zero_grad(set_to_none=False)  # gradients stay allocated: they are part of the baseline
+    backward(case, masks)
+
+
+def warm_up(backward, state) -> None:
+    """One run on a single fully masked sample: allocates the gradients and the largest per-sample buffers, so a
+    later peak measures transient memory, not first touches."""
+    case, _ = state
+    run(backward, (case, case.fully_masked()))
+
+
+PROVIDERS = {
+    backward.__name__: Provider(backward.__name__, setup=setup, run=functools.partial(run, backward),
+                                warm_up=functools.partial(warm_up, backward))
+    for backward in (naive, all_graphs, two_pass, separable)
+}
 
 
 def naive_logits_bytes(n_t: int, length: int, vocab: int) -> int:
@@ -154,119 +186,36 @@ def naive_logits_bytes(n_t: int, length: int, vocab: int) -> int:
     return 3 * n_t * length * vocab * 4
 
 
-def cpu_peak_extra(args, provider: str, n_t: int) -> int:
-    setup = f"""
-import sys
-sys.path.insert(0, {str(BENCH_DIR)!r})
-import bench_elbo as b
-case = b.Case(preset={args.preset!r}, prompt={args.prompt}, completion={args.completion}, device="cpu",
-              dtype=torch.float32, lora={args.lora}, lora_rank={args.lora_rank},
-              checkpointing={args.checkpointing}, micro_batch={args.micro_batch},
-              score_micro_batch={args.score_micro_batch})
-case.masks({n_t})
-case.warm_up({provider!r})  # threads, allocator, the gradients and the largest per-sample buffers
-"""
-    saved_environment = os.environ.copy()
-    if not args.default_malloc:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 << 10)
-    try:
-        return peak_extra_rss(setup, f"case.run({provider!r}, {n_t})", threads=torch.get_num_threads())
-    finally:
-        os.environ.clear()
-        os.environ.update(saved_environment)
+def skip_naive_on_cpu(args, provider: Provider, point: dict) -> str | None:
+    if provider.name != "naive" or point["device"] != "cpu":
+        return None
+    vocab = LLaDAConfig.preset(point["preset"]).vocab_size
+    need = naive_logits_bytes(point["n_t"], point["prompt"] + point["completion"], vocab)
+    if need > args.naive_max_gib * 2**30:
+        return f"skipped: logits need {need / 2**30:.1f} GiB > --naive-max-gib"
+    return None
 
 
-def measure(case: Case, args, provider: str, n_t: int) -> dict:
-    device = case.device
-    masks = case.masks(n_t)
-    row = dict(n_t=n_t, provider=provider, pairs_scored=int((masks.num_masked > 0).sum()))
-    samples = []
-    for _ in range(args.repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        case.run(provider, n_t)
-        synchronize(device)
-        samples.append(time.perf_counter() - start)
-    seconds = statistics.median(samples)
-    row.update(seconds=seconds, ms_per_sample=1e3 * seconds / n_t)
-    row["saved_mib"] = case.saved_bytes(provider, n_t) / 2**20
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        case.run(provider, n_t)
-        torch.cuda.synchronize(device)
-        row["peak_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
-    elif not args.no_rss:
-        row["peak_mib"] = cpu_peak_extra(args, provider, n_t) / 2**20
+def measure(args, provider: Provider, point: dict) -> dict:
+    state = provider.prepare(point)
+    case, masks = state
+    n_t = point["n_t"]
+    timing = time_call(lambda: provider.run(state), point["device"], warmup=0, repeats=args.repeats)
+    row = dict(pairs_scored=int((masks.num_masked > 0).sum()), seconds=timing.median_s,
+               ms_per_sample=1e3 * timing.median_s / n_t, min_ms_per_sample=1e3 * timing.min_s / n_t)
+    row["saved_mib"] = saved_bytes(lambda: provider.run(state), live=True, exclude=case.parameters()) / 2**20
+    if point["device"] == "cuda" or not args.no_rss:
+        # MALLOC_MMAP_THRESHOLD_: see the module docstring (freed activations leave the heap).
+        env = {} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
+        row["peak_mib"] = peak_extra_bytes(provider, point, state, env=env) / 2**20
     return row
-
-
-def free_memory(case: Case) -> None:
-    gc.collect()
-    if case.device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def sweep(case: Case, args) -> list[dict]:
-    vocab = case.model.lm_head_weight.shape[0]
-    length = case.sequences.shape[1]
-    rows, failed = [], {}  # provider -> why it no longer runs
-    for provider in args.providers:  # one warm-up per provider (threads, allocator, gradients)
-        try:
-            case.warm_up(provider)
-        except torch.cuda.OutOfMemoryError:
-            failed[provider] = "oom at warm-up (one fully masked sample)"
-        free_memory(case)
-    for n_t in args.nt:
-        for provider in args.providers:
-            if provider in failed:
-                rows.append(dict(n_t=n_t, provider=provider, status=failed[provider]))
-                continue
-            if provider == "naive" and case.device.type == "cpu":
-                need = naive_logits_bytes(n_t, length, vocab)
-                if need > args.naive_max_gib * 2**30:
-                    rows.append(dict(n_t=n_t, provider=provider,
-                                     status=f"skipped: logits need {need / 2**30:.1f} GiB > --naive-max-gib"))
-                    continue
-            try:
-                row = measure(case, args, provider, n_t)
-                row["status"] = "ok"
-            except torch.cuda.OutOfMemoryError:
-                failed[provider] = f"oom at n_t={n_t}"
-                row = dict(n_t=n_t, provider=provider, status="oom")
-            free_memory(case)
-            rows.append(row)
-            print(_progress(row), flush=True)
-    add_ratios(rows)
-    return rows
-
-
-def add_ratios(rows: list[dict]) -> None:
-    """Time per sample against naive and all_graphs at the same n_t; peak and saved against n_t = 1."""
-    by_key = {(r["n_t"], r["provider"]): r for r in rows if r.get("status") == "ok"}
-    first = min(r["n_t"] for r in rows)
-    for (n_t, provider), row in by_key.items():
-        for baseline in ("naive", "all_graphs"):
-            other = by_key.get((n_t, baseline))
-            if other:
-                row[f"time_vs_{baseline}"] = row["ms_per_sample"] / other["ms_per_sample"]
-        start = by_key.get((first, provider))
-        if start:
-            for field in ("peak_mib", "saved_mib"):
-                if field in row and start.get(field):
-                    row[f"{field.split('_')[0]}_vs_nt{first}"] = row[field] / start[field]
-
-
-def _progress(row: dict) -> str:
-    return "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--nt", type=int, nargs="+", help="MC samples per sequence (default: by device)")
-    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
     parser.add_argument("--preset", help="model preset (default: small on CPU, llada-8b on CUDA)")
     parser.add_argument("--prompt", type=int, help="prompt length (default: 64 on CPU, 200 on CUDA)")
     parser.add_argument("--completion", type=int, help="completion length (default: 256 on CPU, 512 on CUDA)")
@@ -284,6 +233,7 @@ def main():
                         help="CPU: measure RSS with glibc's dynamic mmap threshold (counts allocator retention)")
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's default)")
     parser.add_argument("--name", help="results file name (default: elbo_<device>[_lora][_ckpt])")
+    add_results_dir_argument(parser)
     args = parser.parse_args()
     cuda = args.device == "cuda"
     if args.threads:
@@ -293,19 +243,27 @@ def main():
     args.prompt = args.prompt if args.prompt is not None else (200 if cuda else 64)
     args.completion = args.completion or (512 if cuda else 256)
     args.repeats = args.repeats or (3 if cuda else 1)
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = "bfloat16" if cuda else "float32"
 
-    case = Case(preset=args.preset, prompt=args.prompt, completion=args.completion, device=args.device,
-                dtype=dtype, lora=args.lora, lora_rank=args.lora_rank, checkpointing=args.checkpointing,
-                micro_batch=args.micro_batch, score_micro_batch=args.score_micro_batch)
-    rows = sweep(case, args)
+    case_settings = dict(preset=args.preset, prompt=args.prompt, completion=args.completion, device=args.device,
+                         dtype=dtype, lora=args.lora, lora_rank=args.lora_rank, checkpointing=args.checkpointing,
+                         micro_batch=args.micro_batch, score_micro_batch=args.score_micro_batch)
+    points = [dict(case_settings, n_t=n_t) for n_t in args.nt]
+    rows = run_sweep(points, [PROVIDERS[name] for name in args.providers], functools.partial(measure, args),
+                     row_keys=("n_t",), skip=functools.partial(skip_naive_on_cpu, args))
+    # Time per sample against naive and all_graphs at the same n_t; peak and saved against the first n_t.
+    for baseline in ("naive", "all_graphs"):
+        add_ratio(rows, f"time_vs_{baseline}", "ms_per_sample", baseline={"provider": baseline}, match=("n_t",))
+    first = min(args.nt)
+    for field in ("peak_mib", "saved_mib"):
+        add_ratio(rows, f"{field.split('_')[0]}_vs_nt{first}", field, baseline={"n_t": first}, match=("provider",))
     columns = ["n_t", "provider", "status", "ms_per_sample", "time_vs_naive", "time_vs_all_graphs", "saved_mib",
-               "saved_vs_nt1", "peak_mib", "peak_vs_nt1"]
+               f"saved_vs_nt{first}", "peak_mib", f"peak_vs_nt{first}"]
     print_table(rows, columns)
     name = args.name or "elbo_" + args.device + ("_lora" if args.lora else "") + ("_ckpt" if args.checkpointing else "")
-    config = {k: v for k, v in vars(args).items() if k != "name"} | dict(dtype=str(dtype), sequences=1,
-                                                                          sampler="stratified_l")
-    print(f"wrote {write_results(name, config, rows)}")
+    config = {k: v for k, v in vars(args).items() if k not in ("name", "results_dir")} | dict(
+        dtype=f"torch.{dtype}", sequences=1, sampler="stratified_l")
+    print(f"wrote {write_results(name, config, rows, args.results_dir)}")
 
 
 if __name__ == "__main__":

@@ -15,17 +15,21 @@ reported, and whether cache="none" reproduces the reference token for token.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
+import dataclasses
+import functools
 import sys
-import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, synchronize, write_results  # noqa: E402
+from common import (  # noqa: E402
+    Provider, add_ratio, add_results_dir_argument, measure_in_fresh_process, print_table, run_sweep, write_results,
+)
 
-PROVIDERS = {
+# What each provider passes to generate(); "backend": "reference" selects dllm_fast.reference.generate.
+GENERATE_OPTIONS = {
     "reference": dict(backend="reference", cache="none"),
     "dllm_fast none": dict(cache="none"),
     "dllm_fast prefix": dict(cache="prefix"),
@@ -37,63 +41,127 @@ PROVIDERS = {
 GPU_PEAKS = {"H100": (989.4e12, 3.35e12), "H200": (989.4e12, 4.8e12)}
 
 
-def run_provider(name: str, settings: dict) -> dict:
-    """In a fresh process: build the model, warm up, then time one rollout and record its peak memory."""
+@dataclasses.dataclass
+class Rollout:
+    """A random model, its prompts, and the generate() call of one provider."""
+
+    model: Any
+    prompts: torch.Tensor
+    generate: Callable
+    kwargs: dict
+    warm_up_kwargs: dict
+
+
+def setup_rollout(options: dict, point: dict) -> Rollout:
     import dllm_fast
     from dllm_fast import reference
-    from dllm_fast.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
     from dllm_fast.models import LLaDAConfig, LLaDAModel
 
-    device = torch.device(settings["device"])
-    model = LLaDAModel.with_random_weights(LLaDAConfig.preset(settings["preset"]), device=device,
-                                           dtype=getattr(torch, settings["dtype"]), seed=settings["seed"]).eval()
-    B, P = settings["batch"], settings["prompt"]
-    generator = torch.Generator(device).manual_seed(settings["seed"] + 1)
-    prompts = torch.randint(0, model.config.mask_token_id, (B, P), device=device, generator=generator)
-    options = dict(PROVIDERS[name])
+    device = torch.device(point["device"])
+    model = LLaDAModel.with_random_weights(LLaDAConfig.preset(point["preset"]), device=device,
+                                           dtype=getattr(torch, point["dtype"]), seed=point["seed"]).eval()
+    generator = torch.Generator(device).manual_seed(point["seed"] + 1)
+    prompts = torch.randint(0, model.config.mask_token_id, (point["batch"], point["prompt"]), device=device,
+                            generator=generator)
+    options = dict(options)
     generate = reference.generate if options.pop("backend", None) == "reference" else dllm_fast.generate
-    steps = None if "threshold" in options else settings["steps"]
-    kwargs = dict(gen_length=settings["gen"], block_length=settings["block"], steps=steps,
-                  temperature=settings["temperature"], **options)
-
-    warm = dict(kwargs, gen_length=settings["block"], steps=None if steps is None else 1)
-    generate(model, prompts, generator=torch.Generator(device).manual_seed(0), **warm)
-    synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        baseline = torch.cuda.memory_allocated(device)
-    else:
-        reset_peak_rss()
-        baseline = current_rss_bytes()
-    start = time.perf_counter()
-    result = generate(model, prompts, generator=torch.Generator(device).manual_seed(0), **kwargs)
-    synchronize(device)
-    seconds = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()) - baseline
-    return dict(seconds=seconds, nfe=result.nfe, peak_mb=peak / 2**20,
-                tokens_per_s=B * settings["gen"] / seconds, completion=result.completion_ids.cpu().tolist())
+    steps = None if "threshold" in options else point["steps"]
+    kwargs = dict(gen_length=point["gen"], block_length=point["block"], steps=steps,
+                  temperature=point["temperature"], **options)
+    warm_up_kwargs = dict(kwargs, gen_length=point["block"], steps=None if steps is None else 1)  # one block
+    return Rollout(model, prompts, generate, kwargs, warm_up_kwargs)
 
 
-def roofline_seconds(config, settings: dict, mode: str, peaks) -> float:
+def _generate(rollout: Rollout, kwargs: dict):
+    generator = torch.Generator(rollout.prompts.device).manual_seed(0)
+    return rollout.generate(rollout.model, rollout.prompts, generator=generator, **kwargs)
+
+
+def run_rollout(rollout: Rollout):
+    return _generate(rollout, rollout.kwargs)
+
+
+def warm_up_rollout(rollout: Rollout) -> None:
+    _generate(rollout, rollout.warm_up_kwargs)
+
+
+def rollout_summary(result) -> dict:
+    return dict(nfe=result.nfe, completion=result.completion_ids.cpu().tolist())
+
+
+PROVIDERS = {
+    name: Provider(name, setup=functools.partial(setup_rollout, options), run=run_rollout, warm_up=warm_up_rollout)
+    for name, options in GENERATE_OPTIONS.items()
+}
+
+
+def measure(provider: Provider, point: dict) -> dict:
+    """In a fresh process, so that each provider's peak memory is its own: build, warm up, time one rollout."""
+    out = measure_in_fresh_process(provider, point, repeats=1, summarize=rollout_summary)
+    seconds = out["timing"].median_s
+    print(f"batch {point['batch']} {provider.name}: {point['batch'] * point['gen'] / seconds:.1f} tok/s", flush=True)
+    return dict(seconds=seconds, nfe=out["summary"]["nfe"], tokens_per_s=point["batch"] * point["gen"] / seconds,
+                peak_mb=out["peak_bytes"] / 2**20, completion=out["summary"]["completion"])
+
+
+def forward_work(cache: str, *, step: int, block_start: int, total: int, block: int) -> tuple[int, bool]:
+    """The one place that interprets a cache mode for the roofline: (query positions the body runs in one forward,
+    whether that forward reads a KV cache). `step` counts from 0 within the block starting at `block_start`.
+    none recomputes all positions; prefix and dual refresh their cache on a block's first step, then run the
+    block and everything after it (prefix) or the block alone (dual)."""
+    if cache == "none":
+        return total, False
+    if cache not in ("prefix", "dual"):
+        raise ValueError(f"roofline: cache={cache!r} is not one of 'none', 'prefix', 'dual'.")
+    if step == 0:
+        return total, True
+    return (total - block_start if cache == "prefix" else block), True
+
+
+def roofline_seconds(config, point: dict, cache: str, peaks) -> float:
     """Lower bound on one rollout: per forward, max(FLOPs / peak FLOP/s, bytes / bandwidth), with bf16 weights
     read once per forward, the LM head applied to the masked block positions only, and the KV cache read."""
     flops_peak, bandwidth = peaks
     d, V, layers = config.d_model, config.vocab_size, config.n_layers
     per_token_body = 2 * layers * (4 * d * d + 3 * d * config.mlp_hidden_size)
     weight_bytes = 2 * (layers * (4 * d * d + 3 * d * config.mlp_hidden_size) + V * d)
-    B, P, G, block = settings["batch"], settings["prompt"], settings["gen"], settings["block"]
-    total, steps_per_block = P + G, settings["steps"] // (G // block)
+    B, P, G, block = point["batch"], point["prompt"], point["gen"], point["block"]
+    total, steps_per_block = P + G, point["steps"] // (G // block)
     seconds = 0.0
     for b in range(G // block):
         start = P + b * block
         for step in range(steps_per_block):
-            refresh = mode == "none" or step == 0
-            queries = total if refresh else (total - start if mode == "prefix" else block)
+            queries, reads_cache = forward_work(cache, step=step, block_start=start, total=total, block=block)
             masked = block - step * block // steps_per_block
             flops = B * queries * (per_token_body + 4 * layers * total * d) + 2 * B * masked * V * d
-            kv_bytes = 0 if mode == "none" else 2 * 2 * layers * B * total * d
+            kv_bytes = 2 * 2 * layers * B * total * d if reads_cache else 0
             seconds += max(flops / flops_peak, (weight_bytes + kv_bytes) / bandwidth)
     return seconds
+
+
+def add_agreement_and_roofline(rows: list[dict], points: list[dict]) -> None:
+    """agree_with_none: the fraction of tokens equal to cache="none"'s at the same batch; on a known GPU, the
+    roofline bound of each fixed-schedule dllm_fast provider and how far above it the run is."""
+    peaks = None
+    if points[0]["device"] == "cuda":
+        peaks = next((v for k, v in GPU_PEAKS.items() if k in torch.cuda.get_device_name()), None)
+    for point in points:
+        at_batch = {r["provider"]: r for r in rows if r["batch"] == point["batch"] and r["status"] == "ok"}
+        none_tokens = at_batch.get("dllm_fast none", {}).get("completion")
+        for name, row in at_batch.items():
+            if none_tokens is not None:
+                same = torch.tensor(row["completion"]) == torch.tensor(none_tokens)
+                row["agree_with_none"] = same.double().mean().item()
+            options = GENERATE_OPTIONS[name]
+            if peaks is not None and options.get("backend") != "reference" and "threshold" not in options:
+                from dllm_fast.models import LLaDAConfig
+
+                config = LLaDAConfig.preset(point["preset"])
+                row["roofline_s"] = roofline_seconds(config, point, options["cache"], peaks)
+                row["vs_roofline"] = row["seconds"] / row["roofline_s"]
+        if "reference" in at_batch and none_tokens is not None:
+            print(f"batch {point['batch']}: dllm_fast none token-identical to the reference: "
+                  f"{at_batch['reference']['completion'] == none_tokens}")
 
 
 def main():
@@ -102,6 +170,7 @@ def main():
     parser.add_argument("--batch", type=int, nargs="+", help="batch sizes (default: by device)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
+    add_results_dir_argument(parser)
     args = parser.parse_args()
     if args.device == "cuda":
         base = dict(preset="llada-8b", dtype="bfloat16", prompt=200, gen=256, block=32, steps=128)
@@ -109,45 +178,16 @@ def main():
     else:
         base = dict(preset="small", dtype="float32", prompt=64, gen=128, block=32, steps=64)
         batches = args.batch or [4]
-    context = multiprocessing.get_context("spawn")
-    rows = []
-    for batch in batches:
-        settings = dict(base, device=args.device, batch=batch, temperature=args.temperature, seed=0)
-        results = {}
-        for name in args.providers:
-            with context.Pool(1) as pool:
-                results[name] = pool.apply(run_provider, (name, settings))
-            print(f"batch {batch} {name}: {results[name]['tokens_per_s']:.1f} tok/s", flush=True)
-        reference_speed = results["reference"]["tokens_per_s"] if "reference" in results else None
-        none_tokens = results.get("dllm_fast none", {}).get("completion")
-        peaks = None
-        if args.device == "cuda":
-            from dllm_fast.models import LLaDAConfig
-
-            name = torch.cuda.get_device_name()
-            peaks = next((v for k, v in GPU_PEAKS.items() if k in name), None)
-        for name, r in results.items():
-            row = dict(batch=batch, provider=name, seconds=r["seconds"], nfe=r["nfe"], tokens_per_s=r["tokens_per_s"],
-                       peak_mb=r["peak_mb"])
-            if reference_speed:
-                row["speedup_vs_reference"] = r["tokens_per_s"] / reference_speed
-            if none_tokens is not None:
-                a, b = torch.tensor(r["completion"]), torch.tensor(none_tokens)
-                row["agree_with_none"] = (a == b).double().mean().item()
-            if peaks is not None and name.startswith("dllm_fast"):
-                mode = PROVIDERS[name]["cache"]
-                if "threshold" not in PROVIDERS[name]:
-                    bound = roofline_seconds(LLaDAConfig.preset(settings["preset"]), settings, mode, peaks)
-                    row["roofline_s"] = bound
-                    row["vs_roofline"] = r["seconds"] / bound
-            rows.append(row)
-        if "reference" in results and none_tokens is not None:
-            print(f"batch {batch}: dllm_fast none token-identical to the reference: "
-                  f"{results['reference']['completion'] == none_tokens}")
-    print_table(rows, ["batch", "provider", "seconds", "nfe", "tokens_per_s", "peak_mb", "speedup_vs_reference",
-                       "agree_with_none", "roofline_s", "vs_roofline"])
+    points = [dict(base, device=args.device, batch=batch, temperature=args.temperature, seed=0) for batch in batches]
+    rows = run_sweep(points, [PROVIDERS[name] for name in args.providers], measure, row_keys=("batch",))
+    add_ratio(rows, "speedup_vs_reference", "tokens_per_s", baseline={"provider": "reference"}, match=("batch",))
+    add_agreement_and_roofline(rows, points)
+    for row in rows:
+        row.pop("completion", None)
+    print_table(rows, ["batch", "provider", "status", "seconds", "nfe", "tokens_per_s", "peak_mb",
+                       "speedup_vs_reference", "agree_with_none", "roofline_s", "vs_roofline"])
     config = dict(base, batches=batches, temperature=args.temperature, providers=args.providers)
-    print(f"wrote {write_results(f'rollout_{args.device}', config, rows)}")
+    print(f"wrote {write_results(f'rollout_{args.device}', config, rows, args.results_dir)}")
 
 
 if __name__ == "__main__":

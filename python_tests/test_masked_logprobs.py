@@ -37,6 +37,35 @@ def test_values_and_gradients_match_reference(device, M, d, V, chunk, dtype):
         torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("inf_chunk", [0, 2, 4])  # the leading chunk, a middle one, the last (partial) one
+def test_a_chunk_of_minus_inf_logits_contributes_nothing(device, dtype, inf_chunk):
+    """Issue 10.4: a vocabulary chunk whose logits are all -inf adds nothing to the online logsumexp (the
+    leading one used to make it exp(-inf - -inf) = NaN). Here its weights overflow the logits to -inf while
+    staying finite, so the reference's gradients are finite too."""
+    M, d, V, chunk = 6, 4, 37, 8
+    hidden = torch.rand(M, d, device=device, dtype=dtype) + 0.5  # positive: each product below -max/2
+    weight = torch.randn(V, d, device=device, dtype=dtype) * 2 / d**0.5
+    columns = slice(inf_chunk * chunk, (inf_chunk + 1) * chunk)
+    weight[columns] = -torch.finfo(dtype).max
+    finite = torch.tensor([j for j in range(V) if not columns.start <= j < columns.stop], device=device)
+    targets = finite[torch.randint(0, len(finite), (M,), device=device)]
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    upstream = torch.randn(M, device=device, dtype=dtype)
+
+    assert torch.isneginf((hidden @ weight.T)[:, columns]).all()
+    logp = dllm_fast.masked_logprobs(hidden, weight, targets, chunk_size=chunk)
+    expected = reference.masked_logprobs(hidden, weight, targets)
+    assert torch.isfinite(expected).all()
+    torch.testing.assert_close(logp, expected)
+    grads = torch.autograd.grad(logp, (hidden, weight), upstream)
+    expected_grads = torch.autograd.grad(expected, (hidden, weight), upstream)
+    for got, want in zip(grads, expected_grads):
+        assert torch.isfinite(want).all()
+        torch.testing.assert_close(got, want)
+
+
 def test_logsumexp_output_is_differentiable_too(device):
     """The raw op also returns lse; its gradient (softmax) must be right even though the face hides it."""
     hidden, weight, targets = make_inputs(9, 6, 50, device, torch.float64, requires_grad=True)

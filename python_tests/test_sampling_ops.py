@@ -83,6 +83,19 @@ def test_noise_depends_on_seed_offset_and_row_id_only(device):
     assert not torch.equal(ops.sample_tokens(hidden, weight, **{**base, "seed": 4})[0], tokens)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_chunks_without_a_confidence_logit_add_nothing(device, temperature):
+    """The kernels' shared online logsumexp: leading chunks whose ids are all suppressed or excluded from the
+    confidence softmax (so all -inf there) must leave the confidence finite and equal to the reference's."""
+    hidden, weight = head(10, 8, 30, device)
+    kwargs = dict(temperature=temperature, seed=5, suppress_ids=[0, 1, 2, 3], confidence_exclude_ids=[4, 5, 6, 7])
+    tokens, confidence = ops.sample_tokens(hidden, weight, chunk_size=4, **kwargs)
+    ref_tokens, ref_confidence = ops.sample_tokens(hidden, weight, backend="reference", **kwargs)
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.isfinite(ref_confidence).all()
+    torch.testing.assert_close(confidence, ref_confidence, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("rule", ["counts", "threshold"])
 def test_select_transfer_matches_reference(device, rule):
     confidence = torch.rand(6, 20, device=device)

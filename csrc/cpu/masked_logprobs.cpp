@@ -19,9 +19,8 @@
 namespace dllm_fast {
 namespace {
 
-using cpu::row_max;
+using cpu::online_logsumexp_update;
 using cpu::row_scaled_exp;
-using cpu::row_sum_exp;
 
 // Rows per parallel task: enough that a task touches ~64K logits.
 int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(cols, 1)); }
@@ -61,9 +60,7 @@ std::tuple<Tensor, Tensor> forward_impl(const Tensor& hidden, const Tensor& weig
     at::parallel_for(0, M, row_grain(c), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const acc_t* row = L + i * c;
-        const acc_t m = std::max(run_max[i], row_max(row, c));
-        run_sum[i] = run_sum[i] * std::exp(run_max[i] - m) + row_sum_exp(row, c, m);
-        run_max[i] = m;
+        online_logsumexp_update(run_max[i], run_sum[i], row, c);
         const int64_t col = t[i] - v0;
         if (col >= 0 && col < c) target_logit[i] = row[col];
       }
@@ -141,10 +138,9 @@ std::tuple<Tensor, Tensor> backward_impl(const std::optional<Tensor>& grad_logp,
 std::tuple<Tensor, Tensor> masked_logprobs_cpu(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
                                                int64_t chunk_size) {
   check_masked_logprobs_args(hidden, weight, targets, chunk_size);
-  if (accumulate_type(hidden.scalar_type()) == at::kDouble) {
-    return forward_impl<double>(hidden, weight, targets, chunk_size);
-  }
-  return forward_impl<float>(hidden, weight, targets, chunk_size);
+  return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
+    return forward_impl<decltype(acc)>(hidden, weight, targets, chunk_size);
+  });
 }
 
 std::tuple<Tensor, Tensor> masked_logprobs_backward_cpu(const std::optional<Tensor>& grad_logp,
@@ -152,10 +148,9 @@ std::tuple<Tensor, Tensor> masked_logprobs_backward_cpu(const std::optional<Tens
                                                         const Tensor& weight, const Tensor& targets, const Tensor& lse,
                                                         int64_t chunk_size, std::array<bool, 2> output_mask) {
   check_masked_logprobs_args(hidden, weight, targets, chunk_size);
-  if (accumulate_type(hidden.scalar_type()) == at::kDouble) {
-    return backward_impl<double>(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask);
-  }
-  return backward_impl<float>(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask);
+  return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
+    return backward_impl<decltype(acc)>(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask);
+  });
 }
 
 }  // namespace dllm_fast

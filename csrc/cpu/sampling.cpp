@@ -22,8 +22,8 @@ namespace dllm_fast {
 namespace {
 
 using cpu::gumbel_from_uniform;
+using cpu::online_logsumexp_update;
 using cpu::row_max;
-using cpu::row_sum_exp;
 
 // Philox words for the columns [4 * first_quad, 4 * (first_quad + quads)) of one row.
 DLLM_FAST_MULTIVERSION
@@ -128,11 +128,7 @@ std::tuple<Tensor, Tensor> sample_impl(const Tensor& hidden, const Tensor& weigh
         for (const int64_t id : excluded) {  // out of the confidence softmax only
           if (id >= v0 && id < v0 + c) row[id - v0] = -std::numeric_limits<acc_t>::infinity();
         }
-        const acc_t m = std::max(s.max, row_max(row, c));
-        if (m != -std::numeric_limits<acc_t>::infinity()) {
-          s.sum = s.sum * std::exp(s.max - m) + row_sum_exp(row, c, m);
-          s.max = m;
-        }
+        online_logsumexp_update(s.max, s.sum, row, c);
       }
     });
   }
@@ -157,12 +153,10 @@ std::tuple<Tensor, Tensor> sample_tokens_cpu(const Tensor& hidden, const Tensor&
                                              at::IntArrayRef suppress_ids, at::IntArrayRef confidence_exclude_ids,
                                              int64_t chunk_size) {
   check_sample_tokens_args(hidden, weight, row_ids, temperature, suppress_ids, confidence_exclude_ids, chunk_size);
-  if (accumulate_type(hidden.scalar_type()) == at::kDouble) {
-    return sample_impl<double>(hidden, weight, row_ids, temperature, seed, offset, suppress_ids,
-                               confidence_exclude_ids, chunk_size);
-  }
-  return sample_impl<float>(hidden, weight, row_ids, temperature, seed, offset, suppress_ids,
-                            confidence_exclude_ids, chunk_size);
+  return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
+    return sample_impl<decltype(acc)>(hidden, weight, row_ids, temperature, seed, offset, suppress_ids,
+                                      confidence_exclude_ids, chunk_size);
+  });
 }
 
 Tensor select_transfer_cpu(const Tensor& confidence, const Tensor& candidates, const Tensor& counts,

@@ -1,5 +1,5 @@
-// Row kernels for the CPU ops: max, sum of exponentials and the softmax-gradient transform over one
-// contiguous row. The float versions are compiled for AVX-512, AVX2 and baseline x86-64, and the loader
+// Row kernels for the CPU ops: max, sum of exponentials, the online logsumexp update and the
+// softmax-gradient transform over one contiguous row. The float versions are compiled for AVX-512, AVX2 and baseline x86-64, and the loader
 // picks one (GCC target_clones; hence `static`: one resolver per translation unit). That way the loops
 // vectorise on the machine they run on without a -march flag that would break elsewhere. The double
 // versions are plain loops; they serve gradcheck.
@@ -127,6 +127,22 @@ DLLM_FAST_MULTIVERSION
 
 [[maybe_unused]] static void row_scaled_exp(double* x, int64_t n, double shift, double scale) {
   for (int64_t j = 0; j < n; ++j) x[j] = scale * std::exp(x[j] - shift);
+}
+
+// The online logsumexp update, shared by every CPU kernel: folds the chunk x[0, n) into a running pair
+// (run_max, run_sum = sum of exp(x - run_max)) that starts at (-inf, 0). A chunk holding only -inf adds
+// nothing; shifting it by its own max would give exp(-inf - -inf) = NaN. A NaN entry poisons the sum.
+// `static` like the row kernels it calls, so each translation unit keeps its own copy.
+template <typename acc_t>
+static inline void online_logsumexp_update(acc_t& run_max, acc_t& run_sum, const acc_t* x, int64_t n) {
+  const acc_t chunk_max = row_max(x, n);  // NaN entries are skipped here, and caught by the sums below
+  const acc_t m = run_max > chunk_max ? run_max : chunk_max;
+  if (m == -std::numeric_limits<acc_t>::infinity()) {
+    run_sum += row_sum_exp(x, n, acc_t(0));  // 0 for -inf entries, NaN if any entry is NaN
+    return;
+  }
+  run_sum = run_sum * std::exp(run_max - m) + row_sum_exp(x, n, m);
+  run_max = m;
 }
 
 }  // namespace dllm_fast::cpu

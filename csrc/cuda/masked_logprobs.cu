@@ -1,6 +1,6 @@
 // CUDA kernels of dllm_fast::masked_logprobs (CUDA headers only; see masked_logprobs.cuh for the contract).
-// The GEMMs that produce each logits chunk run in cuBLAS from glue.cpp; these kernels are the memory-bound
-// parts: an online logsumexp over the chunk, and the in-place softmax gradient for backward.
+// The GEMMs that produce each logits chunk run in cuBLAS from masked_logprobs_glue.cpp; these kernels are the
+// memory-bound parts: an online logsumexp over the chunk, and the in-place softmax gradient for backward.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -13,41 +13,20 @@
 namespace dllm_fast::cuda {
 namespace {
 
-// One block per row: each thread folds its strided columns into (m, s), then warps and the block combine.
+// One block per row: each thread folds its strided columns into (m, s), the block merges them, and thread 0
+// merges the chunk's pair into the row's running one.
 template <typename acc_t>
-__global__ void __launch_bounds__(kThreads) chunk_logsumexp_kernel(const acc_t* __restrict__ logits, int64_t cols, int64_t ld, int64_t v0,
-                                       const int64_t* __restrict__ targets, acc_t* __restrict__ run_max,
-                                       acc_t* __restrict__ run_sum, acc_t* __restrict__ target_logit) {
+__global__ void __launch_bounds__(kThreads)
+    chunk_logsumexp_kernel(const acc_t* __restrict__ logits, int64_t cols, int64_t ld, int64_t v0,
+                           const int64_t* __restrict__ targets, acc_t* __restrict__ run_max,
+                           acc_t* __restrict__ run_sum, acc_t* __restrict__ target_logit) {
   const int64_t row = blockIdx.x;
   const acc_t* x = logits + row * ld;
   acc_t m = -INFINITY, s = 0;
-  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
-    const acc_t v = x[j];
-    if (v > m) {
-      s = s * exp_acc(m - v) + acc_t(1);
-      m = v;
-    } else if (v != -INFINITY) {  // a NaN lands here and poisons s
-      s += exp_acc(v - m);
-    }
-  }
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const acc_t om = __shfl_down_sync(0xffffffffu, m, offset);
-    const acc_t os = __shfl_down_sync(0xffffffffu, s, offset);
-    merge_logsumexp(m, s, om, os);
-  }
-  __shared__ acc_t warp_m[kWarps], warp_s[kWarps];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) {
-    warp_m[warp] = m;
-    warp_s[warp] = s;
-  }
-  __syncthreads();
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) logsumexp_add(m, s, x[j]);
+  block_logsumexp(m, s);
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w) merge_logsumexp(m, s, warp_m[w], warp_s[w]);
-    acc_t total_m = run_max[row], total_s = run_sum[row];
-    merge_logsumexp(total_m, total_s, m, s);
-    run_max[row] = total_m;
-    run_sum[row] = total_s;
+    logsumexp_merge(run_max[row], run_sum[row], m, s);
     const int64_t col = targets[row] - v0;
     if (col >= 0 && col < cols) target_logit[row] = x[col];
   }
@@ -59,7 +38,7 @@ __global__ void finalize_kernel(int64_t rows, const acc_t* __restrict__ run_max,
                                 acc_t* __restrict__ logp) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows) return;
-  const acc_t l = run_max[i] + log_acc(run_sum[i]);
+  const acc_t l = logsumexp_value(run_max[i], run_sum[i]);
   lse[i] = l;
   logp[i] = target_logit[i] - l;  // target_logit stays NaN for an out-of-vocabulary target
 }

@@ -1,5 +1,5 @@
 // Launchers of the masked_logprobs CUDA kernels. Torch-free: raw pointers, sizes and a stream, so this header
-// and the kernels compile with nvcc alone; csrc/cuda/glue.cpp connects them to tensors and runs the GEMMs.
+// and the kernels compile with nvcc alone; masked_logprobs_glue.cpp connects them to tensors and runs the GEMMs.
 //
 // Row-major layouts. `logits` is one vocabulary chunk: [rows, cols] with leading dimension `ld`, holding the
 // columns v0 .. v0 + cols - 1 of the full logits. Accumulators (run_max, run_sum, target_logit, lse, logp) are

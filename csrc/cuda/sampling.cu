@@ -1,6 +1,6 @@
 // CUDA kernels of the sampling ops (CUDA headers only; see sampling.cuh). The chunk GEMMs run in cuBLAS from
-// glue.cpp; these kernels fold each logits chunk into a Gumbel-max and a logsumexp per row, and pick the
-// positions to unmask.
+// sample_tokens_glue.cpp; these kernels fold each logits chunk into a Gumbel-max and a logsumexp per row, and
+// pick the positions to unmask (select_transfer_glue.cpp launches that one).
 
 #include "device_math.cuh"
 #include "dllm_fast/philox.h"
@@ -33,10 +33,10 @@ __device__ __forceinline__ void take_better(Best<acc_t>& a, const Best<acc_t>& b
 }
 
 template <typename acc_t>
-__global__ void __launch_bounds__(kThreads) sample_chunk_kernel(const acc_t* __restrict__ logits, int64_t cols, int64_t ld, int64_t v0,
-                                    const int64_t* __restrict__ row_ids, bool greedy, acc_t inv_temperature,
-                                    uint64_t seed, uint32_t offset, TokenList suppress, TokenList exclude,
-                                    SampleState<acc_t> state) {
+__global__ void __launch_bounds__(kThreads)
+    sample_chunk_kernel(const acc_t* __restrict__ logits, int64_t cols, int64_t ld, int64_t v0,
+                        const int64_t* __restrict__ row_ids, bool greedy, acc_t inv_temperature, uint64_t seed,
+                        uint32_t offset, TokenList suppress, TokenList exclude, SampleState<acc_t> state) {
   const int64_t row = blockIdx.x;
   const acc_t* x = logits + row * ld;
   const uint64_t rid = static_cast<uint64_t>(row_ids[row]);
@@ -51,14 +51,7 @@ __global__ void __launch_bounds__(kThreads) sample_chunk_kernel(const acc_t* __r
       const acc_t l = x[j];
       const acc_t score = greedy ? l : l * inv_temperature + static_cast<acc_t>(gumbel(words.w[k]));
       if (score > -INFINITY) take_better(best, Best<acc_t>{score, token, l});  // NaN and -inf never win, as on CPU
-      if (!contains(exclude, token) && l != -INFINITY) {
-        if (l > m) {
-          s = s * exp_acc(m - l) + acc_t(1);
-          m = l;
-        } else {
-          s += exp_acc(l - m);
-        }
-      }
+      if (!contains(exclude, token)) logsumexp_add(m, s, l);
     }
   }
   for (int step = 16; step > 0; step >>= 1) {
@@ -66,31 +59,19 @@ __global__ void __launch_bounds__(kThreads) sample_chunk_kernel(const acc_t* __r
                       __shfl_down_sync(0xffffffffu, best.token, step),
                       __shfl_down_sync(0xffffffffu, best.logit, step)};
     take_better(best, other);
-    merge_logsumexp(m, s, __shfl_down_sync(0xffffffffu, m, step), __shfl_down_sync(0xffffffffu, s, step));
   }
   __shared__ Best<acc_t> warp_best[kWarps];
-  __shared__ acc_t warp_m[kWarps], warp_s[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) {
-    warp_best[warp] = best;
-    warp_m[warp] = m;
-    warp_s[warp] = s;
-  }
-  __syncthreads();
+  if (lane == 0) warp_best[warp] = best;
+  block_logsumexp(m, s);  // synchronises the block, which also publishes warp_best
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w) {
-      take_better(best, warp_best[w]);
-      merge_logsumexp(m, s, warp_m[w], warp_s[w]);
-    }
+    for (int w = 1; w < kWarps; ++w) take_better(best, warp_best[w]);
     Best<acc_t> total{state.best_score[row], state.best_token[row], state.best_logit[row]};
     take_better(total, best);
     state.best_score[row] = total.score;
     state.best_token[row] = total.token;
     state.best_logit[row] = total.logit;
-    acc_t tm = state.run_max[row], ts = state.run_sum[row];
-    merge_logsumexp(tm, ts, m, s);
-    state.run_max[row] = tm;
-    state.run_sum[row] = ts;
+    logsumexp_merge(state.run_max[row], state.run_sum[row], m, s);
   }
 }
 
@@ -106,7 +87,7 @@ __global__ void sample_finalize_kernel(int64_t rows, TokenList exclude, SampleSt
   } else if (contains(exclude, token)) {
     confidence[i] = 0;
   } else {
-    confidence[i] = exp_acc(state.best_logit[i] - (state.run_max[i] + log_acc(state.run_sum[i])));
+    confidence[i] = exp_acc(state.best_logit[i] - logsumexp_value(state.run_max[i], state.run_sum[i]));
   }
 }
 

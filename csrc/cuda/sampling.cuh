@@ -1,4 +1,5 @@
-// Launchers of the sampling CUDA kernels. Torch-free: raw pointers, sizes and a stream (see glue.cpp).
+// Launchers of the sampling CUDA kernels. Torch-free: raw pointers, sizes and a stream (the torch side is
+// sample_tokens_glue.cpp and select_transfer_glue.cpp).
 // `logits` is one vocabulary chunk [rows, cols] (leading dimension ld) holding columns v0 .. v0 + cols - 1,
 // with v0 a multiple of 4 (one Philox call covers four columns).
 #pragma once

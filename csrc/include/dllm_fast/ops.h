@@ -25,6 +25,15 @@ void check_select_transfer_args(const Tensor& confidence, const Tensor& candidat
 // dtype of logp / lse / the fp32-or-fp64 accumulators for a given input dtype.
 at::ScalarType accumulate_type(at::ScalarType input);
 
+// The one float/double dispatch of every backend: calls fn with a value of the accumulator type of `input`
+// (double for float64, float for float32, bfloat16 and float16) and returns what it returns:
+//   return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) { return impl<decltype(acc)>(...); });
+template <typename Fn>
+auto dispatch_accumulate(at::ScalarType input, Fn&& fn) {
+  if (accumulate_type(input) == at::kDouble) return fn(double{});
+  return fn(float{});
+}
+
 std::tuple<Tensor, Tensor> masked_logprobs_cpu(const Tensor& hidden, const Tensor& weight,
                                                const Tensor& targets, int64_t chunk_size);
 std::tuple<Tensor, Tensor> masked_logprobs_backward_cpu(

@@ -1,0 +1,131 @@
+// Torch glue of dllm_fast::masked_logprobs on CUDA (compiled only in CUDA builds): argument checks, device
+// guard and stream, the per-chunk cuBLAS GEMMs, and the torch-free kernels of masked_logprobs.cu.
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "blas.h"
+#include "dllm_fast/ops.h"
+#include "masked_logprobs.cuh"
+
+namespace dllm_fast {
+namespace {
+
+constexpr const char* kOp = "masked_logprobs";
+
+cuda::ScalarKind scalar_kind(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return cuda::ScalarKind::kFloat32;
+    case at::kDouble: return cuda::ScalarKind::kFloat64;
+    case at::kBFloat16: return cuda::ScalarKind::kBFloat16;
+    case at::kHalf: return cuda::ScalarKind::kFloat16;
+    default: TORCH_CHECK(false, kOp, ": unsupported dtype ", t, "; use float32, float64, bfloat16 or float16.");
+  }
+}
+
+template <typename acc_t>
+std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& hidden_in, const at::Tensor& weight_in,
+                                                const at::Tensor& targets_in, int64_t chunk_size) {
+  const at::Tensor hidden = hidden_in.contiguous(), weight = weight_in.contiguous(), targets = targets_in.contiguous();
+  const int64_t M = hidden.size(0), d = hidden.size(1), V = weight.size(0);
+  const auto acc = c10::CppTypeToScalarType<acc_t>::value;
+  const auto opts = hidden.options().dtype(acc);
+  at::Tensor logp = at::empty({M}, opts), lse = at::empty({M}, opts);
+  if (M == 0) return {logp, lse};
+  const int64_t C = std::min(chunk_size, V);
+  at::Tensor logits = at::empty({M * C}, opts);
+  at::Tensor run_max = at::full({M}, -std::numeric_limits<acc_t>::infinity(), opts);
+  at::Tensor run_sum = at::zeros({M}, opts);
+  at::Tensor target_logit = at::full({M}, std::numeric_limits<acc_t>::quiet_NaN(), opts);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  for (int64_t v0 = 0; v0 < V; v0 += C) {
+    const int64_t c = std::min(C, V - v0);
+    // logits[M, c] = hidden[M, d] @ weight[v0:v0+c, d]^T
+    blas::gemm(kOp, false, true, M, c, d, hidden.data_ptr(), hidden.scalar_type(), d,
+               blas::element_address(weight, v0 * d), weight.scalar_type(), d, logits.data_ptr(), acc, c, 1.0, 0.0);
+    C10_CUDA_CHECK(cuda::launch_chunk_logsumexp<acc_t>(
+        logits.data_ptr<acc_t>(), M, c, c, v0, targets.data_ptr<int64_t>(), run_max.data_ptr<acc_t>(),
+        run_sum.data_ptr<acc_t>(), target_logit.data_ptr<acc_t>(), stream));
+  }
+  C10_CUDA_CHECK(cuda::launch_finalize_logprobs<acc_t>(M, run_max.data_ptr<acc_t>(), run_sum.data_ptr<acc_t>(),
+                                                       target_logit.data_ptr<acc_t>(), lse.data_ptr<acc_t>(),
+                                                       logp.data_ptr<acc_t>(), stream));
+  return {logp, lse};
+}
+
+template <typename acc_t>
+std::tuple<at::Tensor, at::Tensor> backward_impl(const std::optional<at::Tensor>& grad_logp,
+                                                 const std::optional<at::Tensor>& grad_lse, const at::Tensor& hidden_in,
+                                                 const at::Tensor& weight_in, const at::Tensor& targets_in,
+                                                 const at::Tensor& lse_in, int64_t chunk_size,
+                                                 std::array<bool, 2> output_mask) {
+  const at::Tensor hidden = hidden_in.contiguous(), weight = weight_in.contiguous(), targets = targets_in.contiguous();
+  const int64_t M = hidden.size(0), d = hidden.size(1), V = weight.size(0);
+  const auto acc = c10::CppTypeToScalarType<acc_t>::value;
+  const auto dtype = hidden.scalar_type();
+  const auto opts = hidden.options().dtype(acc);
+  const bool need_h = output_mask[0], need_w = output_mask[1];
+  at::Tensor grad_h = need_h ? at::zeros({M, d}, opts) : at::Tensor();  // fp32 accumulator across chunks
+  const bool has_glp = grad_logp.has_value() && grad_logp->defined();
+  const bool has_glse = grad_lse.has_value() && grad_lse->defined();
+  if ((!need_h && !need_w) || M == 0 || (!has_glp && !has_glse)) {
+    return {need_h ? grad_h.to(dtype) : at::Tensor(), need_w ? at::zeros_like(weight) : at::Tensor()};
+  }
+  at::Tensor grad_w = need_w ? at::empty_like(weight) : at::Tensor();  // every chunk writes its rows
+  const at::Tensor glp = has_glp ? grad_logp->to(acc).contiguous() : at::Tensor();
+  const at::Tensor glse = has_glse ? grad_lse->to(acc).contiguous() : at::Tensor();
+  const at::Tensor lse = lse_in.to(acc).contiguous();
+  const int64_t C = std::min(chunk_size, V);
+  at::Tensor logits = at::empty({M * C}, opts);
+  // The backward GEMMs read d(logits) in the model's dtype (tensor cores for bf16/fp16); fp32/fp64 reuse logits.
+  at::Tensor dlogits = dtype == acc ? logits : at::empty({M * C}, hidden.options());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  for (int64_t v0 = 0; v0 < V; v0 += C) {
+    const int64_t c = std::min(C, V - v0);
+    const void* w_chunk = blas::element_address(weight, v0 * d);
+    blas::gemm(kOp, false, true, M, c, d, hidden.data_ptr(), dtype, d, w_chunk, dtype, d, logits.data_ptr(), acc, c,
+               1.0, 0.0);
+    C10_CUDA_CHECK(cuda::launch_chunk_softmax_grad<acc_t>(
+        logits.data_ptr<acc_t>(), M, c, c, v0, targets.data_ptr<int64_t>(), lse.data_ptr<acc_t>(),
+        has_glp ? glp.data_ptr<acc_t>() : nullptr, has_glse ? glse.data_ptr<acc_t>() : nullptr,
+        dlogits.data_ptr(), scalar_kind(dtype), c, stream));
+    if (need_h) {  // grad_h[M, d] += dlogits[M, c] @ weight[v0:v0+c, d]
+      blas::gemm(kOp, false, false, M, d, c, dlogits.data_ptr(), dtype, c, w_chunk, dtype, d, grad_h.data_ptr(), acc,
+                 d, 1.0, 1.0);
+    }
+    if (need_w) {  // grad_w[v0:v0+c, d] = dlogits[M, c]^T @ hidden[M, d]
+      blas::gemm(kOp, true, false, c, d, M, dlogits.data_ptr(), dtype, c, hidden.data_ptr(), dtype, d,
+                 blas::element_address(grad_w, v0 * d), dtype, d, 1.0, 0.0);
+    }
+  }
+  return {need_h ? grad_h.to(dtype) : at::Tensor(), grad_w};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> masked_logprobs_cuda(const at::Tensor& hidden, const at::Tensor& weight,
+                                                        const at::Tensor& targets, int64_t chunk_size) {
+  check_masked_logprobs_args(hidden, weight, targets, chunk_size);
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
+    return forward_impl<decltype(acc)>(hidden, weight, targets, chunk_size);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> masked_logprobs_backward_cuda(
+    const std::optional<at::Tensor>& grad_logp, const std::optional<at::Tensor>& grad_lse, const at::Tensor& hidden,
+    const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse, int64_t chunk_size,
+    std::array<bool, 2> output_mask) {
+  check_masked_logprobs_args(hidden, weight, targets, chunk_size);
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
+    return backward_impl<decltype(acc)>(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask);
+  });
+}
+
+}  // namespace dllm_fast

@@ -1,0 +1,113 @@
+"""benchmarks/common.py's provider structure, which every benchmark shares: sweeps, ratios, timing, memory."""
+
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import common  # noqa: E402
+from common import Provider  # noqa: E402
+
+MIB = 2**20
+
+
+# Module-level so that they pickle into the fresh process of measure_in_fresh_process.
+def hold_32_mib(point):
+    return torch.ones(32 * MIB // 4)  # setup memory: allocated before the baseline, so never counted
+
+
+def allocate_64_mib(held):
+    return float(torch.ones(64 * MIB // 4).sum()) + float(held[0])  # touched pages: resident
+
+
+def row_count(result):
+    return {"value": result}
+
+
+def test_fresh_process_counts_the_run_not_the_setup(one_thread):
+    provider = Provider("alloc", setup=hold_32_mib, run=allocate_64_mib)
+    out = common.measure_in_fresh_process(provider, {"device": "cpu"}, repeats=2, summarize=row_count)
+    assert 60 * MIB <= out["peak_bytes"] <= 90 * MIB
+    assert out["summary"] == {"value": 64 * MIB // 4 + 1.0}
+    assert 0 < out["timing"].min_s <= out["timing"].median_s
+
+
+def test_time_call_reports_min_and_median():
+    calls = []
+    timing = common.time_call(lambda: calls.append(1), "cpu", warmup=2, repeats=5)
+    assert len(calls) == 7 and 0 <= timing.min_s <= timing.median_s
+
+
+def test_saved_bytes_counts_all_or_the_live_peak():
+    x = torch.ones(1000, requires_grad=True)
+
+    def two_graphs():
+        for _ in range(2):  # each graph saves x (4000 bytes) and a fresh y (4000 bytes), then frees y's
+            y = torch.ones(1000).requires_grad_()
+            (x * y).sum().backward()
+
+    assert common.saved_bytes(two_graphs, exclude=[x]) == 8000
+    assert common.saved_bytes(two_graphs, live=True, exclude=[x]) == 4000
+
+
+def test_sweep_records_status_skips_and_out_of_memory(capsys):
+    def measure(provider, point):
+        if provider.name == "big" and point["n"] == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return {"ms": point["n"] * (1.0 if provider.name == "base" else 0.5)}
+
+    providers = [Provider(name, setup=dict, run=print) for name in ("base", "fast", "big")]
+    points = [{"device": "cpu", "n": n, "unused": "x"} for n in (1, 2, 3)]
+    skip = lambda provider, point: "skipped: too slow" if provider.name == "fast" and point["n"] == 3 else None
+    rows = common.run_sweep(points, providers, measure, row_keys=("n",), skip=skip)
+    status = {(r["n"], r["provider"]): r["status"] for r in rows}
+    assert status == {(1, "base"): "ok", (1, "fast"): "ok", (1, "big"): "ok",
+                      (2, "base"): "ok", (2, "fast"): "ok", (2, "big"): "oom",
+                      (3, "base"): "ok", (3, "fast"): "skipped: too slow", (3, "big"): "skipped: oom at n=2"}
+    assert all("unused" not in r for r in rows)
+    assert "provider=fast" in capsys.readouterr().out
+
+    common.add_ratio(rows, "speedup", "ms", baseline={"provider": "base"}, match=("n",), invert=True)
+    common.add_ratio(rows, "ms_vs_n1", "ms", baseline={"n": 1}, match=("provider",))
+    by_key = {(r["n"], r["provider"]): r for r in rows}
+    assert by_key[(2, "fast")]["speedup"] == 2.0 and by_key[(2, "base")]["speedup"] == 1.0
+    assert by_key[(3, "base")]["ms_vs_n1"] == 3.0
+    assert "speedup" not in by_key[(2, "big")] and "speedup" not in by_key[(3, "fast")]
+
+
+def test_write_results_goes_where_asked(tmp_path):
+    path = common.write_results("smoke", {"a": 1}, [{"provider": "x", "ms": 1.5}], tmp_path / "out")
+    assert path == tmp_path / "out" / "smoke.json" and '"ms": 1.5' in path.read_text()
+
+
+@pytest.mark.parametrize("module", ["bench_logprob", "bench_rollout", "bench_elbo"])
+def test_every_benchmark_uses_the_shared_provider_structure(module):
+    """Providers pickle (fresh-process memory needs it) and are common.Provider instances keyed by name."""
+    bench = __import__(module)
+    assert bench.PROVIDERS and all(isinstance(p, Provider) and p.name == name for name, p in bench.PROVIDERS.items())
+    for provider in bench.PROVIDERS.values():
+        assert pickle.loads(pickle.dumps(provider)).name == provider.name
+
+
+def test_logprob_providers_agree_on_a_small_point(one_thread):
+    import bench_logprob
+
+    point = dict(device="cpu", M=5, d=8, V=50, dtype="float32")
+    inputs = bench_logprob.make_inputs(point)
+    naive, fused = (bench_logprob.PROVIDERS[name].modes["fwd"](inputs) for name in ("naive", "dllm_fast"))
+    torch.testing.assert_close(naive, fused)
+
+
+def test_rollout_roofline_reads_cache_modes_in_one_place():
+    import bench_rollout
+
+    shape = dict(block_start=10, total=50, block=8)
+    assert bench_rollout.forward_work("none", step=3, **shape) == (50, False)
+    assert bench_rollout.forward_work("prefix", step=0, **shape) == (50, True)
+    assert bench_rollout.forward_work("prefix", step=3, **shape) == (40, True)
+    assert bench_rollout.forward_work("dual", step=3, **shape) == (8, True)
+    with pytest.raises(ValueError, match="cache='paged' is not one of"):
+        bench_rollout.forward_work("paged", step=0, **shape)
