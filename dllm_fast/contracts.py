@@ -188,6 +188,16 @@ class RolloutBatch:
         """[N, ...] -> [N / G, G, ...]: a view with one row per prompt group."""
         return values.view(self.num_groups, self.group_size, *values.shape[1:])
 
+    def groups(self, start: int, end: int) -> "RolloutBatch":
+        """Prompt groups [start, end) as a batch of their own (rows start * G .. end * G - 1), e.g. one
+        data-parallel rank's share: advantages stay within complete groups."""
+        if not 0 <= start < end <= self.num_groups:
+            raise ValueError(f"groups({start}, {end}) must satisfy 0 <= start < end <= {self.num_groups}.")
+        rows = slice(start * self.group_size, end * self.group_size)
+        mask = None if self.attention_mask is None else self.attention_mask[rows]
+        return RolloutBatch(self.sequences[rows], mask, self.prompt_length, self.completion_mask[rows],
+                            self.rewards[rows], self.group_size)
+
     def to(self, device: torch.device | str) -> "RolloutBatch":
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
         return RolloutBatch(self.sequences.to(device), mask, self.prompt_length, self.completion_mask.to(device),

@@ -593,10 +593,18 @@ class SyncCounter:
 @pytest.mark.parametrize("separable", [False, True])
 @pytest.mark.parametrize("sync_gradients", [True, False])
 def test_only_the_last_backward_of_a_call_synchronises(separable, sync_gradients):
-    model = tiny_model()
-    sequences, attention_mask = rollouts(model)
-    masks = draw(model, sequences, "stratified_l", n_t=4)
-    counter, backwards = SyncCounter(), []
+    """DDP decides in the forward whether the next backward all-reduces: both must run inside no_sync."""
+    counter, backwards, forwards = SyncCounter(), [], []
+
+    class Watched(Recorder):
+        def forward(self, input_ids, attention_mask=None):
+            if torch.is_grad_enabled():
+                forwards.append(counter.depth == 0)
+            return super().forward(input_ids, attention_mask)
+
+    model = Watched(tiny_model())
+    sequences, attention_mask = rollouts(model.inner)
+    masks = draw(model.inner, sequences, "stratified_l", n_t=4)
 
     def backward(loss):
         backwards.append(counter.depth == 0)  # True: this backward all-reduces
@@ -606,7 +614,7 @@ def test_only_the_last_backward_of_a_call_synchronises(separable, sync_gradients
     streaming_backward(model, sequences, masks, objective, micro_batch=5, separable=separable, grad_sync=counter,
                        sync_gradients=sync_gradients, backward=backward)
     assert len(backwards) == 3  # 12 pairs in micro-batches of 5
-    assert backwards == [False, False, sync_gradients]
+    assert backwards == forwards == [False, False, sync_gradients]
 
 
 def test_a_rank_with_nothing_to_backpropagate_still_joins_the_all_reduce():

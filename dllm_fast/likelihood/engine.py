@@ -149,12 +149,25 @@ class _Backward:
     def distributed(self) -> bool:
         return self.grad_sync is not None
 
-    def __call__(self, loss: torch.Tensor, last: bool) -> None:
+    def aligned(self, count: int, device: torch.device) -> int:
+        """The most micro-batches any rank runs. FSDP gathers parameters in every forward (and DDP broadcasts
+        buffers), so every rank must make the same number of model calls; ranks with fewer pad with
+        zero-weighted ones. One tiny all-reduce; a single process returns `count`."""
+        if not self.distributed or not torch.distributed.is_initialized():
+            return count
+        most = torch.tensor([count], device=device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        return int(most.item())
+
+    def step(self, last: bool):
+        """The context for one micro-batch's forward and backward: DDP decides in the forward whether the next
+        backward all-reduces, so both run inside its no_sync unless this is the call's last backward."""
         if self.grad_sync is None or (last and self.sync_gradients):
-            self.run(loss)
-        else:
-            with self.grad_sync():
-                self.run(loss)
+            return contextlib.nullcontext()
+        return self.grad_sync()
+
+    def __call__(self, loss: torch.Tensor) -> None:
+        self.run(loss)
 
 
 def default_grad_sync(model) -> Callable[[], ContextManager] | None:
@@ -218,6 +231,8 @@ def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch
                     rng_states.append(_rng_state(device))
                 lp[batch] = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
                                         chunk_size=chunk_size)
+            for _ in range(backward_pass.aligned(len(batches), device) - len(batches)):  # other ranks' calls
+                score_pairs(model, sequences, masks, batches[-1], attention_mask=attention_mask, chunk_size=chunk_size)
     lp = lp.reshape(N, n_t, L).clone().requires_grad_(True)
     with torch.enable_grad():
         loss = _scalar(objective(lp), "objective(lp)")
@@ -239,23 +254,24 @@ def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch
         )
     coef_rows = coef.view(-1, L)
     needed = coef_rows.ne(0).any(-1)  # pairs whose gradient weight is zero are skipped
+    # pass 2: (pairs, RNG state to replay, gradient weight); zero-weighted entries only keep ranks in step
     if replay:  # the same micro-batches as pass 1, each under the RNG state it was scored with
         after_pass_1 = _rng_state(device)
-        pass_2 = [(batch, state) for batch, state in zip(batches, rng_states) if needed[batch].any()]
-        if not pass_2 and backward_pass.distributed and batches:
-            pass_2 = [(batches[0], rng_states[0])]  # zero-weighted, so that this rank joins the all-reduce
+        pass_2 = [(batch, state, 1.0) for batch, state in zip(batches, rng_states) if needed[batch].any()]
     else:
-        pass_2 = [(batch, None) for batch in needed.nonzero().squeeze(-1).split(micro_batch) if batch.numel()]
-        if not pass_2 and backward_pass.distributed and batches:
-            pass_2 = [(batches[0][:micro_batch], None)]
+        pass_2 = [(batch, None, 1.0) for batch in needed.nonzero().squeeze(-1).split(micro_batch) if batch.numel()]
+    if backward_pass.distributed:  # every rank runs the same number of backwards; the last one all-reduces
+        total = backward_pass.aligned(max(len(pass_2), 1), device)
+        pass_2 += [(batches[0][:micro_batch], rng_states[0] if replay else None, 0.0)] * (total - len(pass_2))
     with torch.enable_grad():
-        for index, (batch, state) in enumerate(pass_2):
+        for index, (batch, state, weight) in enumerate(pass_2):
             if state is not None:
                 _set_rng_state(state, device)
-            lp_batch = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
-                                   chunk_size=chunk_size)
-            if lp_batch.requires_grad:
-                backward_pass((coef_rows[batch] * lp_batch).sum(), last=index == len(pass_2) - 1)
+            with backward_pass.step(last=index == len(pass_2) - 1):
+                lp_batch = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
+                                       chunk_size=chunk_size)
+                if lp_batch.requires_grad:
+                    backward_pass((coef_rows[batch] * lp_batch).sum() * weight)
     if replay:
         _set_rng_state(after_pass_1, device)  # later draws continue as if pass 2 had drawn nothing
     return value, lp
@@ -281,19 +297,27 @@ def _separable(model, sequences, masks, objective, micro_batch, attention_mask, 
     active = active_pairs(masks)
     value = torch.zeros((), dtype=dtype, device=device)
     lp = torch.zeros(masks.num_sequences * n_t, L, dtype=dtype, device=device)
-    batches = active.split(micro_batch)
+    batches = list(active.split(micro_batch))
+    total = backward_pass.aligned(len(batches), device)
     with torch.enable_grad():
-        for index, batch in enumerate(batches):
-            lp_batch = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
-                                   chunk_size=chunk_size)
-            loss = _scalar(objective(lp_batch, batch // n_t, batch % n_t), "objective(lp_pairs, ...)")
-            _check_finite_value(loss.detach(), "objective(lp_pairs, ...)", batch, n_t)
-            if loss.requires_grad:
-                backward_pass(loss, last=index == len(batches) - 1)
-            elif backward_pass.distributed and index == len(batches) - 1 and lp_batch.requires_grad:
-                backward_pass((lp_batch * 0).sum(), last=True)  # this rank must still join the all-reduce
-            value += loss.detach()
-            lp[batch] = lp_batch.detach()
+        for index in range(total):
+            padding = index >= len(batches)  # keeps this rank in step with ranks that have more micro-batches
+            batch = batches[-1] if padding else batches[index]
+            with backward_pass.step(last=index == total - 1):
+                lp_batch = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
+                                       chunk_size=chunk_size)
+                if padding:
+                    loss = (lp_batch * 0).sum()
+                else:
+                    loss = _scalar(objective(lp_batch, batch // n_t, batch % n_t), "objective(lp_pairs, ...)")
+                    _check_finite_value(loss.detach(), "objective(lp_pairs, ...)", batch, n_t)
+                if loss.requires_grad:
+                    backward_pass(loss)
+                elif backward_pass.distributed and lp_batch.requires_grad:
+                    backward_pass((lp_batch * 0).sum())  # the objective ignores lp: still join the collectives
+            if not padding:
+                value += loss.detach()
+                lp[batch] = lp_batch.detach()
     idle = torch.ones(masks.num_sequences * n_t, dtype=torch.bool, device=device)
     idle[active] = False
     idle = idle.nonzero().squeeze(-1)

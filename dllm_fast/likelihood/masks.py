@@ -131,6 +131,18 @@ class MonteCarloMasks:
             sampler=self.sampler, fingerprint=None if self.fingerprint is None else self.fingerprint.to(device),
         )
 
+    def rows(self, start: int, end: int) -> "MonteCarloMasks":
+        """The masks of sequences [start, end): e.g. one data-parallel rank's share of masks drawn for the
+        whole batch, so that every world size sees the same masks."""
+        if not 0 <= start < end <= self.num_sequences:
+            raise ValueError(f"rows({start}, {end}) must satisfy 0 <= start < end <= {self.num_sequences}.")
+        part = slice(start, end)
+        return MonteCarloMasks(
+            masked=self.masked[part], counted=self.counted[part], weight=self.weight[part], t=self.t[part],
+            num_masked=self.num_masked[part], prompt_length=self.prompt_length, sampler=self.sampler,
+            fingerprint=None if self.fingerprint is None else self.fingerprint[part],
+        )
+
     def check_sequences(self, sequences: torch.Tensor) -> None:
         """Raise unless `sequences` are the ones these masks were drawn for (when a fingerprint was recorded)."""
         if self.fingerprint is None:

@@ -1,0 +1,115 @@
+"""Data-parallel training on PyTorch's own engine, on CPU with gloo and 2 processes: one objective update of each
+rank's share of the prompt groups, with one all-reduce per call, gives exactly the parameters of a single process
+updating on the whole batch (DDP and FSDP2)."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dllm_fast import objectives
+from dllm_fast.contracts import RolloutBatch, completion_mask
+from dllm_fast.models import LLaDAConfig, LLaDAModel
+
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
+
+WORLD, G, P, L = 2, 2, 4, 8
+
+
+def make_model():
+    torch.manual_seed(0)
+    return LLaDAModel(LLaDAConfig.preset("tiny")).double()
+
+
+def make_batch():
+    gen = torch.Generator().manual_seed(1)
+    sequences = torch.randint(0, 120, (2 * WORLD * G, P + L), generator=gen)
+    sequences[1, P + 5:] = 126  # EOS padding in one answer
+    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.25, 1.0, 1.0], dtype=torch.float64)
+    return RolloutBatch(sequences, None, P, completion_mask(sequences[:, P:], 126), rewards, G)
+
+
+def make_objective(name):
+    return objectives.get(name, n_t=4, **({"beta": 0.0} if name == "espo" else {}))  # no reference model here
+
+
+def update(model, objective, batch, masks, parameters):
+    """One inner update: the objective's gradient through the engine, then an AdamW step."""
+    optimizer = torch.optim.AdamW(parameters, lr=1e-2)
+    out = objective.backward(model, batch, masks=masks, micro_batch=3)
+    optimizer.step()
+    return out
+
+
+def full_state(model) -> dict:
+    state = {}
+    for name, value in model.state_dict().items():
+        state[name] = value.full_tensor() if hasattr(value, "full_tensor") else value
+    return {k.removeprefix("module."): v.detach().clone() for k, v in state.items()}
+
+
+def worker(rank, engine, objective_name, rendezvous, result_path):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
+    try:
+        model = make_model()
+        objective = make_objective(objective_name)
+        batch = make_batch()
+        masks = objective.draw_masks(batch, generator=torch.Generator().manual_seed(2), eos_token_id=126)
+        groups = batch.num_groups // WORLD
+        mine = batch.groups(rank * groups, (rank + 1) * groups)
+        my_masks = masks.rows(rank * groups * G, (rank + 1) * groups * G)
+        all_reduces = []
+        if engine == "ddp":
+            wrapped = torch.nn.parallel.DistributedDataParallel(model)
+
+            def counting_hook(state, bucket):  # DDP's default all-reduce, counted
+                all_reduces.append(bucket.index())
+                work = dist.all_reduce(bucket.buffer().div_(WORLD), async_op=True)
+                return work.get_future().then(lambda future: future.value()[0])
+
+            wrapped.register_comm_hook(None, counting_hook)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (WORLD,))
+            for block in model.transformer["blocks"]:
+                fully_shard(block, mesh=mesh)
+            wrapped = fully_shard(model, mesh=mesh)
+        update(wrapped, objective, mine, my_masks, list(wrapped.parameters()))
+        if engine == "ddp":  # one all-reduce per bucket for the whole call, not one per micro-batch
+            assert sorted(all_reduces) == list(range(len(set(all_reduces)))), all_reduces
+        state = full_state(wrapped)
+        if rank == 0:
+            torch.save(state, result_path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("objective_name", ["bgpo", "espo"])  # the separable path and the two-pass path
+def test_two_ranks_equal_one_process_on_the_same_data(engine, objective_name, tmp_path):
+    result = tmp_path / "rank0.pt"
+    rendezvous = tmp_path / "rendezvous"
+    mp.start_processes(worker, args=(engine, objective_name, str(rendezvous), str(result)), nprocs=WORLD,
+                       start_method="spawn", join=True)
+    distributed = torch.load(result)
+
+    model = make_model()
+    objective = make_objective(objective_name)
+    batch = make_batch()
+    masks = objective.draw_masks(batch, generator=torch.Generator().manual_seed(2), eos_token_id=126)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    update(model, objective, batch, masks, list(model.parameters()))
+    single = model.state_dict()
+    assert distributed.keys() == single.keys()
+    moved = 0
+    for name in single:
+        torch.testing.assert_close(distributed[name], single[name], rtol=1e-10, atol=1e-12, msg=name)
+        moved += int(not torch.equal(single[name], before[name]))
+    assert moved > len(single) // 2  # the update really changed the weights
