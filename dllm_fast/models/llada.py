@@ -29,6 +29,17 @@ def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _normal_(weight: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
+    """N(0, std^2) drawn in at least fp32 and rounded once to weight's dtype: torch's own bf16/fp16 normal_
+    draws a different sequence from the same seed in some versions (2.11 on CPU, for tensors of 16+ values)."""
+    draw_dtype = at_least_fp32(weight.dtype)
+    if weight.dtype == draw_dtype:
+        weight.normal_(0.0, std, generator=generator)
+    else:
+        draw = torch.empty(weight.shape, dtype=draw_dtype, device=weight.device)
+        weight.copy_(draw.normal_(0.0, std, generator=generator))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -247,23 +258,22 @@ class LLaDAModel(nn.Module):
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Random weights at a realistic scale: variance-preserving projections, residual outputs scaled by
-        1/sqrt(2 n_layers), and an LM head whose logits have a std of about 2 (not sqrt(d))."""
+        1/sqrt(2 n_layers), and an LM head whose logits have a std of about 2 (not sqrt(d)). A seed gives the
+        same weights in every dtype: each is drawn in fp32 and rounded once."""
+        residual_scale = 1.0 / math.sqrt(2 * self.config.n_layers)
+        residual_outputs = {id(m) for block in self.transformer["blocks"] for m in (block.attn_out, block.ff_out)}
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=1.0 / math.sqrt(module.in_features), generator=generator)
+                std = 1.0 / math.sqrt(module.in_features)
+                _normal_(module.weight, std * residual_scale if id(module) in residual_outputs else std, generator)
             elif isinstance(module, nn.Embedding):
                 # A tied embedding doubles as the LM head, so it takes the head's scale.
                 std = 2.0 / math.sqrt(self.config.d_model) if self.config.weight_tying else 1.0
-                nn.init.normal_(module.weight, std=std, generator=generator)
+                _normal_(module.weight, std, generator)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
-        residual_scale = 1.0 / math.sqrt(2 * self.config.n_layers)
-        for block in self.transformer["blocks"]:
-            block.attn_out.weight.mul_(residual_scale)
-            block.ff_out.weight.mul_(residual_scale)
         if not self.config.weight_tying:
-            head = self.transformer["ff_out"].weight
-            nn.init.normal_(head, std=2.0 / math.sqrt(self.config.d_model), generator=generator)
+            _normal_(self.transformer["ff_out"].weight, 2.0 / math.sqrt(self.config.d_model), generator)
 
     @classmethod
     def with_random_weights(cls, config: LLaDAConfig, *, dtype: torch.dtype = torch.float32,
