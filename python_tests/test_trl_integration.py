@@ -58,6 +58,12 @@ def test_two_training_steps_give_finite_losses_and_nonzero_gradients(tmp_path):
     assert all("objective/clip_fraction" in row for row in rows)
     # diffu_grpo's default beta needs a reference: the initial weights, which the policy has left after step 1.
     assert rows[0]["objective/kl"] == 0 and rows[1]["objective/kl"] > 0
+    torch.manual_seed(0)
+    initial = LLaDAModel(LLaDAConfig.preset("tiny"))  # build_trainer's model before training
+    ids = torch.randint(0, 100, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(trainer._reference(ids), initial(ids))
+        assert not torch.allclose(trainer.model(ids), initial(ids))
 
 
 def test_lora_off_policy_iterations_with_a_reference(tmp_path):
