@@ -1,6 +1,6 @@
 """The TRL adapter on CPU with a tiny random LLaDA model: training steps through TRL with finite losses and nonzero
-gradients, the objective's gradient through accelerate equal to a direct Objective.backward, rollouts, diffusion
-log-probs, the PreTrainedModel wrapper, and the config checks."""
+gradients, the objective's gradient through accelerate equal to a direct Objective.backward, rollouts, the
+PreTrainedModel wrapper, and the config checks."""
 
 import contextlib
 import copy
@@ -21,7 +21,7 @@ from trl import GRPOConfig  # noqa: E402
 import dllm_fast  # noqa: E402
 from dllm_fast.integrations import trl_example  # noqa: E402
 from dllm_fast.integrations.trl import (DiffusionPreTrainedModel, check_trl_config, left_pad,  # noqa: E402
-                                        make_rollout_func, mean_field_logprobs)
+                                        make_rollout_func)
 from dllm_fast.models import LLaDAConfig, LLaDAModel  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -153,23 +153,6 @@ def test_conversational_prompts_use_the_chat_template():
     out = make_rollout_func(block_length=4)([[{"role": "user", "content": "b99 b64"}]],
                                             fake_trainer(EndsAfter(), tokenizer))
     assert out["prompt_ids"] == [[99, 64, 0]]
-
-
-def test_mean_field_logprobs_share_masks_across_batchings():
-    torch.manual_seed(0)
-    model = LLaDAModel(LLaDAConfig.preset("tiny")).double().eval()
-    ids = torch.randint(0, 100, (4, 9))
-    attention = torch.ones_like(ids)
-    attention[0, :2] = 0  # prompt padding
-    attention[1, 7:] = 0  # completion padding after its end
-    with torch.no_grad():
-        logps = mean_field_logprobs(model, ids, attention, 4, perturb_prob=0.5, seed=3, micro_batch=2)
-        flipped = mean_field_logprobs(model, ids.flip(0), attention.flip(0), 4, perturb_prob=0.5, seed=3,
-                                      micro_batch=3)
-        other_seed = mean_field_logprobs(model, ids, attention, 4, perturb_prob=0.5, seed=4, micro_batch=2)
-    torch.testing.assert_close(flipped.flip(0).double(), logps.double())
-    assert (logps[1, 2:] == 0).all() and (logps[1, :2] < 0).all() and (logps[[0, 2, 3]] < 0).all()
-    assert not torch.equal(logps, other_seed)  # the prompt perturbation follows the seed
 
 
 def test_the_wrapper_keeps_the_contract_and_the_weights(tmp_path):

@@ -46,9 +46,9 @@ from trl.data_utils import is_conversational
 
 from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, completion_mask, unwrap_model
-from dllm_fast.likelihood import MonteCarloMasks, draw_masks, score
+from dllm_fast.integrations.logprobs import mean_field_logprobs
+from dllm_fast.likelihood import MonteCarloMasks, score
 from dllm_fast.likelihood.engine import has_active_dropout
-from dllm_fast.likelihood.masks import sequence_fingerprint
 from dllm_fast.sampling import generate
 from dllm_fast.validation import check_choice, check_float, check_int
 
@@ -416,38 +416,3 @@ def select_rows(batch: RolloutBatch, rows: slice) -> RolloutBatch:
     mask = None if batch.attention_mask is None else batch.attention_mask[rows]
     return RolloutBatch(batch.sequences[rows], mask, batch.prompt_length, batch.completion_mask[rows],
                         batch.rewards[rows], batch.group_size)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Mean-field log-probs for TRL's own log-prob hook
-
-
-def mean_field_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_length: int, *,
-                        perturb_prob: float, seed: int, micro_batch: int) -> torch.Tensor:
-    """[B, L] log-probs of the last L tokens of each row under d1's one-step mean-field masks (the whole
-    completion masked, each real prompt token with probability perturb_prob); 0 where attention_mask is 0.
-
-    Row n's masks come from a generator seeded by (seed, the row's tokens), so any batching of the same rows
-    gives the same masks. The model attends to the whole completion, as during sampling.
-    """
-    B, S = input_ids.shape
-    P = S - completion_length
-    counted = attention_mask[:, P:].bool()
-    prompt_real = attention_mask[:, :P].bool()
-    logps = torch.zeros(B, completion_length, dtype=torch.float32, device=input_ids.device)
-    rows = counted.any(-1).nonzero().squeeze(-1).tolist()
-    if not rows:
-        return logps
-    fingerprints = sequence_fingerprint(input_ids).tolist()
-    per_row = [draw_masks("mean_field", counted[n:n + 1], 1, prompt_real=prompt_real[n:n + 1],
-                          perturb_prob=perturb_prob,
-                          generator=torch.Generator().manual_seed(hash((seed, *fingerprints[n])) % 2**63))
-               for n in rows]
-    masks = MonteCarloMasks(
-        masked=torch.cat([m.masked for m in per_row]), counted=torch.cat([m.counted for m in per_row]),
-        weight=torch.cat([m.weight for m in per_row]), t=torch.cat([m.t for m in per_row]),
-        num_masked=torch.cat([m.num_masked for m in per_row]), prompt_length=P, sampler="mean_field")
-    scoring_mask = attention_mask[rows].clone()
-    scoring_mask[:, P:] = 1
-    lp = score(model, input_ids[rows], masks, micro_batch=micro_batch, attention_mask=scoring_mask)
-    return logps.index_put((torch.tensor(rows, device=input_ids.device),), lp[:, 0].to(logps.dtype))

@@ -149,6 +149,9 @@ class HFDiffusionLM(nn.Module):
             kwargs["position_ids"] = position_ids
         return kwargs
 
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
     def logits(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         """Full [B, S, V] logits; prefer the fused ops, which apply the head only where needed."""
         return nn.functional.linear(self(input_ids, attention_mask, position_ids), self.lm_head_weight)
