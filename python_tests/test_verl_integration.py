@@ -22,7 +22,7 @@ def micro_batch(N=6, T=5, seed=0):
     old = -torch.rand(N, T, generator=generator, dtype=torch.float64) * 3
     new = (old + 0.3 * torch.randn(N, T, generator=generator, dtype=torch.float64)).clamp_max(0)
     advantage = torch.randn(N, 1, generator=generator, dtype=torch.float64).expand(N, T).clone()
-    return old * mask, (new * mask).requires_grad_(True), advantage, mask
+    return old, new.requires_grad_(True), advantage, mask  # padded positions hold values too, as in VeRL
 
 
 def token_ppo(old, new, advantage, mask, epsilon):
@@ -43,6 +43,13 @@ def test_diffu_grpo_is_token_ppo_on_the_given_log_probs():
     torch.testing.assert_close(got_grad, want_grad)
     assert (got_grad[mask == 0] == 0).all() and got_grad.abs().sum() > 0
     assert 0 < metrics["dllm_fast/clip_fraction"] < 1
+
+
+def test_vrpo_ol_is_the_sequence_ratio_of_the_summed_log_probs():
+    old, new, advantage, mask = micro_batch()
+    loss, _ = adapter.policy_loss(objectives.get("vrpo_ol"), old, new, advantage, mask)
+    ratio = torch.exp(((new - old) * mask).sum(-1))  # one mean-field sample: the ELBO is the masked sum
+    torch.testing.assert_close(loss, -(ratio * advantage[:, 0]).mean())
 
 
 @pytest.mark.parametrize("name", adapter.SUPPORTED)
