@@ -48,7 +48,6 @@ from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, completion_mask, unwrap_model
 from dllm_fast.integrations.logprobs import mean_field_logprobs
 from dllm_fast.likelihood import MonteCarloMasks, score
-from dllm_fast.likelihood.engine import has_active_dropout
 from dllm_fast.sampling import generate
 from dllm_fast.validation import check_choice, check_float, check_int
 
@@ -236,13 +235,12 @@ def left_pad(rows: list[list[int]], pad_token_id: int, device) -> tuple[torch.Te
 
 @dataclass
 class _Update:
-    """One micro-step's work: whole prompt groups, the objective's masks and, when the policy has moved since the
-    rollout, the old policy's lp on them."""
+    """One micro-step's work: whole prompt groups, the objective's masks and, when the policy will have moved
+    since the rollout (an optimizer step in between), the old policy's lp on them (else None: on-policy)."""
 
     batch: RolloutBatch
     masks: MonteCarloMasks
     lp_old: torch.Tensor | None
-    policy_moved: bool
 
 
 class DiffusionGRPOTrainer(GRPOTrainer):
@@ -331,11 +329,9 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         model.train()
         update = self._prepare_inputs(inputs)
         accumulation = self.current_gradient_accumulation_steps
-        # Before the policy moves its lp is the old policy's: skip a scoring pass.
-        known = update.lp_old if not update.policy_moved and not has_active_dropout(model) else None
         with self.accelerator.autocast():
             out = self.objective.backward(
-                model, update.batch, masks=update.masks, lp=known, lp_old=update.lp_old, ref_model=self._reference,
+                model, update.batch, masks=update.masks, lp_old=update.lp_old, ref_model=self._reference,
                 micro_batch=self.likelihood_micro_batch, sync_gradients=self.accelerator.sync_gradients,
                 backward=lambda loss: self.accelerator.backward(loss / accumulation))
         for name, value in out.stats.items():
@@ -373,7 +369,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                     with torch.no_grad(), self.accelerator.autocast():
                         lp_old = score(self.model, micro.sequences, masks, micro_batch=self.likelihood_micro_batch,
                                        attention_mask=micro.attention_mask)
-                uses.append(_Update(micro, masks, lp_old, moved))
+                uses.append(_Update(micro, masks, lp_old))
             updates.append(uses)
         return updates
 
