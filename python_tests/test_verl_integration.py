@@ -2,6 +2,8 @@
 verl (a hand-written token PPO loss, micro-batch and data-parallel invariance, the rejections); registration and
 agreement with verl's own vanilla PPO loss run only where verl is installed."""
 
+import os
+import subprocess
 import sys
 import types
 
@@ -110,3 +112,12 @@ def test_registered_losses_run_under_verls_own_call():
     for name in names:
         loss, _ = core_algos.get_policy_loss_fn(name)(**kwargs)
         assert torch.isfinite(loss) and loss.requires_grad
+
+
+def test_the_plugin_registers_in_every_process_that_imports_verl():
+    pytest.importorskip("verl")
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="dllm_fast.integrations.verl_plugin",
+               PYTHONPATH=os.pathsep.join(sys.path))
+    code = "import verl.trainer.ppo.core_algos as c; print(sorted(k for k in c.POLICY_LOSS_REGISTRY if 'dllm' in k))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == str(sorted(adapter.PREFIX + n for n in adapter.SUPPORTED)), out.stderr[-2000:]

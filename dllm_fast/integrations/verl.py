@@ -4,6 +4,9 @@
     register_verl_losses()        # "dllm_fast_diffu_grpo", "dllm_fast_espo", ... in verl's policy-loss registry
     # then: actor_rollout_ref.actor.policy_loss.loss_mode=dllm_fast_espo
 
+VeRL's workers are separate processes: set VERL_USE_EXTERNAL_MODULES=dllm_fast.integrations.verl_plugin and verl
+imports that module, which registers the defaults, in each of them.
+
 VeRL calls a policy loss with per-token tensors [B, T] of one micro-batch: `log_prob` (current policy, with
 gradient), `old_log_prob`, `advantages` (one value per sequence, broadcast over its tokens) and `response_mask`.
 The adapter reads them as one Monte Carlo sample per sequence on a fully masked completion, i.e. d1's one-step
