@@ -147,6 +147,12 @@ def test_rollouts_end_at_the_first_eos_and_restore_the_mode():
     assert model.training
 
 
+def test_threshold_decoding_sets_its_own_steps():
+    trainer = fake_trainer(EndsAfter(), trl_example.build_tokenizer())
+    out = make_rollout_func(block_length=8, threshold=0.9)(["a1", "b99"], trainer)
+    assert out["completion_ids"] == [[3, 3, EOS], [3, 3, 3, EOS]]
+
+
 def test_conversational_prompts_use_the_chat_template():
     tokenizer = trl_example.build_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}a0"

@@ -4,7 +4,8 @@
     from dllm_fast.integrations.trl import DiffusionGRPOTrainer, make_rollout_func
 
     trainer = DiffusionGRPOTrainer(
-        model=LLaDAModel.from_pretrained(path), reward_funcs=[reward], train_dataset=dataset, processing_class=tokenizer,
+        model=LLaDAModel.from_pretrained(path), reward_funcs=[reward], train_dataset=dataset,
+        processing_class=tokenizer,
         args=GRPOConfig(output_dir="out", num_generations=6, per_device_train_batch_size=6, max_completion_length=256),
         objective="espo", rollout_func=make_rollout_func(block_length=32, steps=128, temperature=0.9))
     trainer.train()
@@ -15,8 +16,8 @@ What comes from where:
   completion's weighted reward sum;
 - advantages and loss: any dllm_fast objective (a name or an instance), through its one entry point
   `Objective.backward`: exact gradient by the streaming backward, each backward call being TRL's own
-  `accelerator.backward`. TRL's loss_type, beta, epsilon and scale_rewards do not apply; the objective's config
-  holds the paper's settings (e.g. `objectives.get("diffu_grpo", beta=0.04)`).
+  `accelerator.backward`. TRL's loss_type, epsilon and scale_rewards do not apply and its beta must stay 0; the
+  objective's config holds the paper's settings (e.g. `objectives.get("diffu_grpo", beta=0.04)`).
 - log-probs: `_get_per_token_logps_and_entropies` returns d1's one-step mean-field diffusion log-probs for the
   TRL code paths that ask for them (old log-probs when generation and optimisation are misaligned).
 
@@ -49,7 +50,7 @@ from dllm_fast.contracts import RolloutBatch, completion_mask, unwrap_model
 from dllm_fast.integrations.logprobs import mean_field_logprobs
 from dllm_fast.likelihood import MonteCarloMasks, score
 from dllm_fast.sampling import generate
-from dllm_fast.validation import check_choice, check_float, check_int
+from dllm_fast.validation import check_int
 
 __all__ = ["DiffusionGRPOTrainer", "DiffusionPreTrainedModel", "DiffusionPreTrainedConfig", "make_rollout_func"]
 
@@ -145,7 +146,8 @@ class DiffusionPreTrainedModel(PreTrainedModel):
                     getattr(getattr(inner, "model", None), "is_gradient_checkpointing", False))
 
     def save_pretrained(self, save_directory, **kwargs) -> None:
-        """The wrapped model's own checkpoint layout (LLaDA's official one for LLaDAModel)."""
+        """The wrapped model's own checkpoint layout (LLaDA's official one for LLaDAModel), from its own weights:
+        Trainer's state_dict= (gathered shards under FSDP/ZeRO-3) is not used."""
         self.diffusion_lm.save_pretrained(save_directory)
 
 
@@ -159,16 +161,14 @@ def make_rollout_func(*, gen_length: int | None = None, block_length: int = 32, 
                       confidence_eos_eot_inf: bool = False, seed: int = 0):
     """A TRL `rollout_func(prompts, trainer)` that decodes with `dllm_fast.generate` (block diffusion).
 
-    gen_length defaults to the trainer's `max_completion_length`, steps to gen_length (one token per step),
-    temperature to the trainer's `temperature`; block_length is capped at gen_length. Prompts are tokenized with
+    gen_length defaults to the trainer's `max_completion_length`, steps to gen_length (one token per step; none
+    with a threshold), temperature to the trainer's `temperature`; block_length is capped at gen_length. Prompts are tokenized with
     the trainer's processing_class (the chat template for conversational prompts), left-padded, and decoded in
     one batch under `model.eval()`. Each completion is returned through its first EOS, as TRL expects; its
     sampling log-probs are not available from a diffusion sampler (None). Noise comes from a generator seeded
     with seed + the process index, so runs are reproducible.
     """
-    check_int("block_length", block_length, minimum=1)
-    check_choice("remasking", remasking, ("low_confidence", "random"))
-    check_float("cfg_scale", cfg_scale, minimum=0.0)
+    check_int("block_length", block_length, minimum=1)  # generate checks the sampling options when it runs
     check_int("seed", seed, minimum=0)
     generators: dict[torch.device, torch.Generator] = {}
 
@@ -191,7 +191,7 @@ def make_rollout_func(*, gen_length: int | None = None, block_length: int = 32, 
         try:
             with torch.no_grad(), trainer.accelerator.autocast():
                 result = generate(model, input_ids, attention_mask, gen_length=length, block_length=block,
-                                  steps=steps if steps is not None else length,
+                                  steps=steps if steps is not None or threshold is not None else length,
                                   temperature=temperature if temperature is not None else args.temperature,
                                   remasking=remasking, cfg_scale=cfg_scale, threshold=threshold,
                                   logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf,
