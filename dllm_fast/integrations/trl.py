@@ -1,0 +1,414 @@
+"""Train a masked diffusion LM with TRL's GRPOTrainer (trl>=1,<2) on dllm_fast's rollouts, likelihoods and objectives.
+
+    from trl import GRPOConfig
+    from dllm_fast.integrations.trl import DiffusionGRPOTrainer, make_rollout_func
+
+    trainer = DiffusionGRPOTrainer(
+        model=LLaDAModel.from_pretrained(path), reward_funcs=[reward], train_dataset=dataset,
+        processing_class=tokenizer,
+        args=GRPOConfig(output_dir="out", num_generations=6, per_device_train_batch_size=6, max_completion_length=256),
+        objective="espo", rollout_func=make_rollout_func(block_length=32, steps=128, temperature=0.9))
+    trainer.train()
+
+What comes from where:
+- rollouts: TRL's `rollout_func` hook runs `dllm_fast.generate` (`make_rollout_func`);
+- rewards: TRL's plumbing (reward_funcs, reward_weights, gathering across processes); the objective gets each
+  completion's weighted reward sum;
+- advantages and loss: any dllm_fast objective (a name or an instance), through its one entry point
+  `Objective.backward`: exact gradient by the streaming backward, each backward call being TRL's own
+  `accelerator.backward`. TRL's loss_type, epsilon and scale_rewards do not apply and its beta must stay 0; the
+  objective's config holds the paper's settings (e.g. `objectives.get("diffu_grpo", beta=0.04)`).
+- log-probs: `_get_per_token_logps_and_entropies` returns d1's one-step mean-field diffusion log-probs for the
+  TRL code paths that ask for them (old log-probs when generation and optimisation are misaligned).
+
+Each micro-batch holds whole prompt groups (per_device_train_batch_size a multiple of num_generations), since
+objectives compute group advantages and some (wd1) a group softmax. With num_iterations > 1 or steps_per_generation
+> gradient_accumulation_steps, the objective's masks for every reuse of a rollout are drawn when it is generated and
+the old policy is scored on them before the policy moves, so ratios are exact. Evaluation rolls out and logs TRL's
+reward metrics; its eval_loss is NaN (an objective value needs the training step's scoring).
+
+The model may be a plain dllm_fast model (LLaDAModel, HFDiffusionLM): it is wrapped in `DiffusionPreTrainedModel`,
+the `transformers.PreTrainedModel` TRL requires. TRL never calls its forward for logits: its generation and
+log-prob paths are the two hooks above.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
+from trl import GRPOTrainer
+from trl.data_utils import is_conversational
+
+from dllm_fast import objectives
+from dllm_fast.contracts import RolloutBatch, completion_mask, unwrap_model
+from dllm_fast.integrations.logprobs import mean_field_logprobs
+from dllm_fast.likelihood import MonteCarloMasks, score
+from dllm_fast.sampling import generate
+from dllm_fast.validation import check_int
+
+__all__ = ["DiffusionGRPOTrainer", "DiffusionPreTrainedModel", "DiffusionPreTrainedConfig", "make_rollout_func"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The PreTrainedModel TRL needs around a dllm_fast model
+
+
+class DiffusionPreTrainedConfig(PretrainedConfig):
+    """The special ids and shapes of a wrapped diffusion LM, for TRL and transformers' Trainer."""
+
+    model_type = "dllm_fast_diffusion_lm"
+
+    def __init__(self, vocab_size: int = 0, hidden_size: int = 0, mask_token_id: int | None = None,
+                 logit_shift: int = 0, **kwargs):
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.mask_token_id, self.logit_shift = mask_token_id, logit_shift
+        super().__init__(**kwargs)
+
+
+class DiffusionPreTrainedModel(PreTrainedModel):
+    """A `transformers.PreTrainedModel` around any dllm_fast model, keeping the model contract: forward returns
+    the hidden states, and lm_head_weight, the special ids, logit_shift and (when the model has one) new_cache are
+    the wrapped model's. `save_pretrained` writes the wrapped model's own layout."""
+
+    config_class = DiffusionPreTrainedConfig
+    base_model_prefix = "diffusion_lm"
+    supports_gradient_checkpointing = True
+
+    def __init__(self, diffusion_lm: nn.Module):
+        for name in ("lm_head_weight", "mask_token_id", "eos_token_id"):
+            if not hasattr(diffusion_lm, name):
+                raise TypeError(f"{type(diffusion_lm).__name__} lacks {name}; DiffusionPreTrainedModel wraps a model "
+                                "with the dllm_fast model contract (e.g. LLaDAModel or HFDiffusionLM).")
+        vocab, hidden = diffusion_lm.lm_head_weight.shape
+        pad = getattr(getattr(diffusion_lm, "config", None), "pad_token_id", None)
+        config = DiffusionPreTrainedConfig(
+            vocab_size=vocab, hidden_size=hidden, mask_token_id=diffusion_lm.mask_token_id,
+            logit_shift=getattr(diffusion_lm, "logit_shift", 0), eos_token_id=diffusion_lm.eos_token_id,
+            pad_token_id=pad if pad is not None else diffusion_lm.eos_token_id)
+        super().__init__(config)
+        self.diffusion_lm = diffusion_lm
+        self.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+        if hasattr(diffusion_lm, "new_cache"):
+            self.new_cache = diffusion_lm.new_cache
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """The wrapped model's weights are already initialised (or loaded): post_init must not touch them."""
+
+    # -- model contract -------------------------------------------------------------------------------------
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.diffusion_lm.lm_head_weight
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.diffusion_lm.mask_token_id
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.diffusion_lm.eos_token_id
+
+    @property
+    def eot_token_id(self) -> int | None:
+        return getattr(self.diffusion_lm, "eot_token_id", None)
+
+    @property
+    def logit_shift(self) -> int:
+        return getattr(self.diffusion_lm, "logit_shift", 0)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Hidden states [B, S, d] (the model contract), not logits: TRL's paths that need logits are replaced."""
+        return self.diffusion_lm(input_ids, attention_mask=attention_mask, **kwargs)
+
+    def get_input_embeddings(self):
+        inner = getattr(self.diffusion_lm, "get_input_embeddings", None)
+        if inner is not None:
+            return inner()
+        return self.diffusion_lm.transformer["wte"]  # LLaDAModel
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **options) -> None:
+        """Every layer of the wrapped model recomputed in backward (TRL turns this on by default)."""
+        self.diffusion_lm.set_gradient_checkpointing(True)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.diffusion_lm.set_gradient_checkpointing(False)
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        inner = self.diffusion_lm
+        return bool(getattr(inner, "gradient_checkpointing", False) or
+                    getattr(getattr(inner, "model", None), "is_gradient_checkpointing", False))
+
+    def save_pretrained(self, save_directory, **kwargs) -> None:
+        """The wrapped model's own checkpoint layout (LLaDA's official one for LLaDAModel), from its own weights:
+        Trainer's state_dict= (gathered shards under FSDP/ZeRO-3) is not used."""
+        self.diffusion_lm.save_pretrained(save_directory)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rollouts through TRL's rollout_func hook
+
+
+def make_rollout_func(*, gen_length: int | None = None, block_length: int = 32, steps: int | None = None,
+                      temperature: float | None = None, remasking: str = "low_confidence", cfg_scale: float = 0.0,
+                      threshold: float | None = None, logits_eos_inf: bool = False,
+                      confidence_eos_eot_inf: bool = False, seed: int = 0):
+    """A TRL `rollout_func(prompts, trainer)` that decodes with `dllm_fast.generate` (block diffusion).
+
+    gen_length defaults to the trainer's `max_completion_length`, steps to gen_length (one token per step; none
+    with a threshold), temperature to the trainer's `temperature`; block_length is capped at gen_length. Prompts are tokenized with
+    the trainer's processing_class (the chat template for conversational prompts), left-padded, and decoded in
+    one batch under `model.eval()`. Each completion is returned through its first EOS, as TRL expects; its
+    sampling log-probs are not available from a diffusion sampler (None). Noise comes from a generator seeded
+    with seed + the process index, so runs are reproducible.
+    """
+    check_int("block_length", block_length, minimum=1)  # generate checks the sampling options when it runs
+    check_int("seed", seed, minimum=0)
+    generators: dict[torch.device, torch.Generator] = {}
+
+    def rollout_func(prompts: list, trainer) -> dict:
+        args = trainer.args
+        length = gen_length if gen_length is not None else args.max_completion_length
+        check_int("gen_length", length, minimum=1, hint="tokens per completion (GRPOConfig.max_completion_length)")
+        block = min(block_length, length)
+        device = trainer.accelerator.device
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        model = trainer.model
+        core = unwrap_model(model)
+        prompt_ids = tokenize_prompts(prompts, tokenizer, getattr(trainer, "chat_template_kwargs", None) or {})
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else core.eos_token_id
+        input_ids, attention_mask = left_pad(prompt_ids, pad, device)
+        if device not in generators:
+            generators[device] = torch.Generator(device).manual_seed(seed + trainer.accelerator.process_index)
+        was_training = model.training
+        model.eval()  # no dropout while sampling
+        try:
+            with torch.no_grad(), trainer.accelerator.autocast():
+                result = generate(model, input_ids, attention_mask, gen_length=length, block_length=block,
+                                  steps=steps if steps is not None or threshold is not None else length,
+                                  temperature=temperature if temperature is not None else args.temperature,
+                                  remasking=remasking, cfg_scale=cfg_scale, threshold=threshold,
+                                  logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf,
+                                  generator=generators[device])
+        finally:
+            model.train(was_training)
+        lengths = result.completion_mask.sum(-1).tolist()
+        completions = [row[:n] for row, n in zip(result.completion_ids.tolist(), lengths)]
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
+
+    return rollout_func
+
+
+def tokenize_prompts(prompts: list, tokenizer, chat_template_kwargs: dict) -> list[list[int]]:
+    """Token ids of each prompt: the chat template with the generation prompt for conversational prompts (lists
+    of messages), the plain tokenizer for strings."""
+    if is_conversational({"prompt": prompts[0]}):
+        encoded = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                **chat_template_kwargs)
+        return [list(ids) for ids in encoded["input_ids"]]
+    return [list(ids) for ids in tokenizer(text=prompts)["input_ids"]]
+
+
+def left_pad(rows: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, P] left-padded ids and their 0/1 mask (None when no row is padded)."""
+    if not rows or any(len(row) == 0 for row in rows):
+        raise ValueError("every prompt must tokenize to at least one token; got an empty prompt.")
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    padded = bool((mask == 0).any())
+    return ids.to(device), (mask.to(device) if padded else None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The trainer
+
+
+@dataclass
+class _Update:
+    """One micro-step's work: whole prompt groups, the objective's masks and, when the policy will have moved
+    since the rollout (an optimizer step in between), the old policy's lp on them (else None: on-policy)."""
+
+    batch: RolloutBatch
+    masks: MonteCarloMasks
+    lp_old: torch.Tensor | None
+
+
+class DiffusionGRPOTrainer(GRPOTrainer):
+    """TRL's GRPOTrainer with dllm_fast rollouts, diffusion log-probs and any dllm_fast objective (see the module
+    docstring).
+
+    Args (besides GRPOTrainer's):
+        model: a `transformers.PreTrainedModel` with the model contract, or any dllm_fast model (wrapped in
+            `DiffusionPreTrainedModel`).
+        objective: a registered objective name (`dllm_fast.objectives.available()`) or an Objective instance.
+        likelihood_micro_batch: (sequence, Monte Carlo sample) pairs per backward graph; memory scales with it.
+            Default: per_device_train_batch_size.
+        rollout_func: default `make_rollout_func()` (the trainer's max_completion_length and temperature).
+        mask_seed: seeds the objective's Monte Carlo masks (plus the process index); default args.seed.
+    """
+
+    def __init__(self, model, reward_funcs, args=None, *, objective="diffu_grpo",
+                 likelihood_micro_batch: int | None = None, rollout_func=None, mask_seed: int | None = None,
+                 **kwargs):
+        if not isinstance(model, PreTrainedModel):
+            model = DiffusionPreTrainedModel(model)
+        if isinstance(objective, str):
+            objective = objectives.get(objective)
+        if not isinstance(objective, objectives.Objective):
+            raise TypeError(f"objective must be a name from {objectives.available()} or an Objective, got "
+                            f"{type(objective).__name__}.")
+        if args is not None:
+            check_trl_config(args)
+        # The reference policy: a frozen copy of the initial weights, or for PEFT the model without its adapters.
+        # Copied before GRPOTrainer patches the model's forward (a closure over the original model).
+        reference = None
+        if (objective.needs_reference and kwargs.get("peft_config") is None
+                and not hasattr(unwrap_model(model), "disable_adapter")):
+            reference = copy.deepcopy(model).eval().requires_grad_(False)
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args,
+                         rollout_func=rollout_func if rollout_func is not None else make_rollout_func(), **kwargs)
+        check_trl_config(self.args)
+        self._reference = None if reference is None else reference.to(self.accelerator.device)
+        self.objective = objective
+        self.likelihood_micro_batch = check_int(
+            "likelihood_micro_batch", likelihood_micro_batch if likelihood_micro_batch is not None
+            else self.args.per_device_train_batch_size, minimum=1, hint="(sequence, sample) pairs per backward graph")
+        seed = self.args.seed if mask_seed is None else mask_seed
+        self._mask_generator = torch.Generator().manual_seed(seed + self.accelerator.process_index)
+        self._rewards: torch.Tensor | None = None
+        self._updates: list[list[_Update]] | None = None
+
+    # -- TRL hooks --------------------------------------------------------------------------------------------
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards, plus this process's weighted reward sums kept for the objective."""
+        per_function = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        rewards = (per_function * self.reward_weights.to(per_function.device)[None]).nansum(dim=1)
+        rewards[torch.isnan(per_function).all(dim=1)] = math.nan  # unscorable: RolloutBatch names the row
+        start = self.accelerator.process_index * len(prompts)
+        self._rewards = rewards[start:start + len(prompts)]
+        return per_function
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, **unused):
+        """d1's one-step mean-field diffusion log-probs [B, logits_to_keep] of the completion tokens: the whole
+        completion masked and each prompt token masked with the objective's perturb_prob. The masks are a
+        function of each row's tokens, so old, reference and current log-probs of a completion share them.
+        Entropies are not computed (NaN)."""
+        perturb = getattr(self.objective.config, "perturb_prob", 0.15)
+        logps = mean_field_logprobs(model, input_ids, attention_mask, logits_to_keep, perturb_prob=perturb,
+                                    seed=self.args.seed, micro_batch=batch_size or input_ids.shape[0])
+        entropies = torch.full_like(logps, math.nan) if compute_entropy else None
+        return logps, entropies, None
+
+    def _prepare_inputs(self, generation_batch):
+        """Training: roll out and score once per `steps_per_generation * num_iterations` micro-steps, then hand out
+        one `_Update` of whole groups per micro-step. Evaluation: TRL's rollouts and reward metrics."""
+        if not self.model.training:
+            return self._generate_and_score_completions(generation_batch)
+        steps_per_generation = self.args.steps_per_generation
+        if self._step % (steps_per_generation * self.num_iterations) == 0 or self._updates is None:
+            generated = self._generate_and_score_completions(generation_batch)
+            self._updates = self._plan_updates(generated)
+        return self._updates[self._step % steps_per_generation][(self._step // steps_per_generation)
+                                                                 % self.num_iterations]
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """One micro-step: the objective's gradient through `Objective.backward`, each backward call being
+        accelerate's (scaled by 1 / gradient accumulation steps, as Trainer does)."""
+        started = time.perf_counter()
+        model.train()
+        update = self._prepare_inputs(inputs)
+        accumulation = self.current_gradient_accumulation_steps
+        with self.accelerator.autocast():
+            out = self.objective.backward(
+                model, update.batch, masks=update.masks, lp_old=update.lp_old, ref_model=self._reference,
+                micro_batch=self.likelihood_micro_batch, sync_gradients=self.accelerator.sync_gradients,
+                backward=lambda loss: self.accelerator.backward(loss / accumulation))
+        for name, value in out.stats.items():
+            self._metrics["train"][f"objective/{name}"].append(value)
+        self._step += 1
+        self._current_train_step_time += time.perf_counter() - started
+        if self._step % accumulation == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+        return out.loss.to(self.args.device) / accumulation
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        self._prepare_inputs(inputs)  # rollouts and TRL's reward metrics
+        return torch.tensor(math.nan, device=self.args.device), None, None
+
+    # -- the objective's side ---------------------------------------------------------------------------------
+    def _plan_updates(self, generated: dict) -> list[list[_Update]]:
+        """Split a generation batch into micro-batches of whole groups; draw the masks of each of their
+        num_iterations uses now, and score the old policy on those used after an optimizer step."""
+        batch = rollout_batch(generated, self._rewards, self.num_generations, unwrap_model(self.model).eos_token_id)
+        rows = self.args.per_device_train_batch_size
+        accumulation = self.args.gradient_accumulation_steps
+        generated_at = self._step
+        updates = []
+        for i in range(self.args.steps_per_generation):
+            micro = select_rows(batch, slice(i * rows, (i + 1) * rows))
+            uses = []
+            for k in range(self.num_iterations):
+                used_at = generated_at + k * self.args.steps_per_generation + i
+                moved = used_at // accumulation != generated_at // accumulation
+                masks = self.objective.draw_masks(micro, generator=self._mask_generator,
+                                                  eos_token_id=unwrap_model(self.model).eos_token_id)
+                lp_old = None
+                if moved and self.objective.uses_old_policy:
+                    with torch.no_grad(), self.accelerator.autocast():
+                        lp_old = score(self.model, micro.sequences, masks, micro_batch=self.likelihood_micro_batch,
+                                       attention_mask=micro.attention_mask)
+                uses.append(_Update(micro, masks, lp_old))
+            updates.append(uses)
+        return updates
+
+
+def check_trl_config(args) -> None:
+    """Reject GRPOConfig settings this trainer cannot honour, naming the fix."""
+    if args.beta != 0.0:
+        raise ValueError(f"GRPOConfig.beta={args.beta} is TRL's KL term, which DiffusionGRPOTrainer does not use; set "
+                         "beta=0.0 and give the objective its KL coefficient (e.g. objectives.get('diffu_grpo', "
+                         "beta=0.04)).")
+    if args.per_device_train_batch_size % args.num_generations:
+        raise ValueError(f"per_device_train_batch_size={args.per_device_train_batch_size} must be a multiple of "
+                         f"num_generations={args.num_generations}: each micro-batch holds whole prompt groups, whose "
+                         "advantages the objective computes.")
+    if getattr(args, "top_entropy_quantile", 1.0) != 1.0:
+        raise ValueError("top_entropy_quantile needs token entropies, which diffusion log-probs do not provide; "
+                         "leave it at 1.0.")
+
+
+def rollout_batch(generated: dict, rewards: torch.Tensor | None, group_size: int, eos_token_id: int) -> RolloutBatch:
+    """The RolloutBatch of a TRL generation batch: prompt (left-padded) + completion (EOS-padded after its first
+    EOS, as the sampler leaves it), attending to every completion position as in sampling."""
+    if rewards is None or rewards.shape[0] != generated["prompt_ids"].shape[0]:
+        raise RuntimeError("no rewards were recorded for this generation batch (DiffusionGRPOTrainer reads them in "
+                           "_calculate_rewards).")
+    prompt_ids, prompt_mask = generated["prompt_ids"], generated["prompt_mask"]
+    # TRL pads completions after their EOS with its pad token; the sampler's canvas holds EOS there.
+    completion = generated["completion_ids"].masked_fill(generated["completion_mask"] == 0, eos_token_id)
+    sequences = torch.cat([prompt_ids, completion], dim=1)
+    attention_mask = None
+    if not bool(prompt_mask.all()):
+        attention_mask = torch.cat([prompt_mask, torch.ones_like(completion)], dim=1).long()
+    return RolloutBatch(sequences=sequences, attention_mask=attention_mask, prompt_length=prompt_ids.shape[1],
+                        completion_mask=completion_mask(completion, eos_token_id), rewards=rewards.float(),
+                        group_size=group_size)
+
+
+def select_rows(batch: RolloutBatch, rows: slice) -> RolloutBatch:
+    """A RolloutBatch of some whole groups of `batch`."""
+    mask = None if batch.attention_mask is None else batch.attention_mask[rows]
+    return RolloutBatch(batch.sequences[rows], mask, batch.prompt_length, batch.completion_mask[rows],
+                        batch.rewards[rows], batch.group_size)

@@ -1,0 +1,206 @@
+"""The TRL adapter on CPU with a tiny random LLaDA model: training steps through TRL with finite losses and nonzero
+gradients, the objective's gradient through accelerate equal to a direct Objective.backward, rollouts, the
+PreTrainedModel wrapper, and the config checks."""
+
+import contextlib
+import copy
+import math
+import os
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from transformers import TrainerCallback  # noqa: E402
+from trl import GRPOConfig  # noqa: E402
+
+import dllm_fast  # noqa: E402
+from dllm_fast.integrations import trl_example  # noqa: E402
+from dllm_fast.integrations.trl import (DiffusionPreTrainedModel, check_trl_config, left_pad,  # noqa: E402
+                                        make_rollout_func)
+from dllm_fast.models import LLaDAConfig, LLaDAModel  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+EOS, MASK = 126, 127
+
+
+class GradientNorms(TrainerCallback):
+    """Records the gradient norm of the trainable parameters before every optimizer step."""
+
+    def __init__(self):
+        self.norms = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+        self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0)
+
+
+def trained_parameters(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def test_two_training_steps_give_finite_losses_and_nonzero_gradients(tmp_path):
+    trainer = trl_example.build_trainer(str(tmp_path), objective="diffu_grpo", steps=2)
+    norms = GradientNorms()
+    trainer.add_callback(norms)
+    before = trained_parameters(trainer.model)
+    trainer.train()
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    assert len(norms.norms) == 2 and all(n > 0 for n in norms.norms)
+    after = trained_parameters(trainer.model)
+    assert any(not torch.equal(before[name], after[name]) for name in before)
+    rows = [row for row in trainer.state.log_history if "loss" in row]
+    assert all("objective/clip_fraction" in row for row in rows)
+    # diffu_grpo's default beta needs a reference: the initial weights, which the policy has left after step 1.
+    assert rows[0]["objective/kl"] == 0 and rows[1]["objective/kl"] > 0
+    torch.manual_seed(0)
+    initial = LLaDAModel(LLaDAConfig.preset("tiny"))  # build_trainer's model before training
+    ids = torch.randint(0, 100, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(trainer._reference(ids), initial(ids))
+        assert not torch.allclose(trainer.model(ids), initial(ids))
+
+
+def test_lora_off_policy_iterations_with_a_reference(tmp_path):
+    """PEFT adapters train and the base is the reference; the second use of a rollout (num_iterations=2) comes
+    after an optimizer step, so the old policy was scored on its masks when it was generated."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    trainer = trl_example.build_trainer(str(tmp_path), objective="diffu_grpo", steps=2, num_iterations=2,
+                                        peft_config=config)  # diffu_grpo's default beta=0.04 needs a reference
+    assert trainer._reference is None
+    norms = GradientNorms()
+    trainer.add_callback(norms)
+    trainer.train()
+    assert all(n > 0 for n in norms.norms)
+    assert all(("lora_" in name) == p.requires_grad for name, p in trainer.model.named_parameters())
+    rows = [row for row in trainer.state.log_history if "loss" in row]
+    assert rows[0]["objective/ratio_mean"] == 1.0  # on-policy: the rollout's first use
+    assert rows[1]["objective/ratio_mean"] != 1.0  # off-policy: scored against the old policy
+    assert rows[1]["objective/kl"] > 0  # against the adapter-free base
+    assert trainer._updates[0][1].lp_old is not None and trainer._updates[0][0].lp_old is None
+
+
+def test_the_gradient_is_the_objectives_scaled_by_accumulation(tmp_path):
+    def alternating(completions, **kwargs):  # every group has a spread of rewards, whatever was sampled
+        return [float(i % 2) for i in range(len(completions))]
+
+    trainer = trl_example.build_trainer(str(tmp_path), objective="wd1", steps=1, gradient_accumulation_steps=2,
+                                        per_device_train_batch_size=4, steps_per_generation=2,
+                                        reward_funcs=[alternating])
+    trainer.current_gradient_accumulation_steps = 2
+    trainer.model.train()
+    dataset_rows = [{"prompt": p} for p in trainer.train_dataset["prompt"][:2] for _ in range(4)]
+    policy = trainer.model.diffusion_lm
+    reference = LLaDAModel(LLaDAConfig.preset("tiny"))
+    reference.load_state_dict(policy.state_dict())
+    trainer.training_step(trainer.model, dataset_rows)
+    update = trainer._updates[0][0]
+    assert update.batch.num_rollouts == 4 and update.batch.group_size == 4
+    assert update.batch.rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
+    trainer.objective.backward(reference, update.batch, masks=update.masks, micro_batch=4)
+    for got, want in zip(policy.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad / 2, rtol=1e-5, atol=1e-8)
+    assert all(p.grad.abs().sum() > 0 for p in policy.parameters())
+
+
+class EndsAfter(torch.nn.Module):
+    """A model-contract stand-in whose greedy completion of row r is token 3 for 2 + r positions, then EOS."""
+
+    mask_token_id, eos_token_id, logit_shift = MASK, EOS, 0
+
+    def __init__(self):
+        super().__init__()
+        self.lm_head_weight = torch.nn.Parameter(torch.eye(128))
+
+    def forward(self, input_ids, attention_mask=None):
+        B, S = input_ids.shape
+        hidden = torch.zeros(B, S, 128)
+        hidden[..., 3] = 5.0
+        completion_start = S - 8
+        for row in range(B):
+            hidden[row, completion_start + 2 + row:, EOS] = 10.0
+        return hidden
+
+
+def fake_trainer(model, tokenizer):
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), process_index=0, autocast=contextlib.nullcontext)
+    args = types.SimpleNamespace(max_completion_length=8, temperature=0.0)
+    return types.SimpleNamespace(args=args, accelerator=accelerator, processing_class=tokenizer, model=model,
+                                 chat_template_kwargs={})
+
+
+def test_rollouts_end_at_the_first_eos_and_restore_the_mode():
+    tokenizer = trl_example.build_tokenizer()
+    model = EndsAfter().train()
+    rollout = make_rollout_func(block_length=4)
+    prompts = ["a1 b70 a5", "b99", "a3 a4"]
+    out = rollout(prompts, fake_trainer(model, tokenizer))
+    assert out["logprobs"] is None
+    assert out["prompt_ids"] == [[1, 70, 5], [99], [3, 4]]
+    assert out["completion_ids"] == [[3, 3, EOS], [3, 3, 3, EOS], [3, 3, 3, 3, EOS]]
+    assert model.training
+
+
+def test_threshold_decoding_sets_its_own_steps():
+    trainer = fake_trainer(EndsAfter(), trl_example.build_tokenizer())
+    out = make_rollout_func(block_length=8, threshold=0.9)(["a1", "b99"], trainer)
+    assert out["completion_ids"] == [[3, 3, EOS], [3, 3, 3, EOS]]
+
+
+def test_conversational_prompts_use_the_chat_template():
+    tokenizer = trl_example.build_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}a0"
+    out = make_rollout_func(block_length=4)([[{"role": "user", "content": "b99 b64"}]],
+                                            fake_trainer(EndsAfter(), tokenizer))
+    assert out["prompt_ids"] == [[99, 64, 0]]
+
+
+def test_the_wrapper_keeps_the_contract_and_the_weights(tmp_path):
+    torch.manual_seed(0)
+    inner = LLaDAModel(LLaDAConfig.preset("tiny"))
+    weights = copy.deepcopy(inner.state_dict())
+    wrapped = DiffusionPreTrainedModel(inner)
+    assert all(torch.equal(weights[k], v) for k, v in inner.state_dict().items())  # post_init left them alone
+    assert isinstance(wrapped, dllm_fast.DiffusionLM) and wrapped.logit_shift == 0
+    assert (wrapped.mask_token_id, wrapped.eos_token_id, wrapped.eot_token_id) == (MASK, EOS, 125)
+    assert wrapped.generation_config.eos_token_id == EOS and wrapped.lm_head_weight is inner.lm_head_weight
+    ids = torch.randint(0, 100, (2, 4))
+    kwargs = dict(gen_length=8, block_length=4, steps=8, cache="prefix")
+    assert torch.equal(dllm_fast.generate(wrapped, ids, **kwargs).sequences,
+                       dllm_fast.generate(inner, ids, **kwargs).sequences)
+    wrapped.save_pretrained(tmp_path)
+    loaded = LLaDAModel.from_pretrained(tmp_path)
+    assert all(torch.equal(weights[k], v) for k, v in loaded.state_dict().items())
+    with pytest.raises(TypeError, match="lacks lm_head_weight"):
+        DiffusionPreTrainedModel(torch.nn.Linear(2, 2))
+
+
+def test_left_pad():
+    ids, mask = left_pad([[5, 6, 7], [8]], 126, "cpu")
+    assert ids.tolist() == [[5, 6, 7], [126, 126, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert left_pad([[1, 2], [3, 4]], 126, "cpu")[1] is None
+    with pytest.raises(ValueError, match="empty prompt"):
+        left_pad([[1], []], 126, "cpu")
+
+
+def config(**overrides):
+    options = dict(output_dir="unused", num_generations=4, per_device_train_batch_size=8, use_cpu=True, bf16=False,
+                   report_to="none")
+    options.update(overrides)
+    return GRPOConfig(**options)
+
+
+def test_configs_the_trainer_cannot_honour_are_rejected():
+    with pytest.raises(ValueError, match=r"GRPOConfig.beta=0.04 .* objectives.get\('diffu_grpo', beta=0.04\)"):
+        check_trl_config(config(beta=0.04))
+    with pytest.raises(ValueError, match="per_device_train_batch_size=6 must be a multiple of num_generations=4"):
+        check_trl_config(config(per_device_train_batch_size=6, generation_batch_size=24))
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        check_trl_config(config(top_entropy_quantile=0.5))
+    check_trl_config(config())
