@@ -60,6 +60,13 @@ def unwrap_model(model):
     return model
 
 
+def data_parallel(model) -> bool:
+    """Whether `model` is a data-parallel wrapper whose calls involve collectives: DistributedDataParallel, or a
+    module sharded with FSDP2's fully_shard."""
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel) or hasattr(model,
+                                                                                  "set_requires_gradient_sync")
+
+
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype log-probs are accumulated and returned in: fp64 for fp64 inputs (exact tests), else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -20,6 +20,7 @@ from dllm_fast.validation import check_choice, check_float, check_int
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
 SCHEDULES = ("constant", "cosine", "linear")
+PARALLEL = ("ddp", "fsdp2")
 
 
 @dataclass
@@ -68,6 +69,7 @@ class TrainConfig:
     lora_targets: list = field(default_factory=lambda: list(LORA_TARGETS))
     gradient_checkpointing: bool = False
     bf16: bool | None = None        # None: autocast to bf16 on CUDA, fp32 on CPU
+    parallel: str = "ddp"           # under torchrun: "ddp", or "fsdp2" (full fine-tunes; sharded weights)
 
     # State and reporting.
     checkpoint_every: int = 20
@@ -92,6 +94,9 @@ class TrainConfig:
         check_float("temperature", self.temperature, minimum=0.0)
         check_float("lora_dropout", self.lora_dropout, minimum=0.0, maximum=1.0, open_maximum=True)
         check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("parallel", self.parallel, PARALLEL)
+        if self.parallel == "fsdp2" and self.lora:
+            raise ValueError("parallel='fsdp2' shards a full fine-tune; with lora=true use parallel='ddp'.")
         if len(self.betas) != 2:
             raise ValueError(f"betas={self.betas!r} must be two numbers (AdamW's beta1, beta2).")
         if not self.eval_gen_lengths:

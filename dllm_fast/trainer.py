@@ -13,6 +13,12 @@ Each step:
      by gradient clipping, an AdamW step and the learning-rate schedule.
 Around the loop: JSONL metrics and a progress bar, greedy evaluation at several generation lengths, atomic
 checkpoints every K steps from which `--resume true` continues bit for bit, and a PNG of the curves at the end.
+
+Scaling out: `torchrun --nproc_per_node N -m dllm_fast train ...` runs on PyTorch's own engine, DDP (default) or
+FSDP2 (`--parallel fsdp2`, full fine-tunes). Each rank rolls out its own share of the step's prompts, so advantages
+stay within complete groups; gradients are all-reduced once per optimizer step (the objectives' entry point runs
+every micro-batch but the last under no_sync); rank 0 writes the checkpoints and the metrics, and a resumed run
+restores every rank's random streams.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 
 from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, check_finite_rewards, unwrap_model
-from dllm_fast.files import atomic_directory, write_text_atomic
+from dllm_fast.files import atomic_directory, settled_directory, write_text_atomic
 from dllm_fast.likelihood import score
 from dllm_fast.likelihood.engine import has_active_dropout
 from dllm_fast.memory import peak_rss_bytes, reset_peak_rss
@@ -60,7 +66,12 @@ class TrainResult:
 
 
 def train(config: TrainConfig) -> TrainResult:
-    run = Run(config)
+    with distributed_session(config) as (rank, world):
+        return _train(config, rank, world)
+
+
+def _train(config: TrainConfig, rank: int, world: int) -> TrainResult:
+    run = Run(config, rank, world)
     started = time.perf_counter()
     if run.step == 0:
         run.log(run.evaluate())  # the base model
@@ -69,8 +80,8 @@ def train(config: TrainConfig) -> TrainResult:
         step_started = time.perf_counter()
         run.reset_peak_memory()
 
-        # 1-2. Prompts, then G rollouts each.
-        examples = run.data.take(config.prompts_per_step)
+        # 1-2. Prompts (this rank's share), then G rollouts each.
+        examples = run.data.take(config.prompts_per_step)[run.share]
         rollout, completions, rollout_seconds = run.roll_out(examples)
 
         # 3. Rewards and the batch the objective consumes.
@@ -89,29 +100,62 @@ def train(config: TrainConfig) -> TrainResult:
         run.step = step + 1
         if run.step % config.eval_every == 0 or run.step == config.steps:
             row.update(run.evaluate())
+        row = run.across_ranks(row)
         run.log(row)
         progress.set_postfix(reward=f"{row['reward_mean']:.3f}", accuracy=f"{row['accuracy']:.3f}")
         if run.step % config.checkpoint_every == 0 or run.step == config.steps:
             run.save_checkpoint()
 
     result = run.result(time.perf_counter() - started)
-    if config.plot:
+    if config.plot and rank == 0:
         plot_curves(result.history, result.output_dir / PLOT)
     return result
+
+
+@contextlib.contextmanager
+def distributed_session(config: TrainConfig):
+    """(rank, world size): under torchrun (WORLD_SIZE > 1) a process group, gloo on CPU and NCCL on CUDA, for the
+    run; (0, 1) otherwise."""
+    import os
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or dist.is_initialized():
+        yield (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return
+    cuda = torch.cuda.is_available() and config.device in ("auto", "cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        yield dist.get_rank(), dist.get_world_size()
+    finally:
+        dist.destroy_process_group()
 
 
 class Run:
     """Everything one training run holds: model, reference, task, objective, optimiser, random streams, data
     position and step. Built from a TrainConfig; `--resume` restores it from the latest checkpoint."""
 
-    def __init__(self, config: TrainConfig):
-        self.config = config
+    def __init__(self, config: TrainConfig, rank: int = 0, world: int = 1):
+        self.config, self.rank, self.world = config, rank, world
         self.output_dir = Path(config.output_dir)
         self.device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
                                    else ("cpu" if config.device == "auto" else config.device))
+        if self.device.type == "cuda" and world > 1:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if config.prompts_per_step % world:
+            raise ValueError(f"prompts_per_step={config.prompts_per_step} must be a multiple of the {world} ranks: "
+                             "each rank rolls out its own complete prompt groups.")
+        share = config.prompts_per_step // world
+        self.share = slice(rank * share, (rank + 1) * share)
+        if world > 1 and config.parallel == "fsdp2" and config.threshold is not None:
+            raise ValueError("threshold decoding takes a different number of model calls on each rank, which "
+                             "FSDP2's sharded forwards cannot; use a fixed schedule (diffusion_steps) or DDP.")
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        seed_everything(config.seed)
+        seed_everything(config.seed + rank)
         self.bf16 = config.bf16 if config.bf16 is not None else self.device.type == "cuda"
         self.task = get_task(config.task, **self._task_options())
         self.objective = objectives.get(config.objective, **config.objective_options)
@@ -122,21 +166,24 @@ class Run:
         if self.objective.needs_reference and not config.lora:
             self.ref_model = copy.deepcopy(base).eval().requires_grad_(False)
         self.model = add_lora(base, config) if config.lora else base
+        self.model = data_parallel_wrapper(self.model, config, world, self.device)
         self.core = unwrap_model(self.model)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, betas=tuple(config.betas),
                                            weight_decay=config.weight_decay)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, learning_rate_factor(config))
-        self.rollout_generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.mask_generator = torch.Generator().manual_seed(config.seed + 1)
+        self.rollout_generator = torch.Generator(self.device).manual_seed(config.seed + 7919 * rank)
+        self.mask_generator = torch.Generator().manual_seed(config.seed + 1 + 7919 * rank)
         self.data = PromptStream(self.task.train_examples(seed=config.seed), seed=config.seed)
         self.test_examples = self.task.test_examples()[:config.eval_examples]
         self.step = 0
         self.history: list[dict] = []
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        if config.resume and (self.output_dir / CHECKPOINT).is_dir():
+        if rank == 0:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.barrier()
+        if config.resume and settled_directory(self.output_dir / CHECKPOINT).is_dir():
             self.load_checkpoint()
-        else:
+        elif rank == 0:
             (self.output_dir / METRICS).write_text("")
             write_text_atomic(self.output_dir / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
 
@@ -240,11 +287,24 @@ class Run:
 
     def log(self, row: dict) -> None:
         self.history.append(row)
-        with open(self.output_dir / METRICS, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        if self.rank == 0:
+            with open(self.output_dir / METRICS, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def across_ranks(self, row: dict) -> dict:
+        """The step's metrics averaged over ranks (every rank holds an equal share of the rollouts)."""
+        if self.world == 1:
+            return row
+        rows = [None] * self.world
+        torch.distributed.all_gather_object(rows, row)
+        return {k: (sum(r[k] for r in rows) / self.world if isinstance(v, float) else v) for k, v in row.items()}
 
     def progress(self, steps):
-        if self.config.progress:
+        if self.config.progress and self.rank == 0:
             from tqdm.auto import tqdm
 
             return tqdm(steps, desc=f"{self.config.objective} on {self.config.task}", unit="step",
@@ -273,46 +333,81 @@ class Run:
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
-        """Write the whole run state into output_dir/checkpoint atomically: a crash leaves the previous one."""
-        with atomic_directory(self.output_dir / CHECKPOINT) as directory:
-            if self.config.lora:
-                self.model.save_pretrained(str(directory / "adapter"))
-            else:
-                self.core.save_pretrained(directory / "model", tokenizer=self.tokenizer)
-            torch.save({
-                "step": self.step,
-                "data_position": self.data.position,
-                "optimizer": self.optimizer.state_dict(),
-                "schedule": self.schedule.state_dict(),
-                "rng": rng_state(self.device),
-                "rollout_generator": self.rollout_generator.get_state(),
-                "mask_generator": self.mask_generator.get_state(),
-                "history": self.history,
-            }, directory / "state.pt")
-            write_text_atomic(directory / "config.json", json.dumps(self.config.to_dict(), indent=2) + "\n")
+        """Write the whole run state into output_dir/checkpoint atomically (rank 0): a crash leaves the previous
+        one. Every rank's random streams are kept, so a resumed run continues exactly."""
+        model_state, optimizer_state = self.full_state()
+        streams = {"rng": rng_state(self.device), "rollout_generator": self.rollout_generator.get_state(),
+                   "mask_generator": self.mask_generator.get_state()}
+        if self.world > 1:
+            every_rank = [None] * self.world
+            torch.distributed.all_gather_object(every_rank, streams)
+        else:
+            every_rank = [streams]
+        if self.rank == 0:
+            with atomic_directory(self.output_dir / CHECKPOINT) as directory:
+                if self.config.lora:
+                    self.core.save_pretrained(str(directory / "adapter"))
+                else:
+                    unsharded_copy(self.core, model_state).save_pretrained(directory / "model",
+                                                                           tokenizer=self.tokenizer)
+                torch.save({"step": self.step, "data_position": self.data.position, "optimizer": optimizer_state,
+                            "schedule": self.schedule.state_dict(), "streams": every_rank, "world": self.world,
+                            "history": self.history}, directory / "state.pt")
+                write_text_atomic(directory / "config.json", json.dumps(self.config.to_dict(), indent=2) + "\n")
+        self.barrier()
+
+    def full_state(self):
+        """(model state, optimizer state) as whole tensors gathered from FSDP2's shards; (None, the optimizer's
+        state) when the model holds whole tensors already."""
+        if not (self.world > 1 and self.config.parallel == "fsdp2"):
+            return None, self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (get_model_state_dict(self.model, options=options),
+                get_optimizer_state_dict(self.model, self.optimizer, options=options))
 
     def load_checkpoint(self) -> None:
         directory = self.output_dir / CHECKPOINT
         state = torch.load(directory / "state.pt", map_location="cpu", weights_only=False)
+        if state["world"] != self.world:
+            raise ValueError(f"{directory} was written by {state['world']} ranks; resume it with the same number "
+                             f"of ranks (this run has {self.world}), since each rank's random streams are restored.")
         if self.config.lora:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
             adapter = load_file(str(directory / "adapter" / "adapter_model.safetensors"), device=str(self.device))
-            set_peft_model_state_dict(self.model, adapter)
+            set_peft_model_state_dict(self.core, adapter)
         else:
             from dllm_fast.models import LLaDAModel
 
-            saved = LLaDAModel.from_pretrained(directory / "model", dtype=self.core.dtype, device=self.device)
-            self.core.load_state_dict(saved.state_dict())
-        self.optimizer.load_state_dict(state["optimizer"])
+            saved = LLaDAModel.from_pretrained(directory / "model", dtype=torch.float32, device="cpu").state_dict()
+            self.set_full_state(saved, state["optimizer"])
+        if self.config.lora or not (self.world > 1 and self.config.parallel == "fsdp2"):
+            self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
-        set_rng_state(state["rng"], self.device)
-        self.rollout_generator.set_state(state["rollout_generator"])
-        self.mask_generator.set_state(state["mask_generator"])
+        streams = state["streams"][self.rank]
+        set_rng_state(streams["rng"], self.device)
+        self.rollout_generator.set_state(streams["rollout_generator"])
+        self.mask_generator.set_state(streams["mask_generator"])
         self.step, self.data.position, self.history = state["step"], state["data_position"], state["history"]
         # The metrics file may hold steps past the checkpoint (written before a crash): keep what the state has.
-        write_text_atomic(self.output_dir / METRICS, "".join(json.dumps(row) + "\n" for row in self.history))
+        if self.rank == 0:
+            write_text_atomic(self.output_dir / METRICS, "".join(json.dumps(row) + "\n" for row in self.history))
+        self.barrier()
+
+    def set_full_state(self, model_state: dict, optimizer_state: dict) -> None:
+        if self.world > 1 and self.config.parallel == "fsdp2":
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
+
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.model, model_state, options=options)
+            set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
+        else:
+            self.core.load_state_dict(model_state)
 
 
 class _Silent:
@@ -376,6 +471,36 @@ def load_model_and_tokenizer(config: TrainConfig, device: torch.device):
         tokenizer_dir = config.tokenizer or directory
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     return model.train(), tokenizer
+
+
+def data_parallel_wrapper(model, config: TrainConfig, world: int, device: torch.device):
+    """The model as every rank trains it: unchanged for one process, DDP, or FSDP2 (each block, then the root,
+    so the LM head lives in the root's group and is gathered by the root's forward)."""
+    if world == 1:
+        return model
+    if config.parallel == "ddp":
+        ids = [device.index] if device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    for block in model.transformer["blocks"]:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def unsharded_copy(model, state: dict | None):
+    """`model` itself when `state` is None, else an unsharded LLaDAModel holding `state` (FSDP2's gathered
+    weights), to save in the official layout."""
+    if state is None:
+        return model
+    from dllm_fast.models import LLaDAModel
+
+    with torch.device("meta"):
+        whole = LLaDAModel(model.config)
+    whole.load_state_dict(state, assign=True)
+    return whole
 
 
 def lora_target_pattern(targets) -> str:

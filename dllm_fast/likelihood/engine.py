@@ -23,9 +23,9 @@ from typing import Callable, ContextManager
 
 import torch
 
-from dllm_fast.contracts import accumulate_dtype, unwrap_model
+from dllm_fast.contracts import accumulate_dtype, data_parallel, unwrap_model
 from dllm_fast.likelihood.masks import MonteCarloMasks
-from dllm_fast.likelihood.scoring import active_pairs, check_inputs, score_pairs
+from dllm_fast.likelihood.scoring import active_pairs, aligned_call_count, check_inputs, score_pairs
 from dllm_fast.validation import check_bool, check_int
 
 
@@ -150,14 +150,8 @@ class _Backward:
         return self.grad_sync is not None
 
     def aligned(self, count: int, device: torch.device) -> int:
-        """The most micro-batches any rank runs. FSDP gathers parameters in every forward (and DDP broadcasts
-        buffers), so every rank must make the same number of model calls; ranks with fewer pad with
-        zero-weighted ones. One tiny all-reduce; a single process returns `count`."""
-        if not self.distributed or not torch.distributed.is_initialized():
-            return count
-        most = torch.tensor([count], device=device)
-        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-        return int(most.item())
+        """The most micro-batches any rank runs: ranks with fewer pad with zero-weighted ones."""
+        return aligned_call_count(count, device, self.distributed)
 
     def step(self, last: bool):
         """The context for one micro-batch's forward and backward: DDP decides in the forward whether the next
@@ -175,7 +169,7 @@ def default_grad_sync(model) -> Callable[[], ContextManager] | None:
     `set_requires_gradient_sync(False)`, or None for a model that does not synchronise."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model.no_sync
-    if hasattr(model, "set_requires_gradient_sync"):  # torch.distributed.fsdp.FSDPModule (fully_shard)
+    if data_parallel(model):  # torch.distributed.fsdp.FSDPModule (fully_shard)
 
         @contextlib.contextmanager
         def fsdp_no_sync():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dllm_fast.contracts import accumulate_dtype, logit_shift, unwrap_model
+from dllm_fast.contracts import accumulate_dtype, data_parallel, logit_shift, unwrap_model
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.ops import masked_logprobs
 from dllm_fast.validation import check_int
@@ -37,6 +37,8 @@ def score(
         attention_mask: optional [N, S] (1 = token, 0 = left padding), passed to the model.
         chunk_size: vocabulary chunk of the fused LM head (default: sized for the device).
 
+    Under a data-parallel wrapper (DDP, FSDP2) and no_grad, every rank makes the same number of model calls.
+
     Returns:
         lp: [N, n_t, L] in fp32 (fp64 for an fp64 model); lp[n, j, i] = log p(x_i | noisy_{n,j}) where
         completion position i is masked and counted in sample j, and exactly 0 elsewhere. Under grad mode it
@@ -49,9 +51,12 @@ def score(
     pairs = active_pairs(masks)
     if not torch.is_grad_enabled():
         lp = torch.zeros(N * n_t, L, dtype=dtype, device=sequences.device)
-        for batch in pairs.split(micro_batch):
+        batches = pairs.split(micro_batch)
+        for batch in batches:
             lp[batch] = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
                                     chunk_size=chunk_size)
+        for _ in range(aligned_call_count(len(batches), sequences.device, data_parallel(model)) - len(batches)):
+            score_pairs(model, sequences, masks, batches[-1], attention_mask=attention_mask, chunk_size=chunk_size)
         return lp.view(N, n_t, L)
     rows = [score_pairs(model, sequences, masks, batch, attention_mask=attention_mask, chunk_size=chunk_size)
             for batch in pairs.split(micro_batch)]
@@ -89,6 +94,17 @@ def score_pairs(
                            tokens[rows, P + positions], chunk_size=chunk_size)
     out = torch.zeros(scored.shape, dtype=logp.dtype, device=logp.device)
     return out.index_put((rows, positions), logp)
+
+
+def aligned_call_count(count: int, device: torch.device, distributed: bool) -> int:
+    """The most model calls any data-parallel rank makes for this step. FSDP gathers parameters in every forward
+    (and DDP broadcasts buffers), so every rank must make the same number of calls; ranks with fewer pad with
+    calls whose results are discarded. One tiny all-reduce; `count` itself in a single process."""
+    if not distributed or not torch.distributed.is_initialized():
+        return count
+    most = torch.tensor([count], device=device)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    return int(most.item())
 
 
 def active_pairs(masks: MonteCarloMasks) -> torch.Tensor:
