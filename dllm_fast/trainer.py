@@ -346,7 +346,7 @@ class Run:
         if self.rank == 0:
             with atomic_directory(self.output_dir / CHECKPOINT) as directory:
                 if self.config.lora:
-                    self.core.save_pretrained(str(directory / "adapter"))
+                    self.core.save_pretrained(str(directory / "adapter"), save_embedding_layers=False)
                 else:
                     unsharded_copy(self.core, model_state).save_pretrained(directory / "model",
                                                                            tokenizer=self.tokenizer)
