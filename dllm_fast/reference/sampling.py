@@ -57,15 +57,27 @@ def gumbel_noise(seed: int, offset: int, row_ids: torch.Tensor, vocab: int) -> t
 
 
 def sample_tokens(hidden, weight, row_ids, temperature, seed, offset, suppress_ids=(), confidence_exclude_ids=()):
-    """Twin of the compiled sample op: (tokens [N] int64, confidence [N] fp32/fp64)."""
+    """Twin of the compiled sample op: (tokens [N] int64, confidence [N] fp32/fp64).
+
+    As in the kernels: scores are logits * (1 / T) (1 / T rounded to the accumulation dtype) plus Gumbel noise;
+    suppressed ids, NaN and -inf scores never win; a row with nothing to win gets token -1 and confidence NaN;
+    a sampled excluded id gets confidence 0; a NaN logit makes the row's confidence NaN.
+    """
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     logits = hidden.to(acc) @ weight.to(acc).T
-    logits[:, list(suppress_ids)] = float("-inf")
-    scores = logits if temperature == 0 else logits / temperature + gumbel_noise(seed, offset, row_ids, logits.shape[1])
-    tokens = scores.argmax(dim=-1)  # ties: the first (lowest) id
+    scores = logits
+    if temperature != 0:
+        inverse_temperature = torch.tensor(1.0 / temperature, dtype=acc, device=logits.device)
+        scores = logits * inverse_temperature + gumbel_noise(seed, offset, row_ids, logits.shape[1])
+    scores = scores.masked_fill(scores.isnan(), float("-inf"))
+    scores[:, list(suppress_ids)] = float("-inf")
+    best, tokens = scores.max(dim=-1)  # ties: the first (lowest) id
+    tokens = torch.where(best > float("-inf"), tokens, -1)
     confidence_logits = logits.clone()
-    confidence_logits[:, list(confidence_exclude_ids)] = float("-inf")
-    confidence = torch.softmax(confidence_logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    confidence_logits[:, list(suppress_ids) + list(confidence_exclude_ids)] = float("-inf")
+    confidence = torch.softmax(confidence_logits, dim=-1).gather(1, tokens.clamp(min=0)[:, None]).squeeze(1)
+    excluded = torch.isin(tokens, torch.tensor(list(confidence_exclude_ids), dtype=torch.long, device=tokens.device))
+    confidence = confidence.masked_fill(excluded, 0.0).masked_fill(tokens < 0, float("nan"))
     return tokens, confidence
 
 
