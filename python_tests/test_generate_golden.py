@@ -4,6 +4,11 @@ The golden file was recorded at commit 9a1e464 (before the cache-policy and rema
 
     PYTHONPATH=. python python_tests/test_generate_golden.py --record
 
+One deliberate change since: a block is left once complete, so with more steps per block than masked tokens
+the extra steps no longer run, and random remasking no longer draws their uniforms from the generator; its
+later blocks then read a different stretch of the stream (same distribution). For those modes only the first
+block, decoded before any skipped step, is compared.
+
 Weights come from a generator seeded per parameter name, so the model does not depend on the init code of
 dllm_fast.models, only on the architecture and its parameter names. The model runs in float64, so the tokens
 do not hinge on rounding.
@@ -97,8 +102,9 @@ def model():
 @pytest.mark.parametrize("mode", MODES, ids=mode_name)
 def test_greedy_tokens_are_unchanged(model, mode, one_thread):
     golden = json.loads(GOLDEN.read_text())[mode_name(mode)]
-    assert run(dllm_fast.generate, model, mode) == golden
-    assert run(reference.generate, model, mode) == golden
+    width = 4 if (mode["remasking"], mode["schedule"]) == ("random", "steps>masked") else 12  # see the docstring
+    for sampler in (dllm_fast.generate, reference.generate):
+        assert [row[:width] for row in run(sampler, model, mode)] == [row[:width] for row in golden]
 
 
 if __name__ == "__main__" and "--record" in sys.argv:
