@@ -244,7 +244,8 @@ def sample_tokens(
 def _token_ids(name: str, ids, vocab: int) -> list[int]:
     ids = [token.item() if isinstance(token, torch.Tensor) and token.numel() == 1 else token for token in ids]
     for i, token in enumerate(ids):
-        check_int(f"{name}[{i}]", token, minimum=0, maximum=vocab - 1, hint=f"a token id of the vocabulary [0, {vocab})")
+        check_int(f"{name}[{i}]", token, minimum=0, maximum=vocab - 1,
+                  hint=f"a token id of the vocabulary [0, {vocab})")
     return [int(token) for token in ids]
 
 
