@@ -20,6 +20,7 @@ import torch
 from dllm_fast import reference
 from dllm_fast._extension import HAS_EXTENSION, has_kernel, missing_extension_message
 from dllm_fast.contracts import accumulate_dtype
+from dllm_fast.validation import check_bool, check_int, check_same_device, check_temperature, check_threshold
 
 BACKENDS = ("auto", "compiled", "reference")
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -74,31 +75,30 @@ def masked_logprobs(
         hidden: [M, d] final hidden states of the positions to score (fp32, fp64, bf16 or fp16).
         lm_head_weight: [V, d] LM head, same dtype and device as `hidden`.
         targets: [M] token ids in [0, V).
-        chunk_size: vocabulary columns per chunk (default: sized for the device). Peak temporary memory is
-            about M * chunk_size * 4 bytes.
+        chunk_size: vocabulary columns per chunk (default: sized for the device; more than V means V). Peak
+            temporary memory is about M * chunk_size * 4 bytes.
         backend: None/"auto", "compiled" or "reference" (see module docstring).
 
     Returns:
         logp: [M], ``log_softmax(hidden @ lm_head_weight.T)[i, targets[i]]`` in fp32 (fp64 for fp64 inputs).
         Differentiable with respect to `hidden` and `lm_head_weight`; backward recomputes the logits chunk by
         chunk. On CUDA, an out-of-range target yields NaN (checking it would cost a host sync); on CPU it raises.
+        The compiled backend has no second derivative (create_graph=True through it raises); the reference
+        backend has.
     """
-    _check_masked_logprobs(hidden, lm_head_weight, targets, chunk_size)
+    chunk_size = _check_masked_logprobs(hidden, lm_head_weight, targets, chunk_size)
     targets = targets.long()
     if choose_backend("masked_logprobs", hidden.device, backend) == "reference":
         return reference.masked_logprobs(hidden, lm_head_weight, targets)
-    if chunk_size is None:
-        chunk_size = default_chunk_size(hidden.shape[0], lm_head_weight.shape[0], hidden.device)
     logp, _ = torch.ops.dllm_fast.masked_logprobs(
         hidden.contiguous(), lm_head_weight.contiguous(), targets.contiguous(), chunk_size
     )
     return logp
 
 
-def _check_masked_logprobs(hidden, weight, targets, chunk_size) -> None:
-    for name, value in (("hidden", hidden), ("lm_head_weight", weight), ("targets", targets)):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"masked_logprobs: {name} must be a torch.Tensor, got {type(value).__name__}.")
+def _check_masked_logprobs(hidden, weight, targets, chunk_size) -> int:
+    """Check the arguments; returns the chunk size to run with."""
+    check_same_device("masked_logprobs", hidden=hidden, lm_head_weight=weight, targets=targets)
     if hidden.dim() != 2:
         raise ValueError(
             f"masked_logprobs: hidden must be [M, d], got shape {tuple(hidden.shape)}; "
@@ -122,13 +122,15 @@ def _check_masked_logprobs(hidden, weight, targets, chunk_size) -> None:
     if targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"masked_logprobs: targets must be int64 (or int32) token ids, got {targets.dtype}; "
                         "pass targets.long().")
-    if not (hidden.device == weight.device == targets.device):
-        raise ValueError(
-            f"masked_logprobs: hidden, lm_head_weight and targets must be on one device, got "
-            f"{hidden.device}, {weight.device} and {targets.device}; move them with .to(lm_head_weight.device)."
-        )
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
-        raise ValueError(f"masked_logprobs: chunk_size must be a positive int or None, got {chunk_size!r}.")
+    return _chunk_size("masked_logprobs", chunk_size, hidden.shape[0], weight.shape[0], hidden.device)
+
+
+def _chunk_size(op: str, chunk_size, rows: int, vocab: int, device: torch.device) -> int:
+    """The chunk size to run with: the default for None, and at most the vocabulary (the kernels' int64)."""
+    if chunk_size is None:
+        return default_chunk_size(rows, vocab, device)
+    check_int(f"{op}: chunk_size", chunk_size, minimum=1, hint="vocabulary columns per chunk, or None")
+    return max(1, min(chunk_size, vocab))
 
 
 if HAS_EXTENSION:
@@ -153,6 +155,12 @@ if HAS_EXTENSION:
 
     def _masked_logprobs_backward(ctx, grad_logp, grad_lse):
         hidden, weight, targets, lse = ctx.saved_tensors
+        if torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (grad_logp, grad_lse, hidden, weight)):
+            raise RuntimeError(
+                "masked_logprobs: the compiled backend has no second derivative, so a backward with "
+                "create_graph=True (double backward, e.g. a gradient penalty) cannot go through it; pass "
+                "backend='reference' to masked_logprobs for higher-order gradients.")
         grad_hidden, grad_weight = torch.ops.dllm_fast.masked_logprobs_backward(
             grad_logp, grad_lse, hidden, weight, targets, lse, ctx.chunk_size,
             [ctx.needs_input_grad[0], ctx.needs_input_grad[1]],
@@ -179,48 +187,92 @@ def sample_tokens(
     suppress_ids=(),
     confidence_exclude_ids=(),
     chunk_size: int | None = None,
+    check_finite: bool = True,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row from softmax(hidden @ W.T / T) and report its confidence, in one pass over V.
 
     Args:
         hidden: [N, d] hidden states of the positions to decode; lm_head_weight: [V, d], same dtype/device.
-        temperature: 0 means argmax (ties to the lowest id); T > 0 is Gumbel-max, an exact sample.
+        temperature: 0 means argmax (ties to the lowest id); T > 0 is Gumbel-max, an exact sample. T below
+            validation.GREEDY_BELOW_TEMPERATURE (1e-30) is greedy (logits / T would overflow fp32); T must be
+            finite (a large T samples near-uniformly among the tokens not suppressed).
         seed, offset, row_ids: the noise of row i and token j is Philox4x32-10 keyed by (seed, offset,
-            row_ids[i], j) (row_ids default 0..N-1), so results are reproducible and independent of batching.
+            row_ids[i], j) (row_ids default 0..N-1; offset in [0, 2^32)), so results are reproducible and
+            independent of batching.
         suppress_ids: token ids removed from sampling and from the confidence softmax (e.g. EOS).
         confidence_exclude_ids: token ids removed from the confidence softmax only; a row that samples one of
             them gets confidence 0. On CUDA each list holds at most 8 ids.
+        chunk_size: vocabulary columns per chunk (default: sized for the device; more than V means V).
+        check_finite: raise ValueError naming the first row whose hidden state or logits hold NaN or inf
+            (a NaN logit is never sampled but makes the confidence NaN). On CUDA this costs a host sync; with
+            False such rows come back with confidence NaN, or token -1 when no logit is finite (the CPU kernel
+            still raises for those), for the caller to check (generate does so once per block).
 
     Returns:
         tokens [N] int64, and confidence [N] fp32 (fp64 for fp64 inputs): softmax(hidden @ W.T)[token] under the
-        unscaled logits. A row with no finite logit (NaN hidden states) raises on CPU; on CUDA, where checking
-        would cost a host sync, it comes back as token -1 with confidence NaN.
+        unscaled logits.
     """
-    _check_rows_and_head("sample_tokens", hidden, lm_head_weight)
-    if not temperature >= 0:
-        raise ValueError(f"sample_tokens: temperature must be >= 0, got {temperature!r}.")
+    _check_rows_and_head("sample_tokens", hidden, lm_head_weight, row_ids=row_ids)
+    temperature = check_temperature("sample_tokens: temperature", temperature)
+    check_int("sample_tokens: seed", seed)
+    check_int("sample_tokens: offset", offset, minimum=0, maximum=2**32 - 1, hint="a Philox counter word")
+    check_bool("sample_tokens: check_finite", check_finite)
     N, V = hidden.shape[0], lm_head_weight.shape[0]
-    suppress_ids, confidence_exclude_ids = [int(i) for i in suppress_ids], [int(i) for i in confidence_exclude_ids]
-    for token in suppress_ids + confidence_exclude_ids:
-        if not 0 <= token < V:
-            raise ValueError(f"sample_tokens: token id {token} is outside the vocabulary [0, {V}).")
+    suppress_ids = _token_ids("sample_tokens: suppress_ids", suppress_ids, V)
+    confidence_exclude_ids = _token_ids("sample_tokens: confidence_exclude_ids", confidence_exclude_ids, V)
     if len(set(suppress_ids)) >= V:
         raise ValueError("sample_tokens: every token is suppressed; nothing is left to sample.")
     if row_ids is None:
         row_ids = torch.arange(N, device=hidden.device)
-    elif row_ids.shape != (N,):
-        raise ValueError(f"sample_tokens: row_ids must be [N] = [{N}], got shape {tuple(row_ids.shape)}.")
-    seed = int(seed) & (2**64 - 1)
+    if check_finite:
+        _check_finite_rows(hidden)
+    seed = seed & (2**64 - 1)
     seed = seed - 2**64 if seed >= 2**63 else seed  # the schema's int is signed; the kernel reads the bits
     if choose_backend("sample_tokens", hidden.device, backend) == "reference":
-        return reference.sample_tokens(hidden, lm_head_weight, row_ids, temperature, seed, offset, suppress_ids,
-                                       confidence_exclude_ids)
-    if chunk_size is None:
-        chunk_size = default_chunk_size(N, V, hidden.device)
-    return torch.ops.dllm_fast.sample_tokens(
-        hidden.contiguous(), lm_head_weight.contiguous(), row_ids.long().contiguous(), float(temperature), seed,
-        int(offset), suppress_ids, confidence_exclude_ids, chunk_size)
+        tokens, confidence = reference.sample_tokens(hidden, lm_head_weight, row_ids, temperature, seed, offset,
+                                                     suppress_ids, confidence_exclude_ids)
+    else:
+        tokens, confidence = torch.ops.dllm_fast.sample_tokens(
+            hidden.contiguous(), lm_head_weight.contiguous(), row_ids.long().contiguous(), temperature, seed,
+            offset, suppress_ids, confidence_exclude_ids, _chunk_size("sample_tokens", chunk_size, N, V, hidden.device))
+    if check_finite:
+        _check_finite_logits(tokens, confidence, hidden, lm_head_weight, suppress_ids)
+    return tokens, confidence
+
+
+def _token_ids(name: str, ids, vocab: int) -> list[int]:
+    ids = [token.item() if isinstance(token, torch.Tensor) and token.numel() == 1 else token for token in ids]
+    for i, token in enumerate(ids):
+        check_int(f"{name}[{i}]", token, minimum=0, maximum=vocab - 1,
+                  hint=f"a token id of the vocabulary [0, {vocab})")
+    return [int(token) for token in ids]
+
+
+def _check_finite_rows(hidden: torch.Tensor) -> None:
+    finite = torch.isfinite(hidden).all(dim=1)
+    if not finite.all():
+        row = int((~finite).nonzero()[0])
+        raise ValueError(f"sample_tokens: hidden[{row}] holds NaN or inf, so row {row} has no finite logit; check "
+                         "the model's output (e.g. fp16 overflow).")
+
+
+def _check_finite_logits(tokens, confidence, hidden, weight, suppress_ids) -> None:
+    """Raise naming the first row whose confidence is NaN (a NaN or +inf logit) or that sampled nothing."""
+    bad = confidence.isnan() | (tokens < 0)
+    if not bad.any():
+        return
+    row = int(bad.nonzero()[0])
+    acc = accumulate_dtype(hidden.dtype)
+    logits = weight.to(acc) @ hidden[row].to(acc)
+    logits[suppress_ids] = 0.0  # removed before the softmax: cannot be the cause
+    culprits = (~torch.isfinite(logits)).nonzero()
+    cause = "its logits are not finite"
+    if len(culprits):
+        token = int(culprits[0])
+        cause = (f"its logit of token {token} is {float(logits[token])} (lm_head_weight[{token}] holds NaN or inf, "
+                 "or the product overflowed)")
+    raise ValueError(f"sample_tokens: row {row} has a non-finite confidence: {cause}; every logit must be finite.")
 
 
 def select_transfer(
@@ -229,6 +281,7 @@ def select_transfer(
     *,
     counts: torch.Tensor | None = None,
     threshold: float | None = None,
+    check_finite: bool = True,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Which candidate positions to unmask this step, per row, without a Python loop or a host sync.
@@ -236,40 +289,59 @@ def select_transfer(
     Args:
         confidence: [B, n] fp32/fp64 confidence of each position's sampled token.
         candidates: [B, n] bool, the still-masked positions of the current block.
-        counts: [B] int64, unmask the counts[b] most confident candidates (ties to the lowest position).
+        counts: [B] integer, unmask the counts[b] most confident candidates (ties to the lowest position).
         threshold: instead of counts, Fast-dLLM's rule: the most confident candidate plus every candidate with
-            confidence >= threshold.
+            confidence >= threshold, in (0, 1].
+        check_finite: raise ValueError naming the first candidate whose confidence is NaN (costs a host sync on
+            CUDA). With False, a NaN confidence ranks below every number.
 
     Returns: [B, n] bool.
     """
+    check_same_device("select_transfer", confidence=confidence, candidates=candidates, counts=counts)
     if confidence.dim() != 2 or candidates.shape != confidence.shape or candidates.dtype != torch.bool:
         raise ValueError(f"select_transfer: confidence must be [B, n] and candidates a bool tensor of that shape, "
                          f"got {tuple(confidence.shape)} and {candidates.dtype} {tuple(candidates.shape)}.")
+    if not confidence.is_floating_point():
+        raise TypeError(f"select_transfer: confidence must be a float tensor, got {confidence.dtype}.")
     if (counts is None) == (threshold is None):
         raise ValueError("select_transfer: pass exactly one of counts (top-k) and threshold.")
+    check_bool("select_transfer: check_finite", check_finite)
     if threshold is not None:
-        if not 0.0 < threshold <= 1.0:
-            raise ValueError(f"select_transfer: threshold must be in (0, 1], got {threshold!r}.")
+        threshold = check_threshold("select_transfer: threshold", threshold)
         counts = torch.zeros(confidence.shape[0], dtype=torch.long, device=confidence.device)
-    elif counts.shape != (confidence.shape[0],):
-        raise ValueError(f"select_transfer: counts must be [B] = [{confidence.shape[0]}], got {tuple(counts.shape)}.")
+    elif counts.shape != (confidence.shape[0],) or counts.is_floating_point() or counts.dtype == torch.bool:
+        raise ValueError(f"select_transfer: counts must be an integer [B] = [{confidence.shape[0]}] tensor, got "
+                         f"{counts.dtype} {tuple(counts.shape)}.")
     if confidence.dtype not in (torch.float32, torch.float64):
         confidence = confidence.float()
+    not_a_number = confidence.isnan()
+    if check_finite:
+        bad = not_a_number & candidates
+        if bad.any():
+            row, position = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"select_transfer: confidence[{row}, {position}] is NaN; confidences must be numbers "
+                             "(pass check_finite=False to rank NaN last).")
+    else:
+        confidence = confidence.masked_fill(not_a_number, float("-inf"))
     if choose_backend("select_transfer", confidence.device, backend) == "reference":
         return reference.select_transfer(confidence, candidates, counts.long(), threshold)
     return torch.ops.dllm_fast.select_transfer(
-        confidence, candidates, counts.long(), -1.0 if threshold is None else float(threshold))
+        confidence, candidates, counts.long(), -1.0 if threshold is None else threshold)
 
 
-def _check_rows_and_head(op: str, hidden, weight) -> None:
+def _check_rows_and_head(op: str, hidden, weight, **others) -> None:
+    check_same_device(op, hidden=hidden, lm_head_weight=weight, **others)
     if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"{op}: hidden must be [N, d] and lm_head_weight [V, d] with the same d, got "
                          f"{tuple(hidden.shape)} and {tuple(weight.shape)}.")
     if hidden.dtype not in _FLOAT_DTYPES or weight.dtype != hidden.dtype:
         raise TypeError(f"{op}: hidden and lm_head_weight must share one of {_FLOAT_DTYPES}, got {hidden.dtype} "
                         f"and {weight.dtype}.")
-    if hidden.device != weight.device:
-        raise ValueError(f"{op}: hidden is on {hidden.device} but lm_head_weight on {weight.device}.")
+    row_ids = others.get("row_ids")
+    if row_ids is not None and (row_ids.shape != (hidden.shape[0],) or row_ids.is_floating_point()
+                                or row_ids.dtype == torch.bool):
+        raise ValueError(f"{op}: row_ids must be an integer [N] = [{hidden.shape[0]}] tensor, got {row_ids.dtype} "
+                         f"of shape {tuple(row_ids.shape)}.")
 
 
 if HAS_EXTENSION:

@@ -92,3 +92,61 @@ def _interval(minimum, maximum, open_minimum, open_maximum) -> str:
 
 def _hint(hint: str) -> str:
     return f" ({hint})" if hint else ""
+
+
+def check_same_device(where: str, **tensors: torch.Tensor | None) -> torch.device:
+    """Every given tensor (None skipped) on one real device, the first one's; returns that device. A tensor on
+    meta holds no data, and one on another device would win the dispatch, so each is named."""
+    given = [(name, tensor) for name, tensor in tensors.items() if tensor is not None]
+    for name, tensor in given:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(tensor).__name__}.")
+        if tensor.device.type == "meta":
+            raise ValueError(f"{where}: {name} is on the meta device and holds no data; pass a tensor on a real "
+                             "device (load or initialise the weights first).")
+    first_name, first = given[0]
+    for name, tensor in given[1:]:
+        if tensor.device != first.device:
+            raise ValueError(f"{where}: {name} is on {tensor.device} but {first_name} on {first.device}; move it "
+                             f"with .to({first_name}.device).")
+    return first.device
+
+
+# Below this temperature sampling is greedy. logits / T would leave fp32's range for |logit| > T * 3.4e38 (and
+# 1 / T itself overflows below 2.9e-39), while the Gumbel noise (|g| < 23) can no longer move the argmax unless
+# two logits lie within 23 * T of each other.
+GREEDY_BELOW_TEMPERATURE = 1e-30
+
+
+def check_temperature(name: str, value) -> float:
+    """A sampling temperature: a finite number >= 0. Returns the temperature to sample at: 0.0 (greedy) when
+    value < GREEDY_BELOW_TEMPERATURE, where softmax(logits / T) is the argmax up to exact ties."""
+    temperature = check_float(name, value, minimum=0.0,
+                              hint="0 is greedy; infinity is not supported, a large finite T is near-uniform")
+    return 0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature
+
+
+def check_threshold(name: str, value) -> float:
+    """A confidence threshold in (0, 1]."""
+    return check_float(name, value, minimum=0.0, maximum=1.0, open_minimum=True)
+
+
+def check_binary_mask(name: str, mask, *, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A 0/1 mask of `shape` on `device`: bool, or an integer dtype holding only 0 and 1. Floats are rejected:
+    0.5 would read as True to one consumer and as 0 to another. Returns it as bool."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of 0/1 (or bool), got {type(mask).__name__}.")
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(mask.shape)}, expected {tuple(shape)}.")
+    if mask.device != torch.device(device):
+        raise ValueError(f"{name} is on {mask.device} but must be on {device}; move it with .to({str(device)!r}).")
+    if mask.is_floating_point() or mask.is_complex():
+        raise TypeError(f"{name} has dtype {mask.dtype}; it must be bool or an integer dtype holding 0 and 1 "
+                        f"(convert a float mask with {name}.round().long() if it is meant to be 0/1).")
+    if mask.dtype != torch.bool:
+        bad = (mask != 0) & (mask != 1)
+        if bad.any():
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"{name}[{', '.join(map(str, index))}] = {int(mask[index])}; a mask holds only 0 "
+                             "(padding) and 1 (token).")
+    return mask.to(torch.bool)

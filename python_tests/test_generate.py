@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dllm_fast
-from dllm_fast import reference
+from dllm_fast import ops, reference
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 from dllm_fast.models.kv_cache import KVCache
 from dllm_fast.contracts import completion_mask
@@ -268,16 +268,16 @@ def test_kv_cache_reproduces_the_full_forward(device):
         (dict(gen_length=10, block_length=4, steps=4), "gen_length=10 is not a multiple of block_length=4"),
         (dict(gen_length=8, block_length=4, steps=3), "steps=3 is not a multiple of the number of blocks 2"),
         (dict(gen_length=8, block_length=4, steps=4, threshold=0.9), "steps=4 is ignored when threshold"),
-        (dict(gen_length=8, block_length=4), "steps must be a positive int"),
+        (dict(gen_length=8, block_length=4), "steps=None must be an int >= 1"),
         (dict(gen_length=8, block_length=4, steps=4, cache="paged"), "cache='paged' is not one of"),
         (dict(gen_length=8, block_length=4, steps=4, remasking="entropy"), "remasking='entropy' is not one of"),
-        (dict(gen_length=8, block_length=4, steps=4, temperature=-0.1), "temperature must be >= 0"),
+        (dict(gen_length=8, block_length=4, steps=4, temperature=-0.1), "temperature=-0.1 must be >= 0"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):
     model = tiny_model("cpu", torch.float32)
     ids, mask = prompts("cpu", [3])
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         dllm_fast.generate(model, ids, mask, **kwargs)
 
 
@@ -306,3 +306,161 @@ def test_generator_on_another_device_is_named():
     ids, mask = prompts("cuda", [3])
     with pytest.raises(ValueError, match="generator is on cpu but input_ids on cuda"):
         dllm_fast.generate(model, ids, mask, gen_length=4, block_length=4, steps=4, generator=torch.Generator())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hardening (issue 10): the mask token, non-finite outputs, masks, devices, extremes, wasted forwards, noise
+
+SAMPLERS = [dllm_fast.generate, reference.generate]
+
+
+def mask_loving_table(prompt_length, gen_length, generator):
+    """Random logits over 8 ids in which the mask token (7) is the top prediction at every position."""
+    table = torch.randn(prompt_length + gen_length, 8, generator=generator, dtype=torch.float64)
+    table[:, 7] = table.max(dim=1).values + 3.0
+    return table
+
+
+@pytest.mark.parametrize("schedule", [dict(steps=8), dict(threshold=0.9)])
+def test_the_mask_token_is_never_decoded(schedule, one_thread):
+    """LLaDA's generate.py can decode the mask id: threshold mode then looped forever, a fixed schedule left
+    mask ids in the completion, and the fused and reference samplers disagreed."""
+    table = mask_loving_table(2, 8, torch.Generator().manual_seed(1))
+    ids = torch.tensor([[1, 2]])
+    results = [sampler(ScriptedModel(table), ids, gen_length=8, block_length=4, **schedule) for sampler in SAMPLERS]
+    for result in results:  # context-free logits: the greedy tokens are the argmax over the other ids
+        assert torch.equal(result.completion_ids[0], table[2:, :7].argmax(dim=1))
+    assert torch.equal(results[0].sequences, results[1].sequences)
+
+
+class NonFiniteAt(ScriptedModel):
+    """A scripted model whose output is `value` at (row, position) of the canvas."""
+
+    def __init__(self, table, row, position, value=float("nan")):
+        super().__init__(table)
+        self.row, self.position, self.value = row, position, value
+
+    def forward(self, input_ids, attention_mask=None):
+        hidden = super().forward(input_ids, attention_mask).clone()
+        hidden[self.row, self.position] = self.value
+        return hidden
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS, ids=["fused", "reference"])
+@pytest.mark.parametrize("schedule", [dict(steps=8), dict(threshold=0.9)])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_output_names_the_prompt_and_position(sampler, schedule, value, one_thread):
+    table = eos_prone_table(2, 16, torch.Generator().manual_seed(0))
+    ids = torch.tensor([[1, 2], [3, 4]])
+    model = NonFiniteAt(table, row=1, position=2 + 5, value=value)
+    with pytest.raises(ValueError, match="output for prompt 1 at completion position 5 is NaN or infinite"):
+        sampler(model, ids, gen_length=8, block_length=4, **schedule)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS, ids=["fused", "reference"])
+@pytest.mark.parametrize("corrupt", ["one head row", "every weight"])
+def test_a_nan_lm_head_row_is_named(sampler, corrupt, one_thread):
+    """A NaN head row is never sampled but made every confidence NaN; generate ran to the end regardless. A
+    model whose every weight is NaN (a diverged training step) is named the same way."""
+    model = tiny_model("cpu", torch.float32)
+    ids, mask = prompts("cpu", [3, 5])
+    with torch.no_grad():
+        for parameter in model.parameters() if corrupt == "every weight" else []:
+            parameter.fill_(float("nan"))
+        model.lm_head_weight[13, 4] = float("nan")
+    row = 13 if corrupt == "one head row" else 0
+    with pytest.raises(ValueError, match=rf"lm_head_weight\[{row}\] \(the LM-head row of token {row}\) holds NaN"):
+        sampler(model, ids, mask, gen_length=4, block_length=4, steps=4)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS, ids=["fused", "reference"])
+def test_float_and_non_binary_attention_masks_are_rejected(sampler, one_thread):
+    """A 0.5 mask passed the check (read as bool) and then turned every prompt token into padding (as long)."""
+    model = tiny_model("cpu", torch.float32)
+    ids, mask = prompts("cpu", [3, 5])
+    kwargs = dict(gen_length=4, block_length=4, steps=4)
+    with pytest.raises(TypeError, match="attention_mask has dtype torch.float32; it must be bool or an integer"):
+        sampler(model, ids, mask.float() * 0.5, **kwargs)
+    with pytest.raises(ValueError, match=r"attention_mask\[0, 0\] = 2; a mask holds only 0"):
+        sampler(model, ids, mask + (mask == 0).long() * 2, **kwargs)
+    as_bool = sampler(model, ids, mask.bool(), **kwargs)
+    assert torch.equal(as_bool.sequences, sampler(model, ids, mask, **kwargs).sequences)
+    assert as_bool.attention_mask.dtype == torch.long
+
+
+def test_a_model_on_the_meta_device_is_named(one_thread):
+    with torch.device("meta"):
+        model = LLaDAModel(LLaDAConfig.preset("tiny"))
+    ids, mask = prompts("cpu", [3])
+    with pytest.raises(ValueError, match="generate: model.lm_head_weight is on the meta device"):
+        dllm_fast.generate(model, ids, mask, gen_length=4, block_length=4, steps=4)
+    with pytest.raises(ValueError, match="generate: attention_mask is on the meta device"):
+        dllm_fast.generate(tiny_model("cpu"), ids, mask.to("meta"), gen_length=4, block_length=4, steps=4)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS, ids=["fused", "reference"])
+def test_temperature_extremes_are_defined(sampler, one_thread):
+    """T < 1e-30 is greedy (fp32 1/T overflowed in the fused path); T = inf is rejected; a huge finite T is
+    near-uniform and still never decodes a suppressed id (the reference's NaN scores used to pick EOS)."""
+    model = tiny_model("cpu", torch.float32)
+    ids, mask = prompts("cpu", [3, 5])
+    kwargs = dict(gen_length=8, block_length=4, steps=8, generator=torch.Generator().manual_seed(0))
+    greedy = sampler(model, ids, mask, **kwargs)
+    assert torch.equal(sampler(model, ids, mask, temperature=1e-39, **kwargs).sequences, greedy.sequences)
+    with pytest.raises(ValueError, match="temperature=inf must be a finite number"):
+        sampler(model, ids, mask, temperature=float("inf"), **kwargs)
+    hot = sampler(model, ids, mask, temperature=1e300, logits_eos_inf=True, **kwargs)
+    assert not torch.isin(hot.completion_ids, torch.tensor([model.eos_token_id, model.mask_token_id])).any()
+
+
+def test_an_infinite_cfg_scale_is_named(one_thread):
+    model = tiny_model("cpu", torch.float32)
+    ids, mask = prompts("cpu", [3])
+    for sampler in SAMPLERS:
+        with pytest.raises(ValueError, match="cfg_scale=inf must be a finite number >= 0"):
+            sampler(model, ids, mask, gen_length=4, block_length=4, steps=4, cfg_scale=float("inf"))
+
+
+def test_flags_must_be_bools(one_thread):
+    model = tiny_model("cpu", torch.float32)
+    ids, mask = prompts("cpu", [3])
+    with pytest.raises(TypeError, match="logits_eos_inf=1 must be True or False"):
+        dllm_fast.generate(model, ids, mask, gen_length=4, block_length=4, steps=4, logits_eos_inf=1)
+    with pytest.raises(TypeError, match="block_length=4.0 must be an int"):
+        dllm_fast.generate(model, ids, mask, gen_length=4, block_length=4.0, steps=4)
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_steps_beyond_the_block_run_no_forward(cache, one_thread):
+    """8 steps per block of 4 tokens: the last 4 would unmask nothing. Fast-dLLM leaves a complete block, so
+    they are skipped; the tokens are those of 4 steps per block and nfe counts the useful forwards only."""
+    model = tiny_model("cpu")
+    ids, mask = prompts("cpu", [4, 7])
+    kwargs = dict(gen_length=8, block_length=4, cache=cache)
+    for sampler in SAMPLERS:
+        forwards = []
+        hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+        wasteful = sampler(model, ids, mask, steps=16, **kwargs)
+        hook.remove()
+        assert wasteful.nfe == len(forwards) == 8
+        assert torch.equal(wasteful.sequences, sampler(model, ids, mask, steps=8, **kwargs).sequences)
+
+
+def test_the_gumbel_noise_changes_between_denoising_steps(monkeypatch, one_thread):
+    """A position still masked after a step is sampled again with fresh noise (keyed by the step)."""
+    draws = {}
+    sample_tokens = ops.sample_tokens
+
+    def recording(hidden, weight, **kwargs):
+        tokens, confidence = sample_tokens(hidden, weight, **kwargs)
+        for row, token in zip(kwargs["row_ids"].tolist(), tokens.tolist()):
+            draws.setdefault(row, []).append(token)
+        return tokens, confidence
+
+    monkeypatch.setattr(ops, "sample_tokens", recording)
+    table = torch.zeros(18, 8, dtype=torch.float64)  # a flat distribution over the 7 decodable ids
+    dllm_fast.generate(ScriptedModel(table), torch.tensor([[1, 2]]), gen_length=16, block_length=16, steps=16,
+                       temperature=1.0, generator=torch.Generator().manual_seed(0))
+    repeats = [(a, b) for tokens in draws.values() for a, b in zip(tokens, tokens[1:])]
+    assert len(repeats) == 15 * 16 // 2
+    assert sum(a != b for a, b in repeats) > len(repeats) // 2  # 6/7 of them when the noise is fresh

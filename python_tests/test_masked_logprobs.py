@@ -215,7 +215,7 @@ def test_out_of_range_target_names_the_row():
 
 def test_bad_chunk_size_and_backend():
     hidden, weight, targets = make_inputs(4, 8, 50, "cpu")
-    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+    with pytest.raises(ValueError, match="chunk_size=0 must be an int >= 1"):
         dllm_fast.masked_logprobs(hidden, weight, targets, chunk_size=0)
     with pytest.raises(ValueError, match="backend='fastest' is not one of"):
         dllm_fast.masked_logprobs(hidden, weight, targets, backend="fastest")
@@ -231,3 +231,28 @@ def test_backends_agree(device):
 @pytest.mark.cuda
 def test_cuda_kernel_is_registered():
     assert dllm_fast.build_info()["with_cuda"], "CUDA is available but dllm_fast was built without CUDA kernels"
+
+
+def test_a_chunk_size_beyond_int64_means_the_whole_vocabulary():
+    hidden, weight, targets = make_inputs(6, 8, 50, "cpu")
+    torch.testing.assert_close(dllm_fast.masked_logprobs(hidden, weight, targets, chunk_size=2**70),
+                               dllm_fast.masked_logprobs(hidden, weight, targets, chunk_size=50))
+
+
+def test_double_backward_names_the_limit_and_the_way_out():
+    hidden, weight, targets = make_inputs(6, 8, 50, "cpu", torch.float64, requires_grad=True)
+    logp = dllm_fast.masked_logprobs(hidden, weight, targets, backend="compiled")
+    with pytest.raises(RuntimeError, match="no second derivative.*backend='reference'"):
+        torch.autograd.grad(logp.sum(), hidden, create_graph=True)
+    logp = dllm_fast.masked_logprobs(hidden, weight, targets, backend="reference")
+    (grad,) = torch.autograd.grad(logp.sum(), hidden, create_graph=True)
+    assert grad.requires_grad  # the reference backend supports higher-order gradients
+
+
+@pytest.mark.parametrize("argument", ["hidden", "lm_head_weight", "targets"])
+def test_a_meta_tensor_is_named(argument):
+    hidden, weight, targets = make_inputs(6, 8, 50, "cpu")
+    args = dict(hidden=hidden, lm_head_weight=weight, targets=targets)
+    args[argument] = args[argument].to("meta")
+    with pytest.raises(ValueError, match=f"masked_logprobs: {argument} is on the meta device"):
+        dllm_fast.masked_logprobs(*args.values())

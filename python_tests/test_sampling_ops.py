@@ -132,15 +132,144 @@ def test_opcheck(device):
 
 def test_bad_input_is_named():
     hidden, weight = head(4, 8, 20, "cpu")
-    with pytest.raises(ValueError, match="token id 20 is outside the vocabulary"):
+    with pytest.raises(ValueError, match=r"suppress_ids\[0\]=20 must be an int in \[0, 19\]"):
         ops.sample_tokens(hidden, weight, suppress_ids=[20])
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
+    with pytest.raises(ValueError, match="temperature=-1.0 must be >= 0"):
         ops.sample_tokens(hidden, weight, temperature=-1.0)
     with pytest.raises(ValueError, match="every token is suppressed"):
         ops.sample_tokens(hidden, weight, suppress_ids=range(20))
-    with pytest.raises(ValueError, match=r"row_ids must be \[N\] = \[4\]"):
+    with pytest.raises(ValueError, match=r"row_ids must be an integer \[N\] = \[4\]"):
         ops.sample_tokens(hidden, weight, row_ids=torch.arange(3))
     with pytest.raises(ValueError, match="exactly one of counts"):
         ops.select_transfer(torch.rand(2, 3), torch.ones(2, 3, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"threshold must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"threshold=1.5 must be in \(0.0, 1.0\]"):
         ops.select_transfer(torch.rand(2, 3), torch.ones(2, 3, dtype=torch.bool), threshold=1.5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hardening (issue 10): devices, temperature extremes, non-finite values, chunk sizes
+
+
+@pytest.mark.parametrize("argument", ["hidden", "lm_head_weight", "row_ids"])
+def test_sample_tokens_rejects_a_meta_tensor_by_name(argument):
+    """A meta tensor used to win the dispatch and return uninitialised memory on CPU."""
+    hidden, weight = head(4, 8, 20, "cpu")
+    args = dict(hidden=hidden, lm_head_weight=weight, row_ids=torch.arange(4))
+    args[argument] = args[argument].to("meta")
+    with pytest.raises(ValueError, match=f"sample_tokens: {argument} is on the meta device"):
+        ops.sample_tokens(args.pop("hidden"), args.pop("lm_head_weight"), **args)
+
+
+@pytest.mark.parametrize("argument", ["confidence", "candidates", "counts"])
+def test_select_transfer_rejects_a_meta_tensor_by_name(argument):
+    args = dict(confidence=torch.rand(2, 3), candidates=torch.ones(2, 3, dtype=torch.bool),
+                counts=torch.ones(2, dtype=torch.long))
+    args[argument] = args[argument].to("meta")
+    with pytest.raises(ValueError, match=f"select_transfer: {argument} is on the meta device"):
+        ops.select_transfer(args.pop("confidence"), args.pop("candidates"), **args)
+
+
+@pytest.mark.cuda
+def test_tensors_on_two_devices_are_named():
+    hidden, weight = head(4, 8, 20, "cuda")
+    with pytest.raises(ValueError, match="row_ids is on cpu but hidden on cuda"):
+        ops.sample_tokens(hidden, weight, row_ids=torch.arange(4))
+    with pytest.raises(ValueError, match="counts is on cpu but confidence on cuda"):
+        ops.select_transfer(torch.rand(2, 3, device="cuda"), torch.ones(2, 3, dtype=torch.bool, device="cuda"),
+                            counts=torch.ones(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
+@pytest.mark.parametrize("temperature", [1e-31, 1e-39, 1e-45, 5e-324])
+def test_a_vanishing_temperature_is_greedy(device, backend, temperature):
+    """fp32 1/T overflows below 2.9e-39 (and logits / T far earlier): such temperatures are the argmax."""
+    hidden, weight = head(64, 16, 500, device, scale=5.0)
+    greedy = ops.sample_tokens(hidden, weight, backend=backend)
+    tiny = ops.sample_tokens(hidden, weight, temperature=temperature, seed=5, backend=backend)
+    assert torch.equal(tiny[0], greedy[0])
+    torch.testing.assert_close(tiny[1], greedy[1])
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan")])
+def test_an_infinite_temperature_is_rejected(temperature):
+    hidden, weight = head(4, 8, 20, "cpu")
+    with pytest.raises(ValueError, match="temperature=.* must be a finite number >= 0"):
+        ops.sample_tokens(hidden, weight, temperature=temperature)
+
+
+@pytest.mark.parametrize("temperature", [1e30, 1e300])
+def test_a_huge_temperature_samples_uniformly_the_same_in_both_backends(device, temperature):
+    """1/T underflows to 0: the sample is uniform over the tokens not suppressed, never a suppressed one
+    (the reference used to turn suppressed -inf logits into NaN scores, which won its argmax)."""
+    hidden, weight = head(4000, 8, 5, device)
+    kwargs = dict(temperature=temperature, seed=9, suppress_ids=[0, 3])
+    tokens, _ = ops.sample_tokens(hidden, weight, **kwargs)
+    assert torch.equal(tokens, ops.sample_tokens(hidden, weight, backend="reference", **kwargs)[0])
+    counts = torch.bincount(tokens.cpu(), minlength=5)
+    assert counts[0] == counts[3] == 0
+    assert counts[[1, 2, 4]].min() > 1200  # about 1333 each
+
+
+def test_excluding_every_token_from_the_confidence_gives_zero_in_both_backends(device):
+    hidden, weight = head(6, 8, 20, device)
+    for backend in ("compiled", "reference"):
+        _, confidence = ops.sample_tokens(hidden, weight, confidence_exclude_ids=range(20), backend=backend)
+        assert torch.equal(confidence, torch.zeros_like(confidence))
+
+
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
+def test_a_nan_logit_raises_naming_the_row_and_token(device, backend):
+    """A NaN row of the LM head is never sampled, but it used to make every confidence NaN silently."""
+    hidden, weight = head(5, 8, 20, device)
+    weight[13] = float("nan")
+    with pytest.raises(ValueError, match="row 0 has a non-finite confidence: its logit of token 13 is nan"):
+        ops.sample_tokens(hidden, weight, backend=backend)
+    tokens, confidence = ops.sample_tokens(hidden, weight, backend=backend, check_finite=False)
+    assert confidence.isnan().all() and not (tokens == 13).any()
+    _, confidence = ops.sample_tokens(hidden, weight, suppress_ids=[13], backend=backend)  # removed first
+    assert torch.isfinite(confidence).all()
+
+
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
+def test_a_non_finite_hidden_state_raises_naming_the_row(device, backend):
+    hidden, weight = head(5, 8, 20, device)
+    hidden[3, 2] = float("inf")
+    with pytest.raises(ValueError, match=r"hidden\[3\] holds NaN or inf"):
+        ops.sample_tokens(hidden, weight, temperature=1.0, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
+def test_select_transfer_nan_raises_or_ranks_last(device, backend):
+    confidence = torch.tensor([[0.5, float("nan"), 0.7, 0.1], [0.2, 0.3, float("nan"), 0.9]], device=device)
+    candidates = torch.tensor([[True, True, True, True], [True, True, False, True]], device=device)
+    counts = torch.tensor([3, 3], device=device)
+    with pytest.raises(ValueError, match=r"confidence\[0, 1\] is NaN"):
+        ops.select_transfer(confidence, candidates, counts=counts, backend=backend)
+    chosen = ops.select_transfer(confidence, candidates, counts=counts, check_finite=False, backend=backend)
+    assert chosen.tolist() == [[True, False, True, True], [True, True, False, True]]
+    chosen = ops.select_transfer(confidence[:1], candidates[:1], threshold=0.9, check_finite=False, backend=backend)
+    assert chosen.tolist() == [[False, False, True, False]]
+
+
+def test_a_chunk_size_beyond_int64_means_the_whole_vocabulary():
+    hidden, weight = head(6, 8, 50, "cpu")
+    for backend in ("compiled", "reference"):
+        huge = ops.sample_tokens(hidden, weight, temperature=1.0, chunk_size=2**70, backend=backend)
+        default = ops.sample_tokens(hidden, weight, temperature=1.0, backend=backend)
+        assert torch.equal(huge[0], default[0])
+    with pytest.raises(TypeError, match="chunk_size=1.5 must be an int"):
+        ops.sample_tokens(hidden, weight, chunk_size=1.5)
+
+
+def test_bad_scalars_are_named():
+    hidden, weight = head(4, 8, 20, "cpu")
+    with pytest.raises(ValueError, match=r"offset=4294967296 must be an int in \[0, 4294967295\]"):
+        ops.sample_tokens(hidden, weight, offset=2**32)
+    with pytest.raises(TypeError, match="seed=1.0 must be an int"):
+        ops.sample_tokens(hidden, weight, seed=1.0)
+    with pytest.raises(ValueError, match=r"row_ids must be an integer \[N\] = \[4\]"):
+        ops.sample_tokens(hidden, weight, row_ids=torch.arange(4.0))
+    with pytest.raises(ValueError, match=r"counts must be an integer \[B\] = \[2\]"):
+        ops.select_transfer(torch.rand(2, 3), torch.ones(2, 3, dtype=torch.bool), counts=torch.ones(2))
+    with pytest.raises(ValueError, match=r"threshold=nan must be a finite number in \(0.0, 1.0\]"):
+        ops.select_transfer(torch.rand(2, 3), torch.ones(2, 3, dtype=torch.bool), threshold=float("nan"))

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from dllm_fast.contracts import GenerationResult, completion_mask, logit_shift
-from dllm_fast.decoding import check_generate_args, initial_canvas
+from dllm_fast.decoding import (check_block_done, check_generate_args, confidence_excluded_ids, initial_canvas,
+                                raise_if_not_finite, suppressed_ids)
 
 # ---------------------------------------------------------------------------------------------------------
 # Philox4x32-10 on int64 tensors holding uint32 values (products are split so nothing overflows int64).
@@ -57,15 +58,27 @@ def gumbel_noise(seed: int, offset: int, row_ids: torch.Tensor, vocab: int) -> t
 
 
 def sample_tokens(hidden, weight, row_ids, temperature, seed, offset, suppress_ids=(), confidence_exclude_ids=()):
-    """Twin of the compiled sample op: (tokens [N] int64, confidence [N] fp32/fp64)."""
+    """Twin of the compiled sample op: (tokens [N] int64, confidence [N] fp32/fp64).
+
+    As in the kernels: scores are logits * (1 / T) (1 / T rounded to the accumulation dtype) plus Gumbel noise;
+    suppressed ids, NaN and -inf scores never win; a row with nothing to win gets token -1 and confidence NaN;
+    a sampled excluded id gets confidence 0; a NaN logit makes the row's confidence NaN.
+    """
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     logits = hidden.to(acc) @ weight.to(acc).T
-    logits[:, list(suppress_ids)] = float("-inf")
-    scores = logits if temperature == 0 else logits / temperature + gumbel_noise(seed, offset, row_ids, logits.shape[1])
-    tokens = scores.argmax(dim=-1)  # ties: the first (lowest) id
+    scores = logits
+    if temperature != 0:
+        inverse_temperature = torch.tensor(1.0 / temperature, dtype=acc, device=logits.device)
+        scores = logits * inverse_temperature + gumbel_noise(seed, offset, row_ids, logits.shape[1])
+    scores = scores.masked_fill(scores.isnan(), float("-inf"))
+    scores[:, list(suppress_ids)] = float("-inf")
+    best, tokens = scores.max(dim=-1)  # ties: the first (lowest) id
+    tokens = torch.where(best > float("-inf"), tokens, -1)
     confidence_logits = logits.clone()
-    confidence_logits[:, list(confidence_exclude_ids)] = float("-inf")
-    confidence = torch.softmax(confidence_logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    confidence_logits[:, list(suppress_ids) + list(confidence_exclude_ids)] = float("-inf")
+    confidence = torch.softmax(confidence_logits, dim=-1).gather(1, tokens.clamp(min=0)[:, None]).squeeze(1)
+    excluded = torch.isin(tokens, torch.tensor(list(confidence_exclude_ids), dtype=torch.long, device=tokens.device))
+    confidence = confidence.masked_fill(excluded, 0.0).masked_fill(tokens < 0, float("nan"))
     return tokens, confidence
 
 
@@ -107,12 +120,16 @@ def generate(model, input_ids, attention_mask=None, *, gen_length, block_length,
     Differences from the published code, each deliberate: batches with left padding and an attention mask;
     top-k ties go to the lowest position (torch.topk leaves them unspecified); confidence_eos_eot_inf removes
     EOS and EoT from the confidence softmax at every temperature (LLaDA's code does both only at T = 0);
-    caches and threshold work for batch > 1.
+    caches and threshold work for batch > 1; the mask token is never decoded (removed from sampling and from
+    the confidence softmax); a block is left once complete (Fast-dLLM), so steps beyond block_length run no
+    forward; Gumbel-max runs in the log domain, argmax(logits / T - log(-log u)), the same argmax as LLaDA's
+    exp(logits) / (-log u)^T without its overflow; a decoded position without a defined confidence (a NaN or
+    +inf logit among the tokens that may be decoded) raises, as in the fused sampler.
     """
-    steps_per_block = check_generate_args(
+    plan = check_generate_args(
         model, input_ids, attention_mask, gen_length=gen_length, block_length=block_length, steps=steps,
         temperature=temperature, remasking=remasking, cfg_scale=cfg_scale, cache=cache, threshold=threshold,
-        confidence_eos_eot_inf=confidence_eos_eot_inf, generator=generator)
+        logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, generator=generator)
     mask_id, device = model.mask_token_id, input_ids.device
     B, P = input_ids.shape
     total = P + gen_length
@@ -120,67 +137,64 @@ def generate(model, input_ids, attention_mask=None, *, gen_length, block_length,
     prompt_positions = x != mask_id
     weight = model.lm_head_weight
     shift = logit_shift(model)
-    kv = model.new_cache(2 * B if cfg_scale > 0 else B, total) if cache != "none" else None
+    guided = plan.cfg_scale > 0
+    kv = plan.cache.new_cache(model, 2 * B if guided else B, total)
+    suppress, exclude = suppressed_ids(model, plan), confidence_excluded_ids(model, plan)
 
-    def logits_at(start: int, end: int, refresh: bool) -> torch.Tensor:
-        """Logits for positions [start, end) of x, with the cache semantics of the current mode."""
+    def logits_at(start: int, end: int, step: int) -> torch.Tensor:
+        """Logits for the positions the cache policy feeds at this step of the block [start, end)."""
         ids = x
         mask = attention_mask
-        if cfg_scale > 0:
+        if guided:
             ids = torch.cat([x, x.masked_fill(prompt_positions, mask_id)])
             mask = None if mask is None else torch.cat([mask, mask])
-        if cache == "none":
-            hidden = model(ids, attention_mask=mask)
-            if shift:  # the hidden state at i - 1 predicts token i; position 0 is a prompt token, never sampled
-                hidden = torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1)
-            hidden = hidden[:, start:end]
-        elif refresh:
-            hidden = model(ids, attention_mask=mask, cache=kv)[:, start:end]
-        else:
-            fed_end = total if cache == "prefix" else end
-            hidden = model(ids[:, start:fed_end], attention_mask=mask, cache=kv, cache_start=start,
-                           attend_length=total)[:, : end - start]
+        hidden = plan.cache.forward(model, ids, mask, kv, start, end, step)
+        if shift:  # the hidden state at i - 1 predicts token i; position 0 is a prompt token, never sampled
+            hidden = torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1)
         logits = F.linear(hidden, weight)
-        if cfg_scale > 0:
+        if guided:
             cond, uncond = logits.chunk(2)
-            logits = uncond + (cfg_scale + 1) * (cond - uncond)
+            logits = uncond + (plan.cfg_scale + 1) * (cond - uncond)
         return logits
 
     nfe = 0
     for block in range(gen_length // block_length):
         start, end = P + block * block_length, P + (block + 1) * block_length
         schedule = None
-        if steps_per_block is not None:
-            schedule = transfer_schedule(x[:, start:end] == mask_id, steps_per_block)
-        step = 0
-        while True:
-            if schedule is not None and step == steps_per_block:
-                break
-            if schedule is None and not (x[:, start:end] == mask_id).any():
+        if plan.steps_per_block is not None:
+            schedule = transfer_schedule(x[:, start:end] == mask_id, plan.steps_per_block)
+        for step in range(plan.step_limit(block_length)):
+            if not (x[:, start:end] == mask_id).any():  # Fast-dLLM leaves a complete block
                 break
             # Positions fed this step: everything (no cache / refresh), [start, L) (prefix), the block (dual).
-            refresh = cache == "none" or step == 0
-            seen = 0 if refresh else start
-            seen_end = total if (refresh or cache == "prefix") else end
-            logits = logits_at(seen, seen_end, refresh)
+            seen, seen_end = plan.cache.fed_span(start, end, total, step)
+            logits = logits_at(start, end, step)
             nfe += 1
-            if logits_eos_inf:
-                logits[:, :, model.eos_token_id] = float("-inf")
-            if temperature == 0:
-                x0 = logits.argmax(dim=-1)
-            else:
-                uniform = torch.rand(logits.shape, dtype=torch.float64, device=device, generator=generator)
-                x0 = (logits.double().exp() / (-torch.log(uniform)) ** temperature).argmax(dim=-1)
-            if remasking == "low_confidence":
-                confidence_logits = logits.clone()
-                if confidence_eos_eot_inf:
-                    confidence_logits[:, :, [model.eos_token_id, model.eot_token_id]] = float("-inf")
-                x0_p = torch.softmax(confidence_logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)
-            else:
-                x0_p = torch.rand(x0.shape, device=device, generator=generator)
             window = x[:, seen:seen_end]
             candidates = window == mask_id
             candidates[:, end - seen:] = False  # only the current block
+            logits[:, :, suppress] = float("-inf")
+            # The kernels' rule: a decoded position without a defined confidence (a NaN or +inf logit among the
+            # tokens not excluded) or without a token to sample raises; a NaN never wins the argmax.
+            block_logits = logits[:, start - seen:end - seen]  # a view
+            defining = block_logits.clone()
+            defining[:, :, exclude] = float("-inf")
+            undefined = (defining.isnan() | defining.isposinf()).any(dim=-1)
+            block_logits.masked_fill_(block_logits.isnan(), float("-inf"))
+            undefined |= (block_logits == float("-inf")).all(dim=-1)
+            raise_if_not_finite(undefined & candidates[:, start - seen:end - seen], start - P, plan.cfg_scale, weight)
+            if plan.temperature == 0:
+                x0 = logits.argmax(dim=-1)
+            else:
+                uniform = torch.rand(logits.shape, dtype=torch.float64, device=device, generator=generator)
+                x0 = (logits.double() / plan.temperature - torch.log(-torch.log(uniform))).argmax(dim=-1)
+            x0_p = None
+            if plan.remasking.uses_model_confidence:
+                confidence_logits = logits.clone()
+                confidence_logits[:, :, exclude] = float("-inf")
+                x0_p = torch.softmax(confidence_logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)
+            x0_p = plan.remasking.scores(x0_p, fed_shape=tuple(x0.shape), fed_positions=None, generator=generator,
+                                         device=device)
             x0_p = x0_p.double().masked_fill(~candidates, float("-inf"))
             if schedule is not None:
                 k = schedule[:, step]
@@ -194,9 +208,9 @@ def generate(model, input_ids, attention_mask=None, *, gen_length, block_length,
                 for row in range(B):
                     if candidates[row].any():
                         chosen[row, order[row, 0]] = True
-                        chosen[row] |= x0_p[row] >= threshold
+                        chosen[row] |= x0_p[row] >= plan.threshold
             chosen &= candidates
             window[chosen] = x0[chosen]
-            step += 1
+        check_block_done(int((x[:, start:end] == mask_id).sum()), block, plan.step_limit(block_length))
     completion = x[:, P:]
     return GenerationResult(x, completion, completion_mask(completion, model.eos_token_id), nfe, attention_mask)
