@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import torch
 
+from dllm_fast.decoding import CACHE_POLICIES
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     Provider, add_ratio, add_results_dir_argument, measure_in_fresh_process, print_table, run_sweep, write_results,
@@ -104,38 +106,22 @@ def measure(provider: Provider, point: dict) -> dict:
                 peak_mb=out["peak_bytes"] / 2**20, completion=out["summary"]["completion"])
 
 
-def forward_work(cache: str, *, step: int, block_start: int, total: int, block: int) -> tuple[int, bool]:
-    """The one place that interprets a cache mode for the roofline: (query positions the body runs in one forward,
-    whether that forward reads a KV cache). `step` counts from 0 within the block starting at `block_start`.
-    none recomputes all positions; prefix and dual refresh their cache on a block's first step, then run the
-    block and everything after it (prefix) or the block alone (dual)."""
-    if cache == "none":
-        return total, False
-    if cache not in ("prefix", "dual"):
-        raise ValueError(f"roofline: cache={cache!r} is not one of 'none', 'prefix', 'dual'.")
-    if step == 0:
-        return total, True
-    return (total - block_start if cache == "prefix" else block), True
-
-
 def roofline_seconds(config, point: dict, cache: str, peaks) -> float:
-    """Lower bound on one rollout: per forward, max(FLOPs / peak FLOP/s, bytes / bandwidth), with bf16 weights
-    read once per forward, the LM head applied to the masked block positions only, and the KV cache read."""
+    """Lower bound on one rollout: per forward the cache policy plans, max(FLOPs / peak FLOP/s, bytes /
+    bandwidth), with bf16 weights read once per forward, the LM head applied to the block's masked positions only,
+    and the KV cache read when the policy keeps one."""
     flops_peak, bandwidth = peaks
     d, V, layers = config.d_model, config.vocab_size, config.n_layers
     per_token_body = 2 * layers * (4 * d * d + 3 * d * config.mlp_hidden_size)
     weight_bytes = 2 * (layers * (4 * d * d + 3 * d * config.mlp_hidden_size) + V * d)
     B, P, G, block = point["batch"], point["prompt"], point["gen"], point["block"]
     total, steps_per_block = P + G, point["steps"] // (G // block)
+    policy = CACHE_POLICIES[cache]
     seconds = 0.0
-    for b in range(G // block):
-        start = P + b * block
-        for step in range(steps_per_block):
-            queries, reads_cache = forward_work(cache, step=step, block_start=start, total=total, block=block)
-            masked = block - step * block // steps_per_block
-            flops = B * queries * (per_token_body + 4 * layers * total * d) + 2 * B * masked * V * d
-            kv_bytes = 2 * 2 * layers * B * total * d if reads_cache else 0
-            seconds += max(flops / flops_peak, (weight_bytes + kv_bytes) / bandwidth)
+    for step in policy.plan(P, G, block, steps_per_block):
+        flops = B * step.fed * (per_token_body + 4 * layers * total * d) + 2 * B * step.masked * V * d
+        kv_bytes = 2 * 2 * layers * B * total * d if policy.uses_cache else 0
+        seconds += max(flops / flops_peak, (weight_bytes + kv_bytes) / bandwidth)
     return seconds
 
 

@@ -101,13 +101,20 @@ def test_logprob_providers_agree_on_a_small_point(one_thread):
     torch.testing.assert_close(naive, fused)
 
 
-def test_rollout_roofline_reads_cache_modes_in_one_place():
+def test_rollout_roofline_follows_the_cache_policy_plan():
+    """The roofline counts the tokens each cache policy feeds (dllm_fast.decoding's plan), so a bandwidth-free,
+    compute-bound roofline orders the modes none > prefix > dual, and the FLOPs match the fed spans."""
     import bench_rollout
+    from dllm_fast.decoding import CACHE_POLICIES
+    from dllm_fast.models import LLaDAConfig
 
-    shape = dict(block_start=10, total=50, block=8)
-    assert bench_rollout.forward_work("none", step=3, **shape) == (50, False)
-    assert bench_rollout.forward_work("prefix", step=0, **shape) == (50, True)
-    assert bench_rollout.forward_work("prefix", step=3, **shape) == (40, True)
-    assert bench_rollout.forward_work("dual", step=3, **shape) == (8, True)
-    with pytest.raises(ValueError, match="cache='paged' is not one of"):
-        bench_rollout.forward_work("paged", step=0, **shape)
+    config = LLaDAConfig.preset("tiny")
+    point = dict(batch=2, prompt=10, gen=16, block=8, steps=8)
+    compute_bound = (1.0, float("inf"))  # 1 FLOP/s: seconds are FLOPs
+    seconds = {mode: bench_rollout.roofline_seconds(config, point, mode, compute_bound) for mode in CACHE_POLICIES}
+    assert seconds["none"] > seconds["prefix"] > seconds["dual"] > 0
+    d, layers, total = config.d_model, config.n_layers, 26
+    body = 2 * layers * (4 * d * d + 3 * d * config.mlp_hidden_size) + 4 * layers * total * d
+    head = 2 * config.vocab_size * d
+    plan = CACHE_POLICIES["dual"].plan(10, 16, 8, 4)
+    assert seconds["dual"] == sum(2 * (s.fed * body + s.masked * head) for s in plan)
