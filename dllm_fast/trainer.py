@@ -209,8 +209,8 @@ class Run:
                                                    pad_token_id=self.core.eos_token_id)
         started = time.perf_counter()
         self.model.eval()  # no dropout while sampling
-        with torch.no_grad(), self.autocast():
-            result = generate(self.model, input_ids, attention_mask, gen_length=c.gen_length,
+        with torch.no_grad(), self.autocast():  # core: DDP's wrapper adds nothing to sampling; FSDP2's is the model
+            result = generate(self.core, input_ids, attention_mask, gen_length=c.gen_length,
                               block_length=c.block_length, steps=c.diffusion_steps, temperature=c.temperature,
                               remasking=c.remasking, cache=c.cache, threshold=c.threshold,
                               generator=self.rollout_generator)
@@ -262,7 +262,7 @@ class Run:
         for length in c.eval_gen_lengths:
             block, steps = eval_schedule(c, length)
             with self.autocast():
-                result = evaluate(self.model, self.tokenizer, self.task, self.test_examples, gen_length=length,
+                result = evaluate(self.core, self.tokenizer, self.task, self.test_examples, gen_length=length,
                                   block_length=block, steps=steps, batch_size=c.eval_batch_size,
                                   threshold=c.threshold if steps is None else None, cache=c.cache)
             row[f"eval_accuracy@{length}"] = result.accuracy
