@@ -128,6 +128,8 @@ def train_command(arguments: list[str]) -> None:
     except (ValueError, TypeError, FileNotFoundError) as error:
         raise SystemExit(f"python -m dllm_fast train: {error}") from None
     result = train(config)
+    if result.rank != 0:
+        return
     for length in sorted(result.final_accuracy):
         base, final = result.base_accuracy.get(length, float("nan")), result.final_accuracy[length]
         print(f"greedy test accuracy at {length} tokens: base {base:.3f} -> final {final:.3f} ({final - base:+.3f})")

@@ -99,7 +99,6 @@ def generate(
         seed = int(torch.randint(2**62, (1,), generator=generator,
                                  device=generator.device if generator is not None else "cpu"))
     suppress, exclude = suppressed_ids(model, plan), confidence_excluded_ids(model, plan)
-    weight = model.lm_head_weight
     # Noise is keyed by (row, position in the completion): a prompt's sample does not depend on the padded width.
     row_base = torch.arange(B, device=device)[:, None] * gen_length
 
@@ -131,6 +130,7 @@ def generate(
             positions = torch.argsort((~masked).to(torch.int8), dim=1, stable=True)[:, :remaining]
             candidates = masked.gather(1, positions)
             hidden = block_hidden(start, end, step)
+            weight = model.lm_head_weight  # read after the forward: FSDP2 gathers the root's weights in it
             rows = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
             # A non-finite output is flagged (raised below without a host sync per step), zeroed so the kernel
             # never sees it, and never unmasked.

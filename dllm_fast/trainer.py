@@ -63,6 +63,7 @@ class TrainResult:
     steps: int
     seconds: float
     history: list[dict] = field(default_factory=list)
+    rank: int = 0
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -329,7 +330,7 @@ class Run:
         evals = [row for row in self.history if any(k.startswith("eval_accuracy@") for k in row)]
         accuracy = lambda row: {int(k.split("@")[1]): v for k, v in row.items() if k.startswith("eval_accuracy@")}  # noqa: E731
         return TrainResult(self.output_dir, accuracy(evals[0]) if evals else {},
-                           accuracy(evals[-1]) if evals else {}, self.step, seconds, self.history)
+                           accuracy(evals[-1]) if evals else {}, self.step, seconds, self.history, self.rank)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:

@@ -161,3 +161,26 @@ def test_a_run_killed_mid_step_resumes_to_the_uninterrupted_parameters(tmp_path)
     assert all(torch.equal(want[k], got[k]) for k in want)
     rows = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]  # no duplicated steps from before the crash
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_torchrun_checkpoints_from_rank_0_and_resumes_every_rank(tmp_path, parallel):
+    """2 gloo processes under torchrun: rank 0 writes the checkpoint (weights gathered from FSDP2's shards), and
+    a run stopped after step 2 and resumed to step 3 ends with the parameters of an uninterrupted 3-step run."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def torchrun(output_dir, steps, *extra):
+        command = run_cli(output_dir, "--steps", str(steps), "--parallel", parallel, "--eval-every", "3", *extra)
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                    str(29500 + (os.getpid() + steps + len(extra)) % 1000), *command[1:]]
+        subprocess.run(launcher, check=True, env=env, capture_output=True, timeout=600)
+
+    torchrun(tmp_path / "whole", 3)
+    torchrun(tmp_path / "split", 2)
+    assert torch.load(tmp_path / "split" / "checkpoint" / "state.pt", weights_only=False)["world"] == 2
+    torchrun(tmp_path / "split", 3, "--resume", "true")
+    want, got = final_parameters(tmp_path / "whole"), final_parameters(tmp_path / "split")
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    rows = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and "eval_accuracy@24" in rows[2]
