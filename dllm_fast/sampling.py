@@ -59,9 +59,11 @@ def generate(
         cache: "none" (full recompute), "prefix" or "dual" (Fast-dLLM; refreshed at every block start).
         threshold: Fast-dLLM parallel decoding: unmask the most confident token plus every token with
             confidence >= threshold, until the block is done; needs steps=None.
-        logits_eos_inf: never sample EOS. confidence_eos_eot_inf: EOS and EoT get confidence 0 (removed from
-            the confidence softmax), so they are unmasked last within a block. This holds at every temperature;
-            LLaDA's generate.py, through a chained assignment, removes only EoT when T > 0.
+        logits_eos_inf: never sample EOS (the mask token is never sampled in any case: unmasking to it would
+            leave the position masked in the finished rollout). confidence_eos_eot_inf: EOS and EoT get
+            confidence 0 (removed from the confidence softmax), so they are unmasked last within a block. This
+            holds at every temperature; LLaDA's generate.py, through a chained assignment, removes only EoT
+            when T > 0.
         generator: the source of all randomness, on input_ids' device; a fixed generator state gives
             identical outputs (None: torch's default generator).
 
@@ -86,7 +88,8 @@ def generate(
     if temperature > 0:
         seed = int(torch.randint(2**62, (1,), generator=generator,
                                  device=generator.device if generator is not None else "cpu"))
-    suppress = [model.eos_token_id] if logits_eos_inf else []
+    # Unmasking to the mask token would leave an unfinished rollout, so it is never sampled.
+    suppress = [mask_id] + ([model.eos_token_id] if logits_eos_inf else [])
     exclude = [model.eos_token_id, model.eot_token_id] if confidence_eos_eot_inf else []
     weight = model.lm_head_weight
     # Noise is keyed by (row, position in the completion): a prompt's sample does not depend on the padded width.

@@ -306,3 +306,34 @@ def test_generator_on_another_device_is_named():
     ids, mask = prompts("cuda", [3])
     with pytest.raises(ValueError, match="generator is on cpu but input_ids on cuda"):
         dllm_fast.generate(model, ids, mask, gen_length=4, block_length=4, steps=4, generator=torch.Generator())
+
+
+class MaskFavouringModel(torch.nn.Module):
+    """Every position's logits favour the mask token (3), then token 6: an under-trained model's worst case."""
+
+    mask_token_id, eos_token_id, eot_token_id = 3, 2, 1
+
+    def __init__(self):
+        super().__init__()
+        head = torch.zeros(8, 4)
+        head[3], head[6], head[7] = 2.0, 1.0, 0.5
+        self.head = torch.nn.Parameter(head)
+
+    @property
+    def lm_head_weight(self):
+        return self.head
+
+    def forward(self, input_ids, attention_mask=None):
+        return torch.ones(*input_ids.shape, 4)
+
+
+@pytest.mark.parametrize("sampler", [dllm_fast.generate, reference.generate])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_mask_token_is_never_sampled(sampler, temperature):
+    """A finished rollout must hold no mask token: likelihood scoring rejects such a sequence."""
+    ids = torch.tensor([[0, 4, 5]] * 16)
+    result = sampler(MaskFavouringModel(), ids, gen_length=8, block_length=4, steps=8, temperature=temperature,
+                     generator=torch.Generator().manual_seed(0))
+    assert not (result.completion_ids == MaskFavouringModel.mask_token_id).any()
+    if temperature == 0:
+        assert (result.completion_ids == 6).all()

@@ -107,7 +107,8 @@ def generate(model, input_ids, attention_mask=None, *, gen_length, block_length,
     Differences from the published code, each deliberate: batches with left padding and an attention mask;
     top-k ties go to the lowest position (torch.topk leaves them unspecified); confidence_eos_eot_inf removes
     EOS and EoT from the confidence softmax at every temperature (LLaDA's code does both only at T = 0);
-    caches and threshold work for batch > 1.
+    caches and threshold work for batch > 1; the mask token is never sampled (LLaDA's code can pick it, leaving
+    a position masked in the finished sequence).
     """
     steps_per_block = check_generate_args(
         model, input_ids, attention_mask, gen_length=gen_length, block_length=block_length, steps=steps,
@@ -164,6 +165,7 @@ def generate(model, input_ids, attention_mask=None, *, gen_length, block_length,
             seen_end = total if (refresh or cache == "prefix") else end
             logits = logits_at(seen, seen_end, refresh)
             nfe += 1
+            logits[:, :, mask_id] = float("-inf")  # never unmask to the mask token
             if logits_eos_inf:
                 logits[:, :, model.eos_token_id] = float("-inf")
             if temperature == 0:
