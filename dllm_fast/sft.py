@@ -73,7 +73,8 @@ def draw_sft_masks(sequences: torch.Tensor, *, prompt_length: int, generator: to
     Draws come from `generator` only, on its device.
     """
     if not isinstance(sequences, torch.Tensor) or sequences.dim() != 2:
-        raise ValueError(f"sequences must be a [B, P + L] tensor of token ids, got {getattr(sequences, 'shape', sequences)!r}.")
+        got = tuple(sequences.shape) if isinstance(sequences, torch.Tensor) else type(sequences).__name__
+        raise ValueError(f"sequences must be a [B, P + L] tensor of token ids, got {got}.")
     check_int("prompt_length", prompt_length, minimum=0, maximum=sequences.shape[1] - 1,
               hint="the completion, the last positions of sequences, must not be empty")
     check_float("eps", eps, minimum=0.0, maximum=1.0, open_minimum=True, hint="LLaDA uses 1e-3")

@@ -118,7 +118,8 @@ def test_sudoku4_rejects_bad_options_by_name():
 def test_countdown_reward_has_d1s_three_levels():
     numbers, target = [30, 100, 93], 23
     assert countdown_reward(numbers, target, "<answer>30 + 93 - 100</answer>") == 1.0
-    assert countdown_reward(numbers, target, "<reasoning>\n...\n</reasoning>\n<answer>\n93 - 100 + 30\n</answer>") == 1.0
+    tagged = "<reasoning>\n...\n</reasoning>\n<answer>\n93 - 100 + 30\n</answer>"
+    assert countdown_reward(numbers, target, tagged) == 1.0
     assert countdown_reward(numbers, target, "30 + 93 - 100") == 0.0  # no answer tags
     assert countdown_reward(numbers, target, "<answer>30 + 93 - 100 = 23</answer>") == 0.1  # 23 is not a given number
     assert countdown_reward(numbers, target, "<answer>30 + 30 - 37</answer>") == 0.1  # numbers reused

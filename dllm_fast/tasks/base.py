@@ -1,6 +1,6 @@
 """What a verifiable task is: examples, a prompt per example, and a reward and an accuracy per completion.
 
-A task never touches the network and never imports torch: generators are seeded `random.Random`s and the
+A task never touches the network and uses no torch: generators are seeded `random.Random`s and the
 dataset tasks read a local JSONL file. Completions reach `reward` and `correct` as decoded text (special tokens
 skipped, as TRL decodes them for d1's reward functions).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 
 @dataclass(frozen=True)
