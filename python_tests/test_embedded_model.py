@@ -20,29 +20,38 @@ def offline(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
-def test_shipped_checkpoint_is_small_and_in_the_official_layout():
-    names = {p.name for p in SUDOKU4_DIR.iterdir()}
+def check_official_layout(directory):
+    names = {p.name for p in directory.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
-    assert sum(p.stat().st_size for p in SUDOKU4_DIR.iterdir()) < 10 * 2**20
-    config = json.loads((SUDOKU4_DIR / "config.json").read_text())
+    config = json.loads((directory / "config.json").read_text())
     assert config["model_type"] == "llada" and config["architectures"] == ["LLaDAModelLM"]
     for field in ("d_model", "n_layers", "n_heads", "mlp_hidden_size", "vocab_size", "rope_theta", "mask_token_id",
                   "eos_token_id", "pad_token_id"):
         assert field in config
-    assert "chat_template" in json.loads((SUDOKU4_DIR / "tokenizer_config.json").read_text())
+    assert "chat_template" in json.loads((directory / "tokenizer_config.json").read_text())
 
 
-def test_autotokenizer_loads_it_offline_with_the_models_special_ids():
+def check_special_ids(directory):
+    """AutoTokenizer loads the directory offline, and its special tokens are the config's special ids."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(SUDOKU4_DIR))
-    model = LLaDAModel.from_pretrained(SUDOKU4_DIR)
-    config = model.config
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    config = LLaDAModel.from_pretrained(directory).config
     assert len(tokenizer) == config.vocab_size
     assert tokenizer.mask_token_id == tokenizer.convert_tokens_to_ids("<|mdm_mask|>") == config.mask_token_id
     assert tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>") == config.eos_token_id
     assert tokenizer.pad_token_id == config.pad_token_id == config.eos_token_id  # LLaDA pads with EOS
     assert tokenizer.convert_tokens_to_ids("<|eot_id|>") == config.eot_token_id
+    return tokenizer
+
+
+def test_shipped_checkpoint_is_small_and_in_the_official_layout():
+    check_official_layout(SUDOKU4_DIR)
+    assert sum(p.stat().st_size for p in SUDOKU4_DIR.iterdir()) < 10 * 2**20
+
+
+def test_autotokenizer_loads_it_offline_with_the_models_special_ids():
+    tokenizer = check_special_ids(SUDOKU4_DIR)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "1200\n0000\n0000\n0001"}],
                                            add_generation_prompt=True, tokenize=False)
     assert prompt == ("<|startoftext|><|start_header_id|>user<|end_header_id|>\n\n1200\n0000\n0000\n0001<|eot_id|>"
@@ -85,6 +94,8 @@ def test_build_script_smoke(one_thread, tmp_path):
     assert summary["chosen_step"] == 2 and summary["curve"][0]["step"] == 2
     model, tokenizer, task = load_sudoku4(tmp_path / "a")
     assert model.config.d_model == 16 and len(tokenizer) == model.config.vocab_size
+    check_official_layout(tmp_path / "a")
+    check_special_ids(tmp_path / "a")
     assert json.loads((tmp_path / "a" / "build_sudoku4.json").read_text())["chosen_step"] == 2
     build(parse_args(["--out", str(tmp_path / "b"), "--max-steps", "4", "--stop-accuracy", "0.0", *TINY_BUILD]))
     torch.set_num_threads(threads)

@@ -123,6 +123,7 @@ def test_countdown_reward_has_d1s_three_levels():
     assert countdown_reward(numbers, target, "30 + 93 - 100") == 0.0  # no answer tags
     assert countdown_reward(numbers, target, "<answer>30 + 93 - 100 = 23</answer>") == 0.1  # 23 is not a given number
     assert countdown_reward(numbers, target, "<answer>30 + 30 - 37</answer>") == 0.1  # numbers reused
+    assert countdown_reward(numbers, target, "<answer>30 + 93 - 100 + 30 - 30</answer>") == 0.1  # 23, but 30 thrice
     assert countdown_reward(numbers, target, "<answer>(100 - 93) * 30</answer>") == 0.1  # wrong value
     assert countdown_reward(numbers, target, "<answer>30 + 93 - x100</answer>") == 0.1  # outside the whitelist
     assert countdown_reward(numbers, target, "<answer>30 93 100</answer>") == 0.1  # does not parse
