@@ -464,3 +464,34 @@ def test_the_gumbel_noise_changes_between_denoising_steps(monkeypatch, one_threa
     repeats = [(a, b) for tokens in draws.values() for a, b in zip(tokens, tokens[1:])]
     assert len(repeats) == 15 * 16 // 2
     assert sum(a != b for a, b in repeats) > len(repeats) // 2  # 6/7 of them when the noise is fresh
+
+
+class MaskFavouringModel(torch.nn.Module):
+    """Every position's logits favour the mask token (3), then token 6: an under-trained model's worst case."""
+
+    mask_token_id, eos_token_id, eot_token_id = 3, 2, 1
+
+    def __init__(self):
+        super().__init__()
+        head = torch.zeros(8, 4)
+        head[3], head[6], head[7] = 2.0, 1.0, 0.5
+        self.head = torch.nn.Parameter(head)
+
+    @property
+    def lm_head_weight(self):
+        return self.head
+
+    def forward(self, input_ids, attention_mask=None):
+        return torch.ones(*input_ids.shape, 4)
+
+
+@pytest.mark.parametrize("sampler", [dllm_fast.generate, reference.generate])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_mask_token_is_never_sampled(sampler, temperature):
+    """A finished rollout must hold no mask token: likelihood scoring rejects such a sequence."""
+    ids = torch.tensor([[0, 4, 5]] * 16)
+    result = sampler(MaskFavouringModel(), ids, gen_length=8, block_length=4, steps=8, temperature=temperature,
+                     generator=torch.Generator().manual_seed(0))
+    assert not (result.completion_ids == MaskFavouringModel.mask_token_id).any()
+    if temperature == 0:
+        assert (result.completion_ids == 6).all()

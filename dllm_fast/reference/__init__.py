@@ -1,8 +1,8 @@
 """Plain-PyTorch twins of every compiled op and published algorithm: test oracles, benchmark baselines and the
 explicit ``backend="reference"``."""
 
-from dllm_fast.reference import likelihood, objectives
+from dllm_fast.reference import likelihood, objectives, sft
 from dllm_fast.reference.logprobs import masked_logprobs
 from dllm_fast.reference.sampling import generate, sample_tokens, select_transfer
 
-__all__ = ["objectives", "generate", "likelihood", "masked_logprobs", "sample_tokens", "select_transfer"]
+__all__ = ["generate", "likelihood", "masked_logprobs", "objectives", "sample_tokens", "select_transfer", "sft"]

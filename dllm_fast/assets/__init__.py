@@ -1,0 +1,38 @@
+"""The embedded default: a tiny LLaDA-architecture model fine-tuned on sudoku4, shipped inside the package.
+
+`sudoku4/` holds the official checkpoint layout (config.json, model.safetensors, tokenizer.json and
+tokenizer_config.json with LLaDA's chat template) and build_sudoku4.json (how it was built, its accuracy curve).
+`python -m dllm_fast.assets.build_sudoku4 --out DIR` rebuilds it from scratch, deterministically, on CPU; its
+docstring says why half of the fine-tuning demonstrations come from a careless solver. The settings below are the
+ones it was built and evaluated with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SUDOKU4_DIR = Path(__file__).resolve().parent / "sudoku4"
+# get_task("sudoku4", **SUDOKU4_TASK_OPTIONS) is the task the model was fine-tuned on.
+SUDOKU4_TASK_OPTIONS = {"prompt_style": "grid"}
+# Greedy evaluation settings, and the rollout settings with SUDOKU4_ROLLOUT_TEMPERATURE: one block of 24 tokens
+# (<answer>, 4 rows of 4 digits, </answer>, end of turn, EOS), two tokens unmasked per step.
+SUDOKU4_GENERATION = {"gen_length": 24, "block_length": 24, "steps": 12}
+# At T = 1, about 90% of groups of 8 rollouts of a training puzzle differ in reward.
+SUDOKU4_ROLLOUT_TEMPERATURE = 1.0
+
+
+def load_sudoku4(directory: str | Path = SUDOKU4_DIR, dtype=None, device=None):
+    """(model, tokenizer, task): the embedded LLaDAModel, its tokenizer and the sudoku4 task it was trained on."""
+    # AutoTokenizer loads it too, but first reads config.json and warns that it knows no "llada" model type.
+    from transformers import PreTrainedTokenizerFast
+
+    from dllm_fast.models import LLaDAModel
+    from dllm_fast.tasks import get_task
+
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory} holds no config.json; rebuild the embedded model with "
+                                f"`python -m dllm_fast.assets.build_sudoku4 --out {directory}`.")
+    model = LLaDAModel.from_pretrained(directory, dtype=dtype, device=device)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(directory))
+    return model, tokenizer, get_task("sudoku4", **SUDOKU4_TASK_OPTIONS)

@@ -1,0 +1,14 @@
+"""Verifiable tasks: prompts, rewards and accuracies (sudoku4, countdown, gsm8k, math), none touching the network.
+
+    task = get_task("sudoku4")
+    examples = task.train_examples(seed=0)
+    text = task.prompt(examples[0], tokenizer)          # the chat template when the tokenizer has one
+    task.reward(examples[0], completion), task.correct(examples[0], completion)
+
+The task modules are pure Python (no torch); `dllm_fast.tasks.encoding` (prompts to token ids, completions to
+text) and `dllm_fast.tasks.evaluate` (accuracy through `generate`) are the torch-facing part.
+"""
+
+from dllm_fast.tasks.base import Example, Task, available_tasks, chat_prompt, get_task, register_task
+
+__all__ = ["Example", "Task", "available_tasks", "chat_prompt", "get_task", "register_task"]

@@ -1,0 +1,109 @@
+"""What a verifiable task is: examples, a prompt per example, and a reward and an accuracy per completion.
+
+A task never touches the network and uses no torch: generators are seeded `random.Random`s and the
+dataset tasks read a local JSONL file. Completions reach `reward` and `correct` as decoded text (special tokens
+skipped, as TRL decodes them for d1's reward functions).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+
+@dataclass(frozen=True)
+class Example:
+    """One problem.
+
+    question: the user turn the model sees, format instructions included.
+    answer: the reference answer in the task's notation (a solution grid, a target, a number, a LaTeX value).
+    data: task-specific fields the reward reads (the puzzle, the numbers, the target ...).
+    """
+
+    question: str
+    answer: str
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Task(ABC):
+    """A verifiable task. Subclasses set `name` and implement the examples, `reward_components` and `correct`.
+
+    - `train_examples(seed)` is deterministic given the seed; `test_examples()` is fixed by the task's options
+      alone, so that every training seed is evaluated on the same problems.
+    - `reward` is the sum of `reward_components` (d1 adds its reward functions the same way); it is finite.
+    - `demonstration(example)` is a completion that earns the full reward, in the format the prompt asks for
+      (the target of supervised fine-tuning), or None when the task has none.
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def train_examples(self, seed: int = 0) -> list[Example]: ...
+
+    @abstractmethod
+    def test_examples(self) -> list[Example]: ...
+
+    @abstractmethod
+    def reward_components(self, example: Example, completion: str) -> dict[str, float]: ...
+
+    @abstractmethod
+    def correct(self, example: Example, completion: str) -> bool: ...
+
+    def reward(self, example: Example, completion: str) -> float:
+        total = math.fsum(self.reward_components(example, completion).values())
+        if not math.isfinite(total):
+            raise ValueError(f"{self.name} reward of {completion!r} is {total}; a reward must be finite.")
+        return total
+
+    def demonstration(self, example: Example) -> str | None:
+        return None
+
+    def prompt(self, example: Example, tokenizer=None) -> str:
+        """The prompt text: the tokenizer's chat template around the question when it has one, else the question.
+
+        Encode it with ``add_special_tokens=False``: the chat template already holds the BOS token.
+        """
+        return chat_prompt(example.question, tokenizer)
+
+
+def chat_prompt(question: str, tokenizer=None) -> str:
+    """`question` as the single user turn of the tokenizer's chat template, ready for the assistant's answer
+    (d1 puts its format instructions in the user turn too: no system message)."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                             tokenize=False)
+    return question
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Registry
+
+_REGISTRY: dict[str, Callable[..., Task]] = {}
+
+
+def register_task(name: str, factory: Callable[..., Task]) -> None:
+    """Make `get_task(name, **options)` call `factory(**options)`."""
+    if name in _REGISTRY:
+        raise ValueError(f"a task named {name!r} is already registered; pick another name.")
+    _REGISTRY[name] = factory
+
+
+def available_tasks() -> list[str]:
+    _load_builtin_tasks()
+    return sorted(_REGISTRY)
+
+
+def get_task(name: str, **options) -> Task:
+    """The task `name` built with `options` (e.g. ``get_task("gsm8k", train_path=..., test_path=...)``)."""
+    _load_builtin_tasks()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown task {name!r}; available tasks: {', '.join(sorted(_REGISTRY))}.")
+    return _REGISTRY[name](**options)
+
+
+def _load_builtin_tasks() -> None:
+    # Importing a task module registers it; the import is here so that base.py stays import-cycle free.
+    from dllm_fast.tasks import countdown, gsm8k, math, sudoku4  # noqa: F401
+
