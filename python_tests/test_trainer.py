@@ -104,12 +104,12 @@ class NaNReward(Sudoku4):
         return {"broken": float("nan")}
 
 
-register_task("nan_sudoku4", lambda **options: NaNReward(**options))
-
-
-def test_a_nan_reward_names_the_prompt(tmp_path):
+def test_a_nan_reward_names_the_prompt(tmp_path, monkeypatch):
     from dllm_fast.assets import SUDOKU4_TASK_OPTIONS
+    from dllm_fast.tasks import base
 
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))  # registered for this test only
+    register_task("nan_sudoku4", lambda **options: NaNReward(**options))
     with pytest.raises(ValueError, match=r"reward of .* is nan"):
         train(quick_config(tmp_path, task="nan_sudoku4", task_options=SUDOKU4_TASK_OPTIONS, steps=1))
 
