@@ -452,8 +452,6 @@ class PromptStream:
 def load_model_and_tokenizer(config: TrainConfig, device: torch.device):
     """The policy's initial weights and its tokenizer, from the embedded default, a checkpoint directory or a
     preset with random weights (the tokenizer then comes from `config.tokenizer` or the embedded default)."""
-    from transformers import AutoTokenizer
-
     from dllm_fast.assets import SUDOKU4_DIR
     from dllm_fast.models import LLaDAConfig, LLaDAModel
 
@@ -470,8 +468,17 @@ def load_model_and_tokenizer(config: TrainConfig, device: torch.device):
                                     "embedded default), nor a directory holding config.json.")
         model = LLaDAModel.from_pretrained(directory, dtype=dtype, device=device)
         tokenizer_dir = config.tokenizer or directory
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    return model.train(), tokenizer
+    return model.train(), load_tokenizer(tokenizer_dir)
+
+
+def load_tokenizer(directory):
+    """AutoTokenizer of a directory. transformers knows no model_type "llada" and warns when AutoTokenizer reads
+    such a config.json; LLaDA's tokenizer_config.json names its class, so a blank config is enough there."""
+    from transformers import AutoTokenizer, PretrainedConfig
+
+    config_file = Path(directory) / "config.json"
+    llada = config_file.is_file() and json.loads(config_file.read_text()).get("model_type") == "llada"
+    return AutoTokenizer.from_pretrained(str(directory), **({"config": PretrainedConfig()} if llada else {}))
 
 
 def data_parallel_wrapper(model, config: TrainConfig, world: int, device: torch.device):

@@ -1,0 +1,100 @@
+"""RL on the embedded default: every objective trains the sudoku4 model with the trainer's defaults; base vs final.
+
+    python benchmarks/bench_training.py                                  # 7 objectives x 3 seeds, 300 steps, 2 jobs
+    python benchmarks/bench_training.py --objectives espo spg --seeds 0 1 2 3 4 --steps 200
+
+Each run is `python -m dllm_fast train --objective NAME --seed S` (TrainConfig's defaults: 8 prompts x G = 8,
+AdamW lr 1e-4, T = 1.0 rollouts, the objective's paper defaults), in its own process with one CPU thread;
+--jobs runs side by side. The accuracy is greedy on the whole sudoku4 test split, so the base model scores the
+same for every seed; the seeds move the rollouts, masks and data order. Reported per objective: the final
+accuracy's mean and sample std over seeds, the gain over the base model and whether it exceeds 2 std, the
+seconds per step and the rollout tokens per second (means over every step of every seed). The rows are
+written after each run, so an interrupted sweep keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import multiprocessing
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+from common import add_results_dir_argument, print_table, write_results  # noqa: E402
+
+from dllm_fast import objectives  # noqa: E402
+
+
+def one_run(objective: str, seed: int, steps: int, output_dir: str) -> dict:
+    """A whole training run in this (fresh) process; its accuracies and mean speeds."""
+    from dllm_fast.train_config import TrainConfig
+    from dllm_fast.trainer import train
+
+    config = TrainConfig(objective=objective, seed=seed, steps=steps, output_dir=output_dir, threads=1,
+                         progress=False, eval_every=steps)
+    result = train(config)
+    length = config.eval_gen_lengths[0]
+    steps_rows = [row for row in result.history if "step_seconds" in row]
+    return dict(objective=objective, seed=seed, steps=result.steps,
+                base_accuracy=result.base_accuracy[length], final_accuracy=result.final_accuracy[length],
+                seconds=result.seconds,
+                seconds_per_step=statistics.fmean(r["step_seconds"] for r in steps_rows),
+                rollout_tokens_per_s=statistics.fmean(r["rollout_tokens_per_s"] for r in steps_rows))
+
+
+def summarize(runs: list[dict], objective_names: list[str]) -> list[dict]:
+    rows = []
+    base = sorted({r["base_accuracy"] for r in runs})
+    if base:
+        rows.append(dict(objective="base model", seeds=len({r["seed"] for r in runs}), final_mean=base[0], final_std=0.0))
+    for name in objective_names:
+        mine = [r for r in runs if r["objective"] == name]
+        if not mine:
+            continue
+        finals = [r["final_accuracy"] for r in mine]
+        mean = statistics.fmean(finals)
+        std = statistics.stdev(finals) if len(finals) > 1 else 0.0
+        gain = mean - mine[0]["base_accuracy"]
+        rows.append(dict(objective=name, seeds=len(mine), final_mean=mean, final_std=std, gain=gain,
+                         gain_over_2_std=bool(len(finals) > 1 and gain > 2 * std),
+                         seeds_above_base=sum(f > r["base_accuracy"] for f, r in zip(finals, mine)),
+                         seconds_per_step=statistics.fmean(r["seconds_per_step"] for r in mine),
+                         rollout_tokens_per_s=statistics.fmean(r["rollout_tokens_per_s"] for r in mine)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--objectives", nargs="+", default=list(objectives.available()),
+                        choices=list(objectives.available()))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--jobs", type=int, default=2, help="runs side by side, one CPU thread each")
+    parser.add_argument("--name", default="training_cpu")
+    add_results_dir_argument(parser)
+    args = parser.parse_args()
+
+    config = {k: v for k, v in vars(args).items() if k not in ("name", "results_dir")}
+    runs = []
+    with tempfile.TemporaryDirectory() as scratch, concurrent.futures.ProcessPoolExecutor(
+            args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(one_run, name, seed, args.steps, f"{scratch}/{name}-{seed}")
+                   for name in args.objectives for seed in args.seeds]
+        for future in concurrent.futures.as_completed(futures):
+            run = future.result()
+            runs.append(run)
+            print(f"{run['objective']} seed {run['seed']}: {run['base_accuracy']:.3f} -> {run['final_accuracy']:.3f}"
+                  f" in {run['seconds']:.0f} s", flush=True)
+            write_results(args.name, config | {"runs": runs}, summarize(runs, args.objectives), args.results_dir)
+    rows = summarize(runs, args.objectives)
+    print_table(rows, ["objective", "seeds", "final_mean", "final_std", "gain", "gain_over_2_std", "seeds_above_base",
+                       "seconds_per_step", "rollout_tokens_per_s"])
+    print(f"wrote {write_results(args.name, config | {'runs': runs}, rows, args.results_dir)}")
+
+
+if __name__ == "__main__":
+    main()
