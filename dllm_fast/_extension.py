@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 try:
-    from dllm_fast import _C
+    import dllm_fast._C as _C  # the compiled module itself (not the package)
 except ImportError as error:  # not built, or built against another torch
     _C = None
     LOAD_ERROR: ImportError | None = error

@@ -11,4 +11,7 @@ text) and `dllm_fast.tasks.evaluate` (accuracy through `generate`) are the torch
 
 from dllm_fast.tasks.base import Example, Task, available_tasks, chat_prompt, get_task, register_task
 
+# Importing a task module registers it (the package runs this before any of its modules is used).
+from dllm_fast.tasks import countdown, gsm8k, math, sudoku4  # noqa: E402, F401  isort: skip
+
 __all__ = ["Example", "Task", "available_tasks", "chat_prompt", "get_task", "register_task"]

@@ -91,19 +91,11 @@ def register_task(name: str, factory: Callable[..., Task]) -> None:
 
 
 def available_tasks() -> list[str]:
-    _load_builtin_tasks()
     return sorted(_REGISTRY)
 
 
 def get_task(name: str, **options) -> Task:
     """The task `name` built with `options` (e.g. ``get_task("gsm8k", train_path=..., test_path=...)``)."""
-    _load_builtin_tasks()
     if name not in _REGISTRY:
         raise ValueError(f"unknown task {name!r}; available tasks: {', '.join(sorted(_REGISTRY))}.")
     return _REGISTRY[name](**options)
-
-
-def _load_builtin_tasks() -> None:
-    # Importing a task module registers it; the import is here so that base.py stays import-cycle free.
-    from dllm_fast.tasks import countdown, gsm8k, math, sudoku4  # noqa: F401
-
