@@ -127,7 +127,10 @@ def train_command(arguments: list[str]) -> None:
         config = TrainConfig.from_file(config_file, **overrides) if config_file else TrainConfig.from_dict(overrides)
     except (ValueError, TypeError, FileNotFoundError) as error:
         raise SystemExit(f"python -m dllm_fast train: {error}") from None
-    result = train(config)
+    try:
+        result = train(config)
+    except FileExistsError as error:
+        raise SystemExit(f"python -m dllm_fast train: {error}") from None
     if result.rank != 0:
         return
     for length in sorted(result.final_accuracy):

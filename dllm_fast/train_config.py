@@ -73,7 +73,8 @@ class TrainConfig:
 
     # State and reporting.
     checkpoint_every: int = 50
-    resume: bool = False
+    resume: bool = False            # continue from output_dir's checkpoint
+    overwrite: bool = False         # start afresh in an output_dir that holds another run's checkpoint
     eval_every: int = 100
     eval_gen_lengths: list = field(default_factory=lambda: [24])
     eval_examples: int | None = None  # None: the whole test split

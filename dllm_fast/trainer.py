@@ -182,7 +182,11 @@ class Run:
         if rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         self.barrier()
-        if config.resume and settled_directory(self.output_dir / CHECKPOINT).is_dir():
+        previous = settled_directory(self.output_dir / CHECKPOINT).is_dir()
+        if previous and not (config.resume or config.overwrite):  # a new run would replace it at its first save
+            raise FileExistsError(f"{self.output_dir} holds the checkpoint of an earlier run; continue it with "
+                                  "--resume true, replace it with --overwrite true, or pick another --output-dir.")
+        if config.resume and previous:
             self.load_checkpoint()
         elif rank == 0:
             (self.output_dir / METRICS).write_text("")

@@ -114,6 +114,17 @@ def test_a_nan_reward_names_the_prompt(tmp_path, monkeypatch):
         train(quick_config(tmp_path, task="nan_sudoku4", task_options=SUDOKU4_TASK_OPTIONS, steps=1))
 
 
+def test_a_new_run_never_replaces_an_earlier_runs_checkpoint_unless_told(tmp_path):
+    config = quick_config(tmp_path, steps=1, eval_every=10, checkpoint_every=1)
+    train(config)
+    checkpoint = Path(config.output_dir) / "checkpoint"
+    written = {p: p.read_bytes() for p in checkpoint.rglob("*") if p.is_file()}
+    with pytest.raises(FileExistsError, match="--resume true.*--overwrite true"):
+        train(config)
+    assert {p: p.read_bytes() for p in checkpoint.rglob("*") if p.is_file()} == written
+    assert train(quick_config(tmp_path, steps=1, eval_every=10, checkpoint_every=1, overwrite=True)).steps == 1
+
+
 def test_zero_variance_groups_are_kept_and_counted(tmp_path):
     # Greedy rollouts: every completion of a prompt is the same, so every group has zero reward variance.
     result = train(quick_config(tmp_path, temperature=0.0, steps=1, eval_every=10))
