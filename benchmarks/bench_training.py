@@ -79,21 +79,28 @@ def main() -> None:
     args = parser.parse_args()
 
     config = {k: v for k, v in vars(args).items() if k not in ("name", "results_dir")}
-    runs = []
+    runs, failures = [], []
     with tempfile.TemporaryDirectory() as scratch, concurrent.futures.ProcessPoolExecutor(
             args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(one_run, name, seed, args.steps, f"{scratch}/{name}-{seed}")
-                   for name in args.objectives for seed in args.seeds]
+        futures = {pool.submit(one_run, name, seed, args.steps, f"{scratch}/{name}-{seed}"): (name, seed)
+                   for name in args.objectives for seed in args.seeds}
         for future in concurrent.futures.as_completed(futures):
-            run = future.result()
+            name, seed = futures[future]
+            try:
+                run = future.result()
+            except Exception as error:  # a diverged or crashed run is a result too; the sweep goes on
+                print(f"{name} seed {seed} failed: {error!r}", flush=True)
+                failures.append(dict(objective=name, seed=seed, error=repr(error)))
+                continue
             runs.append(run)
             print(f"{run['objective']} seed {run['seed']}: {run['base_accuracy']:.3f} -> {run['final_accuracy']:.3f}"
                   f" in {run['seconds']:.0f} s", flush=True)
-            write_results(args.name, config | {"runs": runs}, summarize(runs, args.objectives), args.results_dir)
+            partial = config | {"runs": runs, "failures": failures}
+            write_results(args.name, partial, summarize(runs, args.objectives), args.results_dir)
     rows = summarize(runs, args.objectives)
     print_table(rows, ["objective", "seeds", "final_mean", "final_std", "gain", "gain_over_2_std", "seeds_above_base",
                        "seconds_per_step", "rollout_tokens_per_s"])
-    print(f"wrote {write_results(args.name, config | {'runs': runs}, rows, args.results_dir)}")
+    print(f"wrote {write_results(args.name, config | {'runs': runs, 'failures': failures}, rows, args.results_dir)}")
 
 
 if __name__ == "__main__":
