@@ -11,7 +11,6 @@ import os
 import secrets
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -24,8 +23,7 @@ def atomic_path(path: str | os.PathLike):
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = _new_temporary_file(path)
     try:
         yield Path(tmp)
         with open(tmp, "rb") as f:
@@ -35,6 +33,20 @@ def atomic_path(path: str | os.PathLike):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _new_temporary_file(path: Path) -> Path:
+    """An empty file beside `path` with the permissions a plain open() would give (the umask applies; an existing
+    file's mode is kept), not mkstemp's 0600, which would hide checkpoints from the rest of a group."""
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        if path.is_file():
+            shutil.copymode(path, tmp)
+        return tmp
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

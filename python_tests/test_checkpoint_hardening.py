@@ -211,6 +211,20 @@ def test_a_save_through_a_symlink_replaces_its_target(tmp_path):
     assert link.is_symlink() and LLaDAModel.from_pretrained(real).config.rope_theta == 10000.0
 
 
+def test_an_atomic_file_gets_the_permissions_of_a_plain_write(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        files.write_text_atomic(tmp_path / "new.json", "{}")
+        (tmp_path / "plain.json").write_text("{}")
+        assert (tmp_path / "new.json").stat().st_mode == (tmp_path / "plain.json").stat().st_mode  # 0644, not 0600
+        os.chmod(tmp_path / "new.json", 0o640)
+        files.write_text_atomic(tmp_path / "new.json", "[]")  # a replaced file keeps its mode
+        assert (tmp_path / "new.json").stat().st_mode & 0o777 == 0o640
+        assert (tmp_path / "new.json").read_text() == "[]" and sorted(os.listdir(tmp_path)) == ["new.json", "plain.json"]
+    finally:
+        os.umask(previous)
+
+
 # -- config.json ----------------------------------------------------------------------------------------------
 
 # Wrong values of every LLaDAConfig field and of the fixed architecture values: (field, value, error, message).
