@@ -46,8 +46,7 @@ from dllm_fast.models import LLaDAConfig, LLaDAModel
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 from common import (  # noqa: E402
-    Provider, add_ratio, add_results_dir_argument, peak_extra_bytes, print_table, run_sweep, saved_bytes, time_call,
-    write_results,
+    Provider, add_ratio, add_results_dir_argument, print_table, run_sweep, time_call, training_memory, write_results,
 )
 
 ADVANTAGE = 1.0
@@ -203,12 +202,8 @@ def measure(args, provider: Provider, point: dict) -> dict:
     timing = time_call(lambda: provider.run(state), point["device"], warmup=0, repeats=args.repeats)
     row = dict(pairs_scored=int((masks.num_masked > 0).sum()), seconds=timing.median_s,
                ms_per_sample=1e3 * timing.median_s / n_t, min_ms_per_sample=1e3 * timing.min_s / n_t)
-    row["saved_mib"] = saved_bytes(lambda: provider.run(state), live=True, exclude=case.parameters()) / 2**20
-    if point["device"] == "cuda" or not args.no_rss:
-        # MALLOC_MMAP_THRESHOLD_: see the module docstring (freed activations leave the heap).
-        env = {} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
-        row["peak_mib"] = peak_extra_bytes(provider, point, state, env=env) / 2**20
-    return row
+    return row | training_memory(provider, point, state, exclude=case.parameters(), resident_peak=not args.no_rss,
+                                 default_malloc=args.default_malloc)
 
 
 def main():

@@ -41,8 +41,7 @@ from dllm_fast.models import LLaDAConfig, LLaDAModel
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 from common import (  # noqa: E402
-    Provider, add_ratio, add_results_dir_argument, peak_extra_bytes, print_table, run_sweep, saved_bytes, time_call,
-    write_results,
+    Provider, add_ratio, add_results_dir_argument, print_table, run_sweep, time_call, training_memory, write_results,
 )
 
 GROUP = 4
@@ -145,11 +144,8 @@ def measure(args, provider: Provider, point: dict) -> dict:
     timing = time_call(lambda: provider.run(case), point["device"], warmup=0, repeats=args.repeats)
     row = dict(seconds=timing.median_s, ms_per_sample=1e3 * timing.median_s / point["n_t"],
                pairs=int((case.masks.num_masked > 0).sum()))
-    row["saved_mib"] = saved_bytes(lambda: provider.run(case), live=True, exclude=case.parameters()) / 2**20
-    if not args.no_rss or point["device"] == "cuda":
-        env = {} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
-        row["peak_mib"] = peak_extra_bytes(provider, point, case, env=env) / 2**20
-    return row
+    return row | training_memory(provider, point, case, exclude=case.parameters(), resident_peak=not args.no_rss,
+                                 default_malloc=args.default_malloc)
 
 
 def main():

@@ -26,7 +26,8 @@ Every benchmark in this folder has the same shape (after Liger-Kernel's benchmar
 - **Measurements** shared by all benchmarks: `time_call` (min and median wall-clock over repeats, CUDA
   synchronised), `saved_bytes` (what autograd saves for backward: every saved storage, or the peak alive at
   once), `peak_extra_bytes` (peak above the post-warm-up baseline: torch.cuda.max_memory_allocated on CUDA, the
-  resident peak of a fresh process on CPU), and `measure_in_fresh_process` (setup, warm-up, timed runs and the
+  resident peak of a fresh process on CPU), `training_memory` (both, for a gradient step), and
+  `measure_in_fresh_process` (setup, warm-up, timed runs and the
   peak all in one fresh process, for providers that must not share a process).
 - `run_sweep` loops points x providers, catches CUDA out-of-memory errors (that provider is then skipped for
   the rest of the sweep), prints progress and returns one row per (point, provider) with a "status".
@@ -194,6 +195,18 @@ def peak_extra_bytes(provider: Provider, point: dict, state: Any = None, *,
         state = provider.prepare(point) if state is None else state
         return cuda_peak_extra_bytes(lambda: provider.run(state), point["device"])
     return measure_in_fresh_process(provider, point, repeats=1, env=env)["peak_bytes"]
+
+
+def training_memory(provider: Provider, point: dict, state: Any, *, exclude: Iterable[torch.Tensor],
+                    resident_peak: bool = True, default_malloc: bool = False) -> dict:
+    """saved_mib (the most saved-for-backward bytes alive at once, `exclude` not counted) and, unless
+    resident_peak is False on CPU, peak_mib (peak_extra_bytes). On CPU the fresh process runs with
+    MALLOC_MMAP_THRESHOLD_=64 KiB so that freed activations leave the heap, unless default_malloc."""
+    row = {"saved_mib": saved_bytes(lambda: provider.run(state), live=True, exclude=exclude) / 2**20}
+    if resident_peak or torch.device(point["device"]).type == "cuda":
+        env = {} if default_malloc else {"MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
+        row["peak_mib"] = peak_extra_bytes(provider, point, state, env=env) / 2**20
+    return row
 
 
 def measure_in_fresh_process(provider: Provider, point: dict, *, repeats: int = 1,

@@ -50,6 +50,7 @@ from dllm_fast.contracts import RolloutBatch, completion_mask, unwrap_model
 from dllm_fast.integrations.logprobs import mean_field_logprobs
 from dllm_fast.likelihood import MonteCarloMasks, score
 from dllm_fast.sampling import generate
+from dllm_fast.tasks.encoding import left_pad
 from dllm_fast.validation import check_int
 
 __all__ = ["DiffusionGRPOTrainer", "DiffusionPreTrainedModel", "DiffusionPreTrainedConfig", "make_rollout_func"]
@@ -213,20 +214,6 @@ def tokenize_prompts(prompts: list, tokenizer, chat_template_kwargs: dict) -> li
                                                 **chat_template_kwargs)
         return [list(ids) for ids in encoded["input_ids"]]
     return [list(ids) for ids in tokenizer(text=prompts)["input_ids"]]
-
-
-def left_pad(rows: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, P] left-padded ids and their 0/1 mask (None when no row is padded)."""
-    if not rows or any(len(row) == 0 for row in rows):
-        raise ValueError("every prompt must tokenize to at least one token; got an empty prompt.")
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row):] = 1
-    padded = bool((mask == 0).any())
-    return ids.to(device), (mask.to(device) if padded else None)
 
 
 # ---------------------------------------------------------------------------------------------------------

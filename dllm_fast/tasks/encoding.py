@@ -21,13 +21,22 @@ def encode_prompts(tokenizer, prompts: Sequence[str], *, device: torch.device | 
         raise ValueError("prompts must be a non-empty sequence of prompt strings (one per row), "
                          f"got {prompts!r:.80}.")
     rows = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts]
-    empty = [i for i, row in enumerate(rows) if not row]
-    if empty:
-        raise ValueError(f"prompt {empty[0]} encodes to no tokens; every prompt needs at least one.")
     if pad_token_id is None:
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_token_id is None:
         raise ValueError("the tokenizer has neither a pad nor an EOS token; pass pad_token_id.")
+    return left_pad(rows, pad_token_id, device)
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int,
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, P] left-padded ids of token-id rows and their 0/1 mask (None when no row is padded)."""
+    if not rows:
+        raise ValueError("no prompts to pad; pass at least one row of token ids.")
+    empty = [i for i, row in enumerate(rows) if len(row) == 0]
+    if empty:
+        raise ValueError(f"prompt {empty[0]} encodes to no tokens (an empty prompt); every prompt needs at least "
+                         "one.")
     width = max(len(row) for row in rows)
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
