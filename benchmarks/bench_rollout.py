@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from dllm_fast.decoding import CACHE_POLICIES
+from dllm_fast.rollout import CACHE_POLICIES, masked_count_schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -106,6 +106,21 @@ def measure(provider: Provider, point: dict) -> dict:
                 peak_mb=out["peak_bytes"] / 2**20, completion=out["summary"]["completion"])
 
 
+def planned_steps(policy, prompt_length: int, gen_length: int, block_length: int, steps_per_block: int):
+    """(positions fed, masked positions of the block) of every step a fixed schedule runs, in order; steps that
+    would unmask nothing are skipped, as generate() skips them."""
+    total = prompt_length + gen_length
+    for block in range(gen_length // block_length):
+        start = prompt_length + block * block_length
+        masked = block_length
+        for step, count in enumerate(masked_count_schedule(block_length, steps_per_block)):
+            if masked == 0:
+                break
+            lo, hi = policy.fed_span(start, start + block_length, total, step)
+            yield hi - lo, masked
+            masked -= count
+
+
 def roofline_seconds(config, point: dict, cache: str, peaks) -> float:
     """Lower bound on one rollout: per forward the cache policy plans, max(FLOPs / peak FLOP/s, bytes /
     bandwidth), with bf16 weights read once per forward, the LM head applied to the block's masked positions only,
@@ -118,8 +133,8 @@ def roofline_seconds(config, point: dict, cache: str, peaks) -> float:
     total, steps_per_block = P + G, point["steps"] // (G // block)
     policy = CACHE_POLICIES[cache]
     seconds = 0.0
-    for step in policy.plan(P, G, block, steps_per_block):
-        flops = B * step.fed * (per_token_body + 4 * layers * total * d) + 2 * B * step.masked * V * d
+    for fed, masked in planned_steps(policy, P, G, block, steps_per_block):
+        flops = B * fed * (per_token_body + 4 * layers * total * d) + 2 * B * masked * V * d
         kv_bytes = 2 * 2 * layers * B * total * d if policy.uses_cache else 0
         seconds += max(flops / flops_peak, (weight_bytes + kv_bytes) / bandwidth)
     return seconds

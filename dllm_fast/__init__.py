@@ -6,7 +6,7 @@ from dllm_fast._extension import HAS_EXTENSION, build_info
 from dllm_fast.ops import masked_logprobs, sample_tokens, select_transfer
 from dllm_fast import likelihood  # noqa: E402  (after ops: the engine builds on masked_logprobs)
 from dllm_fast.contracts import DiffusionLM, GenerationResult, RolloutBatch
-from dllm_fast.sampling import generate
+from dllm_fast.rollout import generate
 
 __version__ = "0.1.0"
 

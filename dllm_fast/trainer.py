@@ -41,7 +41,7 @@ from dllm_fast.files import atomic_directory, settled_directory, write_text_atom
 from dllm_fast.likelihood import score
 from dllm_fast.likelihood.engine import has_active_dropout
 from dllm_fast.memory import peak_rss_bytes, reset_peak_rss
-from dllm_fast.sampling import generate
+from dllm_fast.rollout import generate
 from dllm_fast.tasks import get_task
 from dllm_fast.tasks.encoding import decode_completions, encode_prompts
 from dllm_fast.tasks.evaluate import evaluate

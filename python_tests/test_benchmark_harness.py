@@ -102,10 +102,10 @@ def test_logprob_providers_agree_on_a_small_point(one_thread):
 
 
 def test_rollout_roofline_follows_the_cache_policy_plan():
-    """The roofline counts the tokens each cache policy feeds (dllm_fast.decoding's plan), so a bandwidth-free,
+    """The roofline counts the tokens each cache policy feeds (the fed span of every step), so a bandwidth-free,
     compute-bound roofline orders the modes none > prefix > dual, and the FLOPs match the fed spans."""
     import bench_rollout
-    from dllm_fast.decoding import CACHE_POLICIES
+    from dllm_fast.rollout import CACHE_POLICIES
     from dllm_fast.models import LLaDAConfig
 
     config = LLaDAConfig.preset("tiny")
@@ -116,5 +116,7 @@ def test_rollout_roofline_follows_the_cache_policy_plan():
     d, layers, total = config.d_model, config.n_layers, 26
     body = 2 * layers * (4 * d * d + 3 * d * config.mlp_hidden_size) + 4 * layers * total * d
     head = 2 * config.vocab_size * d
-    plan = CACHE_POLICIES["dual"].plan(10, 16, 8, 4)
-    assert seconds["dual"] == sum(2 * (s.fed * body + s.masked * head) for s in plan)
+    steps = list(bench_rollout.planned_steps(CACHE_POLICIES["dual"], 10, 16, 8, 4))
+    # dual: each block's first step feeds all 26 positions, its other steps the block's 8
+    assert [fed for fed, _ in steps] == [26, 8, 8, 8, 26, 8, 8, 8]
+    assert seconds["dual"] == sum(2 * (fed * body + masked * head) for fed, masked in steps)

@@ -5,8 +5,8 @@ import torch
 
 import dllm_fast
 from dllm_fast import reference
-from dllm_fast.decoding import (CACHE_POLICIES, REMASKING, CachePolicy, DualCache, Remasking, cache_policy,
-                                remasking_rule)
+from dllm_fast.rollout import (CACHE_POLICIES, REMASKING, CachePolicy, DualCache, Remasking, cache_policy,
+                               remasking_rule)
 from test_generate import ScriptedModel, eos_prone_table, prompts, tiny_model, unmask_steps
 
 SAMPLERS = [dllm_fast.generate, reference.generate]
@@ -32,19 +32,23 @@ def test_the_registries_hold_the_published_modes():
 
 @pytest.mark.parametrize("cache", list(CACHE_POLICIES))
 @pytest.mark.parametrize("steps", [16, 32])
-def test_the_plan_is_what_the_samplers_feed(cache, steps, one_thread):
-    """policy.plan (what a roofline counts) lists exactly the forwards both samplers run, and what each feeds."""
+def test_the_policy_spans_are_what_the_samplers_feed(cache, steps, one_thread):
+    """policy.fed_span (what a roofline or a planner counts) gives exactly the forwards both samplers run, and
+    what each feeds; a block is left once complete, so extra steps per block run no forward."""
     model = tiny_model("cpu")
     ids, mask = prompts("cpu", [5, 8])
-    plan = CACHE_POLICIES[cache].plan(prompt_length=8, gen_length=16, block_length=4, steps_per_block=steps // 4)
-    assert sum(step.unmasked for step in plan) == 16
+    policy = CACHE_POLICIES[cache]
+    expected = []
+    for block in range(4):  # 4 blocks of 4 tokens, one token a step: 4 useful forwards a block
+        start = 8 + 4 * block
+        expected += [policy.fed_span(start, start + 4, 24, step) for step in range(4)]
     for sampler in SAMPLERS:
         lengths, result = fed_lengths(model, sampler, ids, mask, gen_length=16, block_length=4, steps=steps,
                                       cache=cache)
-        assert lengths == [step.fed for step in plan]
-        assert result.nfe == len(plan) == 16  # 4 or 8 steps per block of 4 tokens: 4 useful forwards a block
-    assert [(step.masked, step.refresh) for step in plan[:4]] == [(4, True), (3, cache == "none"),
-                                                                   (2, cache == "none"), (1, cache == "none")]
+        assert lengths == [hi - lo for lo, hi in expected]
+        assert result.nfe == 16
+    refreshed = [policy.refreshes(step) for step in range(4)]
+    assert refreshed == [True] + [cache == "none"] * 3
 
 
 class DualCacheRefreshedEveryOtherStep(DualCache):
@@ -63,7 +67,7 @@ def test_a_new_cache_policy_is_one_class(one_thread):
     kwargs = dict(gen_length=8, block_length=4, steps=8, cache=policy)
     (fused_fed, fused), (plain_fed, plain) = (fed_lengths(model, sampler, ids, mask, **kwargs) for sampler in SAMPLERS)
     assert torch.equal(fused.sequences, plain.sequences)
-    assert fused_fed == plain_fed == [step.fed for step in policy.plan(8, 8, 4, 4)] == [16, 4, 16, 4] * 2
+    assert fused_fed == plain_fed == [16, 4, 16, 4] * 2
 
 
 class LeftToRight(Remasking):

@@ -49,7 +49,7 @@ from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, completion_mask, unwrap_model
 from dllm_fast.integrations.logprobs import mean_field_logprobs
 from dllm_fast.likelihood import MonteCarloMasks, score
-from dllm_fast.sampling import generate
+from dllm_fast.rollout import generate
 from dllm_fast.tasks.encoding import left_pad
 from dllm_fast.validation import check_int
 

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from dllm_fast.sampling import generate
+from dllm_fast.rollout import generate
 from dllm_fast.tasks.base import Example, Task
 from dllm_fast.tasks.encoding import decode_completions, encode_prompts
 from dllm_fast.validation import check_int

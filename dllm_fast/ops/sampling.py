@@ -1,179 +1,15 @@
-"""Typed Python faces of the compiled ops: input checks, fake kernels for torch.compile, autograd, backend choice.
-
-Every op runs on one of two backends:
-
-- ``"compiled"``: the C++/CUDA kernel in dllm_fast._C for the tensors' device;
-- ``"reference"``: the plain-PyTorch twin in dllm_fast.reference.
-
-``backend=None`` (or ``"auto"``) takes the compiled kernel when one is registered for the device and otherwise
-falls back to the reference with a one-time warning. Asking for ``"compiled"`` explicitly raises instead of
-falling back. The environment variable ``DLLM_FAST_BACKEND`` sets the default.
-"""
+"""sample_tokens and select_transfer: the typed faces of the block-diffusion sampling ops (input checks, fake
+kernels)."""
 
 from __future__ import annotations
-
-import os
-import warnings
 
 import torch
 
 from dllm_fast import reference
-from dllm_fast._extension import HAS_EXTENSION, has_kernel, missing_extension_message
+from dllm_fast._extension import HAS_EXTENSION
 from dllm_fast.contracts import accumulate_dtype
+from dllm_fast.ops.backend import FLOAT_DTYPES, choose_backend, resolve_chunk_size
 from dllm_fast.validation import check_bool, check_int, check_same_device, check_temperature, check_threshold
-
-BACKENDS = ("auto", "compiled", "reference")
-_FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_warned_fallback: set[tuple[str, str]] = set()
-
-
-def choose_backend(op: str, device: torch.device, backend: str | None) -> str:
-    """Resolve `backend` (None, "auto", "compiled" or "reference") for op `op` on `device`."""
-    requested = backend or os.environ.get("DLLM_FAST_BACKEND", "auto")
-    if requested not in BACKENDS:
-        raise ValueError(f"backend={requested!r} is not one of {BACKENDS}.")
-    if requested == "reference":
-        return "reference"
-    if has_kernel(op, device.type):
-        return "compiled"
-    reason = (
-        missing_extension_message()
-        if not HAS_EXTENSION
-        else f"dllm_fast._C has no {device.type} kernel for {op} (built without CUDA? set DLLM_FAST_CUDA=1 to require it)"
-    )
-    if requested == "compiled":
-        raise RuntimeError(f"backend='compiled' was requested for {op} on {device}, but {reason}.")
-    if (op, device.type) not in _warned_fallback:
-        _warned_fallback.add((op, device.type))
-        warnings.warn(f"{op} falls back to the plain-PyTorch reference on {device.type}: {reason}.", stacklevel=3)
-    return "reference"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# masked_logprobs
-
-
-def default_chunk_size(rows: int, vocab: int, device: torch.device) -> int:
-    """Vocabulary columns per chunk: about 8 MB of fp32 logits on CPU (cache-friendly), 256 MB on GPU."""
-    budget = (256 << 20) if device.type == "cuda" else (8 << 20)
-    columns = budget // (4 * max(rows, 1))
-    columns = max(1024 if device.type == "cuda" else 256, min(columns, 32768))
-    return int(min(vocab, columns - columns % 128))
-
-
-def masked_logprobs(
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    chunk_size: int | None = None,
-    backend: str | None = None,
-) -> torch.Tensor:
-    """Log-probabilities of `targets` under the LM head, without materialising the [M, V] logits.
-
-    Args:
-        hidden: [M, d] final hidden states of the positions to score (fp32, fp64, bf16 or fp16).
-        lm_head_weight: [V, d] LM head, same dtype and device as `hidden`.
-        targets: [M] token ids in [0, V).
-        chunk_size: vocabulary columns per chunk (default: sized for the device; more than V means V). Peak
-            temporary memory is about M * chunk_size * 4 bytes.
-        backend: None/"auto", "compiled" or "reference" (see module docstring).
-
-    Returns:
-        logp: [M], ``log_softmax(hidden @ lm_head_weight.T)[i, targets[i]]`` in fp32 (fp64 for fp64 inputs).
-        Differentiable with respect to `hidden` and `lm_head_weight`; backward recomputes the logits chunk by
-        chunk. On CUDA, an out-of-range target yields NaN (checking it would cost a host sync); on CPU it raises.
-        The compiled backend has no second derivative (create_graph=True through it raises); the reference
-        backend has.
-    """
-    chunk_size = _check_masked_logprobs(hidden, lm_head_weight, targets, chunk_size)
-    targets = targets.long()
-    if choose_backend("masked_logprobs", hidden.device, backend) == "reference":
-        return reference.masked_logprobs(hidden, lm_head_weight, targets)
-    logp, _ = torch.ops.dllm_fast.masked_logprobs(
-        hidden.contiguous(), lm_head_weight.contiguous(), targets.contiguous(), chunk_size
-    )
-    return logp
-
-
-def _check_masked_logprobs(hidden, weight, targets, chunk_size) -> int:
-    """Check the arguments; returns the chunk size to run with."""
-    check_same_device("masked_logprobs", hidden=hidden, lm_head_weight=weight, targets=targets)
-    if hidden.dim() != 2:
-        raise ValueError(
-            f"masked_logprobs: hidden must be [M, d], got shape {tuple(hidden.shape)}; "
-            "select the positions to score and flatten them into rows first."
-        )
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(
-            f"masked_logprobs: lm_head_weight must be [V, d] with d = {hidden.shape[1]} (hidden's width), "
-            f"got shape {tuple(weight.shape)}."
-        )
-    if targets.shape != (hidden.shape[0],):
-        raise ValueError(
-            f"masked_logprobs: targets must be [M] = [{hidden.shape[0]}] (one id per row of hidden), "
-            f"got shape {tuple(targets.shape)}."
-        )
-    if hidden.dtype not in _FLOAT_DTYPES or weight.dtype != hidden.dtype:
-        raise TypeError(
-            f"masked_logprobs: hidden and lm_head_weight must share one of {_FLOAT_DTYPES}, got "
-            f"{hidden.dtype} and {weight.dtype}; cast with .to(dtype)."
-        )
-    if targets.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"masked_logprobs: targets must be int64 (or int32) token ids, got {targets.dtype}; "
-                        "pass targets.long().")
-    return _chunk_size("masked_logprobs", chunk_size, hidden.shape[0], weight.shape[0], hidden.device)
-
-
-def _chunk_size(op: str, chunk_size, rows: int, vocab: int, device: torch.device) -> int:
-    """The chunk size to run with: the default for None, and at most the vocabulary (the kernels' int64)."""
-    if chunk_size is None:
-        return default_chunk_size(rows, vocab, device)
-    check_int(f"{op}: chunk_size", chunk_size, minimum=1, hint="vocabulary columns per chunk, or None")
-    return max(1, min(chunk_size, vocab))
-
-
-if HAS_EXTENSION:
-
-    @torch.library.register_fake("dllm_fast::masked_logprobs")
-    def _masked_logprobs_fake(hidden, weight, targets, chunk_size):
-        acc = accumulate_dtype(hidden.dtype)
-        rows = hidden.shape[0]
-        return hidden.new_empty(rows, dtype=acc), hidden.new_empty(rows, dtype=acc)
-
-    @torch.library.register_fake("dllm_fast::masked_logprobs_backward")
-    def _masked_logprobs_backward_fake(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask):
-        grad_hidden = torch.empty_like(hidden) if output_mask[0] else None
-        grad_weight = torch.empty_like(weight) if output_mask[1] else None
-        return grad_hidden, grad_weight
-
-    def _masked_logprobs_setup_context(ctx, inputs, output):
-        hidden, weight, targets, chunk_size = inputs
-        _, lse = output
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk_size = chunk_size
-
-    def _masked_logprobs_backward(ctx, grad_logp, grad_lse):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        if torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad for t in (grad_logp, grad_lse, hidden, weight)):
-            raise RuntimeError(
-                "masked_logprobs: the compiled backend has no second derivative, so a backward with "
-                "create_graph=True (double backward, e.g. a gradient penalty) cannot go through it; pass "
-                "backend='reference' to masked_logprobs for higher-order gradients.")
-        grad_hidden, grad_weight = torch.ops.dllm_fast.masked_logprobs_backward(
-            grad_logp, grad_lse, hidden, weight, targets, lse, ctx.chunk_size,
-            [ctx.needs_input_grad[0], ctx.needs_input_grad[1]],
-        )
-        return grad_hidden, grad_weight, None, None
-
-    torch.library.register_autograd(
-        "dllm_fast::masked_logprobs", _masked_logprobs_backward, setup_context=_masked_logprobs_setup_context
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# sample_tokens and select_transfer (block diffusion sampling)
 
 
 def sample_tokens(
@@ -235,7 +71,7 @@ def sample_tokens(
     else:
         tokens, confidence = torch.ops.dllm_fast.sample_tokens(
             hidden.contiguous(), lm_head_weight.contiguous(), row_ids.long().contiguous(), temperature, seed,
-            offset, suppress_ids, confidence_exclude_ids, _chunk_size("sample_tokens", chunk_size, N, V, hidden.device))
+            offset, suppress_ids, confidence_exclude_ids, resolve_chunk_size("sample_tokens", chunk_size, N, V, hidden.device))
     if check_finite:
         _check_finite_logits(tokens, confidence, hidden, lm_head_weight, suppress_ids)
     return tokens, confidence
@@ -334,8 +170,8 @@ def _check_rows_and_head(op: str, hidden, weight, **others) -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"{op}: hidden must be [N, d] and lm_head_weight [V, d] with the same d, got "
                          f"{tuple(hidden.shape)} and {tuple(weight.shape)}.")
-    if hidden.dtype not in _FLOAT_DTYPES or weight.dtype != hidden.dtype:
-        raise TypeError(f"{op}: hidden and lm_head_weight must share one of {_FLOAT_DTYPES}, got {hidden.dtype} "
+    if hidden.dtype not in FLOAT_DTYPES or weight.dtype != hidden.dtype:
+        raise TypeError(f"{op}: hidden and lm_head_weight must share one of {FLOAT_DTYPES}, got {hidden.dtype} "
                         f"and {weight.dtype}.")
     row_ids = others.get("row_ids")
     if row_ids is not None and (row_ids.shape != (hidden.shape[0],) or row_ids.is_floating_point()

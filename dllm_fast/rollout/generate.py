@@ -15,11 +15,11 @@ import torch
 
 from dllm_fast import ops
 from dllm_fast.contracts import GenerationResult, completion_mask, logit_shift
-from dllm_fast.decoding import (CachePolicy, Remasking, check_block_done, check_finite_lm_head, check_generate_args,
-                                confidence_excluded_ids, initial_canvas, masked_count_schedule, raise_if_not_finite,
-                                suppressed_ids)
-
-__all__ = ["generate", "masked_count_schedule"]
+from dllm_fast.rollout.cache import CachePolicy
+from dllm_fast.rollout.plan import check_generate_args, initial_canvas, masked_count_schedule
+from dllm_fast.rollout.remasking import Remasking
+from dllm_fast.rollout.rules import (check_block_done, check_finite_lm_head, confidence_excluded_ids,
+                                     raise_if_not_finite, suppressed_ids)
 
 
 @torch.no_grad()
@@ -58,10 +58,10 @@ def generate(
             T < 1e-30 (validation.GREEDY_BELOW_TEMPERATURE) is greedy: logits / T would leave fp32's range, and
             the sample is the argmax up to exact ties anyway. T must be finite (a large T is near-uniform).
         remasking: "low_confidence" unmasks the most probable sampled tokens first; "random" in random order
-            (uniforms drawn from `generator`, as in LLaDA); or a decoding.Remasking (registry: REMASKING).
+            (uniforms drawn from `generator`, as in LLaDA); or a rollout.Remasking (registry: REMASKING).
         cfg_scale: unsupervised classifier-free guidance, logits = u + (s + 1)(c - u) with the prompt masked for u.
         cache: "none" (full recompute), "prefix" or "dual" (Fast-dLLM; refreshed at every block start), or a
-            decoding.CachePolicy (registry: CACHE_POLICIES).
+            rollout.CachePolicy (registry: CACHE_POLICIES).
         threshold: Fast-dLLM parallel decoding: unmask the most confident token plus every token with
             confidence >= threshold, until the block is done; needs steps=None.
         logits_eos_inf: never sample EOS. confidence_eos_eot_inf: EOS and EoT get confidence 0 (removed from

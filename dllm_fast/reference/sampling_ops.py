@@ -1,0 +1,89 @@
+"""Plain-PyTorch twins of the sampling ops, with the exact semantics of the compiled kernels:
+`philox4x32_10`, `gumbel_noise`, `sample_tokens` (same Philox stream, so tokens match the kernels at every
+temperature up to floating-point near-ties), `transfer_ranks` and `select_transfer`."""
+
+from __future__ import annotations
+
+import torch
+
+# ---------------------------------------------------------------------------------------------------------
+# Philox4x32-10 on int64 tensors holding uint32 values (products are split so nothing overflows int64).
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b_lo, b_hi = b & 0xFFFF, b >> 16
+    low_part, high_part = a * b_lo, a * b_hi  # each < 2^48
+    lo_sum = (low_part & _MASK32) + ((high_part & 0xFFFF) << 16)
+    hi = (low_part >> 32) + (high_part >> 16) + (lo_sum >> 32)
+    return hi & _MASK32, lo_sum & _MASK32
+
+
+def philox4x32_10(counter: list[torch.Tensor], key: tuple[int, int]) -> list[torch.Tensor]:
+    """Philox4x32-10 of four uint32 counter words (int64 tensors) under a two-word key."""
+    c0, c1, c2, c3 = (c.to(torch.int64) & _MASK32 for c in counter)
+    k0, k1 = key
+    for _ in range(10):
+        hi0, lo0 = _mul_hi_lo(0xD2511F53, c0)
+        hi1, lo1 = _mul_hi_lo(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
+    return [c0, c1, c2, c3]
+
+
+def gumbel_noise(seed: int, offset: int, row_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, V] fp32 standard Gumbel noise of the compiled sampler: for row r and token j, Philox word j % 4 of
+    counter (j // 4, r low, r high, offset) under key (seed low, seed high), mapped to v = (w + 1/2) / 2^32 and
+    then to -log(-log1p(-v))."""
+    device = row_ids.device
+    quads = torch.arange((vocab + 3) // 4, device=device, dtype=torch.int64)
+    rows = row_ids.to(torch.int64)[:, None]
+    counter = [quads[None, :].expand(len(rows), -1), (rows & _MASK32).expand(-1, len(quads)),
+               (rows >> 32).expand(-1, len(quads)), torch.full_like(rows, offset & _MASK32).expand(-1, len(quads))]
+    words = torch.stack(philox4x32_10(counter, (seed & _MASK32, (seed >> 32) & _MASK32)), dim=-1)
+    words = words.reshape(len(rows), -1)[:, :vocab]
+    uniform = words.to(torch.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10
+    return -torch.log(-torch.log1p(-uniform))
+
+
+def sample_tokens(hidden, weight, row_ids, temperature, seed, offset, suppress_ids=(), confidence_exclude_ids=()):
+    """Twin of the compiled sample op: (tokens [N] int64, confidence [N] fp32/fp64).
+
+    As in the kernels: scores are logits * (1 / T) (1 / T rounded to the accumulation dtype) plus Gumbel noise;
+    suppressed ids, NaN and -inf scores never win; a row with nothing to win gets token -1 and confidence NaN;
+    a sampled excluded id gets confidence 0; a NaN logit makes the row's confidence NaN.
+    """
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    logits = hidden.to(acc) @ weight.to(acc).T
+    scores = logits
+    if temperature != 0:
+        inverse_temperature = torch.tensor(1.0 / temperature, dtype=acc, device=logits.device)
+        scores = logits * inverse_temperature + gumbel_noise(seed, offset, row_ids, logits.shape[1])
+    scores = scores.masked_fill(scores.isnan(), float("-inf"))
+    scores[:, list(suppress_ids)] = float("-inf")
+    best, tokens = scores.max(dim=-1)  # ties: the first (lowest) id
+    tokens = torch.where(best > float("-inf"), tokens, -1)
+    confidence_logits = logits.clone()
+    confidence_logits[:, list(suppress_ids) + list(confidence_exclude_ids)] = float("-inf")
+    confidence = torch.softmax(confidence_logits, dim=-1).gather(1, tokens.clamp(min=0)[:, None]).squeeze(1)
+    excluded = torch.isin(tokens, torch.tensor(list(confidence_exclude_ids), dtype=torch.long, device=tokens.device))
+    confidence = confidence.masked_fill(excluded, 0.0).masked_fill(tokens < 0, float("nan"))
+    return tokens, confidence
+
+
+def transfer_ranks(confidence: torch.Tensor) -> torch.Tensor:
+    """Rank of every position in its row by descending confidence, ties to the lowest position."""
+    order = torch.sort(confidence, dim=-1, descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return ranks
+
+
+def select_transfer(confidence, candidates, counts, threshold):
+    """Twin of the compiled transfer selection: [B, n] bool, the positions to unmask this step."""
+    confidence = confidence.to(torch.float64).masked_fill(~candidates, float("-inf"))
+    ranks = transfer_ranks(confidence)
+    if threshold is not None and threshold >= 0:
+        return candidates & ((ranks == 0) | (confidence >= threshold))
+    return candidates & (ranks < counts[:, None])
