@@ -17,8 +17,10 @@ from dllm_fast import objectives
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 from dllm_fast.tasks import get_task, register_task
 from dllm_fast.tasks.sudoku4 import Sudoku4
-from dllm_fast.train_config import LORA_TARGETS, TrainConfig, parse_overrides
-from dllm_fast.trainer import add_lora, load_model_and_tokenizer, train
+from dllm_fast.models.llada import LORA_TARGETS
+from dllm_fast.train import TrainConfig, train
+from dllm_fast.train.cli import parse_overrides
+from dllm_fast.train.run import add_lora, load_model_and_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
