@@ -2,6 +2,7 @@
 its choices, `train --objective NAME --help` lists that objective's options, and bad flags are one line."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -51,17 +52,42 @@ def test_train_help_lists_the_objectives_own_options_with_their_defaults(capsys)
     (["--steps", "many"], "--steps takes an integer, got 'many'"),
     (["--lora", "maybe"], "--lora takes true or false, got 'maybe'"),
     (["--objective-options", "[1]"], "--objective-options takes a JSON object"),
+    (["--objective", "foo"], "--objective 'foo' is not one of diffu_grpo"),
+    (["--model", "/nonexistent"], "--model '/nonexistent' is neither a preset"),
+    (["--task", "foo"], "--task 'foo' is not one of countdown"),
+    (["--cache", "bogus"], "--cache 'bogus' is not one of none, prefix, dual"),
+    (["--eval-gen-lengths", "0"], "--eval-gen-lengths=0 must be an int >= 1"),
+    (["--threads", "0"], "--threads=0 must be an int >= 1"),
+    (["--betas", "a", "b"], "--betas takes a number, got 'a'"),
+    (["--betas", "0.9"], "--betas 0.9 must be two numbers"),
+    (["--seed", str(2**70)], r"--seed=\d+ must be an int in \[0, 9223372036854775807\]"),
+    (["--eval-examples", "-1"], "--eval-examples=-1 must be an int >= 1"),
+    (["--output-dir", ""], "--output-dir is empty"),
+    (["--objective-options", '{"n_t": 0}'], "--objective-options: n_t=0 must be an int >= 1"),
+    (["--prompts-per-step", str(10**9)], "rollouts per step, more than 1048576"),
+    (["--diffusion-steps", str(10**9)], "--diffusion-steps 1000000000 exceeds --gen-length 24"),
+    (["--inner-updates", str(10**9)], "--inner-updates 1000000000 is more than 1024"),
+    (["--threshold", "0.9"], "pass --diffusion-steps none with it"),
+    (["--lora", "true", "--lora-targets", "bogus"], "--lora-targets bogus: LLaDAModel's adaptable modules are"),
 ])
-def test_a_bad_flag_is_one_line(arguments, message, capsys):
+def test_a_bad_option_is_one_line_before_anything_runs(arguments, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit:
-        main(arguments)
-    assert str(exit.value).startswith("python -m dllm_fast train: ") and "\n" not in str(exit.value)
-    assert __import__("re").search(message, str(exit.value))
+        main(["--output-dir", str(tmp_path / "run"), *arguments])
+    assert exit.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("python -m dllm_fast train: ") and error.count("\n") == 1, error
+    assert re.search(message, error), error
+    assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(ValueError, match="--objective 'foo' is not one of"):
+        main(["--objective", "foo", "--debug"])
 
 
 def test_flags_with_underscores_and_typed_lists():
     values = parse_overrides(["--inner_updates", "2", "--betas", "0.8", "0.9", "--lora-targets", "q_proj",
-                              "--eval-gen-lengths", "24", "48", "--diffusion-steps", "none"])
+                              "--eval-gen-lengths", "24", "48", "--diffusion-steps", "none", "--threshold", "0.9"])
     assert values == {"inner_updates": 2, "betas": [0.8, 0.9], "lora_targets": ["q_proj"],
-                      "eval_gen_lengths": [24, 48], "diffusion_steps": None}
+                      "eval_gen_lengths": [24, 48], "diffusion_steps": None, "threshold": 0.9}
     assert TrainConfig(**values).betas == [0.8, 0.9]

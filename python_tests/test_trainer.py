@@ -48,7 +48,7 @@ def test_config_from_file_and_command_line(tmp_path):
         parse_overrides(["--steps", "many"])
     with pytest.raises(ValueError, match=r"unknown training option\(s\) \['stepz'\]"):
         TrainConfig.from_dict({"stepz": 1})
-    with pytest.raises(ValueError, match="group_size=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match="--group-size=0 must be an int >= 1"):  # messages name the flag
         TrainConfig(group_size=0)
 
 

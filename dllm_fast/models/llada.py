@@ -276,6 +276,11 @@ class LLaDAModel(nn.Module):
     def get_input_embeddings(self) -> nn.Module:
         return self.transformer["wte"]
 
+    @property
+    def max_sequence_length(self) -> int:
+        """Positions a sequence (prompt and completion) may span."""
+        return self.config.max_sequence_length
+
     # -- weights ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:

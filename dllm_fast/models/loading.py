@@ -39,7 +39,10 @@ def register_family(model_type: str, cls: type, presets: tuple[str, ...] = ()) -
 def model_class(directory: str | Path) -> type:
     """The registered class for the checkpoint in `directory`, by its config.json's model_type."""
     config_file = Path(directory) / "config.json"
-    values = json.loads(config_file.read_text())
+    try:
+        values = json.loads(config_file.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{config_file} cannot be read as JSON ({error}).") from None
     model_type = values.get("model_type") if isinstance(values, dict) else None
     if model_type is None:
         return next(iter(FAMILIES.values()))
@@ -50,15 +53,23 @@ def model_class(directory: str | Path) -> type:
     return FAMILIES[model_type]
 
 
-def load_model(name: str | Path, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0):
-    """A preset with random weights from `seed` (PRESETS), or the checkpoint directory `name`."""
+def model_family(name: str | Path) -> type:
+    """The class a preset name or a checkpoint directory loads as, found without reading any weight."""
     if str(name) in PRESETS:
-        cls, preset = PRESETS[str(name)]
-        return cls.with_random_weights(cls.preset_config(preset), dtype=dtype, device=device, seed=seed)
+        return PRESETS[str(name)][0]
     if not (Path(name) / "config.json").is_file():
         raise FileNotFoundError(f"model {str(name)!r} is neither a preset ({', '.join(PRESETS)}) nor a directory "
                                 "holding config.json.")
-    return model_class(name).from_pretrained(name, dtype=dtype, device=device)
+    return model_class(name)
+
+
+def load_model(name: str | Path, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0):
+    """A preset with random weights from `seed` (PRESETS), or the checkpoint directory `name`."""
+    cls = model_family(name)
+    if str(name) in PRESETS:
+        return cls.with_random_weights(cls.preset_config(PRESETS[str(name)][1]), dtype=dtype, device=device,
+                                       seed=seed)
+    return cls.from_pretrained(name, dtype=dtype, device=device)
 
 
 def family_of(model) -> type:
@@ -80,5 +91,5 @@ def load_tokenizer(directory: str | Path):
     return AutoTokenizer.from_pretrained(str(directory), **({"config": PretrainedConfig()} if ours else {}))
 
 
-__all__ = ["FAMILIES", "PRESETS", "family_of", "load_model", "load_tokenizer", "model_class",
+__all__ = ["FAMILIES", "PRESETS", "family_of", "load_model", "load_tokenizer", "model_class", "model_family",
            "register_family"]

@@ -21,7 +21,8 @@ import sys
 import textwrap
 import typing
 
-from dllm_fast.train.config import TrainConfig, field_choices, flag, registry_choices
+from dllm_fast.train.config import (TrainConfig, field_choices, flag, read_config_file, registry_choices,
+                                    resumed_config)
 
 PROG = "python -m dllm_fast train"
 DESCRIPTION = """RL training. With no options: the embedded default, RL from a tiny sudoku4 model on CPU, printing
@@ -58,10 +59,22 @@ def add_config_arguments(parser: argparse.ArgumentParser, argv: typing.Sequence[
 
 
 def config_from_arguments(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig of parsed flags: the defaults, then --config's file, then the flags given."""
-    overrides = {name: getattr(args, name) for name in _FIELDS if hasattr(args, name)}
+    """The TrainConfig of parsed flags: the defaults, then --config's file, then the flags given. With --resume
+    true and a checkpoint in --output-dir, the saved run's configuration, of which only the options that may change
+    on resume (CHANGEABLE_ON_RESUME) may be given differently."""
+    given = {name: getattr(args, name) for name in _FIELDS if hasattr(args, name)}
     config_file = getattr(args, "config", None)
-    return TrainConfig.from_file(config_file, **overrides) if config_file else TrainConfig.from_dict(overrides)
+    if config_file:
+        given = {**read_config_file(config_file), **given}
+    if given.get("resume"):
+        from dllm_fast.files import settled_directory
+        from dllm_fast.train.checkpoint import CHECKPOINT, CONFIG, saved_config
+        from dllm_fast.train.run_dir import RunDirectory
+
+        checkpoint = RunDirectory(given.get("output_dir", _FIELDS["output_dir"].default)).path(CHECKPOINT)
+        if settled_directory(checkpoint).is_dir():
+            return resumed_config(saved_config(checkpoint), given, str(checkpoint / CONFIG))
+    return TrainConfig.from_dict(given)
 
 
 def parse_overrides(arguments: typing.Sequence[str]) -> dict:
@@ -94,21 +107,31 @@ def parse(parser: argparse.ArgumentParser, arguments: typing.Sequence[str]) -> a
 
 # -- the command --------------------------------------------------------------------------------------------
 def main(argv: typing.Sequence[str] = ()) -> None:
-    """`python -m dllm_fast train ...`: a bad option or value is one line on stderr and exit status 2."""
+    """`python -m dllm_fast train ...`. A bad option, value or run directory is one line on stderr (exit status
+    2), found before the model loads; an error while training is one line too (exit status 1). --debug shows the
+    traceback instead."""
     argv = list(argv)
+    debug = "--debug" in argv
     parser = new_parser(prog=PROG, description=DESCRIPTION)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     add_config_arguments(parser, argv)
     try:
         config = config_from_arguments(parse(parser, argv))
-    except (ValueError, TypeError, FileNotFoundError) as error:
-        raise SystemExit(f"{PROG}: {error}") from None
+    except (ValueError, TypeError, OSError) as error:
+        if debug:
+            raise
+        print(f"{PROG}: {' '.join(str(error).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
     from dllm_fast.train.loop import train
     from dllm_fast.train.metrics import PLOT
 
     try:
         result = train(config)
-    except FileExistsError as error:
-        raise SystemExit(f"{PROG}: {error}") from None
+    except (ValueError, TypeError, OSError, RuntimeError, FloatingPointError) as error:
+        if debug:
+            raise
+        print(f"{PROG}: {' '.join(str(error).split())} (--debug shows the traceback)", file=sys.stderr)
+        raise SystemExit(1) from None
     if result.rank != 0:
         return
     for length in sorted(result.final_accuracy):

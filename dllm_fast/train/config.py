@@ -10,12 +10,14 @@ from.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dllm_fast.validation import check_choice, check_float, check_int
+from dllm_fast.validation import check_float, check_int
 
 SCHEDULES = ("constant", "cosine", "linear")
 PARALLEL = ("ddp", "fsdp2")
@@ -103,56 +105,101 @@ class TrainConfig:
     progress: bool = option(True, help="show a progress bar")
 
     def __post_init__(self) -> None:
+        """Every field's type, then its range and its consistency with the others; errors name the flag."""
+        for name, value in vars(self).items():
+            setattr(self, name, check_type(name, value, flag(name)))
         for name in ("steps", "prompts_per_step", "group_size", "inner_updates", "micro_batch", "gen_length",
                      "block_length", "checkpoint_every", "eval_every", "eval_batch_size", "lora_rank",
                      "lora_alpha"):
-            check_int(name, getattr(self, name), minimum=1)
-        for name in ("score_micro_batch", "chunk_size"):
+            check_int(flag(name), getattr(self, name), minimum=1)
+        for name in ("score_micro_batch", "chunk_size", "threads", "eval_examples", "diffusion_steps"):
             if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), minimum=1)
-        check_int("seed", self.seed, minimum=0)
-        check_int("warmup_steps", self.warmup_steps, minimum=0)
+                check_int(flag(name), getattr(self, name), minimum=1)
+        check_int("--seed", self.seed, minimum=0, maximum=MAX_SEED)
+        check_int("--warmup-steps", self.warmup_steps, minimum=0)
         for name in ("lr", "grad_clip"):
-            check_float(name, getattr(self, name), minimum=0.0, open_minimum=True)
-        check_float("weight_decay", self.weight_decay, minimum=0.0)
-        check_float("temperature", self.temperature, minimum=0.0)
-        check_float("lora_dropout", self.lora_dropout, minimum=0.0, maximum=1.0, open_maximum=True)
-        check_choice("schedule", self.schedule, SCHEDULES)
-        check_choice("parallel", self.parallel, PARALLEL)
-        if self.parallel == "fsdp2" and self.lora:
-            raise ValueError("parallel='fsdp2' shards a full fine-tune; with lora=true use parallel='ddp'.")
+            check_float(flag(name), getattr(self, name), minimum=0.0, open_minimum=True)
+        check_float("--weight-decay", self.weight_decay, minimum=0.0)
+        check_float("--temperature", self.temperature, minimum=0.0, hint="0 is greedy")
+        check_float("--lora-dropout", self.lora_dropout, minimum=0.0, maximum=1.0, open_maximum=True)
+        if self.threshold is not None:
+            check_float("--threshold", self.threshold, minimum=0.0, maximum=1.0, open_minimum=True)
         if len(self.betas) != 2:
-            raise ValueError(f"betas={self.betas!r} must be two numbers (AdamW's beta1, beta2).")
+            raise ValueError(f"--betas {' '.join(map(str, self.betas))} must be two numbers (AdamW's beta1 beta2).")
+        for beta in self.betas:
+            check_float("--betas", beta, minimum=0.0, maximum=1.0, open_maximum=True)
         if not self.eval_gen_lengths:
-            raise ValueError("eval_gen_lengths must list at least one generation length.")
+            raise ValueError("--eval-gen-lengths must list at least one generation length.")
+        for length in self.eval_gen_lengths:
+            check_int("--eval-gen-lengths", length, minimum=1)
+        if not self.output_dir.strip():
+            raise ValueError("--output-dir is empty; name the run directory (e.g. runs/default).")
+        for name in ("schedule", "parallel", "objective", "task", "cache", "remasking"):
+            choices = field_choices(_FIELDS[name])
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{flag(name)} {getattr(self, name)!r} is not one of {', '.join(choices)}.")
+        self._check_consistency()
+        self._check_setup()
+
+    def _check_setup(self) -> None:
+        """The objective and the task with their options, the model and the tokenizer: built or found without
+        loading any weight, so that a wrong name fails before anything runs."""
+        from dllm_fast import objectives
+        from dllm_fast.tasks import get_task
+
+        with _prefixed("--objective-options"):
+            objectives.get(self.objective, **self.objective_options)
+        with _prefixed("--task-options"):
+            get_task(self.task, **task_options(self))
+        model_source(self)
+
+    def _check_consistency(self) -> None:
+        if self.parallel == "fsdp2" and self.lora:
+            raise ValueError("--parallel fsdp2 shards a full fine-tune; with --lora true use --parallel ddp.")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume true continues the run in --output-dir and --overwrite true replaces it; "
+                             "give one of them.")
+        if self.gen_length % self.block_length:
+            raise ValueError(f"--gen-length {self.gen_length} is not a multiple of --block-length "
+                             f"{self.block_length}; choose a block length that divides it.")
+        blocks = self.gen_length // self.block_length
+        if self.threshold is not None and self.diffusion_steps is not None:
+            raise ValueError(f"--threshold {self.threshold} sets the steps adaptively; pass --diffusion-steps none "
+                             "with it (or drop --threshold for a fixed schedule).")
+        if self.threshold is None and self.diffusion_steps is None:
+            raise ValueError("--diffusion-steps none needs --threshold (adaptive steps); give one of them.")
+        if self.diffusion_steps is not None:
+            if self.diffusion_steps % blocks:
+                raise ValueError(f"--diffusion-steps {self.diffusion_steps} is not a multiple of the {blocks} "
+                                 "blocks (--gen-length / --block-length); use e.g. --diffusion-steps "
+                                 f"{blocks * max(1, self.diffusion_steps // blocks)}.")
+            if self.diffusion_steps > self.gen_length:
+                raise ValueError(f"--diffusion-steps {self.diffusion_steps} exceeds --gen-length {self.gen_length}: "
+                                 "a step unmasks at least one token, so steps beyond the completion's length run no "
+                                 f"model call; use at most {self.gen_length}.")
+        rollouts = self.prompts_per_step * self.group_size
+        if rollouts > MAX_ROLLOUTS_PER_STEP:
+            raise ValueError(f"--prompts-per-step {self.prompts_per_step} x --group-size {self.group_size} = "
+                             f"{rollouts} rollouts per step, more than {MAX_ROLLOUTS_PER_STEP} (2^20); lower them.")
+        if self.inner_updates > MAX_INNER_UPDATES:
+            raise ValueError(f"--inner-updates {self.inner_updates} is more than {MAX_INNER_UPDATES} optimizer steps "
+                             "per rollout batch (papers use 1-12); lower it.")
 
     # -- loading --------------------------------------------------------------------------------------------
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> "TrainConfig":
-        """Load a YAML (.yaml/.yml) or JSON file of field values, then apply `overrides`."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist.")
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            values = yaml.safe_load(text) or {}
-        elif path.suffix == ".json":
-            values = json.loads(text)
-        else:
-            raise ValueError(f"config file {path} must end in .yaml, .yml or .json.")
-        if not isinstance(values, dict):
-            raise ValueError(f"config file {path} must hold a mapping of field names to values, got "
-                             f"{type(values).__name__}.")
+        """Load a YAML (.yaml/.yml) or JSON file of field values, then apply `overrides`. Every value of the file
+        is checked for its field's type, naming the file and the key."""
+        values = read_config_file(path)
         return cls.from_dict({**values, **overrides})
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - names)
+        unknown = sorted(set(values) - set(_FIELDS))
         if unknown:
-            raise ValueError(f"unknown training option(s) {unknown}; the options are {sorted(names)}.")
+            close = difflib.get_close_matches(unknown[0], list(_FIELDS), n=1)
+            raise ValueError(f"unknown training option(s) {unknown}"
+                             f"{f' (did you mean {close[0]}?)' if close else ''}; the options are {sorted(_FIELDS)}.")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,6 +209,110 @@ class TrainConfig:
 def flag(name: str) -> str:
     """A field's command-line flag: inner_updates -> --inner-updates."""
     return "--" + name.replace("_", "-")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS = typing.get_type_hints(TrainConfig)
+# Sizes beyond these are mistakes, not runs: refused at once instead of minutes of silence.
+MAX_ROLLOUTS_PER_STEP = 2**20
+MAX_INNER_UPDATES = 2**10
+MAX_SEED = 2**63 - 1
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The field values of a YAML or JSON config file, each checked for its field's type (the message names the
+    file and the key)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist.")
+    if path.suffix not in (".yaml", ".yml", ".json"):
+        raise ValueError(f"config file {path} must end in .yaml, .yml or .json.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"config file {path} is not UTF-8 text ({error}).") from None
+    if path.suffix == ".json":
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"config file {path} is not valid JSON: {error}.") from None
+    else:
+        import yaml
+
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ValueError(f"config file {path} is not valid YAML: {' '.join(str(error).split())}") from None
+        values = {} if values is None else values
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path} must hold a mapping of option names to values, got a "
+                         f"{type(values).__name__}.")
+    unknown = sorted(str(k) for k in values if k not in _FIELDS)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(_FIELDS), n=1)
+        raise ValueError(f"config file {path}: unknown option(s) {unknown}"
+                         f"{f' (did you mean {close[0]}?)' if close else ''}; the options are {sorted(_FIELDS)}.")
+    return {key: check_type(key, value, f"{path}: {key}", from_file=True) for key, value in values.items()}
+
+
+def check_type(name: str, value: Any, where: str, *, from_file: bool = False) -> Any:
+    """`value` as field `name` holds it, or a TypeError naming `where` (a flag, or a file and key). Booleans must
+    be true or false themselves: the strings "false" or "no" are refused, never read as true. A file's number
+    written as a string that YAML does not read as one (1e-4) is taken as that number."""
+    hint = _HINTS[name]
+    optional = type(None) in typing.get_args(hint)
+    if value is None:
+        if optional:
+            return None
+        raise TypeError(f"{where} is null; it needs {_describe(hint)}.")
+    kind = next(h for h in typing.get_args(hint) if h is not type(None)) if optional else hint
+    origin = typing.get_origin(kind)
+    if origin is list or kind is list:
+        element = typing.get_args(kind)[0] if typing.get_args(kind) else str
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise TypeError(f"{where} = {value!r} must be a list of {_PLURAL[element]}, e.g. {_EXAMPLES[name]}.")
+        return [_scalar(element, item, f"{where}[{index}]", from_file) for index, item in enumerate(value)]
+    if kind is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise TypeError(f"{where} = {value!r} must be a mapping of option names to values (JSON object), e.g. "
+                            "{\"n_t\": 4}, not a " + type(value).__name__ + ".")
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"{where} has the key {bad[0]!r}; option names are strings.")
+        return dict(value)
+    return _scalar(kind, value, where, from_file)
+
+
+def _scalar(kind, value, where: str, from_file: bool):
+    if kind is bool:
+        if not isinstance(value, bool):
+            quoted = " (a string: write true or false without quotes)" if isinstance(value, str) else ""
+            raise TypeError(f"{where} = {value!r} must be true or false{quoted}.")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{where} = {value!r} must be an integer.")
+        return value
+    if kind is float:
+        if from_file and isinstance(value, str):
+            try:
+                value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{where} = {value!r} must be a number.")
+        return float(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{where} = {value!r} must be a string.")
+    return value
+
+
+def _describe(kind) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, "a value")
+
+
+_PLURAL = {int: "integers", float: "numbers", str: "strings"}
+_EXAMPLES = {"betas": "[0.9, 0.99]", "eval_gen_lengths": "[24, 48]", "lora_targets": "[q_proj, v_proj]"}
 
 
 # The registries a field's `choices` may name; imported when asked (they need torch).
@@ -193,3 +344,97 @@ def field_choices(config_field: dataclasses.Field) -> tuple | None:
     """The values a field may take, when they are a fixed set (its own tuple or a registry's names)."""
     choices = config_field.metadata.get("choices")
     return registry_choices(choices) if isinstance(choices, str) else choices
+
+
+# -- resuming ---------------------------------------------------------------------------------------------------
+# What a resumed run may change: how long it runs and how it reports. Everything else must be the saved run's.
+CHANGEABLE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "progress", "plot", "threads")
+# Where and how to start, not what runs.
+RUN_CONTROL = ("resume", "overwrite", "output_dir")
+
+
+def resumed_config(saved: TrainConfig, given: dict[str, Any], where: str) -> TrainConfig:
+    """The configuration of a resumed run: the saved one (`where` names its file), with the options `given` on the
+    command line or in a config file that may change on resume; any other given option that differs is an error
+    listing them all."""
+    differing = [name for name in _FIELDS if name in given  # in the order of --help
+                 and name not in CHANGEABLE_ON_RESUME + RUN_CONTROL and given[name] != getattr(saved, name)]
+    if differing:
+        raise ValueError(_resume_refusal(saved, given, differing, where))
+    kept = {name: value for name, value in given.items() if name in CHANGEABLE_ON_RESUME + RUN_CONTROL}
+    return dataclasses.replace(saved, **kept)
+
+
+def check_resumable(config: TrainConfig, saved: TrainConfig, where: str) -> None:
+    """Raise unless `config` continues the run `saved` describes (only CHANGEABLE_ON_RESUME may differ)."""
+    differing = [name for name in _FIELDS if name not in CHANGEABLE_ON_RESUME + RUN_CONTROL
+                 and getattr(config, name) != getattr(saved, name)]
+    if differing:
+        raise ValueError(_resume_refusal(saved, config.to_dict(), differing, where))
+
+
+def _resume_refusal(saved: TrainConfig, given: dict[str, Any], differing: list[str], where: str) -> str:
+    listed = ", ".join(f"{flag(name)} {given[name]!r} (saved: {getattr(saved, name)!r})" for name in differing)
+    return (f"--resume true continues the run saved in {where}, but these options differ from it: {listed}. On "
+            f"resume only {', '.join(map(flag, CHANGEABLE_ON_RESUME))} may change; drop the others, or start a new "
+            "run with --overwrite true or another --output-dir.")
+
+
+# -- what the names of a config mean ----------------------------------------------------------------------------
+def task_options(config: TrainConfig) -> dict[str, Any]:
+    """--task-options, and for the embedded model on its own task the prompt style it was trained on."""
+    options = dict(config.task_options)
+    if config.task == "sudoku4" and config.model == "sudoku4":
+        from dllm_fast.assets import SUDOKU4_TASK_OPTIONS
+
+        options = {**SUDOKU4_TASK_OPTIONS, **options}
+    return options
+
+
+def model_source(config: TrainConfig) -> tuple[Any, type, Path]:
+    """(what to load: a preset name or a checkpoint directory, the model family's class, the tokenizer directory),
+    checked without reading any weight; with --lora true, --lora-targets against the family's modules too."""
+    from dllm_fast.assets import SUDOKU4_DIR
+    from dllm_fast.models.loading import PRESETS, model_family
+
+    source = SUDOKU4_DIR if config.model == "sudoku4" else config.model
+    try:
+        family = model_family(source)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--model {config.model!r} is neither a preset ({', '.join(PRESETS)}), 'sudoku4' "
+                                "(the embedded default), nor a directory holding config.json.") from None
+    except ValueError as error:
+        raise ValueError(f"--model {config.model!r}: {error}") from None
+    if config.lora:
+        lora_targets(family, config)
+    tokenizer = Path(config.tokenizer or (SUDOKU4_DIR if config.model in PRESETS else source))
+    if not tokenizer.is_dir():
+        raise FileNotFoundError(f"--tokenizer {str(tokenizer)!r} is not a directory (one holding a tokenizer's "
+                                "tokenizer_config.json and files).")
+    return source, family, tokenizer
+
+
+def lora_targets(family: type, config: TrainConfig) -> tuple[str, ...]:
+    """--lora-targets, checked against the modules the model family lets LoRA adapt (all of them by default)."""
+    allowed = tuple(family.lora_target_modules)
+    targets = allowed if config.lora_targets is None else tuple(config.lora_targets)
+    unknown = sorted(set(targets) - set(allowed))
+    if unknown or not targets:
+        raise ValueError(f"--lora-targets {' '.join(targets) or '(none)'}: {family.__name__}'s adaptable modules "
+                         f"are {' '.join(allowed)}; name some of them.")
+    return targets
+
+
+class _prefixed:
+    """Re-raise a ValueError, TypeError or FileNotFoundError of the block with the flag its value came from."""
+
+    def __init__(self, option: str):
+        self.option = option
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if isinstance(error, (ValueError, TypeError, FileNotFoundError)):
+            raise type(error)(f"{self.option}: {error}") from None
+        return False

@@ -31,6 +31,7 @@ from dllm_fast.train.distributed import distributed_session
 from dllm_fast.train.evaluation import evaluate_lengths
 from dllm_fast.train.metrics import PLOT, peak_memory, plot_curves, progress_bar, reset_peak_memory, step_metrics
 from dllm_fast.train.run import Run
+from dllm_fast.train.run_dir import RunDirectory
 
 
 @dataclass
@@ -48,8 +49,10 @@ class TrainResult:
 
 
 def train(config: TrainConfig) -> TrainResult:
-    with distributed_session(config.device) as ranks:
-        return _train(Run(config, ranks))
+    """Run the training `config` describes (see the module docstring). The run directory is locked for the run:
+    a second trainer on it is refused."""
+    with distributed_session(config.device) as ranks, RunDirectory(config.output_dir, ranks).locked() as run_dir:
+        return _train(Run(config, ranks, run_dir))
 
 
 def _train(run: Run) -> TrainResult:
@@ -92,5 +95,5 @@ def _train(run: Run) -> TrainResult:
     result = TrainResult(run.output_dir, base, final, run.step, time.perf_counter() - started, run.metrics.history,
                          run.ranks.rank)
     if config.plot and run.ranks.writer:
-        plot_curves(result.history, result.output_dir / PLOT)
+        plot_curves(result.history, run.run_dir.path(PLOT))
     return result

@@ -17,27 +17,27 @@ PLOT = "curves.png"
 
 
 class MetricsLog:
-    """Every row of the run (`history`), appended to output_dir/metrics.jsonl by the writing rank."""
+    """Every row of the run (`history`), appended to metrics.jsonl in the run directory by the writing rank."""
 
-    def __init__(self, output_dir: Path, writer: bool):
-        self.path, self.writer = output_dir / METRICS, writer
+    def __init__(self, run_dir):
+        self.run_dir, self.writer = run_dir, run_dir.ranks.writer
         self.history: list[dict] = []
 
     def start(self) -> None:
         """A new run: an empty file."""
         if self.writer:
-            self.path.write_text("")
+            write_text_atomic(self.run_dir.path(METRICS), "")
 
     def restart(self, history: list[dict]) -> None:
         """A resumed run: the checkpoint's rows (the file may hold steps written after it, before a crash)."""
         self.history = list(history)
         if self.writer:
-            write_text_atomic(self.path, "".join(json.dumps(row) + "\n" for row in self.history))
+            write_text_atomic(self.run_dir.path(METRICS), "".join(json.dumps(row) + "\n" for row in self.history))
 
     def append(self, row: dict) -> None:
         self.history.append(row)
         if self.writer:
-            with open(self.path, "a") as f:
+            with open(self.run_dir.path(METRICS), "a") as f:
                 f.write(json.dumps(row) + "\n")
 
     def accuracies(self) -> tuple[dict[int, float], dict[int, float]]:

@@ -13,7 +13,6 @@ import copy
 import json
 import math
 import time
-from pathlib import Path
 
 import torch
 
@@ -21,43 +20,49 @@ from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, check_finite_rewards, unwrap_model
 from dllm_fast.files import settled_directory, write_text_atomic
 from dllm_fast.likelihood import MicroBatching
-from dllm_fast.models.loading import PRESETS, load_model, load_tokenizer
+from dllm_fast.models.loading import load_model, load_tokenizer
 from dllm_fast.objectives import InnerUpdate
 from dllm_fast.rollout import generate
 from dllm_fast.tasks import get_task
 from dllm_fast.tasks.encoding import decode_completions, encode_prompts
-from dllm_fast.train.checkpoint import CHECKPOINT, load_checkpoint, seed_everything
-from dllm_fast.train.config import TrainConfig
+from dllm_fast.train.checkpoint import CHECKPOINT, CONFIG, load_checkpoint, saved_config, seed_everything
+from dllm_fast.train.config import TrainConfig, check_resumable, lora_targets, model_source, task_options
 from dllm_fast.train.data import PromptStream
 from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
-from dllm_fast.train.metrics import MetricsLog
+from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
+from dllm_fast.train.run_dir import RunDirectory
 
 
 class Run:
-    """What one training run holds; see the module docstring."""
+    """What one training run holds; see the module docstring. Everything is built and checked before anything is
+    written: a run that fails to start leaves the run directory as it was."""
 
-    def __init__(self, config: TrainConfig, ranks: Ranks = Ranks()):
+    def __init__(self, config: TrainConfig, ranks: Ranks = Ranks(), run_dir: RunDirectory | None = None):
         self.config, self.ranks = config, ranks
-        self.output_dir = Path(config.output_dir)
+        self.run_dir = run_dir if run_dir is not None else RunDirectory(config.output_dir, ranks)
+        self.output_dir = self.run_dir.root
         self.device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
                                    else ("cpu" if config.device == "auto" else config.device))
         if self.device.type == "cuda" and ranks.world > 1:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if config.prompts_per_step % ranks.world:
-            raise ValueError(f"prompts_per_step={config.prompts_per_step} must be a multiple of the {ranks.world} "
+            raise ValueError(f"--prompts-per-step {config.prompts_per_step} must be a multiple of the {ranks.world} "
                              "ranks: each rank rolls out its own complete prompt groups.")
         self.share = ranks.share(config.prompts_per_step)
         self.sharded = sharded(config.parallel, ranks)
         if self.sharded and config.threshold is not None:
-            raise ValueError("threshold decoding takes a different number of model calls on each rank, which "
-                             "FSDP2's sharded forwards cannot; use a fixed schedule (diffusion_steps) or DDP.")
+            raise ValueError("--threshold decoding takes a different number of model calls on each rank, which "
+                             "FSDP2's sharded forwards cannot; use a fixed schedule (--diffusion-steps) or DDP.")
+        for name in (METRICS, PLOT, CONFIG, CHECKPOINT):  # refuse a link out of the directory before any work
+            self.run_dir.path(name)
+        self.previous = self._previous_checkpoint()
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         seed_everything(config.seed + ranks.rank)
         self.bf16 = config.bf16 if config.bf16 is not None else self.device.type == "cuda"
         # The trainer's flags for the engine's micro-batching, in one place.
         self.batching = MicroBatching(config.micro_batch, config.score_micro_batch, config.chunk_size)
-        self.task = get_task(config.task, **self._task_options())
+        self.task = get_task(config.task, **task_options(config))
         self.objective = objectives.get(config.objective, **config.objective_options)
         base, self.tokenizer = load_model_and_tokenizer(config, self.device)
         base.set_gradient_checkpointing(config.gradient_checkpointing)
@@ -76,28 +81,30 @@ class Run:
         self.mask_generator = torch.Generator().manual_seed(config.seed + 1 + 7919 * ranks.rank)
         self.data = PromptStream(self.task.train_examples(seed=config.seed), seed=config.seed)
         self.test_examples = self.task.test_examples()[:config.eval_examples]
+        check_lengths(config, self.task, self.data.examples, self.test_examples, self.tokenizer, self.core)
         self.step = 0
-        self.metrics = MetricsLog(self.output_dir, ranks.writer)
-        if ranks.writer:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-        ranks.barrier()
-        previous = settled_directory(self.output_dir / CHECKPOINT).is_dir()
-        if previous and not (config.resume or config.overwrite):  # a new run would replace it at its first save
-            raise FileExistsError(f"{self.output_dir} holds the checkpoint of an earlier run; continue it with "
-                                  "--resume true, replace it with --overwrite true, or pick another --output-dir.")
-        if config.resume and previous:
+        self.metrics = MetricsLog(self.run_dir)
+        # Built and checked: now the run takes the directory over.
+        if self.previous and config.resume:
             load_checkpoint(self)
         elif ranks.writer:
+            if self.previous:  # --overwrite: the earlier run's checkpoint goes now, so nothing can resume it
+                self.run_dir.remove(CHECKPOINT)
             self.metrics.start()
-            write_text_atomic(self.output_dir / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
+        if ranks.writer:
+            write_text_atomic(self.run_dir.path(CONFIG), json.dumps(config.to_dict(), indent=2) + "\n")
+        ranks.barrier()
 
-    def _task_options(self) -> dict:
-        options = dict(self.config.task_options)
-        if self.config.task == "sudoku4" and self.config.model == "sudoku4":
-            from dllm_fast.assets import SUDOKU4_TASK_OPTIONS
-
-            options = {**SUDOKU4_TASK_OPTIONS, **options}  # the prompt style the embedded model was trained on
-        return options
+    def _previous_checkpoint(self) -> bool:
+        """Whether the run directory holds a checkpoint; with --resume, it must be one this config continues."""
+        checkpoint = self.run_dir.path(CHECKPOINT)
+        previous = settled_directory(checkpoint).is_dir()
+        if previous and not (self.config.resume or self.config.overwrite):  # a new run would replace it
+            raise FileExistsError(f"{self.output_dir} holds the checkpoint of an earlier run; continue it with "
+                                  "--resume true, replace it with --overwrite true, or pick another --output-dir.")
+        if previous and self.config.resume:
+            check_resumable(self.config, saved_config(checkpoint), str(checkpoint / CONFIG))
+        return previous
 
     def autocast(self):
         if not self.bf16:
@@ -165,30 +172,37 @@ class Run:
 def load_model_and_tokenizer(config: TrainConfig, device: torch.device | str):
     """The policy's initial weights and its tokenizer, from the embedded default, a checkpoint directory or a
     preset with random weights (the tokenizer then comes from `config.tokenizer` or the embedded default)."""
-    from dllm_fast.assets import SUDOKU4_DIR
+    source, _, tokenizer = model_source(config)
+    model = load_model(source, dtype=torch.float32, device=device, seed=config.seed)
+    return model.train(), load_tokenizer(tokenizer)
 
-    source = SUDOKU4_DIR if config.model == "sudoku4" else config.model
-    try:
-        model = load_model(source, dtype=torch.float32, device=device, seed=config.seed)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--model {config.model!r} is neither a preset ({', '.join(PRESETS)}), 'sudoku4' "
-                                "(the embedded default), nor a directory holding config.json.") from None
-    tokenizer_dir = config.tokenizer or (SUDOKU4_DIR if config.model in PRESETS else source)
-    return model.train(), load_tokenizer(tokenizer_dir)
+
+def check_lengths(config: TrainConfig, task, train_examples, test_examples, tokenizer, model) -> None:
+    """Every prompt plus its completion fits the model's positions (its max_sequence_length, when it has one):
+    the longest training prompt with --gen-length, the longest test prompt with each of --eval-gen-lengths."""
+    limit = getattr(model, "max_sequence_length", None)
+    if limit is None:
+        return
+    for name, examples, lengths in (("training", train_examples, [config.gen_length]),
+                                    ("test", test_examples, config.eval_gen_lengths)):
+        if not examples:
+            continue
+        prompts = [task.prompt(example, tokenizer) for example in examples]
+        longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+        for length in lengths:
+            if longest + length > limit:
+                option = "--gen-length" if name == "training" else "--eval-gen-lengths"
+                raise ValueError(f"the longest {name} prompt of task {task.name!r} has {longest} tokens, and with "
+                                 f"{option} {length} a sequence needs {longest + length} positions; the model has "
+                                 f"{limit} (max_sequence_length). Lower {option}, or use shorter prompts.")
 
 
 def add_lora(model, config: TrainConfig):
     """The model with PEFT LoRA adapters on --lora-targets (default: every module its family allows)."""
     import peft
 
-    allowed = tuple(model.lora_target_modules)
-    targets = allowed if config.lora_targets is None else tuple(config.lora_targets)
-    unknown = sorted(set(targets) - set(allowed))
-    if unknown:
-        raise ValueError(f"--lora-targets holds {unknown}; {type(model).__name__}'s adaptable modules are "
-                         f"{list(allowed)}.")
     lora = peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                           target_modules=model.lora_target_pattern(targets))
+                           target_modules=model.lora_target_pattern(lora_targets(type(model), config)))
     return peft.get_peft_model(model, lora)
 
 
