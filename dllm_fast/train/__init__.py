@@ -1,7 +1,9 @@
 """RL training in one loop that reads top to bottom (`loop.py`), split by concern: what a run holds (`run.py`),
-its checkpoints (`checkpoint.py`), scaling out (`distributed.py`), its metrics and curves (`metrics.py`), the
-prompts (`data.py`), evaluation (`evaluation.py`), the configuration (`config.py`) and the command line (`cli.py`).
-Nothing here names a model family: their knowledge sits behind the hooks of dllm_fast.models.
+its directory (`run_dir.py`: one run at a time, no write through a link out of it), its checkpoints
+(`checkpoint.py`) and what resuming may change (`resume.py`), scaling out (`distributed.py`), its metrics and
+curves (`metrics.py`), the prompts (`data.py`), evaluation (`evaluation.py`), the configuration (`config.py`, its
+values' types in `typed.py`) and the command line (`cli.py`). Nothing here names a model family: their knowledge
+sits behind the hooks of dllm_fast.models.
 
     from dllm_fast.train import TrainConfig, train
     result = train(TrainConfig(objective="spg", steps=100))

@@ -22,12 +22,11 @@ import torch
 
 from dllm_fast.files import atomic_directory, follow_umask, write_text_atomic
 from dllm_fast.models.loading import family_of, load_model
-from dllm_fast.train.config import TrainConfig
 from dllm_fast.train.distributed import full_state, set_full_state
+from dllm_fast.train.resume import CONFIG
 
 CHECKPOINT = "checkpoint"
 STATE = "state.pt"
-CONFIG = "config.json"  # the configuration that ran, in the run directory and in each checkpoint
 FORMAT = 2  # state.pt's layout: 2 = tensors and plain values only (1, before, pickled NumPy objects)
 
 
@@ -114,19 +113,6 @@ def read_state(path: Path) -> dict:
         raise ValueError(f"{path} is not a dllm_fast training state of format {FORMAT}; start afresh with "
                          "--overwrite true.")
     return state
-
-
-def saved_config(directory: Path) -> TrainConfig:
-    """The configuration the checkpoint in `directory` was trained with (its config.json)."""
-    path = directory / CONFIG
-    try:
-        values = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{path} cannot be read ({error}); the checkpoint cannot be resumed without the "
-                         "configuration it ran with.") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{path} must hold a JSON object of options.")
-    return TrainConfig.from_dict(values)
 
 
 def unsharded_copy(model, state: dict | None):

@@ -21,8 +21,7 @@ import sys
 import textwrap
 import typing
 
-from dllm_fast.train.config import (TrainConfig, field_choices, flag, read_config_file, registry_choices,
-                                    resumed_config)
+from dllm_fast.train.config import TrainConfig, field_choices, flag, read_config_file, registry_choices
 
 PROG = "python -m dllm_fast train"
 DESCRIPTION = """RL training. With no options: the embedded default, RL from a tiny sudoku4 model on CPU, printing
@@ -68,7 +67,8 @@ def config_from_arguments(args: argparse.Namespace) -> TrainConfig:
         given = {**read_config_file(config_file), **given}
     if given.get("resume"):
         from dllm_fast.files import settled_directory
-        from dllm_fast.train.checkpoint import CHECKPOINT, CONFIG, saved_config
+        from dllm_fast.train.checkpoint import CHECKPOINT
+        from dllm_fast.train.resume import CONFIG, resumed_config, saved_config
         from dllm_fast.train.run_dir import RunDirectory
 
         checkpoint = RunDirectory(given.get("output_dir", _FIELDS["output_dir"].default)).path(CHECKPOINT)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dllm_fast.train.typed import check_type
 from dllm_fast.validation import check_float, check_int
 
 SCHEDULES = ("constant", "cosine", "linear")
@@ -107,7 +108,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """Every field's type, then its range and its consistency with the others; errors name the flag."""
         for name, value in vars(self).items():
-            setattr(self, name, check_type(name, value, flag(name)))
+            setattr(self, name, _typed(name, value, flag(name)))
         for name in ("steps", "prompts_per_step", "group_size", "inner_updates", "micro_batch", "gen_length",
                      "block_length", "checkpoint_every", "eval_every", "eval_batch_size", "lora_rank",
                      "lora_alpha"):
@@ -217,6 +218,7 @@ _HINTS = typing.get_type_hints(TrainConfig)
 MAX_ROLLOUTS_PER_STEP = 2**20
 MAX_INNER_UPDATES = 2**10
 MAX_SEED = 2**63 - 1
+_EXAMPLES = {"betas": "[0.9, 0.99]", "eval_gen_lengths": "[24, 48]", "lora_targets": "[q_proj, v_proj]"}
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -252,67 +254,11 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         close = difflib.get_close_matches(unknown[0], list(_FIELDS), n=1)
         raise ValueError(f"config file {path}: unknown option(s) {unknown}"
                          f"{f' (did you mean {close[0]}?)' if close else ''}; the options are {sorted(_FIELDS)}.")
-    return {key: check_type(key, value, f"{path}: {key}", from_file=True) for key, value in values.items()}
+    return {key: _typed(key, value, f"{path}: {key}", from_file=True) for key, value in values.items()}
 
 
-def check_type(name: str, value: Any, where: str, *, from_file: bool = False) -> Any:
-    """`value` as field `name` holds it, or a TypeError naming `where` (a flag, or a file and key). Booleans must
-    be true or false themselves: the strings "false" or "no" are refused, never read as true. A file's number
-    written as a string that YAML does not read as one (1e-4) is taken as that number."""
-    hint = _HINTS[name]
-    optional = type(None) in typing.get_args(hint)
-    if value is None:
-        if optional:
-            return None
-        raise TypeError(f"{where} is null; it needs {_describe(hint)}.")
-    kind = next(h for h in typing.get_args(hint) if h is not type(None)) if optional else hint
-    origin = typing.get_origin(kind)
-    if origin is list or kind is list:
-        element = typing.get_args(kind)[0] if typing.get_args(kind) else str
-        if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            raise TypeError(f"{where} = {value!r} must be a list of {_PLURAL[element]}, e.g. {_EXAMPLES[name]}.")
-        return [_scalar(element, item, f"{where}[{index}]", from_file) for index, item in enumerate(value)]
-    if kind is dict or origin is dict:
-        if not isinstance(value, dict):
-            raise TypeError(f"{where} = {value!r} must be a mapping of option names to values (JSON object), e.g. "
-                            "{\"n_t\": 4}, not a " + type(value).__name__ + ".")
-        bad = [k for k in value if not isinstance(k, str)]
-        if bad:
-            raise TypeError(f"{where} has the key {bad[0]!r}; option names are strings.")
-        return dict(value)
-    return _scalar(kind, value, where, from_file)
-
-
-def _scalar(kind, value, where: str, from_file: bool):
-    if kind is bool:
-        if not isinstance(value, bool):
-            quoted = " (a string: write true or false without quotes)" if isinstance(value, str) else ""
-            raise TypeError(f"{where} = {value!r} must be true or false{quoted}.")
-        return value
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{where} = {value!r} must be an integer.")
-        return value
-    if kind is float:
-        if from_file and isinstance(value, str):
-            try:
-                value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{where} = {value!r} must be a number.")
-        return float(value)
-    if not isinstance(value, str):
-        raise TypeError(f"{where} = {value!r} must be a string.")
-    return value
-
-
-def _describe(kind) -> str:
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, "a value")
-
-
-_PLURAL = {int: "integers", float: "numbers", str: "strings"}
-_EXAMPLES = {"betas": "[0.9, 0.99]", "eval_gen_lengths": "[24, 48]", "lora_targets": "[q_proj, v_proj]"}
+def _typed(name: str, value: Any, where: str, *, from_file: bool = False) -> Any:
+    return check_type(_HINTS[name], value, where, from_file=from_file, example=_EXAMPLES.get(name, ""))
 
 
 # The registries a field's `choices` may name; imported when asked (they need torch).
@@ -344,40 +290,6 @@ def field_choices(config_field: dataclasses.Field) -> tuple | None:
     """The values a field may take, when they are a fixed set (its own tuple or a registry's names)."""
     choices = config_field.metadata.get("choices")
     return registry_choices(choices) if isinstance(choices, str) else choices
-
-
-# -- resuming ---------------------------------------------------------------------------------------------------
-# What a resumed run may change: how long it runs and how it reports. Everything else must be the saved run's.
-CHANGEABLE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "progress", "plot", "threads")
-# Where and how to start, not what runs.
-RUN_CONTROL = ("resume", "overwrite", "output_dir")
-
-
-def resumed_config(saved: TrainConfig, given: dict[str, Any], where: str) -> TrainConfig:
-    """The configuration of a resumed run: the saved one (`where` names its file), with the options `given` on the
-    command line or in a config file that may change on resume; any other given option that differs is an error
-    listing them all."""
-    differing = [name for name in _FIELDS if name in given  # in the order of --help
-                 and name not in CHANGEABLE_ON_RESUME + RUN_CONTROL and given[name] != getattr(saved, name)]
-    if differing:
-        raise ValueError(_resume_refusal(saved, given, differing, where))
-    kept = {name: value for name, value in given.items() if name in CHANGEABLE_ON_RESUME + RUN_CONTROL}
-    return dataclasses.replace(saved, **kept)
-
-
-def check_resumable(config: TrainConfig, saved: TrainConfig, where: str) -> None:
-    """Raise unless `config` continues the run `saved` describes (only CHANGEABLE_ON_RESUME may differ)."""
-    differing = [name for name in _FIELDS if name not in CHANGEABLE_ON_RESUME + RUN_CONTROL
-                 and getattr(config, name) != getattr(saved, name)]
-    if differing:
-        raise ValueError(_resume_refusal(saved, config.to_dict(), differing, where))
-
-
-def _resume_refusal(saved: TrainConfig, given: dict[str, Any], differing: list[str], where: str) -> str:
-    listed = ", ".join(f"{flag(name)} {given[name]!r} (saved: {getattr(saved, name)!r})" for name in differing)
-    return (f"--resume true continues the run saved in {where}, but these options differ from it: {listed}. On "
-            f"resume only {', '.join(map(flag, CHANGEABLE_ON_RESUME))} may change; drop the others, or start a new "
-            "run with --overwrite true or another --output-dir.")
 
 
 # -- what the names of a config mean ----------------------------------------------------------------------------

@@ -25,11 +25,12 @@ from dllm_fast.objectives import InnerUpdate
 from dllm_fast.rollout import generate
 from dllm_fast.tasks import get_task
 from dllm_fast.tasks.encoding import decode_completions, encode_prompts
-from dllm_fast.train.checkpoint import CHECKPOINT, CONFIG, load_checkpoint, saved_config, seed_everything
-from dllm_fast.train.config import TrainConfig, check_resumable, lora_targets, model_source, task_options
+from dllm_fast.train.checkpoint import CHECKPOINT, load_checkpoint, seed_everything
+from dllm_fast.train.config import TrainConfig, lora_targets, model_source, task_options
 from dllm_fast.train.data import PromptStream
 from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
+from dllm_fast.train.resume import CONFIG, check_resumable, saved_config
 from dllm_fast.train.run_dir import RunDirectory
 
 
