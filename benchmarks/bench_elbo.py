@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from dllm_fast import reference
-from dllm_fast.likelihood import elbo, sample_masks, score, streaming_backward
+from dllm_fast.likelihood import MicroBatching, elbo, sample_masks, score, streaming_backward
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -151,8 +151,8 @@ def all_graphs(case: Case, masks) -> None:
 
 
 def two_pass(case: Case, masks) -> None:
-    streaming_backward(case.model, case.sequences, masks, vrpo_ol(masks), micro_batch=case.micro_batch,
-                       score_micro_batch=case.score_micro_batch)
+    streaming_backward(case.model, case.sequences, masks, vrpo_ol(masks),
+                       micro_batch=MicroBatching(case.micro_batch, score_micro_batch=case.score_micro_batch))
 
 
 def separable(case: Case, masks) -> None:

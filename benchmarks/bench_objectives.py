@@ -36,6 +36,7 @@ import torch
 from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, completion_mask
 from dllm_fast.likelihood import score
+from dllm_fast.objectives import InnerUpdate
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -117,8 +118,8 @@ def run_all_graphs(case: Case) -> None:
 def run_streaming(case: Case, known_lp: bool) -> None:
     # Into existing gradients the engine would keep them aside for its all-or-nothing guarantee (one more buffer).
     case.model.zero_grad(set_to_none=True)
-    case.objective.backward(case.model, case.batch, masks=case.masks, lp=case.lp_old if known_lp else None,
-                            lp_old=case.lp_old, lp_ref=case.lp_ref, micro_batch=case.micro_batch)
+    update = InnerUpdate(case.masks, lp_old=case.lp_old, lp=case.lp_old if known_lp else None)
+    case.objective.backward(case.model, case.batch, update, lp_ref=case.lp_ref, micro_batch=case.micro_batch)
 
 
 def warm_up(run, case: Case) -> None:

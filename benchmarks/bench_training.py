@@ -32,8 +32,7 @@ from dllm_fast import objectives  # noqa: E402
 
 def one_run(objective: str, seed: int, steps: int, output_dir: str) -> dict:
     """A whole training run in this (fresh) process; its accuracies and mean speeds."""
-    from dllm_fast.train_config import TrainConfig
-    from dllm_fast.trainer import train
+    from dllm_fast.train import TrainConfig, train
 
     config = TrainConfig(objective=objective, seed=seed, steps=steps, output_dir=output_dir, threads=1,
                          progress=False, eval_every=steps)

@@ -49,6 +49,25 @@ def _new_temporary_file(path: Path) -> Path:
         return tmp
 
 
+def follow_umask(path: str | os.PathLike) -> None:
+    """Give a file the permissions a plain open() would (0666 less the umask): libraries that write through a
+    private temporary file (safetensors' save_file) leave 0600, which hides weights from the rest of a group."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    try:  # Linux reports it without changing it
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)

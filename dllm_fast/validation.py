@@ -51,25 +51,6 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
     return value
 
 
-def check_tensor(name: str, value: Any, *, dim: int | None = None, dtypes: Iterable[torch.dtype] | None = None,
-                 device: torch.device | None = None) -> torch.Tensor:
-    """A tensor with the given number of dimensions, one of `dtypes`, on `device` (a meta tensor never passes
-    unless `device` is meta: it holds no data)."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
-    if dim is not None and value.dim() != dim:
-        raise ValueError(f"{name} must have {dim} dimensions, got shape {tuple(value.shape)}.")
-    if dtypes is not None:
-        dtypes = tuple(dtypes)
-        if value.dtype not in dtypes:
-            raise TypeError(f"{name} has dtype {value.dtype}; it must be one of {dtypes}.")
-    if device is not None and value.device != torch.device(device):
-        raise ValueError(f"{name} is on {value.device} but must be on {device}; move it with .to({str(device)!r}).")
-    if device is None and value.device.type == "meta":
-        raise ValueError(f"{name} is on the meta device and holds no data; pass a tensor on a real device.")
-    return value
-
-
 def _range(minimum, maximum) -> str:
     if minimum is not None and maximum is not None:
         return f" in [{minimum}, {maximum}]"

@@ -38,7 +38,7 @@ def make_objective(name):
 def update(model, objective, batch, masks, parameters):
     """One inner update: the objective's gradient through the engine, then an AdamW step."""
     optimizer = torch.optim.AdamW(parameters, lr=1e-2)
-    out = objective.backward(model, batch, masks=masks, micro_batch=3)
+    out = objective.backward(model, batch, objectives.InnerUpdate(masks), micro_batch=3)
     optimizer.step()
     return out
 

@@ -10,7 +10,7 @@ from dllm_fast import objectives, reference
 from dllm_fast.contracts import RolloutBatch, completion_mask
 from dllm_fast.likelihood import elbo, eubo, score
 from dllm_fast.models import LLaDAConfig, LLaDAModel
-from dllm_fast.objectives import LossInputs
+from dllm_fast.objectives import InnerUpdate, LossInputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -147,7 +147,7 @@ def test_engine_gradient_equals_naive_autograd(name, overrides):
                            inputs)
     want = torch.autograd.grad(naive, trainable(model))
     model.zero_grad(set_to_none=True)
-    out = objective.backward(model, batch, micro_batch=3, masks=masks, lp_old=lp_old, lp_ref=lp_ref)
+    out = objective.backward(model, batch, InnerUpdate(masks, lp_old=lp_old), micro_batch=3, lp_ref=lp_ref)
     got = [p.grad for p in trainable(model)]
     torch.testing.assert_close(out.loss, naive.detach(), rtol=1e-10, atol=1e-12)
     assert relative_error(got, want) < 1e-6
@@ -168,7 +168,8 @@ def test_known_current_lp_gives_the_same_gradient(name):
     grads = []
     for lp in (None, lp_now):
         model.zero_grad(set_to_none=True)
-        out = objective.backward(model, batch, micro_batch=3, masks=masks, lp=lp, lp_old=lp_now, lp_ref=lp_ref)
+        out = objective.backward(model, batch, InnerUpdate(masks, lp_old=lp_now, lp=lp), micro_batch=3,
+                                 lp_ref=lp_ref)
         grads.append([p.grad.clone() for p in trainable(model)])
     assert relative_error(grads[1], grads[0]) < 1e-12
     assert out.stats.get("ratio_mean", 1.0) == pytest.approx(1.0)
@@ -186,7 +187,7 @@ def test_bgpo_equals_vrpo_ol_on_policy_in_value_and_gradient():
     results = []
     for objective in (bgpo, vrpo):
         model.zero_grad(set_to_none=True)
-        out = objective.backward(model, batch, micro_batch=5, masks=masks)  # on-policy: old = current
+        out = objective.backward(model, batch, InnerUpdate(masks), micro_batch=5)  # on-policy: old = current
         results.append((out.loss, [p.grad.clone() for p in trainable(model)]))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=1e-12)
     assert relative_error(results[0][1], results[1][1]) < 1e-10
@@ -217,7 +218,7 @@ def test_ratios_are_one_on_policy(name):
     with torch.no_grad():  # the old policy is the current one, scored on the same masks with another chunking
         lp_old = score(model, batch.sequences, masks, micro_batch=5, attention_mask=batch.attention_mask)
         lp_ref = score(perturbed(model), batch.sequences, masks, micro_batch=5, attention_mask=batch.attention_mask)
-    out = objective.backward(model, batch, micro_batch=3, masks=masks, lp_old=lp_old, lp_ref=lp_ref)
+    out = objective.backward(model, batch, InnerUpdate(masks, lp_old=lp_old), micro_batch=3, lp_ref=lp_ref)
     assert out.stats["ratio_mean"] == pytest.approx(1.0, abs=1e-12)
     assert out.stats["ratio_max"] == pytest.approx(1.0, abs=1e-12)
     assert out.stats["clip_fraction"] == 0.0
@@ -393,14 +394,14 @@ def test_bad_input_names_the_value():
     with pytest.raises(ValueError, match="group_size=3 does not divide the 4 rollouts"):
         RolloutBatch(batch.sequences, batch.attention_mask, P, batch.completion_mask, batch.rewards, 3)
     with pytest.raises(ValueError, match="masks were drawn with sampler='random_t' but spg uses sampler='block'"):
-        make("spg").backward(model, batch, micro_batch=2, masks=masks)
+        make("spg").backward(model, batch, InnerUpdate(masks), micro_batch=2)
     with pytest.raises(ValueError, match="masks hold n_t=4 samples per sequence but bgpo is configured with n_t=8"):
-        make("bgpo", n_t=8).backward(model, batch, micro_batch=2, masks=masks)
+        make("bgpo", n_t=8).backward(model, batch, InnerUpdate(masks), micro_batch=2)
     other = draw(bgpo, model, batch, seed=99)
     with torch.no_grad():
         lp_other = score(model, batch.sequences, other, micro_batch=8, attention_mask=batch.attention_mask)
     with pytest.raises(ValueError, match="lp_old was scored on other masks"):
-        bgpo.backward(model, batch, micro_batch=2, masks=masks, lp_old=lp_other)
+        bgpo.backward(model, batch, InnerUpdate(masks, lp_old=lp_other), micro_batch=2)
     with pytest.raises(ValueError, match="rspo needs a reference policy"):
         make("rspo").backward(model, batch, micro_batch=2, generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="pass generator="):
@@ -425,8 +426,8 @@ def test_peft_reference_is_the_model_with_adapters_disabled():
     masks = draw(objective, base, batch)
     with torch.no_grad(), model.disable_adapter():
         lp_ref = score(model, batch.sequences, masks, micro_batch=8, attention_mask=batch.attention_mask)
-    implicit = objective.backward(model, batch, micro_batch=4, masks=masks)
-    explicit = objective.backward(model, batch, micro_batch=4, masks=masks, lp_ref=lp_ref)
+    implicit = objective.backward(model, batch, InnerUpdate(masks), micro_batch=4)
+    explicit = objective.backward(model, batch, InnerUpdate(masks), micro_batch=4, lp_ref=lp_ref)
     assert implicit.stats == explicit.stats and implicit.stats["delta_var"] > 0
 
 

@@ -17,8 +17,10 @@ from dllm_fast import objectives
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 from dllm_fast.tasks import get_task, register_task
 from dllm_fast.tasks.sudoku4 import Sudoku4
-from dllm_fast.train_config import LORA_TARGETS, TrainConfig, parse_overrides
-from dllm_fast.trainer import add_lora, load_model_and_tokenizer, train
+from dllm_fast.models.llada import LORA_TARGETS
+from dllm_fast.train import TrainConfig, train
+from dllm_fast.train.cli import parse_overrides
+from dllm_fast.train.run import add_lora, load_model_and_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,7 +48,7 @@ def test_config_from_file_and_command_line(tmp_path):
         parse_overrides(["--steps", "many"])
     with pytest.raises(ValueError, match=r"unknown training option\(s\) \['stepz'\]"):
         TrainConfig.from_dict({"stepz": 1})
-    with pytest.raises(ValueError, match="group_size=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match="--group-size=0 must be an int >= 1"):  # messages name the flag
         TrainConfig(group_size=0)
 
 

@@ -83,7 +83,7 @@ def test_lora_off_policy_iterations_with_a_reference(tmp_path):
     assert rows[0]["objective/ratio_mean"] == 1.0  # on-policy: the rollout's first use
     assert rows[1]["objective/ratio_mean"] != 1.0  # off-policy: scored against the old policy
     assert rows[1]["objective/kl"] > 0  # against the adapter-free base
-    assert trainer._updates[0][1].lp_old is not None and trainer._updates[0][0].lp_old is None
+    assert trainer._updates[0][1].update.lp_old is not None and trainer._updates[0][0].update.lp_old is None
 
 
 def test_the_gradient_is_the_objectives_scaled_by_accumulation(tmp_path):
@@ -103,7 +103,7 @@ def test_the_gradient_is_the_objectives_scaled_by_accumulation(tmp_path):
     update = trainer._updates[0][0]
     assert update.batch.num_rollouts == 4 and update.batch.group_size == 4
     assert update.batch.rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
-    trainer.objective.backward(reference, update.batch, masks=update.masks, micro_batch=4)
+    trainer.objective.backward(reference, update.batch, update.update, micro_batch=4)
     for got, want in zip(policy.parameters(), reference.parameters()):
         torch.testing.assert_close(got.grad, want.grad / 2, rtol=1e-5, atol=1e-8)
     assert all(p.grad.abs().sum() > 0 for p in policy.parameters())

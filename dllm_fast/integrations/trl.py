@@ -48,7 +48,8 @@ from trl.data_utils import is_conversational
 from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, completion_mask, unwrap_model
 from dllm_fast.integrations.logprobs import mean_field_logprobs
-from dllm_fast.likelihood import MonteCarloMasks, score
+from dllm_fast.likelihood import BackwardHooks, MicroBatching
+from dllm_fast.objectives import InnerUpdate
 from dllm_fast.rollout import generate
 from dllm_fast.tasks.encoding import left_pad
 from dllm_fast.validation import check_int
@@ -128,10 +129,7 @@ class DiffusionPreTrainedModel(PreTrainedModel):
         return self.diffusion_lm(input_ids, attention_mask=attention_mask, **kwargs)
 
     def get_input_embeddings(self):
-        inner = getattr(self.diffusion_lm, "get_input_embeddings", None)
-        if inner is not None:
-            return inner()
-        return self.diffusion_lm.transformer["wte"]  # LLaDAModel
+        return self.diffusion_lm.get_input_embeddings()
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **options) -> None:
         """Every layer of the wrapped model recomputed in backward (TRL turns this on by default)."""
@@ -221,13 +219,11 @@ def tokenize_prompts(prompts: list, tokenizer, chat_template_kwargs: dict) -> li
 
 
 @dataclass
-class _Update:
-    """One micro-step's work: whole prompt groups, the objective's masks and, when the policy will have moved
-    since the rollout (an optimizer step in between), the old policy's lp on them (else None: on-policy)."""
+class _Use:
+    """One micro-step's work: whole prompt groups and the objective's plan of this use of them."""
 
     batch: RolloutBatch
-    masks: MonteCarloMasks
-    lp_old: torch.Tensor | None
+    update: InnerUpdate
 
 
 class DiffusionGRPOTrainer(GRPOTrainer):
@@ -270,10 +266,11 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         self.likelihood_micro_batch = check_int(
             "likelihood_micro_batch", likelihood_micro_batch if likelihood_micro_batch is not None
             else self.args.per_device_train_batch_size, minimum=1, hint="(sequence, sample) pairs per backward graph")
+        self._batching = MicroBatching(self.likelihood_micro_batch)
         seed = self.args.seed if mask_seed is None else mask_seed
         self._mask_generator = torch.Generator().manual_seed(seed + self.accelerator.process_index)
         self._rewards: torch.Tensor | None = None
-        self._updates: list[list[_Update]] | None = None
+        self._updates: list[list[_Use]] | None = None
 
     # -- TRL hooks --------------------------------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -299,7 +296,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
 
     def _prepare_inputs(self, generation_batch):
         """Training: roll out and score once per `steps_per_generation * num_iterations` micro-steps, then hand out
-        one `_Update` of whole groups per micro-step. Evaluation: TRL's rollouts and reward metrics."""
+        one `_Use` of whole groups per micro-step. Evaluation: TRL's rollouts and reward metrics."""
         if not self.model.training:
             return self._generate_and_score_completions(generation_batch)
         steps_per_generation = self.args.steps_per_generation
@@ -316,11 +313,11 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         model.train()
         update = self._prepare_inputs(inputs)
         accumulation = self.current_gradient_accumulation_steps
+        hooks = BackwardHooks(sync_gradients=self.accelerator.sync_gradients,
+                              backward=lambda loss: self.accelerator.backward(loss / accumulation))
         with self.accelerator.autocast():
-            out = self.objective.backward(
-                model, update.batch, masks=update.masks, lp_old=update.lp_old, ref_model=self._reference,
-                micro_batch=self.likelihood_micro_batch, sync_gradients=self.accelerator.sync_gradients,
-                backward=lambda loss: self.accelerator.backward(loss / accumulation))
+            out = self.objective.backward(model, update.batch, update.update, micro_batch=self._batching,
+                                          ref_model=self._reference, hooks=hooks)
         for name, value in out.stats.items():
             self._metrics["train"][f"objective/{name}"].append(value)
         self._step += 1
@@ -335,29 +332,23 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         return torch.tensor(math.nan, device=self.args.device), None, None
 
     # -- the objective's side ---------------------------------------------------------------------------------
-    def _plan_updates(self, generated: dict) -> list[list[_Update]]:
-        """Split a generation batch into micro-batches of whole groups; draw the masks of each of their
-        num_iterations uses now, and score the old policy on those used after an optimizer step."""
+    def _plan_updates(self, generated: dict) -> list[list[_Use]]:
+        """Split a generation batch into micro-batches of whole groups, and plan each one's num_iterations uses
+        with the objective: a use after an optimizer step (the policy has moved) gets the old policy's lp."""
         batch = rollout_batch(generated, self._rewards, self.num_generations, unwrap_model(self.model).eos_token_id)
         rows = self.args.per_device_train_batch_size
+        groups = rows // self.num_generations
         accumulation = self.args.gradient_accumulation_steps
         generated_at = self._step
         updates = []
         for i in range(self.args.steps_per_generation):
-            micro = select_rows(batch, slice(i * rows, (i + 1) * rows))
-            uses = []
-            for k in range(self.num_iterations):
-                used_at = generated_at + k * self.args.steps_per_generation + i
-                moved = used_at // accumulation != generated_at // accumulation
-                masks = self.objective.draw_masks(micro, generator=self._mask_generator,
-                                                  eos_token_id=unwrap_model(self.model).eos_token_id)
-                lp_old = None
-                if moved and self.objective.uses_old_policy:
-                    with torch.no_grad(), self.accelerator.autocast():
-                        lp_old = score(self.model, micro.sequences, masks, micro_batch=self.likelihood_micro_batch,
-                                       attention_mask=micro.attention_mask)
-                uses.append(_Update(micro, masks, lp_old))
-            updates.append(uses)
+            micro = batch.groups(i * groups, (i + 1) * groups)
+            used_at = [generated_at + k * self.args.steps_per_generation + i for k in range(self.num_iterations)]
+            moved = [at // accumulation != generated_at // accumulation for at in used_at]
+            with self.accelerator.autocast():
+                plan = self.objective.plan_updates(self.model, micro, moved=moved, generator=self._mask_generator,
+                                                   micro_batch=self._batching)
+            updates.append([_Use(micro, update) for update in plan])
         return updates
 
 
@@ -392,10 +383,3 @@ def rollout_batch(generated: dict, rewards: torch.Tensor | None, group_size: int
     return RolloutBatch(sequences=sequences, attention_mask=attention_mask, prompt_length=prompt_ids.shape[1],
                         completion_mask=completion_mask(completion, eos_token_id), rewards=rewards.float(),
                         group_size=group_size)
-
-
-def select_rows(batch: RolloutBatch, rows: slice) -> RolloutBatch:
-    """A RolloutBatch of some whole groups of `batch`."""
-    mask = None if batch.attention_mask is None else batch.attention_mask[rows]
-    return RolloutBatch(batch.sequences[rows], mask, batch.prompt_length, batch.completion_mask[rows],
-                        batch.rewards[rows], batch.group_size)

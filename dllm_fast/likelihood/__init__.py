@@ -8,6 +8,7 @@ backward that differentiates any objective of lp in memory independent of n_t.
     def objective(lp):
         return -(torch.exp(elbo(lp, masks) - elbo(lp_old, masks)) * advantages).mean()
     value = streaming_backward(model, sequences, masks, objective, micro_batch=1)
+    # or micro_batch=MicroBatching(1, score_micro_batch=8, chunk_size=8192), hooks=BackwardHooks(...)
 """
 
 from dllm_fast.likelihood.engine import streaming_backward
@@ -21,10 +22,13 @@ from dllm_fast.likelihood.masks import (
     sample_masks,
 )
 from dllm_fast.likelihood.scoring import active_pairs, score, score_pairs
+from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
 
 __all__ = [
     "COUNT_MODES",
     "SAMPLERS",
+    "BackwardHooks",
+    "MicroBatching",
     "MonteCarloMasks",
     "active_pairs",
     "counted_positions",

@@ -26,7 +26,8 @@ import torch
 from dllm_fast.contracts import accumulate_dtype, data_parallel, unwrap_model
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.likelihood.scoring import active_pairs, aligned_call_count, check_inputs, score_pairs
-from dllm_fast.validation import check_bool, check_int
+from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
+from dllm_fast.validation import check_bool
 
 
 def streaming_backward(
@@ -35,16 +36,12 @@ def streaming_backward(
     masks: MonteCarloMasks,
     objective: Callable[..., torch.Tensor],
     *,
-    micro_batch: int,
+    micro_batch: int | MicroBatching,
     attention_mask: torch.Tensor | None = None,
     separable: bool = False,
     lp: torch.Tensor | None = None,
-    score_micro_batch: int | None = None,
-    chunk_size: int | None = None,
     return_lp: bool = False,
-    sync_gradients: bool = True,
-    grad_sync: Callable[[], ContextManager] | None = None,
-    backward: Callable[[torch.Tensor], None] | None = None,
+    hooks: BackwardHooks | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Backpropagate `objective` of the current policy's lp into the model's `.grad`, micro-batch by micro-batch.
 
@@ -65,30 +62,21 @@ def streaming_backward(
               (n, j) each row is (to look up advantages, old lp, weights). The full objective must be the sum of
               these calls over any partition of the N * n_t pairs, i.e. a sum of per-pair terms. Pairs with
               nothing masked are passed with all-zero rows and no model call.
-        micro_batch: (sequence, sample) pairs per recomputed graph; peak memory scales with it, not with n_t.
-            Pass 2 skips the pairs whose coefficients are all zero (e.g. zero advantage); with active dropout it
-            skips only whole micro-batches, since it must replay pass 1's batches.
+        micro_batch: (sequence, sample) pairs per recomputed graph, or a `MicroBatching` that also sets pass 1's
+            model calls (score_micro_batch; it must equal micro_batch under active dropout) and the vocabulary
+            chunk of the fused LM head. Peak memory scales with micro_batch, not with n_t. Pass 2 skips the pairs
+            whose coefficients are all zero (e.g. zero advantage); with active dropout it skips only whole
+            micro-batches, since it must replay pass 1's batches.
         attention_mask: optional [N, P + L], passed to the model (left-padded prompts).
-        separable: take the one-pass path described above.
-        lp: the current policy's lp on these masks when it is already known, e.g. the old policy's lp at the
-            first inner update of an on-policy step (the policy has not moved yet). Pass 1 is skipped; the
-            gradient is identical. Not with separable=True (no pass 1 to skip) nor with active dropout (pass 2
-            could not replay the draws lp was scored under).
-        score_micro_batch: pairs per model call in the no-grad pass 1 (default: micro_batch; must equal it
-            under active dropout).
-        chunk_size: vocabulary chunk of the fused LM head.
-        return_lp: also return the current policy's lp [N, n_t, L] (detached), e.g. as the old policy's lp on
-            the first update of an on-policy step, or for logging; it costs nothing extra.
-        sync_gradients: whether this call all-reduces its gradients in data-parallel training. True: only the
-            last backward synchronises (one all-reduce per call, not one per micro-batch); False: none does
-            (accumulating over several calls before an optimizer step; the last of them passes True). Every
-            rank must make the same calls: a rank with nothing to backpropagate still runs one zero-weighted
-            backward so that the collective happens.
-        grad_sync: a factory of the context manager that suspends gradient synchronisation, entered around every
-            backward that must not all-reduce. Default: `model.no_sync` for DistributedDataParallel,
-            `set_requires_gradient_sync(False)` for an FSDP2 module, nothing for a single process.
-        backward: called as `backward(loss)` instead of `loss.backward()`, for host trainers that own the
-            backward (e.g. `accelerator.backward`).
+        separable: take the one-pass path described above (it has no pass 1: score_micro_batch does not apply).
+        lp: the current policy's lp on these masks when it is already known (the policy has not moved since it
+            was scored). Pass 1 is skipped; the gradient is identical. Not with separable=True (no pass 1 to
+            skip) nor with active dropout (pass 2 could not replay the draws lp was scored under).
+        return_lp: also return the current policy's lp [N, n_t, L] (detached), e.g. for logging; it costs
+            nothing extra.
+        hooks: `BackwardHooks`, how a data-parallel wrapper or a host trainer takes part in each backward
+            (sync_gradients, grad_sync, backward). Every rank must make the same calls: a rank with nothing to
+            backpropagate still runs one zero-weighted backward so that the collective happens.
 
     Gradients are all or nothing: if the objective raises or returns a non-finite value or coefficient, if a
     micro-batch fails, or if the call is interrupted (KeyboardInterrupt), every `.grad` is left exactly as it was
@@ -101,22 +89,16 @@ def streaming_backward(
         The objective's value, a detached 0-dim tensor (fp32, or fp64 for an fp64 model); with return_lp,
         the pair (value, lp).
     """
-    check_inputs(model, sequences, masks, attention_mask=attention_mask, micro_batch=micro_batch)
+    batching, hooks = MicroBatching.of(micro_batch), hooks if hooks is not None else BackwardHooks()
+    micro_batch, score_micro_batch, chunk_size = batching.micro_batch, batching.score_micro_batch, batching.chunk_size
+    check_inputs(model, sequences, masks, attention_mask=attention_mask)
     if not callable(objective):
         raise TypeError(f"objective must be callable, got {type(objective).__name__}.")
     check_bool("separable", separable)
-    check_bool("sync_gradients", sync_gradients)
-    if backward is not None and not callable(backward):
-        raise TypeError(f"backward must be callable (e.g. accelerator.backward), got {type(backward).__name__}.")
-    if separable and score_micro_batch is not None:
-        raise ValueError(f"score_micro_batch={score_micro_batch!r} sets pass 1's batch, which separable=True skips; "
-                         "drop it or use separable=False.")
     if separable and lp is not None:
         raise ValueError("lp= skips pass 1, which separable=True does not run; drop lp or use separable=False.")
-    if score_micro_batch is not None:
-        check_int("score_micro_batch", score_micro_batch, minimum=1, hint="(sequence, sample) pairs per model call")
     replay = has_active_dropout(model)
-    if replay and score_micro_batch not in (None, micro_batch):
+    if replay and not separable and score_micro_batch not in (None, micro_batch):
         raise ValueError(f"score_micro_batch={score_micro_batch} differs from micro_batch={micro_batch}, but the "
                          "model has active dropout, so pass 2 must replay pass 1's micro-batches; drop "
                          "score_micro_batch, or call model.eval() / set the dropout to 0.")
@@ -126,7 +108,7 @@ def streaming_backward(
                              "masks lp was scored under. Drop lp, or call model.eval() / set the dropout to 0.")
         masks.check_lp(lp, "lp")
         lp = lp.detach().to(accumulate_dtype(unwrap_model(model).lm_head_weight.dtype))
-    backward_pass = _Backward(model, backward, grad_sync, sync_gradients)
+    backward_pass = _Backward(model, hooks.backward, hooks.grad_sync, hooks.sync_gradients)
     with _all_or_nothing(model):
         if separable:
             value, lp = _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size,

@@ -48,6 +48,7 @@ is never masked.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -144,8 +145,12 @@ class MonteCarloMasks:
         )
 
     def check_sequences(self, sequences: torch.Tensor) -> None:
-        """Raise unless `sequences` are the ones these masks were drawn for (when a fingerprint was recorded)."""
-        if self.fingerprint is None:
+        """Raise unless `sequences` are the ones these masks were drawn for (when a fingerprint was recorded).
+
+        The fingerprint syncs with the host, so a tensor that matched once is remembered (weakly, with its
+        version counter): scoring the old, reference and current policies on the sequences the masks were drawn
+        for computes it once, at the draw. Changing the tensor in place makes it be checked again."""
+        if self.fingerprint is None or self._matched(sequences):
             return
         mismatch = (sequence_fingerprint(sequences) != self.fingerprint.to(sequences.device)).any(-1)
         if mismatch.any():
@@ -153,6 +158,14 @@ class MonteCarloMasks:
             raise ValueError(f"sequences[{row}] is not the sequence these masks were drawn for (its fingerprint "
                              "differs): draw masks for these sequences with sample_masks, and score every policy "
                              "on the sequences they were drawn for.")
+        self._remember(sequences)
+
+    def _matched(self, sequences: torch.Tensor) -> bool:
+        matched = self.__dict__.get("_matched_sequences")
+        return matched is not None and matched[0]() is sequences and matched[1] == sequences._version
+
+    def _remember(self, sequences: torch.Tensor) -> None:
+        object.__setattr__(self, "_matched_sequences", (weakref.ref(sequences), sequences._version))
 
     def check_lp(self, lp: torch.Tensor, name: str = "lp") -> None:
         """Raise unless `lp` [N, n_t, L] could have been scored on these masks: right shape, floating point,
@@ -256,7 +269,9 @@ def sample_masks(
     )
     masks = draw_masks(sampler, counted, n_t, generator=generator, prompt_real=prompt_real,
                        block_length=block_length, perturb_prob=perturb_prob)
-    return dataclasses.replace(masks, fingerprint=sequence_fingerprint(sequences))
+    masks = dataclasses.replace(masks, fingerprint=sequence_fingerprint(sequences))
+    masks._remember(sequences)  # drawn for them: later checks against the same tensor cost nothing
+    return masks
 
 
 def draw_masks(

@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from dllm_fast.files import atomic_directory, settled_directory
+from dllm_fast.files import atomic_directory, follow_umask, settled_directory
 from dllm_fast.models.config import LLaDAConfig
 from dllm_fast.validation import check_int
 
@@ -223,6 +223,7 @@ def save_checkpoint(model, path, *, max_shard_size: int, tokenizer=None) -> None
     with atomic_directory(path, keep_old=lambda name: not _is_checkpoint_file(name)) as staging:
         for name, shard in zip(names, shards):
             save_file(shard, str(staging / name), metadata={"format": "pt"})
+            follow_umask(staging / name)  # save_file leaves 0600; the other files follow the umask
         if len(shards) > 1:
             _write_json(staging / INDEX_NAME, {
                 "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},

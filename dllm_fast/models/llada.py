@@ -24,6 +24,10 @@ from dllm_fast.models.config import LLaDAConfig
 from dllm_fast.models.kv_cache import KVCache
 
 
+# The linear layers of a block, by their official names: LoRA's default targets.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
+
+
 def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
     """LLaDA runs norms and RoPE in fp32; an fp64 model (gradcheck, exact tests) keeps fp64."""
     return torch.promote_types(dtype, torch.float32)
@@ -254,6 +258,29 @@ class LLaDAModel(nn.Module):
         """Recompute each block in backward instead of storing its activations."""
         self.gradient_checkpointing = enabled
 
+    # -- hooks for trainers (dllm_fast.train, the TRL adapter): what they need to know of this architecture ----
+    # The modules LoRA may adapt, all of them by default. The LM head is also called ff_out; lora_target_pattern
+    # keeps adapters off it, since the fused ops read lm_head_weight directly and would ignore one.
+    lora_target_modules = LORA_TARGETS
+
+    @staticmethod
+    def lora_target_pattern(targets) -> str:
+        """A PEFT target_modules regex matching the named modules inside the transformer blocks only."""
+        return r".*blocks\.\d+\.(" + "|".join(targets) + r")$"
+
+    def shard_units(self) -> list[nn.Module]:
+        """The submodules FSDP2 shards as units of their own (the root's unit holds the rest: the embedding, the
+        final norm and the LM head, gathered by the root's forward)."""
+        return list(self.transformer["blocks"])
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.transformer["wte"]
+
+    @property
+    def max_sequence_length(self) -> int:
+        """Positions a sequence (prompt and completion) may span."""
+        return self.config.max_sequence_length
+
     # -- weights ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -274,6 +301,11 @@ class LLaDAModel(nn.Module):
                 module.weight.fill_(1.0)
         if not self.config.weight_tying:
             _normal_(self.transformer["ff_out"].weight, 2.0 / math.sqrt(self.config.d_model), generator)
+
+    @staticmethod
+    def preset_config(name: str) -> LLaDAConfig:
+        """The config of a preset: "tiny", "small" or "llada-8b" (LLaDAConfig.preset)."""
+        return LLaDAConfig.preset(name)
 
     @classmethod
     def with_random_weights(cls, config: LLaDAConfig, *, dtype: torch.dtype = torch.float32,

@@ -4,6 +4,8 @@
     objective = objectives.get("bgpo", n_t=8)          # the paper's defaults, with overrides
     out = objective.backward(model, batch, micro_batch=4, generator=torch.Generator().manual_seed(0))
     out.loss, out.stats                                # gradients are in model's .grad
+    for update in objective.plan_updates(model, batch, moved=[False, True], generator=g, micro_batch=4):
+        objective.backward(model, batch, update, micro_batch=4); optimizer.step()   # mu = 2 inner updates
 
 | name | paper | estimator | ratio / clip | KL |
 |---|---|---|---|---|
@@ -21,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from dllm_fast.objectives.advantages import group_advantages, zero_std_fraction
-from dllm_fast.objectives.base import LossInputs, Objective, ObjectiveConfig, ObjectiveOutput
+from dllm_fast.objectives.base import InnerUpdate, LossInputs, Objective, ObjectiveConfig, ObjectiveOutput
 from dllm_fast.objectives.bgpo import BGPO, BGPOConfig
 from dllm_fast.objectives.diffu_grpo import DiffuGRPO, DiffuGRPOConfig
 from dllm_fast.objectives.espo import ESPO, ESPOConfig
@@ -60,7 +62,7 @@ def get(name: str, **overrides: Any) -> Objective:
 
 
 __all__ = [
-    "BGPO", "BGPOConfig", "DiffuGRPO", "DiffuGRPOConfig", "ESPO", "ESPOConfig", "LossInputs", "Objective",
+    "BGPO", "BGPOConfig", "DiffuGRPO", "DiffuGRPOConfig", "ESPO", "ESPOConfig", "InnerUpdate", "LossInputs", "Objective",
     "ObjectiveConfig", "ObjectiveOutput", "RSPO", "RSPOConfig", "SPG", "SPGConfig", "VRPOOL", "VRPOOLConfig",
     "WD1", "WD1Config", "available", "get", "group_advantages", "register", "zero_std_fraction",
 ]

@@ -6,26 +6,30 @@ masks) into `LossInputs`, the constants of one update; `loss(lp, inputs)` is a d
 current policy's lp [N, n_t, L] alone. Separable objectives (a sum of per-(sequence, sample) terms) also give
 `pair_loss`, which lets the engine skip its scoring pass.
 
-`Objective.backward(model, batch, ...)` is the entry point that the trainer, the TRL adapter and the VeRL loss
-all call: it draws the masks, scores the old and reference policies if their lp is not given, runs the streaming
-backward (exact gradient, memory independent of n_t) and returns the loss and the stats.
+One rollout batch feeds one or more inner updates. `Objective.plan_updates(model, batch, ...)` is the one place
+that plans them: it draws each update's masks and scores the old policy on the masks of the updates that run after
+the policy has moved. `Objective.backward(model, batch, update, ...)` runs one update: it scores the reference
+policy if its lp is not given, runs the streaming backward (exact gradient, memory independent of n_t) and returns
+the loss and the stats. The trainer and the TRL adapter both call these two; neither re-derives the plan.
 
-On-policy convention: with no old policy (neither `lp_old` nor `old_model`), the old policy is the current one,
+On-policy convention: with no old policy's lp (`InnerUpdate.lp_old` is None), the old policy is the current one,
 old = stop_gradient(current). Ratios are then exactly 1 and the gradient is the first-step gradient: this is the
-first inner update of every on-policy step, and what d1 does with one inner update.
+first inner update of every on-policy step, and what d1 does with one inner update. Its scoring pass is then the
+only one: the old policy's lp of an update before any optimizer step is never scored separately.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, ContextManager
+from typing import Any, ClassVar, Sequence
 
 import torch
 
 from dllm_fast.contracts import RolloutBatch, unwrap_model
 from dllm_fast.likelihood import MonteCarloMasks, sample_masks, score, streaming_backward
 from dllm_fast.likelihood.masks import COUNT_MODES, SAMPLERS
+from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
 from dllm_fast.objectives.advantages import group_advantages, zero_std_fraction
 from dllm_fast.validation import check_choice, check_float, check_int, check_probability
 
@@ -37,13 +41,18 @@ class ObjectiveConfig:
     n_t: Monte Carlo masks per sequence. sampler: one of dllm_fast.likelihood.SAMPLERS. count: which completion
     positions count ("eos": through the first EOS; "all": every position). block_length, perturb_prob: the
     "block" and "mean_field" samplers' settings.
+
+    A field's `metadata["help"]` is its one-line description on the command line (`train --objective NAME
+    --help`); a subclass that re-declares one of these fields keeps the description given here.
     """
 
-    n_t: int = 1
-    sampler: str = "stratified_l"
-    count: str = "eos"
-    block_length: int = 32
-    perturb_prob: float = 0.15
+    n_t: int = field(default=1, metadata={"help": "Monte Carlo masks per sequence"})
+    sampler: str = field(default="stratified_l", metadata={"help": "mask sampler: " + ", ".join(SAMPLERS)})
+    count: str = field(default="eos", metadata={"help": "completion positions that count: eos (through the "
+                                                         "first EOS) or all"})
+    block_length: int = field(default=32, metadata={"help": "block size of the block sampler"})
+    perturb_prob: float = field(default=0.15, metadata={"help": "probability of masking a prompt token (block, "
+                                                                "mean_field) or an earlier block's (block)"})
 
     def __post_init__(self) -> None:
         check_int("n_t", self.n_t, minimum=1, hint="Monte Carlo masks per sequence")
@@ -83,6 +92,28 @@ class LossInputs:
 
     def advantage(self, lp: torch.Tensor) -> torch.Tensor:
         return self.advantages.to(device=lp.device, dtype=lp.dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class InnerUpdate:
+    """One inner update of a rollout batch, as `Objective.plan_updates` plans it.
+
+    masks: the Monte Carlo masks every policy is scored on for this update.
+    lp_old: the old policy's lp [N, n_t, L] on `masks`, scored before the policy moved; None: the policy has not
+        moved since the rollout, so old = current (on-policy).
+    lp: the current policy's lp on `masks` when it is already known; the engine then skips its scoring pass
+        (two-pass objectives). The plan leaves it None: an update before any optimizer step is on-policy and its
+        scoring pass is its only one. Give it when you hold the current lp yourself.
+    """
+
+    masks: MonteCarloMasks
+    lp_old: torch.Tensor | None = None
+    lp: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.masks, MonteCarloMasks):
+            raise TypeError(f"InnerUpdate.masks must be a MonteCarloMasks (objective.draw_masks(...)), got "
+                            f"{type(self.masks).__name__}.")
 
 
 @dataclass
@@ -136,7 +167,6 @@ class Objective:
         """The loss to minimise, a differentiable function of the current policy's lp [N, n_t, L]."""
         if not self.separable:
             raise NotImplementedError(f"{type(self).__name__} must define loss(lp, inputs).")
-        masks = inputs.masks
         N, n_t, L = lp.shape
         sequence = torch.arange(N, device=lp.device).repeat_interleave(n_t)
         sample = torch.arange(n_t, device=lp.device).repeat(N)
@@ -184,10 +214,12 @@ class Objective:
     def prepare(self, batch: RolloutBatch, masks: MonteCarloMasks, *, lp_old: torch.Tensor | None = None,
                 lp_ref: torch.Tensor | None = None) -> LossInputs:
         """The constants of one update. lp_old / lp_ref must have been scored on `masks` (checked)."""
-        if not isinstance(batch, RolloutBatch):
-            raise TypeError(f"batch must be a dllm_fast.RolloutBatch (RolloutBatch.from_generation(result, "
-                            f"rewards, group_size=G)), got {type(batch).__name__}.")
+        _check_batch(batch)
         self.check_masks(masks, batch)
+        return self._loss_inputs(batch, masks, lp_old, lp_ref)
+
+    def _loss_inputs(self, batch: RolloutBatch, masks: MonteCarloMasks, lp_old, lp_ref) -> LossInputs:
+        """`prepare` on masks already checked against the batch."""
         if lp_old is not None:
             masks.check_lp(lp_old, "lp_old")
         if lp_ref is not None:
@@ -202,80 +234,107 @@ class Objective:
     def _reference_hint(self) -> str:
         return "give ref_model= or lp_ref=, or a PEFT model (the reference is the model with its adapters disabled)."
 
-    def backward(
-        self,
-        model,
-        batch: RolloutBatch,
-        *,
-        micro_batch: int,
-        generator: torch.Generator | None = None,
-        masks: MonteCarloMasks | None = None,
-        lp: torch.Tensor | None = None,
-        lp_old: torch.Tensor | None = None,
-        lp_ref: torch.Tensor | None = None,
-        old_model=None,
-        ref_model=None,
-        score_micro_batch: int | None = None,
-        chunk_size: int | None = None,
-        sync_gradients: bool = True,
-        grad_sync: Callable[[], ContextManager] | None = None,
-        backward: Callable[[torch.Tensor], None] | None = None,
-    ) -> ObjectiveOutput:
-        """Accumulate this objective's exact gradient into the model's `.grad`; return the loss and stats.
+    def plan_updates(self, model, batch: RolloutBatch, *, moved: Sequence[bool], generator: torch.Generator,
+                     micro_batch: int | MicroBatching) -> list[InnerUpdate]:
+        """Plan the inner updates of one rollout batch: one `InnerUpdate` per entry of `moved`, in order.
+
+        Each update's masks are drawn now from `generator`. moved[k] says whether an optimizer step will have
+        been taken between the rollout and update k (the trainer's mu inner updates: [False, True, ..., True]; a
+        host trainer that accumulates gradients marks the uses that come after its next optimizer step). For
+        those, an objective with a ratio to the old policy needs the old policy's lp on their masks: it is scored
+        here, now, before the policy moves (no gradient; wrap the call in the autocast the updates run under).
+        An update with moved[k] False is on-policy: nothing is scored for it, and the engine's scoring pass is
+        its only one.
+        """
+        _check_batch(batch)
+        moved = [bool(m) for m in moved]
+        if not moved:
+            raise ValueError("moved lists no inner update; give one entry per inner update of this batch.")
+        batching = MicroBatching.of(micro_batch)
+        eos_token_id = getattr(unwrap_model(model), "eos_token_id", None)
+        updates = []
+        for moved_before in moved:
+            masks = self.draw_masks(batch, generator=generator, eos_token_id=eos_token_id)
+            lp_old = None
+            if moved_before and self.uses_old_policy:
+                with torch.no_grad():
+                    lp_old = _score(model, batch, masks, batching)
+            updates.append(InnerUpdate(masks, lp_old=lp_old))
+        return updates
+
+    def backward(self, model, batch: RolloutBatch, update: InnerUpdate | None = None, *,
+                 micro_batch: int | MicroBatching, generator: torch.Generator | None = None,
+                 lp_ref: torch.Tensor | None = None, ref_model=None,
+                 hooks: BackwardHooks | None = None) -> ObjectiveOutput:
+        """Accumulate this objective's exact gradient for one inner update into the model's `.grad`; return the
+        loss and the stats.
 
         Args:
             model: the current policy (model contract; PEFT and DDP wrappers work).
             batch: the rollouts with rewards (RolloutBatch).
-            micro_batch: (sequence, sample) pairs per backward graph; memory scales with it, not with n_t.
-            generator: draws the masks when `masks` is not given (an explicit torch.Generator).
-            masks: masks from `draw_masks` to reuse (e.g. those lp_old was scored on).
-            lp: the current policy's lp on `masks` if already known (e.g. = lp_old at the first inner update):
-                two-pass objectives skip their scoring pass. Ignored by separable ones, which need none.
-            lp_old: the old policy's lp on `masks`. Without it and without `old_model`, old = current (on-policy).
-            lp_ref: the reference policy's lp on `masks` (KL terms, RSPO). Without it, `ref_model` is scored,
-                or, for a PEFT model, the model with its adapters disabled.
-            old_model, ref_model: policies to score when lp_old / lp_ref are not given.
-            score_micro_batch, chunk_size: as in `streaming_backward` and `score`.
-            sync_gradients, grad_sync, backward: data-parallel and host-trainer hooks of `streaming_backward`.
+            update: the update's masks and old policy's lp, from `plan_updates` (or `InnerUpdate(masks, ...)`
+                with masks from `draw_masks`). None: masks drawn from `generator`, on-policy.
+            micro_batch: (sequence, sample) pairs per backward graph, or a `MicroBatching` that also sets the
+                no-grad scoring calls and the LM head's vocabulary chunk; memory scales with it, not with n_t.
+            generator: draws the masks when no `update` is given (an explicit torch.Generator).
+            lp_ref: the reference policy's lp on the update's masks (KL terms, RSPO). Without it, `ref_model` is
+                scored, or, for a PEFT model, the model with its adapters disabled.
+            ref_model: the reference policy to score when lp_ref is not given.
+            hooks: `BackwardHooks` (sync_gradients, grad_sync, backward), the data-parallel and host-trainer
+                hooks of `streaming_backward`.
         """
-        core = unwrap_model(model)
-        if masks is None:
+        _check_batch(batch)
+        batching = MicroBatching.of(micro_batch)
+        if update is None:
             if generator is None:
-                raise ValueError("pass generator=torch.Generator().manual_seed(seed) to draw the masks, or masks=.")
-            masks = self.draw_masks(batch, generator=generator, eos_token_id=getattr(core, "eos_token_id", None))
-        mask = batch.attention_mask
-        scoring = dict(micro_batch=score_micro_batch or micro_batch, attention_mask=mask, chunk_size=chunk_size)
+                raise ValueError("pass generator=torch.Generator().manual_seed(seed) to draw the masks, or an "
+                                 "update (objective.plan_updates(...), or InnerUpdate(masks, lp_old=...)).")
+            core = unwrap_model(model)
+            update = InnerUpdate(self.draw_masks(batch, generator=generator,
+                                                 eos_token_id=getattr(core, "eos_token_id", None)))
+        elif not isinstance(update, InnerUpdate):
+            raise TypeError(f"update must be an InnerUpdate (from objective.plan_updates(...)), got "
+                            f"{type(update).__name__}.")
+        masks = update.masks
         self.check_masks(masks, batch)
-        if lp_old is None and old_model is not None:
-            with torch.no_grad():
-                lp_old = score(old_model, batch.sequences, masks, **scoring)
         if self.needs_reference and lp_ref is None:
             with torch.no_grad():
-                lp_ref = self._score_reference(model, ref_model, batch, masks, scoring)
-        inputs = self.prepare(batch, masks, lp_old=lp_old, lp_ref=lp_ref)
-        engine = dict(micro_batch=micro_batch, attention_mask=mask, chunk_size=chunk_size, return_lp=True,
-                      sync_gradients=sync_gradients, grad_sync=grad_sync, backward=backward)
+                lp_ref = self._score_reference(model, ref_model, batch, masks, batching)
+        inputs = self._loss_inputs(batch, masks, update.lp_old, lp_ref)
+        engine = dict(micro_batch=batching, attention_mask=batch.attention_mask, return_lp=True, hooks=hooks)
         if self.separable:
             value, lp_now = streaming_backward(
                 model, batch.sequences, masks, lambda rows, n, j: self.pair_loss(rows, n, j, inputs),
                 separable=True, **engine)
         else:
-            value, lp_now = streaming_backward(model, batch.sequences, masks, lambda x: self.loss(x, inputs), lp=lp,
-                                               score_micro_batch=score_micro_batch, **engine)
+            value, lp_now = streaming_backward(model, batch.sequences, masks, lambda x: self.loss(x, inputs),
+                                               lp=update.lp, **engine)
         with torch.no_grad():
             stats = {name: float(v) for name, v in self.stats(lp_now, inputs).items()}
         stats.update(loss=float(value), zero_std_fraction=zero_std_fraction(batch.rewards, batch.group_size),
                      advantage_abs_mean=float(inputs.advantages.abs().mean()))
         return ObjectiveOutput(loss=value, stats=stats, masks=masks, lp=lp_now)
 
-    def _score_reference(self, model, ref_model, batch, masks, scoring) -> torch.Tensor:
+    def _score_reference(self, model, ref_model, batch, masks, batching: MicroBatching) -> torch.Tensor:
         if ref_model is not None:
-            return score(ref_model, batch.sequences, masks, **scoring)
+            return _score(ref_model, batch, masks, batching)
         core = unwrap_model(model)
         if hasattr(core, "disable_adapter"):  # PEFT: the reference is the base model
             with core.disable_adapter():
-                return score(model, batch.sequences, masks, **scoring)
+                return _score(model, batch, masks, batching)
         raise ValueError(f"{self.name} needs a reference policy: {self._reference_hint()}")
+
+
+def _score(model, batch: RolloutBatch, masks: MonteCarloMasks, batching: MicroBatching) -> torch.Tensor:
+    """A policy's lp on the batch's masks without a graph, in the no-grad scoring calls' micro-batches."""
+    return score(model, batch.sequences, masks, micro_batch=batching.scoring, attention_mask=batch.attention_mask,
+                 chunk_size=batching.chunk_size)
+
+
+def _check_batch(batch) -> None:
+    if not isinstance(batch, RolloutBatch):
+        raise TypeError(f"batch must be a dllm_fast.RolloutBatch (RolloutBatch.from_generation(result, "
+                        f"rewards, group_size=G)), got {type(batch).__name__}.")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,165 @@
+"""A run's state on disk: `checkpoint/` in the run directory, written atomically by rank 0 (a crash leaves the
+previous one), from which `--resume true` continues bit for bit.
+
+It holds the weights (the model family's own checkpoint layout, or the LoRA adapter), `state.pt` (the optimizer and
+the learning-rate schedule, the step, the data position, the metrics history and every rank's random streams:
+Python, NumPy, torch, CUDA, and the rollout and mask generators) and `config.json`, the configuration that ran.
+`state.pt` holds tensors and plain values only and is read with `torch.load(weights_only=True)`: loading a
+checkpoint never runs code, and a file holding anything else is refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import pickle
+import random
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dllm_fast.files import atomic_directory, follow_umask, write_text_atomic
+from dllm_fast.models.loading import family_of, load_model
+from dllm_fast.train.distributed import full_state, set_full_state
+from dllm_fast.train.resume import CONFIG
+
+CHECKPOINT = "checkpoint"
+STATE = "state.pt"
+FORMAT = 2  # state.pt's layout: 2 = tensors and plain values only (1, before, pickled NumPy objects)
+
+
+def save_checkpoint(run) -> None:
+    """Write the whole state of `run` (a train.run.Run) into its checkpoint directory. Every rank takes part
+    (FSDP2 gathers its shards, every rank's random streams are collected); rank 0 writes."""
+    model_state, optimizer_state = full_state(run.core, run.optimizer, run.sharded)
+    streams = run.ranks.gather({"rng": rng_state(run.device), "rollout_generator": run.rollout_generator.get_state(),
+                                "mask_generator": run.mask_generator.get_state()})
+    if run.ranks.writer:
+        target = run.run_dir.path(CHECKPOINT)
+        try:
+            with atomic_directory(target) as directory:
+                if run.config.lora:
+                    run.core.save_pretrained(str(directory / "adapter"), save_embedding_layers=False)
+                    for file in (directory / "adapter").iterdir():
+                        follow_umask(file)
+                else:
+                    unsharded_copy(run.core, model_state).save_pretrained(directory / "model",
+                                                                          tokenizer=run.tokenizer)
+                torch.save({"format": FORMAT, "step": run.step, "data_position": run.data.position,
+                            "optimizer": optimizer_state, "schedule": run.schedule.state_dict(), "streams": streams,
+                            "world": run.ranks.world, "history": run.metrics.history}, directory / STATE)
+                write_text_atomic(directory / CONFIG, json.dumps(run.config.to_dict(), indent=2) + "\n")
+        except (OSError, RuntimeError) as error:
+            raise _write_failure(error, target) from error
+    run.ranks.barrier()
+
+
+def load_checkpoint(run) -> None:
+    """Restore `run` from its checkpoint directory: weights, optimizer, schedule, step, data position, history
+    and this rank's random streams."""
+    directory = run.run_dir.path(CHECKPOINT)
+    state = read_state(directory / STATE)
+    if state["world"] != run.ranks.world:
+        raise ValueError(f"{directory} was written by {state['world']} ranks; resume it with the same number "
+                         f"of ranks (this run has {run.ranks.world}), since each rank's random streams are restored.")
+    if run.config.lora:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        adapter = load_file(str(directory / "adapter" / "adapter_model.safetensors"), device=str(run.device))
+        set_peft_model_state_dict(run.core, adapter)
+    else:
+        saved = load_model(directory / "model", dtype=torch.float32, device="cpu").state_dict()
+        set_full_state(run.core, run.optimizer, saved, state["optimizer"], run.sharded)
+    if run.config.lora or not run.sharded:
+        run.optimizer.load_state_dict(state["optimizer"])
+    run.schedule.load_state_dict(state["schedule"])
+    streams = state["streams"][run.ranks.rank]
+    set_rng_state(streams["rng"], run.device)
+    run.rollout_generator.set_state(streams["rollout_generator"])
+    run.mask_generator.set_state(streams["mask_generator"])
+    run.step, run.data.position = state["step"], state["data_position"]
+    # The metrics file may hold steps past the checkpoint (written before a crash): keep what the state has.
+    run.metrics.restart(state["history"])
+    run.ranks.barrier()
+
+
+def read_state(path: Path) -> dict:
+    """state.pt as saved, read without running any code (torch.load with weights_only=True)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete and cannot be resumed; start afresh "
+                                "with --overwrite true.")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty (a write cut short outside dllm_fast's atomic save?); the checkpoint "
+                         "cannot be resumed: start afresh with --overwrite true.")
+    damaged = f"{path} is damaged and cannot be read; start afresh with --overwrite true"
+    if not zipfile.is_zipfile(path):  # torch.save's archive
+        raise ValueError(f"{damaged} (it is not a torch.save archive).")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:  # weights_only's refusal, or a broken pickle inside the archive
+        text = " ".join(str(error).split())
+        if "Unsupported global" not in text:
+            raise ValueError(f"{damaged} ({text[-200:]}).") from None
+        unsafe = text[text.index("Unsupported global"):].split(" was ")[0]
+        raise ValueError(f"{path} holds objects other than tensors and plain values ({unsafe}), so "
+                         "loading it could run code: refused. It was not written by this version of dllm_fast, or "
+                         "was altered; start afresh with --overwrite true.") from None
+    except (RuntimeError, EOFError, ValueError) as error:
+        raise ValueError(f"{damaged} ({' '.join(str(error).split())[:200]}).") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a dllm_fast training state of format {FORMAT}; start afresh with "
+                         "--overwrite true.")
+    return state
+
+
+def unsharded_copy(model, state: dict | None):
+    """`model` itself when `state` is None, else an unsharded model of its family holding `state` (FSDP2's
+    gathered weights), to save in the family's layout."""
+    if state is None:
+        return model
+    with torch.device("meta"):
+        whole = family_of(model)(model.config)
+    whole.load_state_dict(state, assign=True)
+    return whole
+
+
+def _write_failure(error: Exception, target: Path) -> OSError:
+    """An error of a checkpoint write, said plainly: libraries word a full disk as e.g. "[enforce fail at
+    inline_container.cc] ... file write failed"."""
+    text = " ".join(str(error).split())
+    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+        words in text for words in ("No space left", "file write failed", "enforce fail", "Disk quota"))
+    cause = "the disk is full (or over its quota)" if full else "the write failed"
+    return OSError(getattr(error, "errno", None) or (errno.ENOSPC if full else errno.EIO),
+                   f"could not write the checkpoint {target}: {cause} ({text[:200]}). The previous checkpoint is "
+                   "intact; free some space and resume with --resume true.")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state(device: torch.device) -> dict:
+    """Every global random stream as tensors and plain values (no NumPy objects, which weights_only refuses)."""
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    random.setstate(state["python"])
+    numpy = state["numpy"]
+    np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["position"],
+                         numpy["has_gauss"], numpy["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

@@ -1,0 +1,258 @@
+"""The `train` command: every TrainConfig field is a flag, described by its field's help, with its choices.
+
+    python -m dllm_fast train --help                        # every option, its default and its choices
+    python -m dllm_fast train --objective spg --help        # and the objective's own options, the paper's defaults
+    python -m dllm_fast train --config run.yaml --lr 2e-5   # a YAML/JSON file, then flags over it
+
+Flags are spelled `--inner-updates` (or `--inner_updates`); dict fields take JSON (`--objective-options
+'{"beta": 1.5}'`), list fields one or more values (`--eval-gen-lengths 24 48`), booleans true/false, optional
+fields none. `add_config_arguments` and `config_from_arguments` are the flags and their reading for any command
+that takes a training configuration (the planner's `plan` takes the same flags as `train`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import re
+import sys
+import textwrap
+import typing
+
+from dllm_fast.train.config import TrainConfig, field_choices, flag, read_config_file, registry_choices
+
+PROG = "python -m dllm_fast train"
+DESCRIPTION = """RL training. With no options: the embedded default, RL from a tiny sudoku4 model on CPU, printing
+base vs final greedy test accuracy and writing the curves (python -m dllm_fast train --help for this list)."""
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are ValueErrors (one line each) instead of a usage dump and an exit."""
+
+    def error(self, message: str):
+        raise ValueError(re.sub(r"^argument [^:]+: (?=--)", "", message))
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, argv: typing.Sequence[str] = ()) -> None:
+    """Add `--config FILE` and one flag per TrainConfig field to `parser`. With `--objective NAME` in `argv`,
+    the help also lists that objective's own options and their defaults."""
+    parser.add_argument("--config", metavar="FILE", help="a YAML or JSON file of options; flags override it")
+    group = parser.add_argument_group("training options (the file's values, then these, override the defaults)")
+    hints = typing.get_type_hints(TrainConfig)
+    for name, config_field in _FIELDS.items():
+        hint = hints[name]
+        kind = _element_type(hint)
+        metavar = config_field.metadata.get("metavar") or _metavar(kind, field_choices(config_field))
+        options = dict(dest=name, default=argparse.SUPPRESS, type=_converter(name, kind, _optional(hint)),
+                       help=_help_line(config_field), metavar=metavar)
+        if _is_list(hint):
+            options["nargs"] = "+"
+        group.add_argument(flag(name), **options)
+    objective = _given(argv, "--objective")
+    parser.epilog = objective_help(objective) if objective else (
+        "`--objective NAME --help` also lists that objective's own options and their defaults.")
+
+
+def config_from_arguments(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of parsed flags: the defaults, then --config's file, then the flags given. With --resume
+    true and a checkpoint in --output-dir, the saved run's configuration, of which only the options that may change
+    on resume (CHANGEABLE_ON_RESUME) may be given differently."""
+    given = {name: getattr(args, name) for name in _FIELDS if hasattr(args, name)}
+    config_file = getattr(args, "config", None)
+    if config_file:
+        given = {**read_config_file(config_file), **given}
+    if given.get("resume"):
+        from dllm_fast.files import settled_directory
+        from dllm_fast.train.checkpoint import CHECKPOINT
+        from dllm_fast.train.resume import CONFIG, resumed_config, saved_config
+        from dllm_fast.train.run_dir import RunDirectory
+
+        checkpoint = RunDirectory(given.get("output_dir", _FIELDS["output_dir"].default)).path(CHECKPOINT)
+        if settled_directory(checkpoint).is_dir():
+            return resumed_config(saved_config(checkpoint), given, str(checkpoint / CONFIG))
+    return TrainConfig.from_dict(given)
+
+
+def parse_overrides(arguments: typing.Sequence[str]) -> dict:
+    """`["--lr", "1e-4", "--lora", "true", "--eval-gen-lengths", "24", "48"]` -> typed field values."""
+    parser = new_parser()
+    add_config_arguments(parser)
+    args = parse(parser, arguments)
+    return {name: getattr(args, name) for name in _FIELDS if hasattr(args, name)}
+
+
+def new_parser(**options) -> argparse.ArgumentParser:
+    """A parser that raises ValueError (one line) on a bad option, and knows no abbreviations."""
+    return _Parser(allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter, **options)
+
+
+def parse(parser: argparse.ArgumentParser, arguments: typing.Sequence[str]) -> argparse.Namespace:
+    """Parse `arguments`, accepting `--inner_updates` for `--inner-updates`; an unknown option is a ValueError
+    that names it (and the option it may have meant)."""
+    args, unknown = parser.parse_known_args(_dashed(arguments))
+    if unknown:
+        first = next((a for a in unknown if a.startswith("-")), unknown[0])
+        if not first.startswith("--"):
+            raise ValueError(f"expected an option such as --lr, got {first!r}.")
+        known = [flag(name) for name in _FIELDS] + ["--config"]
+        close = difflib.get_close_matches(first.split("=")[0], known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ValueError(f"unknown training option {first}{hint}; `{PROG} --help` lists the options.")
+    return args
+
+
+# -- the command --------------------------------------------------------------------------------------------
+def main(argv: typing.Sequence[str] = ()) -> None:
+    """`python -m dllm_fast train ...`. A bad option, value or run directory is one line on stderr (exit status
+    2), found before the model loads; an error while training is one line too (exit status 1). --debug shows the
+    traceback instead."""
+    argv = list(argv)
+    debug = "--debug" in argv
+    parser = new_parser(prog=PROG, description=DESCRIPTION)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    add_config_arguments(parser, argv)
+    try:
+        config = config_from_arguments(parse(parser, argv))
+    except (ValueError, TypeError, OSError) as error:
+        if debug:
+            raise
+        print(f"{PROG}: {' '.join(str(error).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
+    from dllm_fast.train.loop import train
+    from dllm_fast.train.metrics import PLOT
+
+    try:
+        result = train(config)
+    except (ValueError, TypeError, OSError, RuntimeError, FloatingPointError) as error:
+        if debug:
+            raise
+        print(f"{PROG}: {' '.join(str(error).split())} (--debug shows the traceback)", file=sys.stderr)
+        raise SystemExit(1) from None
+    if result.rank != 0:
+        return
+    for length in sorted(result.final_accuracy):
+        base, final = result.base_accuracy.get(length, float("nan")), result.final_accuracy[length]
+        print(f"greedy test accuracy at {length} tokens: base {base:.3f} -> final {final:.3f} ({final - base:+.3f})")
+    print(f"{result.steps} steps in {result.seconds:.0f} s; metrics, checkpoint and {PLOT} in {result.output_dir}")
+
+
+def objective_help(name: str) -> str:
+    """The objective's one-line summary and its options with their defaults (its paper's), for --help."""
+    from dllm_fast import objectives
+    from dllm_fast.objectives import ObjectiveConfig
+
+    if name not in objectives.available():
+        return f"unknown objective {name!r}; the objectives are {', '.join(objectives.available())}."
+    objective = objectives.get(name)
+    module = sys.modules[type(objective).__module__]
+    summary = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+    shared = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(ObjectiveConfig)}
+    lines = [textwrap.fill(f"objective {name}: {summary}", width=100), "",
+             f"its options, with the paper's defaults (set them with --objective-options '{{\"name\": value}}'):"]
+    for config_field in dataclasses.fields(objective.Config):
+        default = f"{config_field.name}={getattr(objective.config, config_field.name)!r}"
+        description = config_field.metadata.get("help") or shared.get(config_field.name, "")
+        lines.append(f"  {default:<28} {description}".rstrip())
+    return "\n".join(lines)
+
+
+# -- flags of fields ----------------------------------------------------------------------------------------
+def _help_line(config_field: dataclasses.Field) -> str:
+    default = (config_field.default_factory() if config_field.default_factory is not dataclasses.MISSING
+               else config_field.default)
+    text = config_field.metadata.get("help", "")
+    choices = field_choices(config_field)
+    if choices:
+        text += f"; one of {', '.join(map(str, choices))}"
+    if config_field.metadata.get("names"):
+        text += f" ({', '.join(registry_choices(config_field.metadata['names']))})"
+    if "default:" not in text:  # a help line may say what its default means itself
+        shown = "none" if default is None else (json.dumps(default) if isinstance(default, (dict, bool)) else
+                                                " ".join(map(str, default)) if isinstance(default, list) else default)
+        text += f" (default: {shown})"
+    return text.replace("%", "%%")
+
+
+def _metavar(kind, choices) -> str:
+    if choices:
+        return "NAME"
+    return {bool: "true|false", int: "N", float: "X", dict: "JSON"}.get(kind, "TEXT")
+
+
+def _is_list(hint) -> bool:
+    return any(typing.get_origin(h) is list or h is list for h in (hint, *typing.get_args(hint)))
+
+
+def _optional(hint) -> bool:
+    return type(None) in typing.get_args(hint)
+
+
+def _element_type(hint):
+    """The type one command-line value converts to: list[int] -> int, int | None -> int, dict -> dict."""
+    for candidate in (hint, *typing.get_args(hint)):
+        if candidate is type(None):
+            continue
+        if typing.get_origin(candidate) is list:
+            return typing.get_args(candidate)[0]
+        if typing.get_origin(candidate) is dict or candidate is dict:
+            return dict
+        if candidate in (bool, int, float, str):
+            return candidate
+    return str
+
+
+def _converter(name: str, kind, optional: bool):
+    option = flag(name)
+
+    def convert(value: str):
+        if optional and value.lower() in ("none", "null"):
+            return None
+        if kind is bool:
+            if value.lower() not in _TRUE + _FALSE:
+                raise argparse.ArgumentTypeError(f"{option} takes true or false, got {value!r}.")
+            return value.lower() in _TRUE
+        if kind is dict:
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise argparse.ArgumentTypeError(f"{option} takes a JSON object, e.g. '{{\"beta\": 1.5}}'; got "
+                                                 f"{value!r} ({error}).") from None
+            if not isinstance(parsed, dict):
+                raise argparse.ArgumentTypeError(f"{option} takes a JSON object, got {value!r}.")
+            return parsed
+        if kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{option} takes {'an integer' if kind is int else 'a number'}, "
+                                                 f"got {value!r}.") from None
+        return value
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def _dashed(arguments: typing.Sequence[str]) -> list[str]:
+    """`--inner_updates` -> `--inner-updates` (the field name spelt with underscores), other tokens as given."""
+    out = []
+    for token in arguments:
+        head, sep, tail = token.partition("=")
+        if head.startswith("--") and head[2:] in _FIELDS:
+            token = flag(head[2:]) + sep + tail
+        out.append(token)
+    return out
+
+
+def _given(argv: typing.Sequence[str], option: str) -> str | None:
+    """The value of `option` in raw arguments (the last one given), or None."""
+    value = None
+    for index, token in enumerate(argv):
+        if token == option and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif token.startswith(option + "="):
+            value = token.split("=", 1)[1]
+    return value

@@ -1,0 +1,120 @@
+"""Scaling out on PyTorch's own engine: the process group of a torchrun launch, the DDP or FSDP2 wrapper, and what
+the ranks exchange (barriers, gathered objects, averaged metrics, whole state dicts gathered from FSDP2's shards).
+
+Each rank rolls out its own share of a step's prompts, so advantages stay within complete groups; gradients are
+all-reduced once per optimizer step (the objective's entry point runs every micro-batch but the last under
+no_sync); rank 0 alone writes files (`Ranks.writer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the run: rank and world size ((0, 1) for a single process)."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def writer(self) -> bool:
+        """Whether this rank writes the run's files (rank 0)."""
+        return self.rank == 0
+
+    def share(self, count: int) -> slice:
+        """This rank's slice of `count` items split evenly over the ranks (count is a multiple of world)."""
+        size = count // self.world
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def gather(self, value) -> list:
+        """Every rank's `value` (picklable), in rank order."""
+        if self.world == 1:
+            return [value]
+        values = [None] * self.world
+        torch.distributed.all_gather_object(values, value)
+        return values
+
+    def average(self, row: dict) -> dict:
+        """A metrics row with its float entries averaged over the ranks (each holds an equal share of the
+        rollouts)."""
+        if self.world == 1:
+            return row
+        rows = self.gather(row)
+        return {k: (sum(r[k] for r in rows) / self.world if isinstance(v, float) else v) for k, v in row.items()}
+
+
+@contextlib.contextmanager
+def distributed_session(device: str):
+    """The run's Ranks: under torchrun (WORLD_SIZE > 1) a process group for the run, gloo on CPU and NCCL on
+    CUDA; a single process otherwise."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or dist.is_initialized():
+        yield Ranks(dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else Ranks()
+        return
+    cuda = torch.cuda.is_available() and device in ("auto", "cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        yield Ranks(dist.get_rank(), dist.get_world_size())
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded(parallel: str, ranks: Ranks) -> bool:
+    """Whether the weights are FSDP2 shards (each rank holds a part of every tensor)."""
+    return ranks.world > 1 and parallel == "fsdp2"
+
+
+def data_parallel_wrapper(model, parallel: str, ranks: Ranks, device: torch.device):
+    """The model as every rank trains it: unchanged for one process, DDP, or FSDP2 (each of the model's
+    `shard_units()`, then the root, whose unit holds the rest)."""
+    if ranks.world == 1:
+        return model
+    if parallel == "ddp":
+        ids = [device.index] if device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (ranks.world,))
+    for unit in model.shard_units():
+        fully_shard(unit, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def full_state(model, optimizer, is_sharded: bool):
+    """(model state, optimizer state) as whole tensors gathered from FSDP2's shards; (None, the optimizer's
+    state) when the model holds whole tensors already."""
+    if not is_sharded:
+        return None, optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def set_full_state(model, optimizer, model_state: dict, optimizer_state: dict, is_sharded: bool) -> None:
+    """Load whole tensors into the model (and, when sharded, the optimizer: FSDP2 re-shards both)."""
+    if not is_sharded:
+        model.load_state_dict(model_state)
+        return
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)

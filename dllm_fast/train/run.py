@@ -1,0 +1,222 @@
+"""Everything one training run holds, built from a TrainConfig, and the operations of the loop's steps.
+
+A run holds the policy (possibly with LoRA adapters and a data-parallel wrapper), the reference policy, the task,
+the objective, the optimizer and its schedule, the random streams, the data position, the metrics and the step.
+`--resume true` restores it from the run directory's checkpoint. What is specific to a model family (how to load
+it, which modules LoRA adapts, FSDP2's units, its tokenizer) comes from the family's hooks in dllm_fast.models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import time
+
+import torch
+
+from dllm_fast import objectives
+from dllm_fast.contracts import RolloutBatch, check_finite_rewards, unwrap_model
+from dllm_fast.files import settled_directory, write_text_atomic
+from dllm_fast.likelihood import MicroBatching
+from dllm_fast.models.loading import load_model, load_tokenizer
+from dllm_fast.objectives import InnerUpdate
+from dllm_fast.rollout import generate
+from dllm_fast.tasks import get_task
+from dllm_fast.tasks.encoding import decode_completions, encode_prompts
+from dllm_fast.train.checkpoint import CHECKPOINT, load_checkpoint, seed_everything
+from dllm_fast.train.config import TrainConfig, lora_targets, model_source, task_options
+from dllm_fast.train.data import PromptStream
+from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
+from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
+from dllm_fast.train.resume import CONFIG, check_resumable, saved_config
+from dllm_fast.train.run_dir import RunDirectory
+
+
+class Run:
+    """What one training run holds; see the module docstring. Everything is built and checked before anything is
+    written: a run that fails to start leaves the run directory as it was."""
+
+    def __init__(self, config: TrainConfig, ranks: Ranks = Ranks(), run_dir: RunDirectory | None = None):
+        self.config, self.ranks = config, ranks
+        self.run_dir = run_dir if run_dir is not None else RunDirectory(config.output_dir, ranks)
+        self.output_dir = self.run_dir.root
+        self.device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
+                                   else ("cpu" if config.device == "auto" else config.device))
+        if self.device.type == "cuda" and ranks.world > 1:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if config.prompts_per_step % ranks.world:
+            raise ValueError(f"--prompts-per-step {config.prompts_per_step} must be a multiple of the {ranks.world} "
+                             "ranks: each rank rolls out its own complete prompt groups.")
+        self.share = ranks.share(config.prompts_per_step)
+        self.sharded = sharded(config.parallel, ranks)
+        if self.sharded and config.threshold is not None:
+            raise ValueError("--threshold decoding takes a different number of model calls on each rank, which "
+                             "FSDP2's sharded forwards cannot; use a fixed schedule (--diffusion-steps) or DDP.")
+        for name in (METRICS, PLOT, CONFIG, CHECKPOINT):  # refuse a link out of the directory before any work
+            self.run_dir.path(name)
+        self.previous = self._previous_checkpoint()
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        seed_everything(config.seed + ranks.rank)
+        self.bf16 = config.bf16 if config.bf16 is not None else self.device.type == "cuda"
+        # The trainer's flags for the engine's micro-batching, in one place.
+        self.batching = MicroBatching(config.micro_batch, config.score_micro_batch, config.chunk_size)
+        self.task = get_task(config.task, **task_options(config))
+        self.objective = objectives.get(config.objective, **config.objective_options)
+        base, self.tokenizer = load_model_and_tokenizer(config, self.device)
+        base.set_gradient_checkpointing(config.gradient_checkpointing)
+        # The reference policy: the initial weights. With LoRA, the objective disables the adapters instead.
+        self.ref_model = None
+        if self.objective.needs_reference and not config.lora:
+            self.ref_model = copy.deepcopy(base).eval().requires_grad_(False)
+        self.model = add_lora(base, config) if config.lora else base
+        self.model = data_parallel_wrapper(self.model, config.parallel, ranks, self.device)
+        self.core = unwrap_model(self.model)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, betas=tuple(config.betas),
+                                           weight_decay=config.weight_decay)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, learning_rate_factor(config))
+        self.rollout_generator = torch.Generator(self.device).manual_seed(config.seed + 7919 * ranks.rank)
+        self.mask_generator = torch.Generator().manual_seed(config.seed + 1 + 7919 * ranks.rank)
+        self.data = PromptStream(self.task.train_examples(seed=config.seed), seed=config.seed)
+        self.test_examples = self.task.test_examples()[:config.eval_examples]
+        check_lengths(config, self.task, self.data.examples, self.test_examples, self.tokenizer, self.core)
+        self.step = 0
+        self.metrics = MetricsLog(self.run_dir)
+        # Built and checked: now the run takes the directory over.
+        if self.previous and config.resume:
+            load_checkpoint(self)
+        elif ranks.writer:
+            if self.previous:  # --overwrite: the earlier run's checkpoint goes now, so nothing can resume it
+                self.run_dir.remove(CHECKPOINT)
+            self.metrics.start()
+        if ranks.writer:
+            write_text_atomic(self.run_dir.path(CONFIG), json.dumps(config.to_dict(), indent=2) + "\n")
+        ranks.barrier()
+
+    def _previous_checkpoint(self) -> bool:
+        """Whether the run directory holds a checkpoint; with --resume, it must be one this config continues."""
+        checkpoint = self.run_dir.path(CHECKPOINT)
+        previous = settled_directory(checkpoint).is_dir()
+        if previous and not (self.config.resume or self.config.overwrite):  # a new run would replace it
+            raise FileExistsError(f"{self.output_dir} holds the checkpoint of an earlier run; continue it with "
+                                  "--resume true, replace it with --overwrite true, or pick another --output-dir.")
+        if previous and self.config.resume:
+            check_resumable(self.config, saved_config(checkpoint), str(checkpoint / CONFIG))
+        return previous
+
+    def autocast(self):
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    # -- the loop's steps -----------------------------------------------------------------------------------
+    def roll_out(self, examples):
+        """G completions per prompt (rows g * G .. g * G + G - 1 are prompt g's), decoded."""
+        c = self.config
+        prompts = [self.task.prompt(e, self.tokenizer) for e in examples for _ in range(c.group_size)]
+        input_ids, attention_mask = encode_prompts(self.tokenizer, prompts, device=self.device,
+                                                   pad_token_id=self.core.eos_token_id)
+        started = time.perf_counter()
+        self.model.eval()  # no dropout while sampling
+        with torch.no_grad(), self.autocast():  # core: DDP's wrapper adds nothing to sampling; FSDP2's is the model
+            result = generate(self.core, input_ids, attention_mask, gen_length=c.gen_length,
+                              block_length=c.block_length, steps=c.diffusion_steps, temperature=c.temperature,
+                              remasking=c.remasking, cache=c.cache, threshold=c.threshold,
+                              generator=self.rollout_generator)
+        self.model.train()
+        return result, decode_completions(self.tokenizer, result), time.perf_counter() - started
+
+    def rollout_batch(self, examples, rollout, completions) -> RolloutBatch:
+        """The task's rewards of the completions, with the rollouts: what the objective consumes."""
+        G = self.config.group_size
+        rewards = [self.task.reward(examples[row // G], text) for row, text in enumerate(completions)]
+        for row, value in enumerate(rewards):
+            if not math.isfinite(value):
+                raise ValueError(f"task {self.task.name!r} returned reward {value} for prompt {row // G} of step "
+                                 f"{self.step + 1} ({examples[row // G].question[:200]!r}), completion "
+                                 f"{completions[row][:200]!r}; a reward must be finite: fix the task's reward.")
+        rewards = torch.tensor(rewards, dtype=torch.float32, device=self.device)
+        check_finite_rewards(rewards, G)
+        return RolloutBatch.from_generation(rollout, rewards, group_size=G)
+
+    def plan_updates(self, batch: RolloutBatch) -> list[InnerUpdate]:
+        """The objective's plan of this batch's mu inner updates: each one's masks, and the old policy's lp on
+        the masks of every update after the first (the policy moves at each update)."""
+        moved = [k > 0 for k in range(self.config.inner_updates)]
+        with self.autocast():
+            return self.objective.plan_updates(self.model, batch, moved=moved, generator=self.mask_generator,
+                                               micro_batch=self.batching)
+
+    def update(self, batch: RolloutBatch, update: InnerUpdate) -> dict:
+        """One inner update: the objective's gradient, clipping, an AdamW step and the schedule."""
+        with self.autocast():
+            out = self.objective.backward(self.model, batch, update, micro_batch=self.batching,
+                                          ref_model=self.ref_model)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.config.grad_clip)
+        if not torch.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"the gradient norm is {float(norm)} at step {self.step + 1}; no update was "
+                                     "taken. Lower the learning rate or check the objective's options.")
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {**out.stats, "grad_norm": float(norm)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Setup helpers
+
+
+def load_model_and_tokenizer(config: TrainConfig, device: torch.device | str):
+    """The policy's initial weights and its tokenizer, from the embedded default, a checkpoint directory or a
+    preset with random weights (the tokenizer then comes from `config.tokenizer` or the embedded default)."""
+    source, _, tokenizer = model_source(config)
+    model = load_model(source, dtype=torch.float32, device=device, seed=config.seed)
+    return model.train(), load_tokenizer(tokenizer)
+
+
+def check_lengths(config: TrainConfig, task, train_examples, test_examples, tokenizer, model) -> None:
+    """Every prompt plus its completion fits the model's positions (its max_sequence_length, when it has one):
+    the longest training prompt with --gen-length, the longest test prompt with each of --eval-gen-lengths."""
+    limit = getattr(model, "max_sequence_length", None)
+    if limit is None:
+        return
+    for name, examples, lengths in (("training", train_examples, [config.gen_length]),
+                                    ("test", test_examples, config.eval_gen_lengths)):
+        if not examples:
+            continue
+        prompts = [task.prompt(example, tokenizer) for example in examples]
+        longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+        for length in lengths:
+            if longest + length > limit:
+                option = "--gen-length" if name == "training" else "--eval-gen-lengths"
+                raise ValueError(f"the longest {name} prompt of task {task.name!r} has {longest} tokens, and with "
+                                 f"{option} {length} a sequence needs {longest + length} positions; the model has "
+                                 f"{limit} (max_sequence_length). Lower {option}, or use shorter prompts.")
+
+
+def add_lora(model, config: TrainConfig):
+    """The model with PEFT LoRA adapters on --lora-targets (default: every module its family allows)."""
+    import peft
+
+    lora = peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                           target_modules=model.lora_target_pattern(lora_targets(type(model), config)))
+    return peft.get_peft_model(model, lora)
+
+
+def learning_rate_factor(config: TrainConfig):
+    total = config.steps * config.inner_updates
+    warmup = config.warmup_steps
+
+    def factor(update: int) -> float:
+        if update < warmup:
+            return (update + 1) / warmup
+        if config.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (update - warmup) / max(1, total - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if config.schedule == "cosine" else 1.0 - progress
+
+    return factor

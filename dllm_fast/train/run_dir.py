@@ -1,0 +1,105 @@
+"""The run directory belongs to one run: an OS lock keeps a second trainer out, and nothing is written or deleted
+through a symbolic link that leaves the directory.
+
+The lock is `flock` on `output_dir/.lock`, held by rank 0 for the whole run; the operating system releases it when
+the process ends, however it ends (an exception, Ctrl-C, SIGKILL), so a crashed run never leaves the directory
+locked. Every path the trainer writes or deletes in the directory (metrics.jsonl, config.json, curves.png,
+checkpoint/) is taken through `RunDirectory.path`, which refuses a link whose target lies outside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from dllm_fast.files import settled_directory
+from dllm_fast.train.distributed import Ranks
+
+LOCK = ".lock"
+
+
+class RunDirectoryInUse(RuntimeError):
+    """Another process holds the run directory's lock."""
+
+
+class RunDirectory:
+    """output_dir as one run uses it; see the module docstring."""
+
+    def __init__(self, path: str | os.PathLike, ranks: Ranks = Ranks()):
+        self.root, self.ranks = Path(path), ranks
+        self._lock_fd: int | None = None
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold the directory's lock (rank 0 takes it; every rank learns whether it got it) for the block."""
+        error = None
+        if self.ranks.writer:
+            try:
+                self._acquire()
+            except (RunDirectoryInUse, OSError, ValueError) as failure:
+                error = failure
+        failures = [e for e in self.ranks.gather(None if error is None else str(error)) if e is not None]
+        if failures:
+            self._release()
+            raise error if error is not None else RunDirectoryInUse(failures[0])
+        try:
+            yield self
+        finally:
+            self._release()
+
+    def path(self, name: str) -> Path:
+        """root/name, to write or delete: refused when it is a symbolic link whose target lies outside root."""
+        path = self.root / name
+        if path.is_symlink():
+            target = path.resolve()
+            inside = self.root.resolve()
+            if target != inside and inside not in target.parents:
+                raise ValueError(f"{path} is a symbolic link to {target}, outside the run directory {self.root}; "
+                                 "dllm_fast never writes or deletes through such a link. Remove the link, or pick "
+                                 "another --output-dir.")
+        return path
+
+    def remove(self, name: str) -> None:
+        """Delete root/name (a directory or a file) so that a crash midway leaves it whole or absent: it is renamed
+        aside first. A link inside root is removed itself, never its target."""
+        path = self.path(name)
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+            return
+        path = settled_directory(path)  # a swap cut short by a crash leaves the old directory aside: back first
+        if not path.is_dir():
+            return
+        aside = path.parent / f".{path.name}.discarded-{secrets.token_hex(4)}"
+        os.rename(path, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+
+    # -- the lock ---------------------------------------------------------------------------------------------
+    def _acquire(self) -> None:
+        import fcntl
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock = self.path(LOCK)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        except OSError as error:
+            raise OSError(error.errno, f"cannot open the run directory's lock file {lock}: {error.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirectoryInUse(
+                f"{self.root} is in use by another training run (process {holder} holds {lock}); two runs in one "
+                "directory would interleave their metrics and replace each other's checkpoints. Wait for it to "
+                "end, or pick another --output-dir.") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None

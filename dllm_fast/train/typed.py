@@ -1,0 +1,65 @@
+"""Config values of a declared type, from a file, the command line or Python: checked strictly (a boolean is true or
+false, never the string "false"), with the place the value came from in the message."""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+
+def check_type(hint, value: Any, where: str, *, from_file: bool = False, example: str = "") -> Any:
+    """`value` as a field of type `hint` holds it, or a TypeError naming `where` (a flag, or a file and key).
+    Booleans must be true or false themselves: the strings "false" or "no" are refused, never read as true. A
+    file's number written as a string that YAML does not read as one (1e-4) is taken as that number."""
+    optional = type(None) in typing.get_args(hint)
+    if value is None:
+        if optional:
+            return None
+        raise TypeError(f"{where} is null; it needs {_describe(hint)}.")
+    kind = next(h for h in typing.get_args(hint) if h is not type(None)) if optional else hint
+    origin = typing.get_origin(kind)
+    if origin is list or kind is list:
+        element = typing.get_args(kind)[0] if typing.get_args(kind) else str
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise TypeError(f"{where} = {value!r} must be a list of {_PLURAL[element]}{f', e.g. {example}' if example else ''}.")
+        return [_scalar(element, item, f"{where}[{index}]", from_file) for index, item in enumerate(value)]
+    if kind is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise TypeError(f"{where} = {value!r} must be a mapping of option names to values (JSON object), e.g. "
+                            "{\"n_t\": 4}, not a " + type(value).__name__ + ".")
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"{where} has the key {bad[0]!r}; option names are strings.")
+        return dict(value)
+    return _scalar(kind, value, where, from_file)
+
+
+def _scalar(kind, value, where: str, from_file: bool):
+    if kind is bool:
+        if not isinstance(value, bool):
+            quoted = " (a string: write true or false without quotes)" if isinstance(value, str) else ""
+            raise TypeError(f"{where} = {value!r} must be true or false{quoted}.")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{where} = {value!r} must be an integer.")
+        return value
+    if kind is float:
+        if from_file and isinstance(value, str):
+            try:
+                value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{where} = {value!r} must be a number.")
+        return float(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{where} = {value!r} must be a string.")
+    return value
+
+
+def _describe(kind) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, "a value")
+
+
+_PLURAL = {int: "integers", float: "numbers", str: "strings"}

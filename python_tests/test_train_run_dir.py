@@ -1,0 +1,227 @@
+"""The run directory against careless and hostile use (issue 17): no pickle on resume, one run per directory, no
+write or delete through a link out of it, typed config files, resume continues the run that was started, lengths
+within the model's positions, weights that follow the umask, and plain words for a full disk or an empty state."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dllm_fast.train import TrainConfig, train
+from dllm_fast.train import checkpoint as checkpoint_module
+from dllm_fast.train.cli import config_from_arguments, new_parser, add_config_arguments, parse
+from dllm_fast.train.run_dir import RunDirectory, RunDirectoryInUse
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+QUICK = dict(steps=1, prompts_per_step=2, group_size=4, eval_every=10, checkpoint_every=1, eval_examples=4,
+             progress=False, plot=False, threads=1, objective="vrpo_ol", objective_options={"n_t": 2})
+
+
+def config(output_dir, **overrides):
+    return TrainConfig(**{**QUICK, "output_dir": str(output_dir), **overrides})
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A run directory with the checkpoint of a finished 1-step vrpo_ol run (not the default objective)."""
+    output_dir = tmp_path_factory.mktemp("finished") / "run"
+    threads = torch.get_num_threads()
+    train(config(output_dir))
+    torch.set_num_threads(threads)
+    return output_dir
+
+
+@pytest.fixture
+def run_dir(finished, tmp_path):
+    """A copy of the finished run's directory to change."""
+    copy = tmp_path / "run"
+    shutil.copytree(finished, copy, symlinks=True)
+    return copy
+
+
+def cli_config(*arguments):
+    parser = new_parser()
+    add_config_arguments(parser)
+    return config_from_arguments(parse(parser, list(arguments)))
+
+
+# -- no pickle on resume ----------------------------------------------------------------------------------------
+
+class Payload:
+    """Runs code when unpickled: writes the marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",))
+
+
+def test_a_crafted_state_is_refused_and_runs_nothing(run_dir, tmp_path):
+    state_file = run_dir / "checkpoint" / "state.pt"
+    state = torch.load(state_file, weights_only=True)
+    marker = tmp_path / "marker"
+    state["history"].append(Payload(marker))
+    torch.save(state, state_file)
+    with pytest.raises(ValueError, match="loading it could run code: refused"):
+        train(config(run_dir, resume=True))
+    assert not marker.exists()
+
+
+def test_an_empty_or_damaged_state_is_named(run_dir):
+    state_file = run_dir / "checkpoint" / "state.pt"
+    state_file.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"state.pt is empty"):
+        train(config(run_dir, resume=True))
+    state_file.write_bytes(b"not a zip archive")
+    with pytest.raises(ValueError, match=r"state.pt is damaged and cannot be read"):
+        train(config(run_dir, resume=True))
+
+
+# -- one run per directory --------------------------------------------------------------------------------------
+
+def test_a_second_trainer_on_a_run_directory_is_refused(tmp_path):
+    with RunDirectory(tmp_path / "run").locked():
+        with pytest.raises(RunDirectoryInUse, match=f"is in use by another training run \\(process {os.getpid()}"):
+            train(config(tmp_path / "run"))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_lock_goes_with_the_process_that_held_it(tmp_path):
+    """Released on a crash: a process killed while holding it leaves the directory free."""
+    code = (f"import os, sys, time; from dllm_fast.train.run_dir import RunDirectory\n"
+            f"with RunDirectory({str(tmp_path / 'run')!r}).locked():\n"
+            f"    print('locked', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(RunDirectoryInUse, match=f"process {holder.pid}"):
+        with RunDirectory(tmp_path / "run").locked():
+            pass
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    with RunDirectory(tmp_path / "run").locked():  # free again
+        pass
+
+
+# -- symbolic links out of the run directory --------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "curves.png", "config.json"])
+def test_a_file_linked_out_of_the_run_directory_is_never_written(tmp_path, name):
+    outside = tmp_path / "precious.txt"
+    outside.write_text("keep me")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / name).symlink_to(outside)
+    with pytest.raises(ValueError, match=f"run/{name} is a symbolic link to .*precious.txt, outside the run "
+                                         "directory"):
+        train(config(tmp_path / "run", plot=True))
+    assert outside.read_text() == "keep me"
+
+
+def test_overwrite_never_deletes_through_a_checkpoint_link(run_dir, tmp_path):
+    outside = tmp_path / "elsewhere"
+    shutil.move(run_dir / "checkpoint", outside)
+    (run_dir / "checkpoint").symlink_to(outside, target_is_directory=True)
+    before = sorted(p.name for p in outside.iterdir())
+    with pytest.raises(ValueError, match="run/checkpoint is a symbolic link to .*elsewhere, outside the run"):
+        train(config(run_dir, overwrite=True))
+    assert sorted(p.name for p in outside.iterdir()) == before
+
+
+def test_a_link_inside_the_run_directory_is_followed(run_dir):
+    shutil.move(run_dir / "checkpoint", run_dir / "checkpoint-1")
+    (run_dir / "checkpoint").symlink_to("checkpoint-1", target_is_directory=True)
+    assert train(config(run_dir, resume=True, steps=1)).steps == 1
+
+
+# -- typed config files -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, message", [
+    ('overwrite: "false"\n', r"run.yaml: overwrite = 'false' must be true or false \(a string"),
+    ("lora: 'no'\n", r"run.yaml: lora = 'no' must be true or false"),
+    ("resume: 1\n", r"run.yaml: resume = 1 must be true or false"),
+    ("objective_options: [n_t, 4]\n", r"run.yaml: objective_options = \['n_t', 4\] must be a mapping"),
+    ("lora_targets: q_proj\n", r"run.yaml: lora_targets = 'q_proj' must be a list of strings"),
+    ("steps: 2.5\n", r"run.yaml: steps = 2.5 must be an integer"),
+    ("steps: [1\n", r"config file .*run.yaml is not valid YAML"),
+])
+def test_config_file_values_are_typed_and_named_by_file_and_key(tmp_path, text, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises((TypeError, ValueError), match=message):
+        TrainConfig.from_file(path)
+
+
+def test_a_yaml_number_without_a_dot_is_a_number(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: 1e-4\nbf16: false\n")  # YAML 1.1 reads 1e-4 as a string
+    config = TrainConfig.from_file(path)
+    assert config.lr == 1e-4 and config.bf16 is False
+
+
+# -- resume continues the run that was started ------------------------------------------------------------------
+
+def test_resume_takes_the_saved_configuration(run_dir):
+    resumed = cli_config("--output-dir", str(run_dir), "--resume", "true", "--steps", "3", "--threads", "1")
+    assert (resumed.objective, resumed.objective_options, resumed.steps) == ("vrpo_ol", {"n_t": 2}, 3)
+    with pytest.raises(ValueError, match=r"these options differ from it: --seed 5 \(saved: 0\), --lr 0.001 "
+                                         r"\(saved: 0.0001\)\. On resume only --steps"):
+        cli_config("--output-dir", str(run_dir), "--resume", "true", "--lr", "1e-3", "--seed", "5")
+    with pytest.raises(ValueError, match=r"--lora True \(saved: False\)"):
+        cli_config("--output-dir", str(run_dir), "--resume", "true", "--lora", "true")
+    with pytest.raises(ValueError, match=r"--objective 'espo' \(saved: 'vrpo_ol'\)"):  # the Python API too
+        train(config(run_dir, resume=True, objective="espo", objective_options={}))
+    result = train(resumed)
+    assert result.steps == 3 and [row["step"] for row in result.history] == [0, 1, 2, 3]
+    written = json.loads((run_dir / "config.json").read_text())
+    assert written["objective"] == "vrpo_ol" and written["steps"] == 3  # what ran
+
+
+def test_an_overwrite_run_killed_before_its_first_checkpoint_leaves_nothing_to_resume(run_dir, monkeypatch):
+    from dllm_fast.train import loop
+
+    def killed(run):
+        raise KeyboardInterrupt  # the new run dies during its base evaluation
+
+    monkeypatch.setattr(loop, "evaluate_lengths", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(config(run_dir, overwrite=True, objective="bgpo"))
+    assert not (run_dir / "checkpoint").exists()
+    assert json.loads((run_dir / "config.json").read_text())["objective"] == "bgpo"
+    # --resume now finds no checkpoint: the old vrpo_ol run is not continued.
+    assert cli_config("--output-dir", str(run_dir), "--resume", "true", "--objective", "bgpo").objective == "bgpo"
+
+
+# -- lengths, permissions, a full disk --------------------------------------------------------------------------
+
+def test_a_sequence_longer_than_the_model_allows_is_refused_before_any_step(tmp_path):
+    with pytest.raises(ValueError, match=r"longest training prompt .* with --gen-length 600 .* the model has 512"):
+        train(config(tmp_path / "run", gen_length=600, block_length=600, diffusion_steps=600))
+    with pytest.raises(ValueError, match=r"longest test prompt .* with --eval-gen-lengths 500 .* the model has 512"):
+        train(config(tmp_path / "run", eval_gen_lengths=[24, 500]))
+
+
+def test_saved_weights_follow_the_umask(finished):
+    mask = os.umask(0)
+    os.umask(mask)
+    for file in (finished / "checkpoint").rglob("*"):
+        if file.is_file():
+            assert file.stat().st_mode & 0o777 == 0o666 & ~mask, file
+
+
+def test_a_full_disk_is_said_plainly_and_keeps_the_last_checkpoint(run_dir, monkeypatch):
+    before = (run_dir / "checkpoint" / "state.pt").read_bytes()
+
+    def full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 1152 vs 1046")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", full)
+    with pytest.raises(OSError, match=r"could not write the checkpoint .*: the disk is full .* The previous "
+                                      "checkpoint is intact"):
+        train(config(run_dir, resume=True, steps=2))
+    assert (run_dir / "checkpoint" / "state.pt").read_bytes() == before
