@@ -18,9 +18,14 @@ def lp_and_masks(sampler, n_t=4, seed=0):
     gen = torch.Generator().manual_seed(seed)
     sequences = torch.randint(0, 50, (3, P + L), generator=gen)
     sequences[1, P + 5:] = 99  # EOS
+    options = {}
+    if sampler == "coupled":
+        n_t += 1 - n_t % 2  # the full mask and pairs
+    if sampler == "trajectory":  # two positions decoded per step, in a random order
+        n_t, options["unmask_step"] = None, torch.rand(3, L, generator=gen).argsort(-1).argsort(-1) // 2
     masks = sample_masks(sequences, prompt_length=P, n_t=n_t, sampler=sampler, eos_token_id=99, generator=gen,
-                         block_length=3)
-    lp = -3 * torch.rand(3, n_t, L, generator=gen, dtype=torch.float64) * masks.scored
+                         block_length=3, **options)
+    lp = -3 * torch.rand(masks.scored.shape, generator=gen, dtype=torch.float64) * masks.scored
     return lp.requires_grad_(), masks
 
 

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from dllm_fast.likelihood import SAMPLERS, counted_positions, draw_masks, sample_masks
+from dllm_fast.likelihood import SAMPLERS, counted_positions, draw_masks, sample_masks, token_estimate
+from dllm_fast.likelihood.masks import RANDOM_SAMPLERS, gauss_legendre
 
 EOS, MASK = 126, 127  # the tiny preset's ids
 
@@ -22,8 +23,21 @@ def make_sequences(N=4, P=3, L=10, eos_at=(None, 4, 0, 9), seed=0):
     return sequences
 
 
+def synthetic_unmask_step(N, L, per_step=2, seed=3):
+    """A decoding order: each row unmasks its positions in a random order, per_step of them per forward."""
+    order = torch.rand(N, L, generator=torch.Generator().manual_seed(seed)).argsort(-1).argsort(-1)
+    return order // per_step
+
+
 def draw(sampler, sequences=None, P=3, n_t=6, seed=1, **kwargs):
+    """sample_masks with a sampler's own constraints met: an odd n_t for "coupled", a decoding order and no n_t
+    for "trajectory"."""
     sequences = make_sequences(P=P) if sequences is None else sequences
+    if sampler == "coupled" and n_t % 2 == 0:
+        n_t += 1
+    if sampler == "trajectory":
+        n_t = None
+        kwargs.setdefault("unmask_step", synthetic_unmask_step(*sequences[:, P:].shape))
     return sample_masks(sequences, prompt_length=P, n_t=n_t, sampler=sampler,
                         generator=torch.Generator().manual_seed(seed), eos_token_id=EOS, **kwargs)
 
@@ -35,7 +49,7 @@ def test_counted_positions_up_to_first_eos_or_all():
     assert counted_positions(completion, eos_token_id=None, count="all").all()
 
 
-@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("sampler", RANDOM_SAMPLERS)
 def test_replayable_from_the_generator_alone(sampler):
     """Same seed, same masks; another seed, other masks; the global RNG is neither used nor reseeded."""
     state = torch.get_rng_state()
@@ -52,15 +66,17 @@ def test_structure_common_to_all_samplers(sampler, count):
     P = 3
     sequences = make_sequences(P=P)
     masks = draw(sampler, sequences, P=P, n_t=8, count=count)
-    N, n_t, L = 4, 8, 10
+    N, n_t, L = 4, masks.n_t, 10
     assert masks.masked.shape == (N, n_t, P + L) and masks.weight.shape == masks.t.shape == (N, n_t)
     counted = counted_positions(sequences[:, P:], eos_token_id=EOS, count=count)
     assert torch.equal(masks.counted, counted)
     assert torch.equal(masks.num_counted, counted.sum(-1))
     completion = masks.masked[..., P:]
-    assert completion[~counted[:, None, :].expand(N, n_t, L)].all(), "positions that do not count stay masked"
-    assert torch.equal(masks.num_masked, masks.scored.sum(-1))
-    if sampler in ("random_t", "stratified_l", "complementary"):
+    if sampler != "trajectory":  # a replayed state shows the padding the rollout had decoded by then
+        assert completion[~counted[:, None, :].expand(N, n_t, L)].all(), "positions that do not count stay masked"
+    assert torch.equal(masks.num_masked, masks.targets.sum(-1))
+    assert not (masks.targets & ~masks.scored).any()
+    if sampler in ("random_t", "stratified_l", "complementary", "gauss", "coupled", "trajectory"):
         assert not masks.masked[..., :P].any(), "ELBO samplers never mask the prompt"
     assert (masks.weight >= 0).all() and torch.isfinite(masks.weight).all()
 
@@ -194,3 +210,129 @@ def test_draw_masks_rejects_sequences_without_counted_positions():
     with pytest.raises(ValueError, match="at least one counted"):
         draw_masks("stratified_l", torch.zeros(2, 4, dtype=torch.bool), 2, generator=torch.Generator(),
                    prompt_real=torch.ones(2, 1, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gauss (GDPO), coupled (DiffuCoder), trajectory (TraceRL)
+
+
+def test_gauss_legendre_nodes_and_weights():
+    """By hand: the 2- and 3-point rules on [0, 1]; and any K-point rule integrates t^m exactly for m <= 2K - 1."""
+    nodes, weights = gauss_legendre(2)
+    torch.testing.assert_close(nodes, torch.tensor([0.5 - 0.5 / math.sqrt(3), 0.5 + 0.5 / math.sqrt(3)],
+                                                   dtype=torch.float64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(weights, torch.tensor([0.5, 0.5], dtype=torch.float64), rtol=0, atol=1e-15)
+    nodes, weights = gauss_legendre(3)
+    half_gap = 0.5 * math.sqrt(3 / 5)
+    torch.testing.assert_close(nodes, torch.tensor([0.5 - half_gap, 0.5, 0.5 + half_gap], dtype=torch.float64),
+                               rtol=0, atol=1e-15)
+    torch.testing.assert_close(weights, torch.tensor([5 / 18, 8 / 18, 5 / 18], dtype=torch.float64), rtol=0,
+                               atol=1e-15)
+    for points in (1, 2, 3, 5, 8):
+        nodes, weights = gauss_legendre(points)
+        for power in range(2 * points):
+            assert (weights * nodes**power).sum().item() == pytest.approx(1 / (power + 1), abs=1e-13)
+        assert abs((weights * nodes ** (2 * points)).sum().item() - 1 / (2 * points + 1)) > 1e-11  # not beyond
+
+
+def test_gauss_masks_are_exact_size_draws_at_the_nodes_with_quadrature_weights():
+    masks = draw("gauss", n_t=6, quadrature_points=3)  # 2 draws per node, node-major
+    nodes, weights = gauss_legendre(3)
+    lengths = masks.num_counted[:, None].double()
+    t = nodes.repeat_interleave(2)[None].expand(4, 6)
+    torch.testing.assert_close(masks.t, t, rtol=0, atol=0)
+    assert torch.equal(masks.num_masked, torch.minimum((t * lengths).floor().clamp_min(1), lengths).long())
+    torch.testing.assert_close(masks.weight, (3 * weights / nodes).repeat_interleave(2)[None].expand(4, 6),
+                               rtol=0, atol=1e-14)
+    # The ELBO is sum_k (c_k / t_k) times the mean over the node's draws of the summed lp.
+    lp = -torch.rand(masks.scored.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    lp = lp * masks.scored
+    by_hand = sum(float(weights[k] / nodes[k]) * (lp[:, 2 * k].sum(-1) + lp[:, 2 * k + 1].sum(-1)) / 2
+                  for k in range(3))
+    torch.testing.assert_close(token_estimate(lp, masks).sum(-1), by_hand, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="quadrature_points=4 must be an int >= 1 that divides n_t=6"):
+        draw("gauss", n_t=6, quadrature_points=4)
+
+
+def test_coupled_masks_are_the_full_mask_and_complementary_pairs():
+    masks = draw("coupled", n_t=5)  # lambda = 2 pairs
+    counted = masks.counted[:, None, :]
+    scored = masks.scored
+    assert torch.equal(scored[:, 0], masks.counted)
+    for first, second in ((1, 2), (3, 4)):
+        assert not (scored[:, first] & scored[:, second]).any()
+        assert torch.equal(scored[:, first] | scored[:, second], counted[:, 0])
+        torch.testing.assert_close(masks.t[:, second], 1 - masks.t[:, first], rtol=0, atol=1e-15)
+    rates = masks.t[:, 1::2]
+    assert ((rates >= 0.2) & (rates <= 0.8)).all()
+    torch.testing.assert_close(masks.weight, 5 / 3 / masks.t, rtol=0, atol=1e-14)
+    # DiffuCoder's per-token estimate (Eq. 13, lambda = 1): (lp_full + lp_1 / t + lp_2 / (1 - t)) / 2.
+    masks = draw("coupled", n_t=3)
+    lp = -torch.rand(masks.scored.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    lp = lp * masks.scored
+    t = masks.t[:, 1:2]
+    by_hand = (lp[:, 0] + lp[:, 1] / t + lp[:, 2] / (1 - t)) / 2
+    torch.testing.assert_close(token_estimate(lp, masks), by_hand, rtol=1e-12, atol=1e-14)
+
+
+def test_coupled_rate_matches_the_drawn_t():
+    """Each counted position falls in the pair's first mask with probability t (a Bernoulli draw per position)."""
+    L, copies = 12, 1500
+    sequences = make_sequences(N=1, L=L, eos_at=(None,)).expand(copies, -1)
+    masks = draw("coupled", sequences, n_t=3)
+    excess = (masks.scored[:, 1].double().mean(-1) - masks.t[:, 1]).mean().item()
+    assert abs(excess) < 4.5 * math.sqrt(0.25 / (L * copies)), excess
+
+
+def test_trajectory_replays_the_decoding_states_by_hand():
+    P, L = 2, 6
+    sequences = torch.randint(0, 100, (2, P + L), generator=torch.Generator().manual_seed(0))
+    sequences[1, P + 4:] = EOS  # counted: positions 0..4
+    unmask_step = torch.tensor([[0, 0, 1, 1, 2, 2],     # two per step, left to right
+                                [2, 1, 0, 0, 3, 1]])    # EOS padding (position 5) decoded at step 1
+    masks = sample_masks(sequences, prompt_length=P, n_t=None, sampler="trajectory", generator=torch.Generator(),
+                         eos_token_id=EOS, unmask_step=unmask_step)
+    assert masks.n_t == 4  # row 1 has steps 0, 1, 2, 3; row 0 has 3 states and one empty sample
+    completion = masks.masked[..., P:].int().tolist()
+    assert completion[0] == [[1] * 6, [0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1], [0] * 6]
+    assert completion[1] == [[1] * 6, [1, 1, 0, 0, 1, 1], [1, 0, 0, 0, 1, 0], [0, 0, 0, 0, 1, 0]]
+    targets = masks.targets.int().tolist()
+    assert targets[0] == [[1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1], [0] * 6]
+    assert targets[1] == [[0, 0, 1, 1, 0, 0], [0, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 0]]
+    assert not masks.masked[..., :P].any()
+    assert (masks.weight == 4).all() and masks.num_masked.tolist() == [[2, 2, 2, 0], [2, 1, 1, 1]]
+    # shrink merges consecutive steps: states {0, 1} and {2, 3} of row 1
+    merged = sample_masks(sequences, prompt_length=P, n_t=None, sampler="trajectory", generator=torch.Generator(),
+                          eos_token_id=EOS, unmask_step=unmask_step, shrink=2)
+    assert merged.n_t == 2
+    assert merged.targets[1].int().tolist() == [[0, 1, 1, 1, 0, 0], [1, 0, 0, 0, 1, 0]]
+    assert merged.masked[1, :, P:].int().tolist() == [[1] * 6, [1, 0, 0, 0, 1, 0]]
+    # every counted token is read exactly once along the trajectory, whatever shrink
+    for replay in (masks, merged):
+        assert torch.equal(replay.targets.sum(1), replay.counted.long())
+
+
+def test_trajectory_inputs_are_checked():
+    sequences = make_sequences()
+    base = dict(prompt_length=3, sampler="trajectory", generator=torch.Generator(), eos_token_id=EOS)
+    with pytest.raises(ValueError, match="pass unmask_step"):
+        sample_masks(sequences, n_t=None, **base)
+    steps = synthetic_unmask_step(4, 10)
+    with pytest.raises(ValueError, match="n_t=2 does not apply to sampler='trajectory'"):
+        sample_masks(sequences, n_t=2, unmask_step=steps, **base)
+    with pytest.raises(ValueError, match=r"unmask_step has shape \(4, 9\)"):
+        sample_masks(sequences, n_t=None, unmask_step=steps[:, :9], **base)
+    with pytest.raises(ValueError, match="unmask_step must be int64"):
+        sample_masks(sequences, n_t=None, unmask_step=steps.int(), **base)
+    bad = steps.clone()
+    bad[2, 5] = -1
+    with pytest.raises(ValueError, match=r"unmask_step\[2, 5\] = -1 is negative"):
+        sample_masks(sequences, n_t=None, unmask_step=bad, **base)
+    with pytest.raises(ValueError, match="shrink=0 must be an int >= 1"):
+        sample_masks(sequences, n_t=None, unmask_step=steps, shrink=0, **base)
+    with pytest.raises(ValueError, match="n_t=4 must be odd for sampler='coupled'"):
+        sample_masks(sequences, prompt_length=3, n_t=4, sampler="coupled", generator=torch.Generator(),
+                     eos_token_id=EOS)
+    with pytest.raises(ValueError, match=r"t_range=\(0.0, 0.8\) must satisfy"):
+        sample_masks(sequences, prompt_length=3, n_t=3, sampler="coupled", generator=torch.Generator(),
+                     eos_token_id=EOS, t_range=(0.0, 0.8))

@@ -30,6 +30,11 @@ def batch(model, N=3, seed=0):
 
 
 def masks_for(model, sequences, sampler="stratified_l", n_t=4, seed=1, **kwargs):
+    if sampler == "coupled":  # the full mask and pairs: the samples' count is odd
+        n_t -= 1
+    if sampler == "trajectory":  # four states, each decoding its row's next positions in a random order
+        order = torch.rand(sequences.shape[0], L, generator=torch.Generator().manual_seed(seed)).argsort(-1)
+        n_t, kwargs["unmask_step"] = None, order.argsort(-1) * 4 // L
     return sample_masks(sequences, prompt_length=P, n_t=n_t, sampler=sampler,
                         generator=torch.Generator().manual_seed(seed), eos_token_id=model.eos_token_id, **kwargs)
 
@@ -43,7 +48,7 @@ def test_matches_the_naive_reference_in_float64(sampler):
         expected = reference.likelihood.score_naive(model, sequences, masks, attention_mask)
         for micro_batch in (1, 5, 100):
             lp = score(model, sequences, masks, micro_batch=micro_batch, attention_mask=attention_mask)
-            assert lp.dtype == torch.float64 and lp.shape == (3, 4, L)
+            assert lp.dtype == torch.float64 and lp.shape == (3, masks.n_t, L)
             torch.testing.assert_close(lp, expected, rtol=1e-12, atol=1e-12)
     assert (lp[~masks.scored] == 0).all() and (lp[masks.scored] < 0).all()
 

@@ -12,7 +12,7 @@ backward that differentiates any objective of lp in memory independent of n_t.
 """
 
 from dllm_fast.likelihood.engine import streaming_backward
-from dllm_fast.likelihood.estimators import elbo, eubo, eubo_per_position, mean_field, mixture
+from dllm_fast.likelihood.estimators import elbo, eubo, eubo_per_position, mean_field, mixture, token_estimate
 from dllm_fast.likelihood.masks import (
     COUNT_MODES,
     SAMPLERS,
@@ -42,4 +42,5 @@ __all__ = [
     "score",
     "score_pairs",
     "streaming_backward",
+    "token_estimate",
 ]

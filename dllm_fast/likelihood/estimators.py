@@ -2,7 +2,8 @@
 
 Each returns one value per sequence, [N], at sequence scale (sums over tokens). Per-token normalisations (SPG's,
 ESPO's /L, DARE's /response_len) belong to the objectives; `masks.num_counted` gives L_n for them.
-`lp` is zero wherever a position is not masked or not counted (see scoring.py), which the ELBO relies on.
+`lp` is zero wherever a position is not masked or not counted (see scoring.py); the estimators read the positions
+`masks.targets` marks (every scored one, except for the "trajectory" sampler's later-state context).
 """
 
 from __future__ import annotations
@@ -21,11 +22,27 @@ def elbo(lp: torch.Tensor, masks: MonteCarloMasks) -> torch.Tensor:
 
     with the sampler's weights w_j: 1/t for random_t (BGPO Eq. 4-5, ESPO Eq. 2), L_n/l for stratified_l
     (LLaDA; ESPO Eq. 3), (L_n+1)/|M| for complementary pairs (ESPO Eq. 34), L_n/m_j for block (SPG's code) and
-    1 for mean_field (d1). For random_t, stratified_l and complementary it is an unbiased estimate of
-    sum_{l=1..L_n} (1/l) E_{|M|=l}[sum_{i in M} log p(x_i | x with M masked)].
+    1 for mean_field (d1), K c_k / t_k for gauss (GDPO's Gauss-Legendre nodes), the coupled weights (DiffuCoder)
+    and n_t for trajectory (the sum over TraceRL's states). For random_t, stratified_l and complementary it is an
+    unbiased estimate of sum_{l=1..L_n} (1/l) E_{|M|=l}[sum_{i in M} log p(x_i | x with M masked)]. Only the
+    `masks.targets` positions are read.
     """
+    if masks.target is not None:
+        return token_estimate(lp, masks).sum(-1)
     _check(lp, masks)
     return (lp.sum(-1) * masks.weight.to(lp.dtype)).mean(-1)
+
+
+def token_estimate(lp: torch.Tensor, masks: MonteCarloMasks) -> torch.Tensor:
+    """The ELBO position by position: [N, n_t, L] -> [N, L], (1/n_t) sum_j w_j lp[n, j, i] on the targets.
+
+    Summed over positions it is `elbo`. For the "coupled" sampler it is DiffuCoder's per-token log-likelihood
+    estimate (Eq. 13: the full-mask and complementary-pair estimates averaged); for "gauss" the per-position
+    SDMC contribution (as NeMo RL's SdmcElboEstimator.accumulate); for "mean_field" with n_t = 1, d1's lp.
+    """
+    _check(lp, masks)
+    weighted = torch.where(masks.targets, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
+    return (weighted * masks.weight.to(lp.dtype)[..., None]).sum(1) / masks.n_t
 
 
 def eubo_per_position(lp: torch.Tensor, masks: MonteCarloMasks, beta: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +62,7 @@ def eubo_per_position(lp: torch.Tensor, masks: MonteCarloMasks, beta: float = 1.
     _check(lp, masks)
     if not beta > 0:
         raise ValueError(f"beta={beta!r} must be > 0 (SPG's bound holds for beta >= 1; 1.0 is tightest).")
-    scored = masks.scored
+    scored = masks.targets
     present = scored.any(1)
     log_weight = masks.weight.to(lp.dtype).log()[..., None]
     terms = torch.where(scored, log_weight + beta * lp, float("-inf"))
@@ -86,7 +103,7 @@ def mean_field(lp: torch.Tensor, masks: MonteCarloMasks) -> torch.Tensor:
     With n_t > 1 (several prompt perturbations) it averages over samples: (1/n_t) sum_j sum_i lp[n, j, i].
     """
     _check(lp, masks)
-    return lp.sum(-1).mean(-1)
+    return torch.where(masks.targets, lp, torch.zeros((), dtype=lp.dtype, device=lp.device)).sum(-1).mean(-1)
 
 
 def _check(lp: torch.Tensor, masks: MonteCarloMasks) -> None:

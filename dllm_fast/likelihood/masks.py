@@ -40,6 +40,27 @@ Write L_n for the number of counted positions of sequence n. The samplers and th
   over exactly those, with t_j = m_j / L_n. Not an unbiased estimate of the uniform-masking ELBO.
 - ``mean_field`` (d1): the whole completion masked, each real prompt token masked with probability
   `perturb_prob` (0.15). w = 1; with n_t = 1 the ELBO is d1's one-step sum of log-probs.
+- ``gauss`` (GDPO's semi-deterministic Monte Carlo, SDMC): the time integral of the ELBO,
+  int_0^1 (1/t) E[sum_{i masked} log p] dt, on the K = `quadrature_points` Gauss-Legendre nodes t_k of [0, 1]
+  with their weights c_k (sum 1); only the mask at each node is random: n_t / K draws per node, each masking
+  exactly clamp(floor(t_k L_n), 1, L_n) counted positions chosen uniformly (GDPO's exact-k draw, as NVIDIA NeMo
+  RL's SdmcElboEstimator). w = K c_k / t_k with the nominal t_k, so the ELBO is sum_k (c_k / t_k) times the mean
+  over the node's draws. Deterministic in t, so its variance is the masks' alone.
+- ``coupled`` (DiffuCoder's coupled sampling, Eq. 12-13): n_t = 1 + 2 lambda is odd. Sample 0 masks the whole
+  completion; samples (2m + 1, 2m + 2) are a complementary pair: t ~ U[t_low, t_high] (0.2, 0.8) per sequence and
+  pair, each counted position masked with probability t in the first, the other counted positions in the second.
+  Every counted token is scored once in the full mask and once in each pair, and DiffuCoder's per-token estimate
+  averages them: (lp_full + lp_first / t + lp_second / (1 - t)) / 2 for lambda = 1. The weights carry that
+  average: w = n_t / (lambda + 1) times 1, 1/t or 1/(1 - t), so that `elbo` is the sum of the per-token estimates
+  and the per-token estimate is sum_j w_j lp_j / n_t (`estimators.token_estimate`).
+- ``trajectory`` (TraceRL): replays the rollout's own decoding states from `unmask_step` [N, L] (the 0-based
+  denoising forward at which generate unmasked each completion position). A row's distinct steps, in order,
+  are merged `shrink` at a time (TraceRL's trajectory shrinkage s); state g masks every completion position
+  unmasked at or after its first step and reads (`target`) the counted positions unmasked during it; the later
+  ones are masked as context (scoring also returns their lp, which the estimators ignore). Unlike the other
+  samplers it reveals the non-counted positions the rollout had already decoded (EOS padding), since the state
+  is the rollout's own. n_t is the most states any row has (rows with fewer get empty samples); w = n_t, so
+  `elbo` is the sum over states of the state's log-likelihood. Deterministic: the generator is not used.
 
 Prompt tokens are never scored; only ``block`` and ``mean_field`` mask them. Left padding (attention_mask == 0)
 is never masked.
@@ -55,7 +76,9 @@ import torch
 
 from dllm_fast.contracts import completion_mask
 
-SAMPLERS = ("random_t", "stratified_l", "complementary", "block", "mean_field")
+SAMPLERS = ("random_t", "stratified_l", "complementary", "block", "mean_field", "gauss", "coupled", "trajectory")
+# Samplers that draw from the generator (trajectory replays the rollout instead).
+RANDOM_SAMPLERS = SAMPLERS[:-1]
 COUNT_MODES = ("eos", "all")
 
 
@@ -66,14 +89,20 @@ class MonteCarloMasks:
     Attributes:
         masked: [N, n_t, P + L] bool, True where sample j of sequence n replaces the token by the mask token.
         counted: [N, L] bool, completion positions that count (scored when masked).
-        weight: [N, n_t] float64, the sample's ELBO weight w_j (1/t, L_n/l, (L_n+1)/|M|, L_n/m or 1).
-        t: [N, n_t] float64, the noise level the weight came from (t, l/L_n, |M|/(L_n+1), m/L_n or 1).
-        num_masked: [N, n_t] int64, masked counted completion positions of each sample.
+        weight: [N, n_t] float64, the sample's ELBO weight w_j (1/t, L_n/l, (L_n+1)/|M|, L_n/m, 1, K c_k/t_k,
+            the coupled weights or n_t; see the module docstring).
+        t: [N, n_t] float64, the noise level the weight came from (t, l/L_n, |M|/(L_n+1), m/L_n, 1, t_k, the
+            pair's t, or the state's masked fraction of counted positions).
+        num_masked: [N, n_t] int64, the positions each sample's estimate reads (`targets`): its masked counted
+            completion positions, except for "trajectory".
         prompt_length: P.
         sampler: the name of the sampler that drew them.
         fingerprint: [N, 2] int64 hash of the sequences they were drawn for (`sequence_fingerprint`), or None
             (masks drawn from explicit inputs by `draw_masks`). Scoring checks it, so masks drawn for other
             sequences of the same shape are rejected instead of scoring the wrong positions.
+        target: [N, n_t, L] bool, the scored positions each sample's estimate reads, or None: all of them. Only
+            "trajectory" sets it: a state reads the tokens decoded during it, while the later ones are masked
+            (and scored, so their lp is there) only as context.
     """
 
     masked: torch.Tensor
@@ -84,6 +113,7 @@ class MonteCarloMasks:
     prompt_length: int
     sampler: str
     fingerprint: torch.Tensor | None = None
+    target: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.masked.dim() != 3 or self.masked.dtype != torch.bool:
@@ -102,6 +132,9 @@ class MonteCarloMasks:
         if self.fingerprint is not None and tuple(self.fingerprint.shape) != (N, 2):
             raise ValueError(f"MonteCarloMasks.fingerprint must be [N, 2] = [{N}, 2], got shape "
                              f"{tuple(self.fingerprint.shape)}.")
+        if self.target is not None and (self.target.dtype != torch.bool or tuple(self.target.shape) != (N, n_t, L)):
+            raise ValueError(f"MonteCarloMasks.target must be bool [N, n_t, L] = [{N}, {n_t}, {L}], got "
+                             f"{self.target.dtype} of shape {tuple(self.target.shape)}.")
 
     @property
     def num_sequences(self) -> int:
@@ -121,6 +154,11 @@ class MonteCarloMasks:
         return self.masked[..., self.prompt_length:] & self.counted[:, None, :]
 
     @property
+    def targets(self) -> torch.Tensor:
+        """[N, n_t, L] bool: the scored positions the estimators read (`scored`, unless `target` narrows it)."""
+        return self.scored if self.target is None else self.target
+
+    @property
     def num_counted(self) -> torch.Tensor:
         """[N] int64: L_n, the counted completion positions of each sequence (per-token normalisers)."""
         return self.counted.sum(-1)
@@ -130,6 +168,7 @@ class MonteCarloMasks:
             masked=self.masked.to(device), counted=self.counted.to(device), weight=self.weight.to(device),
             t=self.t.to(device), num_masked=self.num_masked.to(device), prompt_length=self.prompt_length,
             sampler=self.sampler, fingerprint=None if self.fingerprint is None else self.fingerprint.to(device),
+            target=None if self.target is None else self.target.to(device),
         )
 
     def rows(self, start: int, end: int) -> "MonteCarloMasks":
@@ -142,6 +181,7 @@ class MonteCarloMasks:
             masked=self.masked[part], counted=self.counted[part], weight=self.weight[part], t=self.t[part],
             num_masked=self.num_masked[part], prompt_length=self.prompt_length, sampler=self.sampler,
             fingerprint=None if self.fingerprint is None else self.fingerprint[part],
+            target=None if self.target is None else self.target[part],
         )
 
     def check_sequences(self, sequences: torch.Tensor) -> None:
@@ -234,19 +274,28 @@ def sample_masks(
     attention_mask: torch.Tensor | None = None,
     block_length: int = 32,
     perturb_prob: float = 0.15,
+    quadrature_points: int | None = None,
+    t_range: tuple[float, float] = (0.2, 0.8),
+    unmask_step: torch.Tensor | None = None,
+    shrink: int = 1,
 ) -> MonteCarloMasks:
     """Draw n_t masks per sequence with one of `SAMPLERS` (see the module docstring for each).
 
     Args:
         sequences: [N, P + L] token ids; the completion is the last L = P + L - prompt_length positions.
         prompt_length: P, the common (left-padded) prompt length.
-        n_t: Monte Carlo samples per sequence (even for "complementary").
-        sampler: "random_t", "stratified_l", "complementary", "block" or "mean_field".
+        n_t: Monte Carlo samples per sequence (even for "complementary", odd for "coupled", a multiple of
+            quadrature_points for "gauss"); None for "trajectory", whose sample count is its number of states.
+        sampler: one of `SAMPLERS`.
         generator: the only source of randomness. Draws happen on its device, then move to sequences' device.
         eos_token_id, count: which completion positions count (see `counted_positions`).
         attention_mask: optional [N, P + L]; prompt padding (0) is never masked.
         block_length, perturb_prob: SPG's block size and the prompt/earlier-block perturbation probability
             ("block"); the prompt perturbation probability ("mean_field"). Ignored by the other samplers.
+        quadrature_points: "gauss": Gauss-Legendre nodes K (default n_t: one draw per node).
+        t_range: "coupled": the interval the pairs' t is drawn from (DiffuCoder's code: 0.2 to 0.8).
+        unmask_step, shrink: "trajectory": [N, L] int64 step at which the rollout unmasked each completion
+            position (`RolloutBatch.unmask_step`), and the decoding steps merged per state.
 
     Returns:
         MonteCarloMasks on sequences' device.
@@ -267,8 +316,12 @@ def sample_masks(
         torch.ones(sequences.shape[0], prompt_length, dtype=torch.bool, device=sequences.device)
         if attention_mask is None else attention_mask[:, :prompt_length].bool()
     )
+    if unmask_step is not None and tuple(unmask_step.shape) != tuple(counted.shape):
+        raise ValueError(f"unmask_step has shape {tuple(unmask_step.shape)}; it must be [N, L] = "
+                         f"{list(counted.shape)}, one step per completion position.")
     masks = draw_masks(sampler, counted, n_t, generator=generator, prompt_real=prompt_real,
-                       block_length=block_length, perturb_prob=perturb_prob)
+                       block_length=block_length, perturb_prob=perturb_prob, quadrature_points=quadrature_points,
+                       t_range=t_range, unmask_step=unmask_step, shrink=shrink)
     masks = dataclasses.replace(masks, fingerprint=sequence_fingerprint(sequences))
     masks._remember(sequences)  # drawn for them: later checks against the same tensor cost nothing
     return masks
@@ -277,20 +330,52 @@ def sample_masks(
 def draw_masks(
     sampler: str,
     counted: torch.Tensor,
-    n_t: int,
+    n_t: int | None,
     *,
     generator: torch.Generator,
     prompt_real: torch.Tensor,
     block_length: int = 32,
     perturb_prob: float = 0.15,
+    quadrature_points: int | None = None,
+    t_range: tuple[float, float] = (0.2, 0.8),
+    unmask_step: torch.Tensor | None = None,
+    shrink: int = 1,
 ) -> MonteCarloMasks:
-    """The samplers on explicit inputs: counted [N, L] bool and prompt_real [N, P] bool (maskable prompt tokens)."""
+    """The samplers on explicit inputs: counted [N, L] bool and prompt_real [N, P] bool (maskable prompt tokens);
+    the other arguments as in `sample_masks`."""
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler={sampler!r} is not one of {SAMPLERS}.")
-    if isinstance(n_t, bool) or not isinstance(n_t, int) or n_t < 1:
+    if sampler == "trajectory":
+        if n_t is not None:
+            raise ValueError(f"n_t={n_t!r} does not apply to sampler='trajectory': its samples are the rollout's "
+                             "decoding states (set shrink); pass n_t=None.")
+    elif isinstance(n_t, bool) or not isinstance(n_t, int) or n_t < 1:
         raise ValueError(f"n_t={n_t!r} must be an int >= 1 (Monte Carlo samples per sequence).")
     if sampler == "complementary" and n_t % 2:
         raise ValueError(f"n_t={n_t} must be even for sampler='complementary' (samples come in pairs).")
+    if sampler == "coupled" and n_t % 2 == 0:
+        raise ValueError(f"n_t={n_t} must be odd for sampler='coupled': the full mask plus complementary pairs "
+                         "(1 + 2 lambda; DiffuCoder uses 3).")
+    if sampler == "gauss":
+        points = n_t if quadrature_points is None else quadrature_points
+        if isinstance(points, bool) or not isinstance(points, int) or points < 1 or n_t % points:
+            raise ValueError(f"quadrature_points={quadrature_points!r} must be an int >= 1 that divides n_t={n_t} "
+                             "(n_t / quadrature_points mask draws per Gauss node).")
+    if sampler == "coupled":
+        low, high = t_range
+        if not 0.0 < low <= high < 1.0:
+            raise ValueError(f"t_range={t_range!r} must satisfy 0 < low <= high < 1 (the pairs' masking rates; "
+                             "DiffuCoder uses (0.2, 0.8)).")
+    if sampler == "trajectory":
+        if unmask_step is None:
+            raise ValueError("sampler='trajectory' replays the rollout's decoding order: pass unmask_step (a "
+                             "RolloutBatch from generate(..., record_unmask_step=True)).")
+        if unmask_step.dtype != torch.int64 or tuple(unmask_step.shape) != tuple(counted.shape):
+            raise ValueError(f"unmask_step must be int64 [N, L] = {list(counted.shape)}, got {unmask_step.dtype} "
+                             f"of shape {tuple(unmask_step.shape)}.")
+        if isinstance(shrink, bool) or not isinstance(shrink, int) or shrink < 1:
+            raise ValueError(f"shrink={shrink!r} must be an int >= 1 (decoding steps merged per state; TraceRL "
+                             "uses 8 for LLaDA, 1 for block models).")
     if not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}; masks are drawn "
                         "only from an explicit generator, e.g. torch.Generator().manual_seed(seed).")
@@ -304,6 +389,8 @@ def draw_masks(
     draw = _Draw(generator, device)
     N, L = counted.shape
     lengths = counted.sum(-1)  # L_n
+    if sampler == "trajectory":
+        return _trajectory_masks(counted, unmask_step.to(device), shrink, prompt_real)
     counted3 = counted[:, None, :].expand(N, n_t, L)
 
     prompt_masked = torch.zeros(N, n_t, prompt_real.shape[1], dtype=torch.bool, device=device)
@@ -330,11 +417,15 @@ def draw_masks(
         m = chosen.sum(-1).double()
         weight = lengths[:, None] / m
         t = m / lengths[:, None]
-    else:  # mean_field
+    elif sampler == "mean_field":
         chosen = counted3.clone()
         prompt_masked = (draw.uniform(N, n_t, prompt_real.shape[1]) < perturb_prob) & prompt_real[:, None]
         weight = torch.ones(N, n_t, dtype=torch.float64, device=device)
         t = torch.ones_like(weight)
+    elif sampler == "gauss":
+        chosen, weight, t = _gauss_masks(draw, counted3, lengths, n_t, quadrature_points or n_t)
+    else:  # coupled
+        chosen, weight, t = _coupled_masks(draw, counted, n_t, t_range)
 
     completion_masked = chosen | ~counted3  # positions that do not count stay masked
     return MonteCarloMasks(
@@ -394,3 +485,69 @@ def _block_masks(draw: _Draw, counted: torch.Tensor, n_t: int, block_length: int
     later = position_block > chosen_block[..., None]
     earlier = (position_block < chosen_block[..., None]) & (draw.uniform(N, n_t, L) < perturb_prob)
     return (within | later | earlier) & counted[:, None, :]
+
+
+def gauss_legendre(points: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K-point Gauss-Legendre rule on [0, 1]: nodes t_k and weights c_k (sum 1), float64, by Golub-Welsch
+    (the eigenvalues of the Legendre recurrence's Jacobi matrix; weights from the first eigenvector components)."""
+    k = torch.arange(1, points, dtype=torch.float64)
+    off_diagonal = k / torch.sqrt(4 * k**2 - 1)
+    jacobi = torch.diag(off_diagonal, 1) + torch.diag(off_diagonal, -1)
+    nodes, vectors = torch.linalg.eigh(jacobi)
+    return (nodes + 1) / 2, vectors[0] ** 2  # [-1, 1] -> [0, 1]; weights 2 v_0^2 on [-1, 1] halve
+
+
+def _gauss_masks(draw: _Draw, counted3: torch.Tensor, lengths: torch.Tensor, n_t: int, points: int):
+    """GDPO's SDMC masks: n_t / points exact-size draws at each Gauss node (node-major order)."""
+    N = counted3.shape[0]
+    nodes, node_weights = (v.to(counted3.device) for v in gauss_legendre(points))
+    t = nodes.repeat_interleave(n_t // points)[None, :].expand(N, n_t)
+    size = torch.minimum((t * lengths[:, None]).floor().long().clamp_min(1), lengths[:, None])
+    chosen = _random_subset(draw, counted3, size)
+    weight = (points * node_weights / nodes).repeat_interleave(n_t // points)[None, :].expand(N, n_t)
+    return chosen, weight.clone(), t.clone()
+
+
+def _coupled_masks(draw: _Draw, counted: torch.Tensor, n_t: int, t_range: tuple[float, float]):
+    """DiffuCoder's masks: the full completion, then complementary Bernoulli(t) pairs, t ~ U[t_range]."""
+    N, L = counted.shape
+    pairs = (n_t - 1) // 2
+    low, high = t_range
+    rate = low + (high - low) * draw.uniform(N, pairs)  # [N, pairs]
+    first = (draw.uniform(N, pairs, L) < rate[..., None]) & counted[:, None, :]
+    second = counted[:, None, :] & ~first
+    chosen = torch.cat((counted[:, None, :], torch.stack((first, second), dim=2).reshape(N, 2 * pairs, L)), dim=1)
+    t = torch.cat((torch.ones(N, 1, dtype=torch.float64, device=counted.device),
+                   torch.stack((rate, 1 - rate), dim=2).reshape(N, 2 * pairs)), dim=1)
+    weight = n_t / (pairs + 1) / t  # every counted token is scored once per group (full mask, each pair)
+    return chosen, weight, t
+
+
+def _trajectory_masks(counted: torch.Tensor, unmask_step: torch.Tensor, shrink: int,
+                      prompt_real: torch.Tensor) -> MonteCarloMasks:
+    """TraceRL's states: per row, its distinct decoding steps merged `shrink` at a time; state g masks the
+    positions unmasked at or after its first step and scores the counted ones unmasked during it."""
+    N, L = counted.shape
+    if (unmask_step < 0).any():
+        n, i = (int(v) for v in (unmask_step < 0).nonzero()[0])
+        raise ValueError(f"unmask_step[{n}, {i}] = {int(unmask_step[n, i])} is negative; steps count the "
+                         "denoising forwards from 0.")
+    # Rank of each position's step among its row's distinct steps: the state it belongs to is rank // shrink.
+    order = unmask_step.sort(dim=-1).values
+    distinct = torch.ones_like(order, dtype=torch.bool)
+    distinct[:, 1:] = order[:, 1:] != order[:, :-1]
+    ranks_sorted = distinct.long().cumsum(-1) - 1  # dense rank of each sorted step
+    rank = torch.zeros_like(unmask_step)
+    rank.scatter_(1, unmask_step.argsort(dim=-1, stable=True), ranks_sorted)
+    state = rank // shrink  # [N, L]
+    n_t = int(state.max()) + 1
+    states = torch.arange(n_t, device=counted.device)[None, :, None]
+    chosen = (state[:, None, :] == states) & counted[:, None, :]  # scored in state g
+    completion_masked = state[:, None, :] >= states  # not yet decoded when state g starts
+    num_masked = chosen.sum(-1)
+    weight = torch.full((N, n_t), float(n_t), dtype=torch.float64, device=counted.device)
+    t = (completion_masked & counted[:, None, :]).sum(-1).double() / counted.sum(-1, keepdim=True)
+    prompt_masked = torch.zeros(N, n_t, prompt_real.shape[1], dtype=torch.bool, device=counted.device)
+    return MonteCarloMasks(masked=torch.cat((prompt_masked, completion_masked), dim=-1), counted=counted.clone(),
+                           weight=weight, t=t, num_masked=num_masked, prompt_length=prompt_real.shape[1],
+                           sampler="trajectory", target=chosen)

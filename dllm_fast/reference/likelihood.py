@@ -40,9 +40,18 @@ def score_naive(model, sequences: torch.Tensor, masks, attention_mask: torch.Ten
     return torch.where(scored, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
 
 
+def read_positions(masks) -> torch.Tensor:
+    """[N, n_t, L] bool: the positions an estimate reads, the masks' `target` when they narrow the scored ones
+    (TraceRL's states), else every masked and counted completion position."""
+    target = getattr(masks, "target", None)
+    return masks.masked[..., masks.prompt_length:] & masks.counted[:, None, :] if target is None else target
+
+
 def mc_elbo(lp: torch.Tensor, masks) -> torch.Tensor:
     """[N]: (1/n_t) sum_j w_j sum_i lp[n, j, i], written as the per-sample loop of LLaDA's evaluator."""
     total = torch.zeros(lp.shape[0], dtype=lp.dtype, device=lp.device)
+    if getattr(masks, "target", None) is not None:  # lp is 0 off the scored positions: only targets narrow it
+        lp = lp * masks.target
     for j in range(lp.shape[1]):
         total = total + masks.weight[:, j].to(lp.dtype) * lp[:, j].sum(-1)
     return total / lp.shape[1]
@@ -53,7 +62,7 @@ def mc_eubo(lp: torch.Tensor, masks, beta: float = 1.0) -> torch.Tensor:
 
     Direct (not log-space) form of SPG's estimator, as SPG's code computes it.
     """
-    scored = masks.masked[..., masks.prompt_length:] & masks.counted[:, None, :]
+    scored = read_positions(masks)
     weight = masks.weight.to(lp.dtype)[..., None]
     a = (weight * scored * torch.exp(beta * lp)).mean(1)  # [N, L]
     present = scored.any(1)
