@@ -114,6 +114,9 @@ class RolloutBatch:
     completion_mask: [N, L] bool, up to and including the first EOS (`completion_mask`).
     rewards: [N] float, finite.
     group_size: G; rows [g * G, (g + 1) * G) are the G completions of prompt g.
+    unmask_step: [N, L] int64 or None: the 0-based denoising forward at which the rollout unmasked each
+        completion position (`generate(..., record_unmask_step=True)`); what trajectory objectives (TraceRL)
+        replay. None when not recorded.
     """
 
     sequences: torch.Tensor
@@ -122,6 +125,7 @@ class RolloutBatch:
     completion_mask: torch.Tensor
     rewards: torch.Tensor
     group_size: int
+    unmask_step: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sequences, torch.Tensor) or self.sequences.dim() != 2:
@@ -148,6 +152,8 @@ class RolloutBatch:
                              f"{_describe(self.rewards)}; build it with RolloutBatch.from_generation.")
         check_group_size(self.group_size, N)
         check_finite_rewards(self.rewards, self.group_size)
+        if self.unmask_step is not None:
+            check_unmask_step(self.unmask_step, (N, L))
 
     @classmethod
     def from_generation(
@@ -166,8 +172,12 @@ class RolloutBatch:
         if rewards.dim() != 1 or rewards.shape[0] != sequences.shape[0]:
             raise ValueError(f"rewards has shape {tuple(rewards.shape)}; give one reward per rollout, "
                              f"[{sequences.shape[0]}].")
+        unmask_step = getattr(result, "unmask_step", None)
+        if unmask_step is not None:
+            check_unmask_step(unmask_step, tuple(result.completion_ids.shape), forwards=result.nfe)
         return cls(sequences=sequences, attention_mask=result.attention_mask, prompt_length=result.prompt_length,
-                   completion_mask=result.completion_mask, rewards=rewards, group_size=group_size)
+                   completion_mask=result.completion_mask, rewards=rewards, group_size=group_size,
+                   unmask_step=unmask_step)
 
     @property
     def num_rollouts(self) -> int:
@@ -202,13 +212,15 @@ class RolloutBatch:
             raise ValueError(f"groups({start}, {end}) must satisfy 0 <= start < end <= {self.num_groups}.")
         rows = slice(start * self.group_size, end * self.group_size)
         mask = None if self.attention_mask is None else self.attention_mask[rows]
+        steps = None if self.unmask_step is None else self.unmask_step[rows]
         return RolloutBatch(self.sequences[rows], mask, self.prompt_length, self.completion_mask[rows],
-                            self.rewards[rows], self.group_size)
+                            self.rewards[rows], self.group_size, steps)
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
+        steps = None if self.unmask_step is None else self.unmask_step.to(device)
         return RolloutBatch(self.sequences.to(device), mask, self.prompt_length, self.completion_mask.to(device),
-                            self.rewards.to(device), self.group_size)
+                            self.rewards.to(device), self.group_size, steps)
 
 
 def check_group_size(group_size, num_rollouts: int) -> None:
@@ -217,6 +229,23 @@ def check_group_size(group_size, num_rollouts: int) -> None:
     if num_rollouts % group_size:
         raise ValueError(f"group_size={group_size} does not divide the {num_rollouts} rollouts; every prompt group "
                          f"must be complete (N = prompts x G), e.g. drop the last {num_rollouts % group_size}.")
+
+
+def check_unmask_step(unmask_step, shape: tuple[int, int], forwards: int | None = None) -> None:
+    """An unmask-step record: int64 [N, L], each step in [0, forwards) (the rollout's nfe, when known)."""
+    if (not isinstance(unmask_step, torch.Tensor) or unmask_step.dtype != torch.int64
+            or tuple(unmask_step.shape) != tuple(shape)):
+        raise ValueError(f"unmask_step must be an int64 [N, L] = {list(shape)} tensor (one denoising step per "
+                         f"completion position), got {_describe(unmask_step)}.")
+    if unmask_step.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.stack((unmask_step.min(), unmask_step.max())).tolist())
+    if low < 0 or (forwards is not None and high >= forwards):
+        bad = (unmask_step < 0) if low < 0 else (unmask_step >= forwards)
+        n, i = (int(v) for v in bad.nonzero()[0])
+        limit = f"[0, {forwards})" if forwards is not None else ">= 0"
+        raise ValueError(f"unmask_step[{n}, {i}] = {int(unmask_step[n, i])} is not a denoising step {limit}: "
+                         "steps count the rollout's forwards from 0.")
 
 
 def check_finite_rewards(rewards: torch.Tensor, group_size: int) -> None:

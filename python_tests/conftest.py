@@ -28,3 +28,44 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def generate_recording_unmask_step():
+    """`dllm_fast.generate` that also fills `unmask_step` when asked (record_unmask_step=True), recorded from the
+    outside: a proxy model keeps the canvas each denoising forward receives, and position i was unmasked by the
+    first forward after which it holds a token. For tests of the TraceRL wiring while generate cannot record it
+    itself; full-recompute rollouts (cache="none") only, as the proxy needs whole canvases."""
+    import dllm_fast
+
+    class CanvasRecorder(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.canvases = model, []
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.model, name)
+
+        @property
+        def lm_head_weight(self):
+            return self.model.lm_head_weight
+
+        def forward(self, input_ids, *args, **kwargs):
+            self.canvases.append(input_ids.clone())
+            return self.model(input_ids, *args, **kwargs)
+
+    def generate(model, input_ids, attention_mask=None, *, record_unmask_step=False, **options):
+        assert options.get("cache", "none") == "none" and not options.get("cfg_scale"), "whole canvases only"
+        recorder = CanvasRecorder(model)
+        result = dllm_fast.generate(recorder, input_ids, attention_mask, **options)
+        if record_unmask_step:
+            P = result.prompt_length
+            canvases = torch.stack([c[:, P:] for c in recorder.canvases[1:]] + [result.completion_ids])
+            decoded = canvases != model.mask_token_id  # [forwards, B, G]: after forward k
+            result.unmask_step = decoded.long().argmax(0)  # the first forward after which a position holds a token
+        return result
+
+    return generate

@@ -1,5 +1,5 @@
-"""The seven objectives: values and lp-gradients against their loop-written reference twins, exact parameter
-gradients through the engine against naive autograd, the papers' properties, and bad input."""
+"""The objectives: values and lp-gradients against their loop-written reference twins for every option, exact
+parameter gradients through the engine against naive autograd, the papers' properties, and bad input."""
 
 import copy
 
@@ -8,7 +8,7 @@ import torch
 
 from dllm_fast import objectives, reference
 from dllm_fast.contracts import RolloutBatch, completion_mask
-from dllm_fast.likelihood import elbo, eubo, score
+from dllm_fast.likelihood import MicroBatching, elbo, eubo, score
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 from dllm_fast.objectives import InnerUpdate, LossInputs
 
@@ -17,26 +17,54 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 P, L, G = 4, 10, 2
 NAMES = objectives.available()
 ARGS = {  # which constants each reference twin takes, and the config options it understands
-    "diffu_grpo": (("lp_old", "lp_ref"), ("epsilon", "beta", "normalization")),
-    "wd1": ((), ()),
-    "vrpo_ol": (("lp_old",), ("std_epsilon",)),
-    "bgpo": (("lp_old",), ("std_epsilon", "scale", "clip_epsilon", "dual_clip")),
-    "spg": ((), ("bound", "beta", "omega", "normalization")),
-    "espo": (("lp_old", "lp_ref"), ("epsilon_low", "epsilon_high", "beta", "advantage")),
+    "diffu_grpo": (("lp_old", "lp_ref"), ("epsilon", "beta", "normalization", "normalize_per", "dual_clip",
+                                          "scale_rewards", "std_epsilon")),
+    "wd1": ((), ("psi", "negative_term")),
+    "vrpo_ol": (("lp_old",), ("std_epsilon", "scale_rewards")),
+    "bgpo": (("lp_old",), ("std_epsilon", "scale", "clip_epsilon", "dual_clip", "aggregation")),
+    "spg": ((), ("bound", "beta", "omega", "normalization", "normalize_per")),
+    "espo": (("lp_old", "lp_ref"), ("epsilon_low", "epsilon_high", "beta", "advantage", "scale_rewards",
+                                    "kl_estimator", "length")),
     "rspo": (("lp_ref",), ("lam", "center", "scale_rewards")),
+    "coupled_grpo": (("lp_old", "lp_ref"), ("epsilon", "beta", "advantage", "scale_rewards", "normalize_per")),
+    "gdpo": (("lp_old",), ("epsilon_low", "epsilon_high", "scale_rewards")),
+    "tracerl": (("lp_old",), ("epsilon", "beta")),
 }
+MICRO_BATCH = 8  # pairs per backward graph in the value tests: with n_t = 4, micro-batches of 2 sequences
 VARIANTS = [  # (name, overrides): every default, plus each documented option
     *[(name, {}) for name in NAMES],
     ("diffu_grpo", {"normalization": "sequence", "epsilon": 0.05}),
     ("diffu_grpo", {"beta": 0.0}),
+    ("diffu_grpo", {"normalize_per": "micro_batch"}),
+    ("diffu_grpo", {"normalize_per": "micro_batch", "normalization": "sequence", "micro_batch_rows": 3,
+                    "dual_clip": 1.5, "scale_rewards": True, "epsilon": 0.05}),
+    ("diffu_grpo", {"preset": "dare"}),
+    ("wd1", {"psi": 2.5}),
+    ("wd1", {"negative_term": False}),
+    ("vrpo_ol", {"scale_rewards": False}),
     ("bgpo", {"scale": "padded_length", "clip_epsilon": 0.2, "dual_clip": 3.0}),
     ("bgpo", {"scale": "response_length", "clip_epsilon": 0.05}),
+    ("bgpo", {"aggregation": "length_weighted"}),
+    ("bgpo", {"preset": "dare", "micro_batch_rows": 3}),
     ("spg", {"bound": "eubo", "beta": 1.5}),
     ("spg", {"bound": "elbo"}),
+    ("spg", {"bound": "zero"}),
     ("spg", {"normalization": "token"}),
+    ("spg", {"normalization": "token", "normalize_per": "micro_batch"}),
+    ("spg", {"normalize_per": "micro_batch", "micro_batch_rows": 3, "preset": "sudoku"}),
     ("espo", {"advantage": "leave_one_out", "epsilon_low": 0.01, "epsilon_high": 0.02, "beta": 0.1}),
     ("espo", {"count": "eos"}),  # the ratio is still normalised by the fixed width L, not the response length
+    ("espo", {"scale_rewards": True, "kl_estimator": "k1", "beta": 0.1}),
+    ("espo", {"kl_estimator": "k3", "length": "counted", "beta": 0.1, "count": "eos"}),
+    ("espo", {"preset": "countdown"}),
     ("rspo", {"center": "group", "scale_rewards": True, "lam": 0.5}),
+    ("rspo", {"center": "micro_batch", "lam": 0.5}),
+    ("rspo", {"center": "micro_batch", "micro_batch_rows": 3}),
+    ("coupled_grpo", {"normalize_per": "micro_batch", "advantage": "mean", "scale_rewards": True}),
+    ("coupled_grpo", {"beta": 0.0, "epsilon": 0.1}),
+    ("gdpo", {"quadrature_points": 2, "scale_rewards": True, "epsilon_low": 0.05}),
+    ("tracerl", {"shrink": 2}),
+    ("tracerl", {"beta": 0.0, "shrink": 1, "epsilon": 0.05}),
 ]
 
 
@@ -55,21 +83,25 @@ def perturbed(model, scale=0.05, seed=1):
 
 
 def rollout_batch(model, rewards=(1.0, 0.0, 0.25, 0.75), seed=0):
-    """N = 4 rollouts in groups of 2: row 0 ends early with EOS padding, row 3 has a left-padded prompt."""
+    """N = 4 rollouts in groups of 2: row 0 ends early with EOS padding, row 3 has a left-padded prompt. Each
+    decoded its completion in a random order, two positions per step (the unmask_step TraceRL replays)."""
     gen = torch.Generator().manual_seed(seed)
     sequences = torch.randint(0, 120, (len(rewards), P + L), generator=gen)
     sequences[0, P + 6:] = model.eos_token_id
     attention_mask = torch.ones_like(sequences)
     attention_mask[-1, :2] = 0
     completion = sequences[:, P:]
+    unmask_step = torch.rand(len(rewards), L, generator=gen).argsort(-1).argsort(-1) // 2
     return RolloutBatch(sequences, attention_mask, P, completion_mask(completion, model.eos_token_id),
-                        torch.tensor(rewards), G)
+                        torch.tensor(rewards), G, unmask_step)
 
 
 def make(name, **overrides):
-    """The objective with test-sized estimator settings: n_t >= 4 and blocks of 4."""
-    base = {"n_t": 4}
-    if objectives.get(name).config.sampler == "block":
+    """The objective with test-sized estimator settings: n_t >= 4 (5 for the coupled sampler's full mask and
+    pairs; trajectory states follow from the rollout) and blocks of 4."""
+    sampler = objectives.get(name).config.sampler
+    base = {"n_t": {"coupled": 5, "trajectory": 1}.get(sampler, 4)}
+    if sampler == "block":
         base["block_length"] = 4
     return objectives.get(name, **{**base, **overrides})
 
@@ -89,6 +121,9 @@ def reference_loss(objective, lp, inputs):
     takes, options = ARGS[objective.name]
     constants = {"lp_old": inputs.lp_old, "lp_ref": inputs.lp_ref}
     kwargs = {name: getattr(objective.config, name) for name in options}
+    if hasattr(objective.config, "micro_batch_rows"):  # the documented rule: given rows, else the call's pairs / n_t
+        rows = objective.config.micro_batch_rows
+        kwargs["rows"] = rows if rows is not None else max(1, inputs.micro_batch // inputs.masks.n_t)
     function = getattr(reference.objectives, objective.name)
     return function(lp, inputs.masks, inputs.batch.rewards, inputs.batch.group_size,
                     **{k: constants[k] for k in takes}, **kwargs)
@@ -108,7 +143,7 @@ def test_loss_matches_the_reference_twin_in_value_and_lp_gradient(name, override
     batch = rollout_batch(model)
     masks = draw(objective, model, batch)
     lp_old, lp_ref = constants(objective, masks, on_policy)
-    inputs = objective.prepare(batch, masks, lp_old=lp_old, lp_ref=lp_ref)
+    inputs = objective.prepare(batch, masks, lp_old=lp_old, lp_ref=lp_ref, micro_batch=MICRO_BATCH)
     lp = random_lp(masks, 10).requires_grad_(True)
     value = objective.loss(lp, inputs)
     (grad,) = torch.autograd.grad(value, lp)
@@ -142,7 +177,7 @@ def test_engine_gradient_equals_naive_autograd(name, overrides):
                        attention_mask=batch.attention_mask)
         lp_ref = score(perturbed(model, seed=4), batch.sequences, masks, micro_batch=16,
                        attention_mask=batch.attention_mask) if objective.needs_reference else None
-    inputs = objective.prepare(batch, masks, lp_old=lp_old, lp_ref=lp_ref)
+    inputs = objective.prepare(batch, masks, lp_old=lp_old, lp_ref=lp_ref, micro_batch=3)
     naive = objective.loss(reference.likelihood.score_naive(model, batch.sequences, masks, batch.attention_mask),
                            inputs)
     want = torch.autograd.grad(naive, trainable(model))
@@ -154,7 +189,7 @@ def test_engine_gradient_equals_naive_autograd(name, overrides):
     assert out.stats["loss"] == pytest.approx(naive.item())
 
 
-@pytest.mark.parametrize("name", ["vrpo_ol", "espo", "rspo", "spg"])
+@pytest.mark.parametrize("name", ["vrpo_ol", "espo", "rspo", "spg", "diffu_grpo", "coupled_grpo", "gdpo", "tracerl"])
 def test_known_current_lp_gives_the_same_gradient(name):
     """The first inner update: lp_old is the current policy's lp; passing it as lp= skips the scoring pass."""
     model = tiny_model()
@@ -172,7 +207,35 @@ def test_known_current_lp_gives_the_same_gradient(name):
                                  lp_ref=lp_ref)
         grads.append([p.grad.clone() for p in trainable(model)])
     assert relative_error(grads[1], grads[0]) < 1e-12
-    assert out.stats.get("ratio_mean", 1.0) == pytest.approx(1.0)
+    assert out.stats.get("ratio_mean", 1.0) == 1.0 and out.stats.get("ratio_max", 1.0) == 1.0
+
+
+ZERO_WIDTH_CLIP = {"diffu_grpo": {"epsilon": 0.0}, "espo": {"epsilon_low": 0.0, "epsilon_high": 0.0},
+                   "coupled_grpo": {"epsilon": 0.0}, "gdpo": {"epsilon_low": 0.0, "epsilon_high": 0.0},
+                   "tracerl": {"epsilon": 0.0}}
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if objectives.get(n).uses_old_policy])
+def test_on_policy_ratios_are_exactly_one_at_any_micro_batch(name):
+    """Issue 22 item 3: before the policy moves the plan leaves lp_old out, and old = stop_gradient(current) makes
+    every ratio exactly 1 however the pairs are cut into model calls. So a clip interval of width 0 (ESPO's
+    countdown epsilon) never fires on-policy, and the first-step gradient is the unclipped one."""
+    model = tiny_model()
+    batch = rollout_batch(model)
+    narrow, wide = make(name, **ZERO_WIDTH_CLIP.get(name, {})), make(name)
+    (update,) = narrow.plan_updates(model, batch, moved=[False], generator=torch.Generator().manual_seed(5),
+                                    micro_batch=4)
+    assert update.lp_old is None
+    reference_grads = None
+    for objective in (wide, narrow):
+        for batching in (MicroBatching(1), MicroBatching(3, score_micro_batch=5), MicroBatching(16)):
+            model.zero_grad(set_to_none=True)
+            out = objective.backward(model, batch, update, micro_batch=batching, ref_model=perturbed(model))
+            assert out.stats["ratio_mean"] == 1.0 and out.stats["ratio_max"] == 1.0, (objective, batching)
+            assert out.stats.get("clip_fraction", 0.0) == 0.0
+            grads = [p.grad.clone() for p in trainable(model)]
+            reference_grads = reference_grads or grads
+            assert relative_error(grads, reference_grads) < 1e-10, (objective, batching)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -209,7 +272,7 @@ def test_bgpo_lower_bounds_vrpo_ol_per_sequence_off_policy():
     assert (lower < exact - 1e-6).any()  # off-policy the bound is strict somewhere
 
 
-@pytest.mark.parametrize("name", ["espo", "diffu_grpo"])
+@pytest.mark.parametrize("name", ["espo", "diffu_grpo", "coupled_grpo", "gdpo", "tracerl"])
 def test_ratios_are_one_on_policy(name):
     model = tiny_model()
     objective = make(name)
@@ -254,6 +317,63 @@ def test_first_step_gradient_of_espo_is_the_length_normalised_elbo_gradient():
     N, n_t = masks.num_sequences, masks.n_t
     want = -inputs.advantages[:, None, None] * masks.weight[..., None] * masks.scored / (N * n_t * L)
     torch.testing.assert_close(coef, want, rtol=1e-12, atol=1e-15)
+
+
+def test_first_step_gradient_of_coupled_grpo_is_token_reinforce_through_the_estimate():
+    """On-policy with beta = 0, d loss / d lp_nji = -A_n w_nj / (n_t C) with C the batch's counted tokens: REINFORCE
+    on each token's coupled estimate (Eq. 13), which reads every counted token once per group (full mask, pairs)."""
+    model = tiny_model()
+    objective = make("coupled_grpo", beta=0.0)
+    batch = rollout_batch(model)
+    masks = draw(objective, model, batch)
+    assert torch.equal(masks.scored.sum(1), masks.counted * (masks.n_t + 1) // 2)
+    inputs = objective.prepare(batch, masks)
+    coef = lp_coefficients(objective, inputs, random_lp(masks, 5))
+    want = -inputs.advantages[:, None, None] * masks.weight[..., None] * masks.scored / (
+        masks.n_t * masks.counted.sum())
+    torch.testing.assert_close(coef, want, rtol=1e-12, atol=1e-15)
+
+
+def test_first_step_gradient_of_gdpo_is_the_length_normalised_sdmc_elbo_gradient():
+    """On-policy: d loss / d lp_nji = -(1/N) A_n w_nj / (n_t L_n), w_nj = K c_k / t_k at sample j's node."""
+    model = tiny_model()
+    objective = make("gdpo")
+    batch = rollout_batch(model)
+    masks = draw(objective, model, batch)
+    inputs = objective.prepare(batch, masks)
+    coef = lp_coefficients(objective, inputs, random_lp(masks, 5))
+    N, n_t = masks.num_sequences, masks.n_t
+    want = -inputs.advantages[:, None, None] * masks.weight[..., None] * masks.scored / (
+        N * n_t * masks.num_counted[:, None, None])
+    torch.testing.assert_close(coef, want, rtol=1e-12, atol=1e-15)
+
+
+def test_first_step_gradient_of_tracerl_reads_each_states_own_tokens():
+    """On-policy: d loss / d lp_nji = -A_n / (R |T_nj|) on the tokens state j decoded, 0 on the later tokens it
+    holds masked as context (their lp is scored but not read); R the batch's non-empty states."""
+    model = tiny_model()
+    objective = make("tracerl", shrink=1)
+    batch = rollout_batch(model)
+    masks = draw(objective, model, batch)
+    inputs = objective.prepare(batch, masks)
+    coef = lp_coefficients(objective, inputs, random_lp(masks, 5))
+    target = masks.targets
+    states = (target.sum(-1) > 0).sum()
+    want = -inputs.advantages[:, None, None] * target / (states * target.sum(-1, keepdim=True).clamp_min(1))
+    torch.testing.assert_close(coef, want, rtol=1e-12, atol=1e-15)
+    assert (masks.scored & ~target).any() and (coef[masks.scored & ~target] == 0).all()
+
+
+def test_tracerl_needs_the_rollouts_decoding_order():
+    model = tiny_model()
+    batch = rollout_batch(model)
+    plain = RolloutBatch(batch.sequences, batch.attention_mask, P, batch.completion_mask, batch.rewards, G)
+    objective = make("tracerl")
+    assert objective.needs_unmask_step and not make("espo").needs_unmask_step
+    with pytest.raises(ValueError, match=r"tracerl replays the rollout's decoding states.*record_unmask_step=True"):
+        objective.backward(model, plain, micro_batch=4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="n_t=4 does not apply with sampler='trajectory'"):
+        objectives.get("tracerl", n_t=4)
 
 
 @pytest.mark.parametrize("normalization", ["paper", "token"])

@@ -43,7 +43,8 @@ def test_train_help_lists_the_objectives_own_options_with_their_defaults(capsys)
     config = objectives.get("spg").config
     for config_field in dataclasses.fields(config):
         assert f"{config_field.name}={getattr(config, config_field.name)!r}" in out
-    assert "beta=1.0" in out and "n_t=2" in out and "Monte Carlo masks per sequence" in out
+    assert "beta=1.5" in out and "n_t=2" in out and "Monte Carlo masks per sequence" in out
+    assert "preset 'sudoku': beta=1.0" in out
 
 
 @pytest.mark.parametrize("arguments, message", [

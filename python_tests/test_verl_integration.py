@@ -54,6 +54,23 @@ def test_vrpo_ol_is_the_sequence_ratio_of_the_summed_log_probs():
     torch.testing.assert_close(loss, -(ratio * advantage[:, 0]).mean())
 
 
+def test_coupled_grpo_is_token_ppo_on_its_per_token_estimates():
+    """The actor hands coupled-GRPO's per-token estimate as log_prob: the loss is token PPO with its eps 0.5."""
+    old, new, advantage, mask = micro_batch()
+    loss, _ = adapter.policy_loss(objectives.get("coupled_grpo", beta=0.0), old, new, advantage, mask)
+    torch.testing.assert_close(loss, token_ppo(old, new, advantage, mask, 0.5))
+
+
+def test_gdpo_is_one_length_normalised_ratio_per_sequence():
+    """GDPO's per-position SDMC contributions sum to the ELBO: rho = exp(sum (new - old) / L_n), clipped at 0.2, as
+    NeMo RL's sequence_level_importance_ratios computes it (the masked mean of the per-position log ratios)."""
+    old, new, advantage, mask = micro_batch()
+    loss, _ = adapter.policy_loss(objectives.get("gdpo"), old, new, advantage, mask)
+    ratio = torch.exp(((new - old) * mask).sum(-1) / mask.sum(-1))
+    a = advantage[:, 0]
+    torch.testing.assert_close(loss, -torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a).mean())
+
+
 @pytest.mark.parametrize("name", adapter.SUPPORTED)
 def test_micro_batches_and_ranks_sum_to_the_global_batch(name):
     """VeRL sums micro-batch losses and averages over data-parallel ranks; with its global batch info the pieces
@@ -73,6 +90,8 @@ def test_unsupported_settings_are_named():
     old, new, advantage, mask = micro_batch()
     with pytest.raises(ValueError, match="'wd1' cannot run as a VeRL policy loss"):
         adapter.policy_loss(objectives.get("wd1"), old, new, advantage, mask)
+    with pytest.raises(ValueError, match="'tracerl' cannot run as a VeRL policy loss"):
+        adapter.policy_loss(objectives.get("tracerl"), old, new, advantage, mask)
     with pytest.raises(ValueError, match=r"objectives.get\('diffu_grpo', beta=0.0\).*use_kl_loss"):
         adapter.policy_loss(objectives.get("diffu_grpo"), old, new, advantage, mask)
     objective = adapter.default_objectives()[0]

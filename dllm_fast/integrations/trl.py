@@ -165,7 +165,8 @@ def make_rollout_func(*, gen_length: int | None = None, block_length: int = 32, 
     the trainer's processing_class (the chat template for conversational prompts), left-padded, and decoded in
     one batch under `model.eval()`. Each completion is returned through its first EOS, as TRL expects; its
     sampling log-probs are not available from a diffusion sampler (None). Noise comes from a generator seeded
-    with seed + the process index, so runs are reproducible.
+    with seed + the process index, so runs are reproducible. For an objective that replays the decoding order
+    (`needs_unmask_step`, TraceRL) the rollout records it, and the trainer builds the RolloutBatch with it.
     """
     check_int("block_length", block_length, minimum=1)  # generate checks the sampling options when it runs
     check_int("seed", seed, minimum=0)
@@ -187,6 +188,8 @@ def make_rollout_func(*, gen_length: int | None = None, block_length: int = 32, 
             generators[device] = torch.Generator(device).manual_seed(seed + trainer.accelerator.process_index)
         was_training = model.training
         model.eval()  # no dropout while sampling
+        objective = getattr(trainer, "objective", None)
+        record = {"record_unmask_step": True} if getattr(objective, "needs_unmask_step", False) else {}
         try:
             with torch.no_grad(), trainer.accelerator.autocast():
                 result = generate(model, input_ids, attention_mask, gen_length=length, block_length=block,
@@ -194,9 +197,11 @@ def make_rollout_func(*, gen_length: int | None = None, block_length: int = 32, 
                                   temperature=temperature if temperature is not None else args.temperature,
                                   remasking=remasking, cfg_scale=cfg_scale, threshold=threshold,
                                   logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf,
-                                  generator=generators[device])
+                                  generator=generators[device], **record)
         finally:
             model.train(was_training)
+        # Trajectory objectives (TraceRL) replay the decoding order: kept for this generation batch's plan.
+        trainer._unmask_step = getattr(result, "unmask_step", None)
         lengths = result.completion_mask.sum(-1).tolist()
         completions = [row[:n] for row, n in zip(result.completion_ids.tolist(), lengths)]
         return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
@@ -270,6 +275,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         seed = self.args.seed if mask_seed is None else mask_seed
         self._mask_generator = torch.Generator().manual_seed(seed + self.accelerator.process_index)
         self._rewards: torch.Tensor | None = None
+        self._unmask_step: torch.Tensor | None = None  # set by make_rollout_func's rollouts
         self._updates: list[list[_Use]] | None = None
 
     # -- TRL hooks --------------------------------------------------------------------------------------------
@@ -335,7 +341,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     def _plan_updates(self, generated: dict) -> list[list[_Use]]:
         """Split a generation batch into micro-batches of whole groups, and plan each one's num_iterations uses
         with the objective: a use after an optimizer step (the policy has moved) gets the old policy's lp."""
-        batch = rollout_batch(generated, self._rewards, self.num_generations, unwrap_model(self.model).eos_token_id)
+        batch = rollout_batch(generated, self._rewards, self.num_generations, unwrap_model(self.model).eos_token_id,
+                              unmask_step=self._unmask_step if self.objective.needs_unmask_step else None)
         rows = self.args.per_device_train_batch_size
         groups = rows // self.num_generations
         accumulation = self.args.gradient_accumulation_steps
@@ -367,9 +374,12 @@ def check_trl_config(args) -> None:
                          "leave it at 1.0.")
 
 
-def rollout_batch(generated: dict, rewards: torch.Tensor | None, group_size: int, eos_token_id: int) -> RolloutBatch:
+def rollout_batch(generated: dict, rewards: torch.Tensor | None, group_size: int, eos_token_id: int,
+                  unmask_step: torch.Tensor | None = None) -> RolloutBatch:
     """The RolloutBatch of a TRL generation batch: prompt (left-padded) + completion (EOS-padded after its first
-    EOS, as the sampler leaves it), attending to every completion position as in sampling."""
+    EOS, as the sampler leaves it), attending to every completion position as in sampling. unmask_step: the
+    rollout's [rows, gen_length] record, cut to TRL's completion width (positions past a row's first EOS hold EOS
+    here, whatever the canvas held: a replayed state shows EOS there)."""
     if rewards is None or rewards.shape[0] != generated["prompt_ids"].shape[0]:
         raise RuntimeError("no rewards were recorded for this generation batch (DiffusionGRPOTrainer reads them in "
                            "_calculate_rewards).")
@@ -380,6 +390,11 @@ def rollout_batch(generated: dict, rewards: torch.Tensor | None, group_size: int
     attention_mask = None
     if not bool(prompt_mask.all()):
         attention_mask = torch.cat([prompt_mask, torch.ones_like(completion)], dim=1).long()
+    if unmask_step is not None:
+        if unmask_step.shape[0] != completion.shape[0] or unmask_step.shape[1] < completion.shape[1]:
+            raise RuntimeError(f"the recorded unmask_step {tuple(unmask_step.shape)} does not cover this generation "
+                               f"batch's completions {tuple(completion.shape)}; roll out with make_rollout_func.")
+        unmask_step = unmask_step[:, :completion.shape[1]].to(completion.device)
     return RolloutBatch(sequences=sequences, attention_mask=attention_mask, prompt_length=prompt_ids.shape[1],
                         completion_mask=completion_mask(completion, eos_token_id), rewards=rewards.float(),
-                        group_size=group_size)
+                        group_size=group_size, unmask_step=unmask_step)

@@ -27,9 +27,14 @@ Mapping of VeRL's conventions:
   sum to the objective on the global batch.
 - rollout correction (`rollout_is_weights`) is rejected: the objectives define no importance weights.
 
-Supported: diffu_grpo, vrpo_ol, bgpo, espo, spg (with one sample per sequence, SPG's EUBO equals its ELBO).
-Not supported: wd1 (a softmax over each prompt group, which a VeRL micro-batch does not keep together) and rspo
-(it needs the reference log-probs inside the loss).
+Supported: diffu_grpo, vrpo_ol, bgpo, espo, spg (with one sample per sequence, SPG's EUBO equals its ELBO),
+coupled_grpo and gdpo. For those two the per-token tensors VeRL hands over are read as their own per-token
+quantities: coupled-GRPO's estimate lp_hat (the actor averages the full-mask and complementary-pair scores per
+token, DiffuCoder Eq. 13) and GDPO's per-position SDMC contributions (NVIDIA NeMo RL's form, whose masked sum is the
+ELBO); the loss is then exactly the objective's (token-level GRPO; one ratio exp(dELBO / L_n) per sequence).
+Not supported: wd1 (a softmax over each prompt group, which a VeRL micro-batch does not keep together), rspo
+(it needs the reference log-probs inside the loss) and tracerl (its loss averages over each decoding state's
+tokens, which VeRL's per-token tensors do not say).
 
 Tested against verl 0.9.1 in a throwaway environment (it pulls ray, wandb and tensorboard, so it is not a test
 dependency); the suite tests the mapping itself, and the registration only where verl is installed.
@@ -46,13 +51,13 @@ from dllm_fast import objectives
 from dllm_fast.likelihood import MonteCarloMasks
 from dllm_fast.objectives import LossInputs, Objective
 
-SUPPORTED = ("diffu_grpo", "vrpo_ol", "bgpo", "espo", "spg")
+SUPPORTED = ("diffu_grpo", "vrpo_ol", "bgpo", "espo", "spg", "coupled_grpo", "gdpo")
 PREFIX = "dllm_fast_"
 
 
 def default_objectives() -> list[Objective]:
     """The supported objectives with their papers' defaults, KL coefficients at 0 (VeRL adds its own KL loss)."""
-    without_kl = {"diffu_grpo": {"beta": 0.0}, "espo": {"beta": 0.0}}
+    without_kl = {"diffu_grpo": {"beta": 0.0}, "espo": {"beta": 0.0}, "coupled_grpo": {"beta": 0.0}}
     return [objectives.get(name, **without_kl.get(name, {})) for name in SUPPORTED]
 
 
@@ -125,7 +130,7 @@ def one_sample_masks(scored: torch.Tensor) -> MonteCarloMasks:
 
 def token_normalised(objective: Objective) -> bool:
     """Whether the loss divides by the batch's scored tokens (rather than its sequences)."""
-    return getattr(objective.config, "normalization", None) == "token"
+    return objective.name == "coupled_grpo" or getattr(objective.config, "normalization", None) == "token"
 
 
 def global_scale(objective: Objective, scored: torch.Tensor, config) -> float | torch.Tensor:

@@ -2,6 +2,7 @@
 
     from dllm_fast import objectives
     objective = objectives.get("bgpo", n_t=8)          # the paper's defaults, with overrides
+    objectives.get("spg", preset="sudoku")             # a named setting of the official scripts
     out = objective.backward(model, batch, micro_batch=4, generator=torch.Generator().manual_seed(0))
     out.loss, out.stats                                # gradients are in model's .grad
     for update in objective.plan_updates(model, batch, moved=[False, True], generator=g, micro_batch=4):
@@ -16,6 +17,9 @@
 | spg | SPG | block masks, ELBO / EUBO / mixture | none | none |
 | espo | ESPO | complementary pairs | exp(dELBO / L), two-sided clip | k2 on the ELBO |
 | rspo | RSPO | ELBO vs reference, n_t 2 | none (residual weights) | implicit |
+| coupled_grpo | DiffuCoder | full mask + complementary pairs, n_t 3, per-token estimate | token, two-sided eps | k3 per token |
+| gdpo | GDPO | SDMC: Gauss quadrature in t, n_t 3 | exp(dELBO / L_n), two-sided clip | none |
+| tracerl | TraceRL | the rollout's own decoding states (needs unmask_step) | token, per state | k3 vs the old policy |
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ from typing import Any
 from dllm_fast.objectives.advantages import group_advantages, zero_std_fraction
 from dllm_fast.objectives.base import InnerUpdate, LossInputs, Objective, ObjectiveConfig, ObjectiveOutput
 from dllm_fast.objectives.bgpo import BGPO, BGPOConfig
+from dllm_fast.objectives.coupled_grpo import CoupledGRPO, CoupledGRPOConfig
 from dllm_fast.objectives.diffu_grpo import DiffuGRPO, DiffuGRPOConfig
 from dllm_fast.objectives.espo import ESPO, ESPOConfig
+from dllm_fast.objectives.gdpo import GDPO, GDPOConfig
 from dllm_fast.objectives.rspo import RSPO, RSPOConfig
 from dllm_fast.objectives.spg import SPG, SPGConfig
+from dllm_fast.objectives.tracerl import TraceRL, TraceRLConfig
 from dllm_fast.objectives.vrpo_ol import VRPOOL, VRPOOLConfig
 from dllm_fast.objectives.wd1 import WD1, WD1Config
 
@@ -45,7 +52,7 @@ def register(cls: type[Objective]) -> type[Objective]:
     return cls
 
 
-for _cls in (DiffuGRPO, WD1, VRPOOL, BGPO, SPG, ESPO, RSPO):
+for _cls in (DiffuGRPO, WD1, VRPOOL, BGPO, SPG, ESPO, RSPO, CoupledGRPO, GDPO, TraceRL):
     register(_cls)
 
 
@@ -54,15 +61,24 @@ def available() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def get(name: str, **overrides: Any) -> Objective:
-    """The objective `name` with its paper's defaults, any config field overridden by keyword."""
+def get(name: str, *, preset: str | None = None, **overrides: Any) -> Objective:
+    """The objective `name` with its paper's defaults, or the named `preset` of its official scripts (e.g.
+    spg's "sudoku"; `presets(name)`), any config field overridden by keyword."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown objective {name!r}; available: {', '.join(available())}.")
-    return _REGISTRY[name](**overrides)
+    return _REGISTRY[name](preset=preset, **overrides)
+
+
+def presets(name: str) -> dict[str, dict[str, Any]]:
+    """The named settings objective `name` offers, each the options it sets."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown objective {name!r}; available: {', '.join(available())}.")
+    return dict(_REGISTRY[name].presets)
 
 
 __all__ = [
-    "BGPO", "BGPOConfig", "DiffuGRPO", "DiffuGRPOConfig", "ESPO", "ESPOConfig", "InnerUpdate", "LossInputs", "Objective",
-    "ObjectiveConfig", "ObjectiveOutput", "RSPO", "RSPOConfig", "SPG", "SPGConfig", "VRPOOL", "VRPOOLConfig",
-    "WD1", "WD1Config", "available", "get", "group_advantages", "register", "zero_std_fraction",
+    "BGPO", "BGPOConfig", "CoupledGRPO", "CoupledGRPOConfig", "DiffuGRPO", "DiffuGRPOConfig", "ESPO", "ESPOConfig",
+    "GDPO", "GDPOConfig", "InnerUpdate", "LossInputs", "Objective", "ObjectiveConfig", "ObjectiveOutput", "RSPO",
+    "RSPOConfig", "SPG", "SPGConfig", "TraceRL", "TraceRLConfig", "VRPOOL", "VRPOOLConfig", "WD1", "WD1Config",
+    "available", "get", "group_advantages", "presets", "register", "zero_std_fraction",
 ]

@@ -3,7 +3,8 @@
 The conventions differ between papers, so each is an explicit option:
 - baseline "mean": A_i = r_i - mean_g(r) (d1, wd1, SPG, RSPO, the ESPO paper);
 - baseline "leave_one_out": A_i = r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean_g(r)) (ESPO's code, RLOO);
-- scale "std": divide by the group's standard deviation plus epsilon (BGPO Eq. 18; RSPO's and ESPO's options).
+- scale "std": divide by the group's standard deviation plus epsilon (BGPO Eq. 18; RSPO's and ESPO's options),
+  the unbiased one (torch.std, verl) or the population one (unbiased=False: TraceRL's z-score).
 A group whose rewards are all equal gets advantage 0 (never NaN): it is kept, and counted by `zero_std_fraction`.
 """
 
@@ -18,10 +19,11 @@ SCALES = ("none", "std")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, baseline: str = "mean", scale: str = "none",
-                     std_epsilon: float = 1e-6) -> torch.Tensor:
+                     std_epsilon: float = 1e-6, unbiased: bool = True) -> torch.Tensor:
     """[N] rewards -> [N] float64 advantages, computed within each group of `group_size` contiguous rows.
 
-    The std is the unbiased one (as torch.std and verl compute it); a group of size 1 has advantage 0.
+    The std is the unbiased one (as torch.std and verl compute it) unless unbiased=False; a group of size 1 has
+    advantage 0. With std_epsilon 0 a group whose std is 0 gets advantage 0.
     """
     check_choice("baseline", baseline, BASELINES)
     check_choice("scale", scale, SCALES)
@@ -33,7 +35,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, baseline: str = 
     if baseline == "leave_one_out":
         centred = centred * (group_size / (group_size - 1))
     if scale == "std":
-        std = grouped.std(-1, keepdim=True)
+        std = grouped.std(-1, keepdim=True, correction=1 if unbiased else 0)
         centred = centred / (std + std_epsilon) if std_epsilon > 0 else torch.where(
             std > 0, centred / std.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
     return centred.reshape(-1)

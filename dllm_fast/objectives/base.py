@@ -15,7 +15,12 @@ the loss and the stats. The trainer and the TRL adapter both call these two; nei
 On-policy convention: with no old policy's lp (`InnerUpdate.lp_old` is None), the old policy is the current one,
 old = stop_gradient(current). Ratios are then exactly 1 and the gradient is the first-step gradient: this is the
 first inner update of every on-policy step, and what d1 does with one inner update. Its scoring pass is then the
-only one: the old policy's lp of an update before any optimizer step is never scored separately.
+only one: the old policy's lp of an update before any optimizer step is never scored separately. This is the
+exact path, and the plan takes it for every update before the policy moves: scoring the current policy again
+with another micro-batch (or batch composition) changes lp in its last bits, so a rescored "old" policy gives
+ratios of 1 +- 1e-15, which a clip interval of width 0 (ESPO's countdown epsilon) already treats as moved. An
+update whose current lp is known (`InnerUpdate.lp`) uses it for every objective, separable ones included, so
+lp_old=lp gives ratios of exactly 1 too.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ class ObjectiveConfig:
 
     n_t: Monte Carlo masks per sequence. sampler: one of dllm_fast.likelihood.SAMPLERS. count: which completion
     positions count ("eos": through the first EOS; "all": every position). block_length, perturb_prob: the
-    "block" and "mean_field" samplers' settings.
+    "block" and "mean_field" samplers' settings; quadrature_points the "gauss" sampler's, coupled_t_min and
+    coupled_t_max the "coupled" sampler's, shrink the "trajectory" sampler's (whose samples are the rollout's
+    decoding states: n_t stays 1 and the batch must carry `unmask_step`).
 
     A field's `metadata["help"]` is its one-line description on the command line (`train --objective NAME
     --help`); a subclass that re-declares one of these fields keeps the description given here.
@@ -53,6 +60,12 @@ class ObjectiveConfig:
     block_length: int = field(default=32, metadata={"help": "block size of the block sampler"})
     perturb_prob: float = field(default=0.15, metadata={"help": "probability of masking a prompt token (block, "
                                                                 "mean_field) or an earlier block's (block)"})
+    quadrature_points: int | None = field(default=None, metadata={
+        "help": "Gauss-Legendre nodes of the gauss sampler (default n_t: one mask per node)"})
+    coupled_t_min: float = field(default=0.2, metadata={"help": "lowest masking rate of the coupled sampler's pairs"})
+    coupled_t_max: float = field(default=0.8, metadata={"help": "highest masking rate of the coupled sampler's "
+                                                                 "pairs"})
+    shrink: int = field(default=1, metadata={"help": "decoding steps merged per state of the trajectory sampler"})
 
     def __post_init__(self) -> None:
         check_int("n_t", self.n_t, minimum=1, hint="Monte Carlo masks per sequence")
@@ -60,8 +73,25 @@ class ObjectiveConfig:
         check_choice("count", self.count, COUNT_MODES)
         check_int("block_length", self.block_length, minimum=1)
         check_probability("perturb_prob", self.perturb_prob)
+        check_int("shrink", self.shrink, minimum=1, hint="decoding steps merged per trajectory state")
+        check_probability("coupled_t_min", self.coupled_t_min)
+        check_probability("coupled_t_max", self.coupled_t_max)
+        if not 0.0 < self.coupled_t_min <= self.coupled_t_max < 1.0:
+            raise ValueError(f"coupled_t_min={self.coupled_t_min}, coupled_t_max={self.coupled_t_max} must satisfy "
+                             "0 < min <= max < 1 (the coupled pairs' masking rates; DiffuCoder uses 0.2 and 0.8).")
+        if self.quadrature_points is not None:
+            check_int("quadrature_points", self.quadrature_points, minimum=1, hint="Gauss-Legendre nodes")
         if self.sampler == "complementary" and self.n_t % 2:
             raise ValueError(f"n_t={self.n_t} must be even for sampler='complementary' (masks come in pairs).")
+        if self.sampler == "coupled" and self.n_t % 2 == 0:
+            raise ValueError(f"n_t={self.n_t} must be odd for sampler='coupled' (the full mask plus complementary "
+                             "pairs: 1 + 2 lambda; DiffuCoder uses 3).")
+        if self.sampler == "gauss" and self.n_t % (self.quadrature_points or self.n_t):
+            raise ValueError(f"quadrature_points={self.quadrature_points} must divide n_t={self.n_t} (n_t / "
+                             "quadrature_points masks per Gauss node).")
+        if self.sampler == "trajectory" and self.n_t != 1:
+            raise ValueError(f"n_t={self.n_t} does not apply with sampler='trajectory': its samples are the "
+                             "rollout's decoding states (their number follows from shrink); leave n_t at 1.")
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,7 +100,9 @@ class LossInputs:
 
     masks: the stored masks lp is scored on. advantages: [N] float64. batch: the rollouts.
     lp_old, lp_ref: [N, n_t, L] of the old and reference policies on `masks`, or None (on-policy old; no
-    reference needed). extra: per-objective constants computed once in `prepare`.
+    reference needed). extra: per-objective constants computed once in `prepare`. micro_batch: the call's
+    (sequence, sample) pairs per backward graph, for options that normalise per micro-batch (None: the whole
+    loss batch is one micro-batch, as a VeRL micro-batch is).
     """
 
     masks: MonteCarloMasks
@@ -79,6 +111,7 @@ class LossInputs:
     lp_old: torch.Tensor | None = None
     lp_ref: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    micro_batch: int | None = None
 
     def old(self, lp: torch.Tensor) -> torch.Tensor:
         """The old policy's lp: the given constant, or (on-policy) the current lp without gradient."""
@@ -135,12 +168,20 @@ class Objective:
     Config: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
     separable: ClassVar[bool] = False
     uses_old_policy: ClassVar[bool] = False  # a ratio to the old policy (reads lp_old; on-policy without it)
+    # Named settings of the official scripts, e.g. a task's (`objectives.get("spg", preset="sudoku")`); options
+    # given beside a preset override it.
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}
 
-    def __init__(self, config: ObjectiveConfig | None = None, **overrides: Any):
+    def __init__(self, config: ObjectiveConfig | None = None, *, preset: str | None = None, **overrides: Any):
         if config is None:
             config = self.Config()
         elif not isinstance(config, self.Config):
             raise TypeError(f"{self.name} takes a {self.Config.__name__}, got {type(config).__name__}.")
+        if preset is not None:
+            if preset not in self.presets:
+                known = ", ".join(self.presets) or "none"
+                raise ValueError(f"{self.name} has no preset {preset!r}; its presets: {known}.")
+            overrides = {**self.presets[preset], **overrides}
         if overrides:
             names = {f.name for f in dataclasses.fields(self.Config)}
             unknown = sorted(set(overrides) - names)
@@ -158,6 +199,12 @@ class Objective:
     def needs_reference(self) -> bool:
         """Whether the loss reads the reference policy's lp (a KL term, RSPO's relative score)."""
         return False
+
+    @property
+    def needs_unmask_step(self) -> bool:
+        """Whether the masks replay the rollout's decoding order: the batch must carry `unmask_step`, so roll out
+        with `generate(..., record_unmask_step=True)`."""
+        return self.config.sampler == "trajectory"
 
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
         """[N] float64. Default: reward minus the group mean, no std (d1, wd1, SPG)."""
@@ -181,8 +228,9 @@ class Objective:
         """Diagnostics at the current lp (ratios, clip fraction, KL, bound values), as 0-dim tensors."""
         return {}
 
-    def extra(self, batch: RolloutBatch, masks: MonteCarloMasks) -> dict[str, Any]:
-        """Constants of one update beyond advantages and old/ref lp (e.g. normalisers), computed once."""
+    def extra(self, batch: RolloutBatch, masks: MonteCarloMasks, micro_batch: int | None = None) -> dict[str, Any]:
+        """Constants of one update beyond advantages and old/ref lp (e.g. normalisers), computed once.
+        micro_batch: the call's pairs per backward graph (`LossInputs.micro_batch`)."""
         return {}
 
     # -- shared machinery -------------------------------------------------------------------------------------
@@ -190,10 +238,17 @@ class Objective:
                    ) -> MonteCarloMasks:
         """The Monte Carlo masks this objective's estimator needs, for the batch's sequences."""
         c = self.config
-        return sample_masks(batch.sequences, prompt_length=batch.prompt_length, n_t=c.n_t, sampler=c.sampler,
+        options = dict(n_t=c.n_t, block_length=c.block_length, perturb_prob=c.perturb_prob,
+                       quadrature_points=c.quadrature_points, t_range=(c.coupled_t_min, c.coupled_t_max))
+        if c.sampler == "trajectory":
+            if batch.unmask_step is None:
+                raise ValueError(f"{self.name} replays the rollout's decoding states, but the batch has no "
+                                 "unmask_step: roll out with generate(..., record_unmask_step=True) and build the "
+                                 "batch with RolloutBatch.from_generation.")
+            options.update(n_t=None, unmask_step=batch.unmask_step, shrink=c.shrink)
+        return sample_masks(batch.sequences, prompt_length=batch.prompt_length, sampler=c.sampler,
                             generator=generator, eos_token_id=eos_token_id, count=c.count,
-                            attention_mask=batch.attention_mask, block_length=c.block_length,
-                            perturb_prob=c.perturb_prob)
+                            attention_mask=batch.attention_mask, **options)
 
     def check_masks(self, masks: MonteCarloMasks, batch: RolloutBatch) -> None:
         if not isinstance(masks, MonteCarloMasks):
@@ -202,7 +257,7 @@ class Objective:
             raise ValueError(f"masks were drawn with sampler={masks.sampler!r} but {self.name} uses "
                              f"sampler={self.config.sampler!r}; draw them with objective.draw_masks(...) or set "
                              f"the objective's sampler.")
-        if masks.n_t != self.config.n_t:
+        if masks.n_t != self.config.n_t and masks.sampler != "trajectory":  # trajectory: one per state
             raise ValueError(f"masks hold n_t={masks.n_t} samples per sequence but {self.name} is configured with "
                              f"n_t={self.config.n_t}; draw them with objective.draw_masks(...).")
         if masks.num_sequences != batch.num_rollouts or masks.prompt_length != batch.prompt_length:
@@ -212,13 +267,15 @@ class Objective:
         masks.check_sequences(batch.sequences)
 
     def prepare(self, batch: RolloutBatch, masks: MonteCarloMasks, *, lp_old: torch.Tensor | None = None,
-                lp_ref: torch.Tensor | None = None) -> LossInputs:
-        """The constants of one update. lp_old / lp_ref must have been scored on `masks` (checked)."""
+                lp_ref: torch.Tensor | None = None, micro_batch: int | None = None) -> LossInputs:
+        """The constants of one update. lp_old / lp_ref must have been scored on `masks` (checked). micro_batch:
+        the pairs per backward graph the update will run with (options that normalise per micro-batch)."""
         _check_batch(batch)
         self.check_masks(masks, batch)
-        return self._loss_inputs(batch, masks, lp_old, lp_ref)
+        return self._loss_inputs(batch, masks, lp_old, lp_ref, micro_batch)
 
-    def _loss_inputs(self, batch: RolloutBatch, masks: MonteCarloMasks, lp_old, lp_ref) -> LossInputs:
+    def _loss_inputs(self, batch: RolloutBatch, masks: MonteCarloMasks, lp_old, lp_ref,
+                     micro_batch: int | None = None) -> LossInputs:
         """`prepare` on masks already checked against the batch."""
         if lp_old is not None:
             masks.check_lp(lp_old, "lp_old")
@@ -227,9 +284,11 @@ class Objective:
         elif self.needs_reference:
             raise ValueError(f"{self.name} needs the reference policy's lp on the same masks (lp_ref=); "
                              f"{self._reference_hint()}")
+        if micro_batch is not None:
+            check_int("micro_batch", micro_batch, minimum=1, hint="(sequence, sample) pairs per backward graph")
         advantages = self.advantages(batch).to(batch.sequences.device)
         return LossInputs(masks=masks, batch=batch, advantages=advantages, lp_old=lp_old, lp_ref=lp_ref,
-                          extra=self.extra(batch, masks))
+                          extra=self.extra(batch, masks, micro_batch), micro_batch=micro_batch)
 
     def _reference_hint(self) -> str:
         return "give ref_model= or lp_ref=, or a PEFT model (the reference is the model with its adapters disabled)."
@@ -300,9 +359,9 @@ class Objective:
         if self.needs_reference and lp_ref is None:
             with torch.no_grad():
                 lp_ref = self._score_reference(model, ref_model, batch, masks, batching)
-        inputs = self._loss_inputs(batch, masks, update.lp_old, lp_ref)
+        inputs = self._loss_inputs(batch, masks, update.lp_old, lp_ref, batching.micro_batch)
         engine = dict(micro_batch=batching, attention_mask=batch.attention_mask, return_lp=True, hooks=hooks)
-        if self.separable:
+        if self.separable and update.lp is None:  # a known current lp goes through the two-pass route instead
             value, lp_now = streaming_backward(
                 model, batch.sequences, masks, lambda rows, n, j: self.pair_loss(rows, n, j, inputs),
                 separable=True, **engine)
@@ -352,6 +411,15 @@ def clipped(ratio: torch.Tensor, advantage: torch.Tensor, low: float, high: floa
     return ((ratio > 1.0 + high) & (advantage > 0)) | ((ratio < 1.0 - low) & (advantage < 0))
 
 
+def dual_clipped(gain: torch.Tensor, advantage: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO (Ye et al. 2020; DARE's compute_policy_loss, dllm_core_algos.py L382-454): for A < 0 the
+    surrogate (to maximise) is bounded below by c A, so a ratio far above 1 cannot grow the loss without bound.
+    Returns the bounded surrogate and where the bound is active."""
+    negative = advantage < 0
+    floor = c * advantage
+    return torch.where(negative, torch.maximum(gain, floor), gain), negative & (gain < floor)
+
+
 def kl_k3(log_ratio_ref: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(current || ref) from log(p_ref / p): exp(x) - x - 1 >= 0."""
     return torch.expm1(log_ratio_ref) - log_ratio_ref
@@ -365,3 +433,28 @@ def safe_exp(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
 
 def check_epsilon(name: str, value: float) -> float:
     return check_float(name, value, minimum=0.0, hint="clip range; 0 pins the ratio's interval to [1, 1]")
+
+
+NORMALIZE_PER = ("batch", "micro_batch")
+
+
+def micro_batch_index(masks: MonteCarloMasks, rows: int | None, micro_batch: int | None) -> torch.Tensor:
+    """[N] int64: the micro-batch each sequence falls in when the loss batch is cut, in order, into micro-batches
+    of `rows` whole sequences (None: the call's `micro_batch` pairs // n_t); all 0 when neither is given (the
+    whole batch is one micro-batch). The official d1 and SPG code and DARE normalise within each device
+    micro-batch and average the micro-batches' losses (gradient accumulation, data parallelism)."""
+    if rows is None and micro_batch is not None:
+        rows = max(1, micro_batch // masks.n_t)
+    index = torch.arange(masks.num_sequences, device=masks.weight.device)
+    return index // rows if rows is not None else torch.zeros_like(index)
+
+
+def micro_batch_sums(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[N] values -> [N]: the sum over each sequence's micro-batch (`micro_batch_index`)."""
+    totals = torch.zeros(int(index.max()) + 1, dtype=values.dtype, device=values.device).index_add(0, index, values)
+    return totals[index]
+
+
+def check_micro_batch_rows(rows: int | None) -> None:
+    if rows is not None:
+        check_int("micro_batch_rows", rows, minimum=1, hint="sequences per normalisation micro-batch")

@@ -7,25 +7,31 @@ the centred current-versus-reference ELBO score, with the remaining gap as the p
     loss = -(1/N) sum_n w_n delta_hat_n                    (Eq. 3.3)
 
 E uses K = n_t masks with weight L_n / |M| (sampler "stratified_l"), the same masks for the current and the
-reference policy. A = r - group mean (zero-sum per complete group); scale_rewards divides by the group std + 1e-4
-(the paper's ablation). center="batch" centres over the loss batch (the paper's micro-batch B); "group" within each
-prompt group. The gradient equals that of the quadratic l_quad = -<A, delta> + (lambda/2)||delta_hat||^2
-(Theorem 1), and vanishes at delta_hat = A / lambda (Proposition 4.2). Var(delta) is reported as the paper's
-diagnostic.
+reference policy. With another sampler, E is that sampler's ELBO, with its own weights (`likelihood.elbo`: 1/t for
+random_t, (L_n + 1)/|M| for complementary, ...), not Eq. B.1's L_n / |M|; delta is still divided by L_n. Every
+such E is an ELBO estimate of the same log-likelihood, so delta keeps its meaning, but its variance and (for
+block or mean_field masks, which are not unbiased ELBO estimates) its bias follow the sampler.
+A = r - group mean (zero-sum per complete group); scale_rewards divides by the group std + 1e-4 (the paper's
+ablation). center="batch" centres over the loss batch (the paper's micro-batch B); "group" within each prompt
+group; "micro_batch" within each micro-batch of micro_batch_rows sequences (None: the call's micro_batch pairs /
+n_t), the paper's B when the loss batch holds several. The gradient equals that of the quadratic
+l_quad = -<A, delta> + (lambda/2)||delta_hat||^2 (Theorem 1), and vanishes at delta_hat = A / lambda
+(Proposition 4.2). Var(delta) is reported as the paper's diagnostic.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dllm_fast.likelihood import elbo
 from dllm_fast.objectives.advantages import group_advantages
-from dllm_fast.objectives.base import LossInputs, Objective, ObjectiveConfig
+from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows,
+                                       micro_batch_index, micro_batch_sums)
 from dllm_fast.validation import check_bool, check_choice, check_float
 
-CENTERS = ("batch", "group")
+CENTERS = ("batch", "group", "micro_batch")
 
 
 @dataclass
@@ -33,15 +39,19 @@ class RSPOConfig(ObjectiveConfig):
     n_t: int = 2
     sampler: str = "stratified_l"
     count: str = "eos"
-    lam: float = 0.01
-    center: str = "batch"
-    scale_rewards: bool = False
+    lam: float = field(default=0.01, metadata={"help": "feedback coefficient lambda"})
+    center: str = field(default="batch", metadata={"help": "centre delta over the batch, each group or each "
+                                                           "micro_batch"})
+    scale_rewards: bool = field(default=False, metadata={"help": "divide advantages by the group std + 1e-4"})
+    micro_batch_rows: int | None = field(default=None, metadata={"help": "sequences per centring micro-batch "
+                                                                         "(default: the call's)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_float("lam", self.lam, minimum=0.0, hint="RSPO's feedback coefficient lambda (0.01)")
         check_choice("center", self.center, CENTERS)
         check_bool("scale_rewards", self.scale_rewards)
+        check_micro_batch_rows(self.micro_batch_rows)
 
 
 class RSPO(Objective):
@@ -63,6 +73,9 @@ class RSPO(Objective):
         if self.config.center == "group":
             grouped = delta.view(-1, inputs.batch.group_size)
             centre = grouped.mean(-1, keepdim=True).expand_as(grouped).reshape(-1)
+        elif self.config.center == "micro_batch":
+            index = micro_batch_index(masks, self.config.micro_batch_rows, inputs.micro_batch)
+            centre = micro_batch_sums(delta, index) / micro_batch_sums(torch.ones_like(delta), index)
         else:
             centre = delta.mean().expand_as(delta)
         return delta, delta - centre.detach()

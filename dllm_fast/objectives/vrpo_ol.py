@@ -6,18 +6,20 @@ with the old and current ELBOs on the same stored masks (so the ratio is exactly
 A = (r - mean) / std within the group (BGPO Eq. 18). The paper draws t ~ U(0, 1) per sample with weight 1/t
 (sampler "random_t"); "stratified_l" (LLaDA's l ~ U{1..L}, weight L/l) is the lower-variance option. Not length-
 normalised, no clip, no KL. exp is not linear, so the exact gradient needs the two-pass engine.
+scale_rewards=False takes the unscaled advantage r - mean (the BGPO paper states the std only for BGPO itself,
+Eq. 18; VRPO-OL has no public code).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dllm_fast.likelihood import elbo
 from dllm_fast.objectives.advantages import group_advantages
 from dllm_fast.objectives.base import LossInputs, Objective, ObjectiveConfig
-from dllm_fast.validation import check_float
+from dllm_fast.validation import check_bool, check_float
 
 
 @dataclass
@@ -25,11 +27,14 @@ class VRPOOLConfig(ObjectiveConfig):
     n_t: int = 4
     sampler: str = "random_t"
     count: str = "eos"
-    std_epsilon: float = 1e-6
+    std_epsilon: float = field(default=1e-6, metadata={"help": "added to the group std"})
+    scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group std (false: r - "
+                                                                  "mean)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_float("std_epsilon", self.std_epsilon, minimum=0.0)
+        check_bool("scale_rewards", self.scale_rewards)
 
 
 class VRPOOL(Objective):
@@ -38,7 +43,9 @@ class VRPOOL(Objective):
     uses_old_policy = True
 
     def advantages(self, batch):
-        return group_advantages(batch.rewards, batch.group_size, scale="std", std_epsilon=self.config.std_epsilon)
+        c = self.config
+        return group_advantages(batch.rewards, batch.group_size, scale="std" if c.scale_rewards else "none",
+                                std_epsilon=c.std_epsilon)
 
     def log_ratio(self, lp, inputs: LossInputs) -> torch.Tensor:
         return elbo(lp, inputs.masks) - elbo(inputs.old(lp), inputs.masks)

@@ -1,10 +1,12 @@
-"""Plain-PyTorch twins of the seven objectives: each paper's formula written as loops over sequences and samples,
+"""Plain-PyTorch twins of the objectives: each paper's formula written as loops over sequences and samples,
 independently of dllm_fast.objectives (its own advantages, estimators and normalisations). They are the test
 oracle for the vectorised losses: same value, same gradient with respect to lp.
 
 Every function takes lp [N, n_t, L] (differentiable), the masks it was scored on (any object with `scored`,
-`weight`, `n_t`, `completion_length` and `counted` like MonteCarloMasks), the rewards [N] and the group size G;
-lp_old=None means on-policy (old = lp detached).
+`weight`, `n_t`, `completion_length` and `counted` like MonteCarloMasks; `target` where a sampler narrows the
+positions an estimate reads), the rewards [N] and the group size G; lp_old=None means on-policy (old = lp
+detached). `rows`: sequences per micro-batch for the options that normalise per micro-batch (None: the whole
+batch is one).
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import math
 import torch
 
 
-def advantages(rewards, group_size, *, baseline="mean", scale="none", std_epsilon=1e-6) -> list[float]:
+def advantages(rewards, group_size, *, baseline="mean", scale="none", std_epsilon=1e-6, unbiased=True) -> list[float]:
     values = [float(r) for r in rewards]
     out = []
     for start in range(0, len(values), group_size):
         group = values[start:start + group_size]
         mean = sum(group) / len(group)
-        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (len(group) - 1)) if len(group) > 1 else 0.0
+        dof = len(group) - 1 if unbiased else len(group)
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / dof) if len(group) > 1 else 0.0
         for i, r in enumerate(group):
             if len(group) == 1:
                 a = 0.0
@@ -34,11 +37,23 @@ def advantages(rewards, group_size, *, baseline="mean", scale="none", std_epsilo
     return out
 
 
+def reads(masks, n, j, i) -> bool:
+    """Whether sample j's estimate reads position i: scored, and a target where the masks narrow them."""
+    target = getattr(masks, "target", None)
+    return bool(masks.scored[n, j, i] if target is None else target[n, j, i])
+
+
+def micro_batches(N, rows):
+    """The micro-batches of `rows` consecutive sequences (one of all N when rows is None)."""
+    rows = N if rows is None else rows
+    return [list(range(start, min(start + rows, N))) for start in range(0, N, rows)]
+
+
 def sample_elbo(lp, masks, n, j):
     """w_nj * sum over the scored positions of sample j: one term of the Monte Carlo ELBO."""
     total = lp.new_zeros(())
     for i in range(lp.shape[2]):
-        if masks.scored[n, j, i]:
+        if reads(masks, n, j, i):
             total = total + lp[n, j, i]
     return float(masks.weight[n, j]) * total
 
@@ -60,9 +75,10 @@ def mc_eubo(lp, masks, n, beta, mean_over_positions=False):
 
 
 def diffu_grpo(lp, masks, rewards, group_size, lp_old=None, lp_ref=None, *, epsilon=0.5, beta=0.04,
-               normalization="token"):
+               normalization="token", normalize_per="batch", rows=None, dual_clip=None, scale_rewards=False,
+               std_epsilon=1e-6):
     old = lp.detach() if lp_old is None else lp_old
-    adv = advantages(rewards, group_size)
+    adv = advantages(rewards, group_size, scale="std" if scale_rewards else "none", std_epsilon=std_epsilon)
     N, n_t, L = lp.shape
     per_sequence, counts = [], []
     for n in range(N):
@@ -72,48 +88,59 @@ def diffu_grpo(lp, masks, rewards, group_size, lp_old=None, lp_ref=None, *, epsi
                 if not masks.scored[n, j, i]:
                     continue
                 ratio = torch.exp(lp[n, j, i] - old[n, j, i])
-                term = -torch.minimum(ratio * adv[n], ratio.clamp(1 - epsilon, 1 + epsilon) * adv[n])
+                gain = torch.minimum(ratio * adv[n], ratio.clamp(1 - epsilon, 1 + epsilon) * adv[n])
+                if dual_clip is not None and adv[n] < 0:
+                    gain = torch.maximum(gain, torch.tensor(dual_clip * adv[n], dtype=lp.dtype))
+                term = -gain
                 if beta > 0:
                     x = lp_ref[n, j, i] - lp[n, j, i]
                     term = term + beta * (torch.exp(x) - x - 1)
                 total, count = total + term, count + 1
         per_sequence.append(total)
         counts.append(count)
-    if normalization == "token":
-        return sum(per_sequence) / sum(counts)
-    return sum(t / c for t, c in zip(per_sequence, counts)) / N
+    chunks = micro_batches(N, rows if normalize_per == "micro_batch" else None)
+    loss = lp.new_zeros(())
+    for chunk in chunks:
+        if normalization == "token":
+            loss = loss + sum(per_sequence[n] for n in chunk) / sum(counts[n] for n in chunk)
+        else:
+            loss = loss + sum(per_sequence[n] / counts[n] for n in chunk) / len(chunk)
+    return loss / len(chunks)
 
 
-def wd1(lp, masks, rewards, group_size):
+def wd1(lp, masks, rewards, group_size, *, psi=1.0, negative_term=True):
     adv = advantages(rewards, group_size)
     N, n_t, L = lp.shape
     loss = lp.new_zeros(())
     groups = N // group_size
     for g in range(groups):
         members = range(g * group_size, (g + 1) * group_size)
-        positive = torch.softmax(torch.tensor([adv[n] for n in members], dtype=torch.float64), 0)
-        negative = torch.softmax(torch.tensor([-adv[n] for n in members], dtype=torch.float64), 0)
+        positive = torch.softmax(torch.tensor([psi * adv[n] for n in members], dtype=torch.float64), 0)
+        negative = torch.softmax(torch.tensor([-psi * adv[n] for n in members], dtype=torch.float64), 0)
         for k, n in enumerate(members):
             log_pi = sum(lp[n, j, i] for j in range(n_t) for i in range(L) if masks.scored[n, j, i]) / n_t
-            loss = loss - float(positive[k]) * log_pi + float(negative[k]) * log_pi
+            loss = loss - float(positive[k]) * log_pi
+            if negative_term:
+                loss = loss + float(negative[k]) * log_pi
     return loss / groups
 
 
-def vrpo_ol(lp, masks, rewards, group_size, lp_old=None, *, std_epsilon=1e-6):
+def vrpo_ol(lp, masks, rewards, group_size, lp_old=None, *, std_epsilon=1e-6, scale_rewards=True):
     old = lp.detach() if lp_old is None else lp_old
-    adv = advantages(rewards, group_size, scale="std", std_epsilon=std_epsilon)
+    adv = advantages(rewards, group_size, scale="std" if scale_rewards else "none", std_epsilon=std_epsilon)
     N = lp.shape[0]
     return -sum(torch.exp(mc_elbo(lp, masks, n) - mc_elbo(old, masks, n)) * adv[n] for n in range(N)) / N
 
 
 def bgpo(lp, masks, rewards, group_size, lp_old=None, *, std_epsilon=1e-6, scale="none", clip_epsilon=None,
-         dual_clip=None):
+         dual_clip=None, aggregation="mean", rows=None):
     old = lp.detach() if lp_old is None else lp_old
     adv = advantages(rewards, group_size, scale="std", std_epsilon=std_epsilon)
     N, n_t, L = lp.shape
-    total = lp.new_zeros(())
+    bound = []  # R_lb per sequence: the mean over samples of g_nj * n_t
     for n in range(N):
         divisor = {"none": 1.0, "padded_length": float(L), "response_length": float(masks.counted[n].sum())}[scale]
+        total = lp.new_zeros(())
         for j in range(n_t):
             d = (sample_elbo(lp, masks, n, j) - sample_elbo(old, masks, n, j)) / divisor
             ratio = 1 + d if adv[n] >= 0 else torch.exp(d)
@@ -123,10 +150,19 @@ def bgpo(lp, masks, rewards, group_size, lp_old=None, *, std_epsilon=1e-6, scale
             if dual_clip is not None and adv[n] < 0:
                 gain = torch.maximum(gain, torch.tensor(dual_clip * adv[n], dtype=lp.dtype))
             total = total + gain / n_t
-    return -total / N
+        bound.append(total)
+    if aggregation == "mean":
+        return -sum(bound) / N
+    chunks = micro_batches(N, rows)  # verl's token-mean per micro-batch: weights L_n / sum L, then averaged
+    loss = lp.new_zeros(())
+    for chunk in chunks:
+        lengths = [float(masks.counted[n].sum()) for n in chunk]
+        loss = loss - sum(c * bound[n] for c, n in zip(lengths, chunk)) / sum(lengths)
+    return loss / len(chunks)
 
 
-def spg(lp, masks, rewards, group_size, *, bound="mix", beta=1.0, omega=0.5, normalization="paper"):
+def spg(lp, masks, rewards, group_size, *, bound="mix", beta=1.5, omega=0.5, normalization="paper",
+        normalize_per="batch", rows=None):
     adv = advantages(rewards, group_size)
     N = lp.shape[0]
     token = normalization == "token"
@@ -136,43 +172,124 @@ def spg(lp, masks, rewards, group_size, *, bound="mix", beta=1.0, omega=0.5, nor
         lower = mc_elbo(lp, masks, n) / (length if token else 1.0)
         if adv[n] >= 0 or bound == "elbo":
             value = lower
+        elif bound == "zero":
+            value = lp.new_zeros(())
         else:
             upper = mc_eubo(lp, masks, n, beta, mean_over_positions=token)
             value = upper if bound == "eubo" else omega * upper + (1 - omega) * lower
         values.append(adv[n] * value)
-        lengths.append(length)
-    if token:
-        return -sum(v * c for v, c in zip(values, lengths)) / sum(lengths)
-    return -sum(values) / N
+        lengths.append(length if token else 1.0)
+    chunks = micro_batches(N, rows if normalize_per == "micro_batch" else None)
+    loss = lp.new_zeros(())
+    for chunk in chunks:
+        loss = loss - sum(values[n] * lengths[n] for n in chunk) / sum(lengths[n] for n in chunk)
+    return loss / len(chunks)
 
 
 def espo(lp, masks, rewards, group_size, lp_old=None, lp_ref=None, *, epsilon_low=0.2, epsilon_high=0.2,
-         beta=1e-3, advantage="mean"):
+         beta=1e-3, advantage="mean", scale_rewards=False, kl_estimator="k2", length="fixed"):
     old = lp.detach() if lp_old is None else lp_old
-    adv = advantages(rewards, group_size, baseline=advantage)
+    adv = advantages(rewards, group_size, baseline=advantage, scale="std" if scale_rewards else "none",
+                     std_epsilon=1e-4)
     N, _, L = lp.shape
     loss = lp.new_zeros(())
     for n in range(N):
-        ratio = torch.exp((mc_elbo(lp, masks, n) - mc_elbo(old, masks, n)) / L)
+        norm = float(masks.counted[n].sum()) if length == "counted" else float(L)
+        ratio = torch.exp((mc_elbo(lp, masks, n) - mc_elbo(old, masks, n)) / norm)
         loss = loss - torch.minimum(ratio * adv[n], ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv[n]) / N
         if beta > 0:
-            loss = loss + beta * 0.5 * (mc_elbo(lp, masks, n) - mc_elbo(lp_ref, masks, n)) ** 2 / (N * L)
+            current = mc_elbo(lp, masks, n)
+            d = current - mc_elbo(lp_ref, masks, n)
+            if kl_estimator == "k2":
+                k = d**2 / 2
+            elif kl_estimator == "k1":  # ESPO's compute_approx_kl: log ratio plus its gradient correction
+                k = d + (current - current.detach()) * d.detach()
+            else:
+                k = torch.exp(-d) - (-d) - 1
+            loss = loss + beta * k / (N * norm)
     return loss
 
 
-def rspo(lp, masks, rewards, group_size, lp_ref=None, *, lam=0.01, center="batch", scale_rewards=False):
+def rspo(lp, masks, rewards, group_size, lp_ref=None, *, lam=0.01, center="batch", scale_rewards=False, rows=None):
     adv = advantages(rewards, group_size, scale="std" if scale_rewards else "none", std_epsilon=1e-4)
     N = lp.shape[0]
     delta = [(mc_elbo(lp, masks, n) - mc_elbo(lp_ref, masks, n)) / float(masks.counted[n].sum()) for n in range(N)]
+    chunks = micro_batches(N, rows if center == "micro_batch" else None)
     loss = lp.new_zeros(())
     for n in range(N):
         if center == "group":
             start = n - n % group_size
             members = delta[start:start + group_size]
         else:
-            members = delta
+            members = [delta[m] for m in next(c for c in chunks if n in c)]
         centre = (sum(members) / len(members)).detach()
         delta_hat = delta[n] - centre
         weight = adv[n] - lam * float(delta_hat.detach())
         loss = loss - weight * delta_hat / N
     return loss
+
+
+def token_estimate(lp, masks, n, i):
+    """(1/n_t) sum_j w_j lp[n, j, i] over the samples that read position i: the per-token log-likelihood
+    estimate (DiffuCoder's Eq. 13 for the coupled sampler)."""
+    total = lp.new_zeros(())
+    for j in range(masks.n_t):
+        if reads(masks, n, j, i):
+            total = total + float(masks.weight[n, j]) * lp[n, j, i]
+    return total / masks.n_t
+
+
+def coupled_grpo(lp, masks, rewards, group_size, lp_old=None, lp_ref=None, *, epsilon=0.5, beta=0.01,
+                 advantage="leave_one_out", scale_rewards=False, normalize_per="batch", rows=None):
+    old = lp.detach() if lp_old is None else lp_old
+    adv = advantages(rewards, group_size, baseline=advantage, scale="std" if scale_rewards else "none",
+                     std_epsilon=1e-4)
+    N, _, L = lp.shape
+    chunks = micro_batches(N, rows if normalize_per == "micro_batch" else None)
+    loss = lp.new_zeros(())
+    for chunk in chunks:
+        total, tokens = lp.new_zeros(()), 0
+        for n in chunk:
+            for i in range(L):
+                if not masks.counted[n, i]:
+                    continue
+                estimate = token_estimate(lp, masks, n, i)
+                ratio = torch.exp(estimate - token_estimate(old, masks, n, i))
+                term = -torch.minimum(ratio * adv[n], ratio.clamp(1 - epsilon, 1 + epsilon) * adv[n])
+                if beta > 0:
+                    x = token_estimate(lp_ref, masks, n, i) - estimate
+                    term = term + beta * (torch.exp(x) - x - 1)
+                total, tokens = total + term, tokens + 1
+        loss = loss + total / tokens
+    return loss / len(chunks)
+
+
+def gdpo(lp, masks, rewards, group_size, lp_old=None, *, epsilon_low=0.2, epsilon_high=0.2, scale_rewards=False):
+    old = lp.detach() if lp_old is None else lp_old
+    adv = advantages(rewards, group_size, scale="std" if scale_rewards else "none")
+    N = lp.shape[0]
+    loss = lp.new_zeros(())
+    for n in range(N):
+        ratio = torch.exp((mc_elbo(lp, masks, n) - mc_elbo(old, masks, n)) / float(masks.counted[n].sum()))
+        loss = loss - torch.minimum(ratio * adv[n], ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv[n]) / N
+    return loss
+
+
+def tracerl(lp, masks, rewards, group_size, lp_old=None, *, epsilon=0.2, beta=0.01):
+    old = lp.detach() if lp_old is None else lp_old
+    adv = advantages(rewards, group_size, scale="std", std_epsilon=0.0, unbiased=False)
+    N, n_t, L = lp.shape
+    states = []
+    for n in range(N):
+        for j in range(n_t):
+            tokens = [i for i in range(L) if reads(masks, n, j, i)]
+            if not tokens:
+                continue
+            surrogate, kl = lp.new_zeros(()), lp.new_zeros(())
+            for i in tokens:
+                ratio = torch.exp(lp[n, j, i] - old[n, j, i])
+                surrogate = surrogate + torch.minimum(ratio * adv[n], ratio.clamp(1 - epsilon, 1 + epsilon) * adv[n])
+                x = old[n, j, i] - lp[n, j, i]
+                kl = kl + torch.exp(x) - x - 1
+            states.append(-surrogate / len(tokens) + beta * kl)
+    return sum(states) / len(states)

@@ -157,6 +157,9 @@ def objective_help(name: str) -> str:
         default = f"{config_field.name}={getattr(objective.config, config_field.name)!r}"
         description = config_field.metadata.get("help") or shared.get(config_field.name, "")
         lines.append(f"  {default:<28} {description}".rstrip())
+    for preset, options in objectives.presets(name).items():  # named settings of the official scripts
+        settings = ", ".join(f"{key}={value!r}" for key, value in options.items())
+        lines.append(f"  preset {preset!r}: {settings} (--objective-options '{{\"preset\": \"{preset}\"}}')")
     return "\n".join(lines)
 
 

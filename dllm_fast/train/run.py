@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import math
 import time
@@ -65,6 +66,7 @@ class Run:
         self.batching = MicroBatching(config.micro_batch, config.score_micro_batch, config.chunk_size)
         self.task = get_task(config.task, **task_options(config))
         self.objective = objectives.get(config.objective, **config.objective_options)
+        check_rollout_records(self.objective, config.objective)
         base, self.tokenizer = load_model_and_tokenizer(config, self.device)
         base.set_gradient_checkpointing(config.gradient_checkpointing)
         # The reference policy: the initial weights. With LoRA, the objective disables the adapters instead.
@@ -120,12 +122,14 @@ class Run:
         input_ids, attention_mask = encode_prompts(self.tokenizer, prompts, device=self.device,
                                                    pad_token_id=self.core.eos_token_id)
         started = time.perf_counter()
+        # Trajectory objectives (TraceRL) replay the decoding order: only they ask generate to record it.
+        record = {"record_unmask_step": True} if self.objective.needs_unmask_step else {}
         self.model.eval()  # no dropout while sampling
         with torch.no_grad(), self.autocast():  # core: DDP's wrapper adds nothing to sampling; FSDP2's is the model
             result = generate(self.core, input_ids, attention_mask, gen_length=c.gen_length,
                               block_length=c.block_length, steps=c.diffusion_steps, temperature=c.temperature,
                               remasking=c.remasking, cache=c.cache, threshold=c.threshold,
-                              generator=self.rollout_generator)
+                              generator=self.rollout_generator, **record)
         self.model.train()
         return result, decode_completions(self.tokenizer, result), time.perf_counter() - started
 
@@ -176,6 +180,14 @@ def load_model_and_tokenizer(config: TrainConfig, device: torch.device | str):
     source, _, tokenizer = model_source(config)
     model = load_model(source, dtype=torch.float32, device=device, seed=config.seed)
     return model.train(), load_tokenizer(tokenizer)
+
+
+def check_rollout_records(objective, name: str) -> None:
+    """An objective that replays the decoding order needs a generate that records it; refuse before any work."""
+    if objective.needs_unmask_step and "record_unmask_step" not in inspect.signature(generate).parameters:
+        raise ValueError(f"--objective {name} replays the rollout's decoding order, which this build's "
+                         "dllm_fast.generate cannot record (it has no record_unmask_step option); use another "
+                         "objective or a dllm_fast whose generate records it.")
 
 
 def check_lengths(config: TrainConfig, task, train_examples, test_examples, tokenizer, model) -> None:
