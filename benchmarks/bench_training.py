@@ -1,7 +1,8 @@
 """RL on the embedded default: every objective trains the sudoku4 model with the trainer's defaults; base vs final.
 
-    python benchmarks/bench_training.py                                  # 7 objectives x 3 seeds, 300 steps, 2 jobs
+    python benchmarks/bench_training.py                                  # every objective x 3 seeds, 300 steps, 2 jobs
     python benchmarks/bench_training.py --objectives espo spg --seeds 0 1 2 3 4 --steps 200
+    python benchmarks/bench_training.py --objectives spg --options '{"spg": {"preset": "sudoku"}}'
 
 Each run is `python -m dllm_fast train --objective NAME --seed S` (TrainConfig's defaults: 8 prompts x G = 8,
 AdamW lr 1e-4, T = 1.0 rollouts, the objective's paper defaults), in its own process with one CPU thread;
@@ -10,13 +11,15 @@ same for every seed; the seeds move the rollouts, masks and data order. Reported
 accuracy's mean and sample std over seeds, the gain over the base model and whether it exceeds 2 std, the
 seconds per step and the rollout tokens per second (means over every step of every seed). The rows are
 written after each run, so an interrupted sweep keeps what it finished; a run that fails (a non-finite loss, for
-one) is listed under "failures" and the sweep goes on.
+one) is listed under "failures" and the sweep goes on. --options gives objectives options (JSON: name -> options,
+e.g. a preset); they are recorded with the results. tracerl needs a generate that records the decoding order.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import multiprocessing
 import statistics
 import sys
@@ -30,12 +33,12 @@ from common import add_results_dir_argument, print_table, write_results  # noqa:
 from dllm_fast import objectives  # noqa: E402
 
 
-def one_run(objective: str, seed: int, steps: int, output_dir: str) -> dict:
+def one_run(objective: str, seed: int, steps: int, output_dir: str, options: dict | None = None) -> dict:
     """A whole training run in this (fresh) process; its accuracies and mean speeds."""
     from dllm_fast.train import TrainConfig, train
 
     config = TrainConfig(objective=objective, seed=seed, steps=steps, output_dir=output_dir, threads=1,
-                         progress=False, eval_every=steps)
+                         progress=False, eval_every=steps, objective_options=options or {})
     result = train(config)
     length = config.eval_gen_lengths[0]
     steps_rows = [row for row in result.history if "step_seconds" in row]
@@ -74,15 +77,21 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side, one CPU thread each")
+    parser.add_argument("--options", type=json.loads, default={},
+                        help="objective options as JSON, by objective name, e.g. '{\"spg\": {\"preset\": \"sudoku\"}}'")
     parser.add_argument("--name", default="training_cpu")
     add_results_dir_argument(parser)
     args = parser.parse_args()
+    unknown = sorted(set(args.options) - set(args.objectives))
+    if unknown:
+        parser.error(f"--options names objectives that are not run: {unknown}")
 
     config = {k: v for k, v in vars(args).items() if k not in ("name", "results_dir")}
     runs, failures = [], []
     with tempfile.TemporaryDirectory() as scratch, concurrent.futures.ProcessPoolExecutor(
             args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(one_run, name, seed, args.steps, f"{scratch}/{name}-{seed}"): (name, seed)
+        futures = {pool.submit(one_run, name, seed, args.steps, f"{scratch}/{name}-{seed}",
+                               args.options.get(name)): (name, seed)
                    for name in args.objectives for seed in args.seeds}
         for future in concurrent.futures.as_completed(futures):
             name, seed = futures[future]

@@ -134,3 +134,19 @@ def test_the_trl_adapter_replays_the_decoding_order_for_tracerl(tmp_path, monkey
     assert batch.unmask_step.tolist() == [[0, 1], [1, 0]]
     with pytest.raises(RuntimeError, match=r"does not cover this generation batch's completions \(2, 2\)"):
         adapter.rollout_batch(generated, torch.tensor([1.0, 0.0]), 2, EOS, unmask_step=torch.zeros(2, 1).long())
+
+
+def test_generates_own_record_matches_the_outside_one(generate_recording_unmask_step):
+    """Once generate records the order itself (record_unmask_step=True), it is the one TraceRL was tested on here."""
+    import inspect
+
+    import dllm_fast
+
+    if "record_unmask_step" not in inspect.signature(dllm_fast.generate).parameters:
+        pytest.skip("this build's generate does not record the unmask step")
+    model = tiny_model()
+    prompts = torch.randint(0, 100, (3, 4), generator=torch.Generator().manual_seed(1))
+    options = dict(gen_length=8, block_length=4, steps=4, temperature=1.0, record_unmask_step=True)
+    own = dllm_fast.generate(model, prompts, generator=torch.Generator().manual_seed(0), **options)
+    outside = generate_recording_unmask_step(model, prompts, generator=torch.Generator().manual_seed(0), **options)
+    assert torch.equal(own.sequences, outside.sequences) and torch.equal(own.unmask_step, outside.unmask_step)
