@@ -204,3 +204,13 @@ def test_configs_the_trainer_cannot_honour_are_rejected():
     with pytest.raises(ValueError, match="top_entropy_quantile"):
         check_trl_config(config(top_entropy_quantile=0.5))
     check_trl_config(config())
+
+
+@pytest.mark.parametrize("name", ["coupled_grpo", "gdpo"])
+def test_the_new_objectives_train_through_trl(tmp_path, name):
+    """coupled_grpo and gdpo through TRL's loop: a finite loss, on-policy ratios of exactly 1 (one iteration)."""
+    trainer = trl_example.build_trainer(str(tmp_path), objective=name, steps=1)
+    trainer.train()
+    rows = [row for row in trainer.state.log_history if "loss" in row]
+    assert len(rows) == 1 and math.isfinite(rows[0]["loss"])
+    assert rows[0]["objective/ratio_mean"] == 1.0 and rows[0]["objective/clip_fraction"] == 0.0

@@ -17,7 +17,7 @@
 | spg | SPG | block masks, ELBO / EUBO / mixture | none | none |
 | espo | ESPO | complementary pairs | exp(dELBO / L), two-sided clip | k2 on the ELBO |
 | rspo | RSPO | ELBO vs reference, n_t 2 | none (residual weights) | implicit |
-| coupled_grpo | DiffuCoder | full mask + complementary pairs, n_t 3, per-token estimate | token, two-sided eps | k3 per token |
+| coupled_grpo | DiffuCoder | full mask + complementary pairs, n_t 3 | token, on the estimate | k3 per token |
 | gdpo | GDPO | SDMC: Gauss quadrature in t, n_t 3 | exp(dELBO / L_n), two-sided clip | none |
 | tracerl | TraceRL | the rollout's own decoding states (needs unmask_step) | token, per state | k3 vs the old policy |
 """

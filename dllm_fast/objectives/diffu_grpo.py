@@ -62,7 +62,8 @@ class DiffuGRPOConfig(ObjectiveConfig):
         check_choice("normalize_per", self.normalize_per, NORMALIZE_PER)
         check_micro_batch_rows(self.micro_batch_rows)
         if self.dual_clip is not None:
-            check_float("dual_clip", self.dual_clip, minimum=1.0, open_minimum=True, hint="DARE uses 3; it must exceed 1")
+            check_float("dual_clip", self.dual_clip, minimum=1.0, open_minimum=True,
+                        hint="DARE uses 3; it must exceed 1")
         check_bool("scale_rewards", self.scale_rewards)
         check_float("std_epsilon", self.std_epsilon, minimum=0.0)
 
