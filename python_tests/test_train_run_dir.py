@@ -200,8 +200,10 @@ def test_an_overwrite_run_killed_before_its_first_checkpoint_leaves_nothing_to_r
 # -- lengths, permissions, a full disk --------------------------------------------------------------------------
 
 def test_a_sequence_longer_than_the_model_allows_is_refused_before_any_step(tmp_path):
-    with pytest.raises(ValueError, match=r"longest training prompt .* with --gen-length 600 .* the model has 512"):
-        train(config(tmp_path / "run", gen_length=600, block_length=600, diffusion_steps=600))
+    with pytest.raises(ValueError, match=r"longest training prompt .* with --gen-length 500 .* the model has 512"):
+        train(config(tmp_path / "run", gen_length=500, block_length=500, diffusion_steps=500))
+    with pytest.raises(ValueError, match=r"--gen-length 20000 leaves no room for a prompt: the model has 512"):
+        train(config(tmp_path / "run", gen_length=20000, block_length=20000, diffusion_steps=12))
     with pytest.raises(ValueError, match=r"longest test prompt .* with --eval-gen-lengths 500 .* the model has 512"):
         train(config(tmp_path / "run", eval_gen_lengths=[24, 500]))
 

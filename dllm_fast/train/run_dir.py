@@ -80,7 +80,14 @@ class RunDirectory:
     def _acquire(self) -> None:
         import fcntl
 
-        self.root.mkdir(parents=True, exist_ok=True)
+        if self.root.exists() and not self.root.is_dir():
+            raise NotADirectoryError(f"--output-dir {str(self.root)!r} is a file, not a directory; pick a directory "
+                                     "for the run (it is created when missing).")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise OSError(f"cannot create the run directory {self.root} ({error.strerror}); pick an --output-dir "
+                          "you can write to.") from None
         lock = self.path(LOCK)
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
