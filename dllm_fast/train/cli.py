@@ -143,7 +143,8 @@ def main(argv: typing.Sequence[str] = ()) -> None:
     for length in sorted(result.final_accuracy):
         base, final = result.base_accuracy.get(length, float("nan")), result.final_accuracy[length]
         print(f"greedy test accuracy at {length} tokens: base {base:.3f} -> final {final:.3f} ({final - base:+.3f})")
-    print(f"{result.steps} steps in {result.seconds:.0f} s; metrics, checkpoint and {PLOT} in {result.output_dir}")
+    written = f"metrics, checkpoint and {PLOT}" if config.plot else "metrics and checkpoint"
+    print(f"{result.steps} steps in {result.seconds:.0f} s; {written} in {result.output_dir}")
 
 
 def _plain(error: BaseException) -> str:

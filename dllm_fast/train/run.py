@@ -56,8 +56,8 @@ class Run:
         if self.sharded and config.threshold is not None:
             raise ValueError("--threshold decoding takes a different number of model calls on each rank, which "
                              "FSDP2's sharded forwards cannot; use a fixed schedule (--diffusion-steps) or DDP.")
-        for name in (METRICS, PLOT, CONFIG, CHECKPOINT):  # refuse a link out of the directory before any work
-            self.run_dir.path(name)
+        for name in (METRICS, PLOT, CONFIG, CHECKPOINT):  # a link out of the directory, or the wrong kind: refused
+            self.run_dir.expect(name, directory=name == CHECKPOINT)
         self.previous = self._previous_checkpoint()
         if config.threads is not None:
             cpus = os.cpu_count() or 1

@@ -62,6 +62,16 @@ class RunDirectory:
                                  "another --output-dir.")
         return path
 
+    def expect(self, name: str, *, directory: bool) -> Path:
+        """root/name as `path` gives it, refused when it exists as the wrong kind (a directory where the run writes
+        a file, or a file where it keeps a directory): found before any work, not at the first write."""
+        path = self.path(name)
+        if path.exists() and path.is_dir() != directory:
+            kind, wanted = ("a file", "directory") if directory else ("a directory", "file")
+            raise ValueError(f"{path} is {kind}, where the run keeps its {name} {wanted}; move it away, or pick "
+                             "another --output-dir.")
+        return path
+
     def remove(self, name: str) -> None:
         """Delete root/name (a directory or a file) so that a crash midway leaves it whole or absent: it is renamed
         aside first. A link inside root is removed itself, never its target."""
