@@ -50,6 +50,18 @@ def test_anything_else_is_refused_naming_the_function(value, error, message):
 
 # -- advantages of huge finite rewards --------------------------------------------------------------------------
 
+def test_ordinary_rewards_give_the_textbook_advantages_bit_for_bit():
+    """The scaled computation changes nothing where the plain one is exact (the trainer's runs stay identical)."""
+    grouped = REWARDS.view(3, 4)
+    centred = grouped - grouped.mean(-1, keepdim=True)
+    assert torch.equal(group_advantages(REWARDS, 4), centred.reshape(-1))
+    assert torch.equal(group_advantages(REWARDS, 4, baseline="leave_one_out"), (centred * (4 / 3)).reshape(-1))
+    std = grouped.std(-1, keepdim=True)
+    assert torch.equal(group_advantages(REWARDS, 4, scale="std"), (centred / (std + 1e-6)).reshape(-1))
+    assert torch.equal(group_advantages(REWARDS.float(), 4, scale="std", std_epsilon=1e-4),
+                       (centred / (std + 1e-4)).reshape(-1))
+
+
 @pytest.mark.parametrize("baseline", ["mean", "leave_one_out"])
 @pytest.mark.parametrize("power", [-900, -20, 20, 500, 990])
 def test_std_scaled_advantages_do_not_depend_on_the_rewards_scale(baseline, power):

@@ -46,7 +46,8 @@ class TrainConfig:
     objective_options: dict = option(help="the objective's options as JSON, e.g. '{\"n_t\": 4}'; "
                                           "`--objective NAME --help` lists them", factory=dict)
     model: str = option("sudoku4", help="'sudoku4' (the embedded default), a checkpoint directory, or a preset "
-                                        "with random weights", metavar="NAME|DIR", names="presets")
+                                        "with random weights (the tokenizer's vocabulary and special ids)",
+                        metavar="NAME|DIR", names="presets")
     tokenizer: str | None = option(None, help="tokenizer directory (default: the model's; the embedded one for "
                                               "presets)", metavar="DIR")
     output_dir: str = option("runs/default", help="run directory: metrics.jsonl, config.json, checkpoint/, "

@@ -74,10 +74,7 @@ class Run:
         self.data = PromptStream(self.task.train_examples(seed=config.seed), seed=config.seed)
         self.test_examples = self.task.test_examples()[:config.eval_examples]
         # The model, its tokenizer and the task's prompts agree before any weight is read.
-        source, _, tokenizer_dir = model_source(config)
-        self.tokenizer = load_tokenizer(tokenizer_dir)
-        skeleton = model_skeleton(source, tokenizer=self.tokenizer)
-        check_tokenizer(skeleton, self.tokenizer, model_name=repr(config.model), tokenizer_name=str(tokenizer_dir))
+        source, self.tokenizer, skeleton = model_and_tokenizer_plan(config)
         check_lengths(config, self.task, self.data.examples, self.test_examples, self.tokenizer, skeleton)
         check_sizes(config, skeleton, self.device, ranks, self.objective.needs_reference)
         base = load_model(source, dtype=torch.float32, device=self.device, seed=config.seed,
@@ -182,14 +179,21 @@ class Run:
 
 def load_model_and_tokenizer(config: TrainConfig, device: torch.device | str):
     """The policy's initial weights and its tokenizer, from the embedded default, a checkpoint directory or a
-    preset with random weights (the tokenizer then comes from `config.tokenizer` or the embedded default, and the
-    preset takes its vocabulary and special ids from it), checked to agree."""
-    source, _, tokenizer_dir = model_source(config)
-    tokenizer = load_tokenizer(tokenizer_dir)
-    check_tokenizer(model_skeleton(source, tokenizer=tokenizer), tokenizer, model_name=repr(config.model),
-                    tokenizer_name=str(tokenizer_dir))
+    preset with random weights (see `model_and_tokenizer_plan`)."""
+    source, tokenizer, _ = model_and_tokenizer_plan(config)
     model = load_model(source, dtype=torch.float32, device=device, seed=config.seed, tokenizer=tokenizer)
     return model.train(), tokenizer
+
+
+def model_and_tokenizer_plan(config: TrainConfig):
+    """(what load_model loads, the tokenizer, the model's meta-device skeleton), checked to agree before any weight
+    is read. The tokenizer is `config.tokenizer`, else the checkpoint's own, else (presets) the embedded default's,
+    whose vocabulary and special ids a preset then takes."""
+    source, _, tokenizer_dir = model_source(config)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    skeleton = model_skeleton(source, tokenizer=tokenizer)
+    check_tokenizer(skeleton, tokenizer, model_name=repr(config.model), tokenizer_name=str(tokenizer_dir))
+    return source, tokenizer, skeleton
 
 
 def check_lengths(config: TrainConfig, task, train_examples, test_examples, tokenizer, model) -> None:
