@@ -203,3 +203,9 @@ def test_running_out_of_memory_names_the_options_that_size_the_run(tmp_path, cap
         main(["--output-dir", str(tmp_path / "run"), "--threads", "1", "--progress", "false"])
     error = capsys.readouterr().err
     assert "out of memory (" in error and "lower --micro-batch, --score-micro-batch, --eval-batch-size" in error
+
+
+def test_paths_are_taken_as_text_from_python(tmp_path):
+    config = TrainConfig(output_dir=tmp_path / "run", tokenizer=SUDOKU4_DIR)
+    assert (config.output_dir, config.tokenizer) == (str(tmp_path / "run"), str(SUDOKU4_DIR))
+    assert json.loads(json.dumps(config.to_dict()))["output_dir"] == str(tmp_path / "run")  # config.json

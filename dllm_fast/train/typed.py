@@ -3,6 +3,7 @@ false, never the string "false"), with the place the value came from in the mess
 
 from __future__ import annotations
 
+import os
 import reprlib
 import typing
 from typing import Any
@@ -66,6 +67,8 @@ def _scalar(kind, value, where: str, from_file: bool):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{where} = {_shown(value)} must be a number.")
         return float(value)
+    if isinstance(value, os.PathLike):  # a pathlib.Path for --output-dir, --model, --tokenizer from Python
+        value = os.fspath(value)
     if not isinstance(value, str):
         raise TypeError(f"{where} = {_shown(value)} must be a string.")
     return value
