@@ -60,6 +60,24 @@ def unwrap_model(model):
     return model
 
 
+def check_reference_model(model, ref_model) -> None:
+    """Raise unless `ref_model` can score `model`'s sequences as a reference policy: the same vocabulary (LM head
+    rows), mask and EOS ids and logit_shift. A reference with another vocabulary scores other tokens, and its KL
+    is meaningless however finite it looks."""
+    policy, reference = unwrap_model(model), unwrap_model(ref_model)
+    differing = [f"{name} {getattr(reference, name, None)} (the policy's: {getattr(policy, name, None)})"
+                 for name in ("mask_token_id", "eos_token_id")
+                 if getattr(reference, name, None) != getattr(policy, name, None)]
+    if logit_shift(reference) != logit_shift(policy):
+        differing.append(f"logit_shift {logit_shift(reference)} (the policy's: {logit_shift(policy)})")
+    rows, policy_rows = reference.lm_head_weight.shape[0], policy.lm_head_weight.shape[0]
+    if rows != policy_rows:
+        differing.insert(0, f"a vocabulary of {rows} tokens (the policy's: {policy_rows})")
+    if differing:
+        raise ValueError(f"ref_model has {', '.join(differing)}; a reference policy must share the policy's "
+                         "tokenizer: pass a copy of the initial policy (or lp_ref= scored on the same masks).")
+
+
 def data_parallel(model) -> bool:
     """Whether `model` is a data-parallel wrapper whose calls involve collectives: DistributedDataParallel, or a
     module sharded with FSDP2's fully_shard."""

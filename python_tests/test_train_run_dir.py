@@ -84,6 +84,61 @@ def test_an_empty_or_damaged_state_is_named(run_dir):
         train(config(run_dir, resume=True))
 
 
+def altered_state(change):
+    def alter(run_dir):
+        state_file = run_dir / "checkpoint" / "state.pt"
+        state = torch.load(state_file, weights_only=True)
+        change(state)
+        torch.save(state, state_file)
+    return alter
+
+
+def replaced(name, content=None):
+    def replace(run_dir):
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if content is not None:
+            path.write_text(content) if isinstance(content, str) else path.mkdir()
+    return replace
+
+
+@pytest.mark.parametrize("alter, message", [
+    (altered_state(lambda s: s.pop("optimizer")), r"state.pt is damaged or was altered \(it lacks 'optimizer'\)"),
+    (altered_state(lambda s: s.update(step="1")), r"state.pt is damaged .* \(its 'step' is of type str, not int\)"),
+    (altered_state(lambda s: s.update(step=10**9)), r"state.pt is at step 1000000000, past the --steps 1 the run"),
+    (altered_state(lambda s: s.update(data_position=7)), r"state.pt has taken 7 prompts in 1 steps of 2"),
+    (altered_state(lambda s: s.update(streams=[])), r"it holds no random streams of each of its 1 ranks"),
+    (altered_state(lambda s: s["streams"][0]["rng"].update(torch=torch.zeros(3, dtype=torch.uint8))),
+     r"the checkpoint in .*checkpoint does not restore into this run \(RuntimeError: Expected a CPUGeneratorImpl"),
+    (replaced("checkpoint/model"), r"checkpoint/model is missing: the checkpoint is incomplete"),
+    (replaced("checkpoint/config.json", '{"objective": "bogus"}'),
+     r"checkpoint/config.json, the configuration the checkpoint ran with, is not valid \(--objective 'bogus'"),
+    (replaced("metrics.jsonl", True), r"metrics.jsonl is a directory, where the run keeps its metrics.jsonl file"),
+])
+def test_a_damaged_or_altered_checkpoint_is_refused_and_left_as_it_was(run_dir, alter, message):
+    alter(run_dir)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        train(config(run_dir, resume=True, steps=2))
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"} == before
+
+
+def test_resuming_below_the_saved_step_is_refused(run_dir):
+    state_file = run_dir / "checkpoint" / "state.pt"
+    with pytest.raises(ValueError, match=r"--steps 1 is below the step 2 the checkpoint .* reached"):
+        train(config(run_dir, resume=True, steps=2))  # now at step 2
+        train(config(run_dir, resume=True, steps=1))
+    assert torch.load(state_file, weights_only=True)["step"] == 2
+
+
+def test_a_file_where_the_checkpoint_goes_is_refused_before_any_work(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoint").write_text("not a directory")
+    with pytest.raises(ValueError, match=r"run/checkpoint is a file, where the run keeps its checkpoint directory"):
+        train(config(tmp_path / "run"))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 # -- one run per directory --------------------------------------------------------------------------------------
 
 def test_a_second_trainer_on_a_run_directory_is_refused(tmp_path):
@@ -200,8 +255,10 @@ def test_an_overwrite_run_killed_before_its_first_checkpoint_leaves_nothing_to_r
 # -- lengths, permissions, a full disk --------------------------------------------------------------------------
 
 def test_a_sequence_longer_than_the_model_allows_is_refused_before_any_step(tmp_path):
-    with pytest.raises(ValueError, match=r"longest training prompt .* with --gen-length 600 .* the model has 512"):
-        train(config(tmp_path / "run", gen_length=600, block_length=600, diffusion_steps=600))
+    with pytest.raises(ValueError, match=r"longest training prompt .* with --gen-length 500 .* the model has 512"):
+        train(config(tmp_path / "run", gen_length=500, block_length=500, diffusion_steps=500))
+    with pytest.raises(ValueError, match=r"--gen-length 20000 leaves no room for a prompt: the model has 512"):
+        train(config(tmp_path / "run", gen_length=20000, block_length=20000, diffusion_steps=12))
     with pytest.raises(ValueError, match=r"longest test prompt .* with --eval-gen-lengths 500 .* the model has 512"):
         train(config(tmp_path / "run", eval_gen_lengths=[24, 500]))
 

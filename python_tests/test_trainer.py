@@ -120,7 +120,8 @@ def test_a_nan_reward_names_the_prompt(tmp_path, monkeypatch):
 
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))  # registered for this test only
     register_task("nan_sudoku4", lambda **options: NaNReward(**options))
-    with pytest.raises(ValueError, match=r"reward of .* is nan"):
+    with pytest.raises(ValueError, match=r"reward component 'broken' returned nan; a reward must be finite, for "
+                                         r"example 0 \('"):
         train(quick_config(tmp_path, task="nan_sudoku4", task_options=SUDOKU4_TASK_OPTIONS, steps=1))
 
 

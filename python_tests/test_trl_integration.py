@@ -7,6 +7,7 @@ import copy
 import math
 import os
 import types
+import warnings
 
 import pytest
 import torch
@@ -191,7 +192,7 @@ def test_left_pad():
 
 def config(**overrides):
     options = dict(output_dir="unused", num_generations=4, per_device_train_batch_size=8, use_cpu=True, bf16=False,
-                   report_to="none")
+                   report_to="none", **trl_example.activation_checkpointing(True))
     options.update(overrides)
     return GRPOConfig(**options)
 
@@ -214,3 +215,18 @@ def test_the_new_objectives_train_through_trl(tmp_path, name):
     rows = [row for row in trainer.state.log_history if "loss" in row]
     assert len(rows) == 1 and math.isfinite(rows[0]["loss"])
     assert rows[0]["objective/ratio_mean"] == 1.0 and rows[0]["objective/clip_fraction"] == 0.0
+
+
+def test_the_example_uses_current_option_names_and_refuses_no_steps(tmp_path, capsys):
+    """transformers 5 warns on GRPOConfig's gradient_checkpointing (now activation_checkpointing); TRL reads
+    max_steps <= 0 as "train by epochs", so the example trained with --steps 0 and --steps -1."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        trl_example.build_trainer(str(tmp_path), steps=1)
+    for steps in ("0", "-1"):
+        with pytest.raises(SystemExit) as exit:
+            trl_example.main(["--steps", steps])
+        assert exit.value.code == 2 and f"--steps: takes an integer >= 1, got '{steps}'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="steps=0 must be an int >= 1"):
+        trl_example.build_trainer(str(tmp_path), steps=0)

@@ -13,7 +13,9 @@
 What comes from where:
 - rollouts: TRL's `rollout_func` hook runs `dllm_fast.generate` (`make_rollout_func`);
 - rewards: TRL's plumbing (reward_funcs, reward_weights, gathering across processes); the objective gets each
-  completion's weighted reward sum;
+  completion's weighted reward sum. Each function's rewards are checked as the native trainer checks a task's
+  (dllm_fast.tasks.rewards: real numbers within +-2^24; a string, list or NaN is an error naming the function);
+  None is TRL's "does not apply", and a completion no function scores is an error;
 - advantages and loss: any dllm_fast objective (a name or an instance), through its one entry point
   `Objective.backward`: exact gradient by the streaming backward, each backward call being TRL's own
   `accelerator.backward`. TRL's loss_type, epsilon and scale_rewards do not apply and its beta must stay 0; the
@@ -35,6 +37,8 @@ log-prob paths are the two hooks above.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -49,9 +53,11 @@ from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, completion_mask, unwrap_model
 from dllm_fast.integrations.logprobs import mean_field_logprobs
 from dllm_fast.likelihood import BackwardHooks, MicroBatching
+from dllm_fast.models.loading import check_tokenizer
 from dllm_fast.objectives import InnerUpdate
 from dllm_fast.rollout import generate
 from dllm_fast.tasks.encoding import left_pad
+from dllm_fast.tasks.rewards import MAX_ABS_REWARD, reward_value
 from dllm_fast.validation import check_int
 
 __all__ = ["DiffusionGRPOTrainer", "DiffusionPreTrainedModel", "DiffusionPreTrainedConfig", "make_rollout_func"]
@@ -209,6 +215,36 @@ def make_rollout_func(*, gen_length: int | None = None, block_length: int = 32, 
     return rollout_func
 
 
+def checked_reward_function(function):
+    """A TRL reward function whose returned rewards are checked as the native trainer checks a task's
+    (`dllm_fast.tasks.rewards.reward_value`: real numbers within +-2^24, NumPy/torch scalars taken as floats), with
+    errors that name the function. None stays TRL's "does not apply to this completion". Reward models (modules)
+    and model names are returned as given."""
+    if isinstance(function, (str, nn.Module)) or not callable(function):
+        return function
+    name = getattr(function, "__name__", type(function).__name__)
+
+    def checked(rewards):
+        if isinstance(rewards, (str, bytes, dict)) or not hasattr(rewards, "__iter__"):
+            raise TypeError(f"reward function {name!r} returned a {type(rewards).__name__}; it must return a list "
+                            "of rewards, one per completion (None where it does not apply).")
+        return [None if value is None else reward_value(value, f"reward function {name!r} for completion {row}")
+                for row, value in enumerate(rewards)]
+
+    if inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None)):
+        @functools.wraps(function)
+        async def checked_async(*args, **kwargs):
+            return checked(await function(*args, **kwargs))
+
+        return checked_async
+
+    @functools.wraps(function)
+    def checked_sync(*args, **kwargs):
+        return checked(function(*args, **kwargs))
+
+    return checked_sync
+
+
 def tokenize_prompts(prompts: list, tokenizer, chat_template_kwargs: dict) -> list[list[int]]:
     """Token ids of each prompt: the chat template with the generation prompt for conversational prompts (lists
     of messages), the plain tokenizer for strings."""
@@ -257,6 +293,11 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                             f"{type(objective).__name__}.")
         if args is not None:
             check_trl_config(args)
+        if kwargs.get("processing_class") is not None:  # TRL decodes completions for the rewards with it
+            check_tokenizer(model, kwargs["processing_class"], model_name=type(unwrap_model(model)).__name__,
+                            tokenizer_name="processing_class")
+        reward_funcs = [checked_reward_function(f) for f in (reward_funcs if isinstance(reward_funcs, list)
+                                                             else [reward_funcs])]
         # The reference policy: a frozen copy of the initial weights, or for PEFT the model without its adapters.
         # Copied before GRPOTrainer patches the model's forward (a closure over the original model).
         reference = None
@@ -283,7 +324,18 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         """TRL's rewards, plus this process's weighted reward sums kept for the objective."""
         per_function = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         rewards = (per_function * self.reward_weights.to(per_function.device)[None]).nansum(dim=1)
-        rewards[torch.isnan(per_function).all(dim=1)] = math.nan  # unscorable: RolloutBatch names the row
+        names = ", ".join(map(repr, self.reward_func_names))
+        unscored = torch.isnan(per_function).all(dim=1)
+        if unscored.any():
+            row = int(unscored.nonzero()[0])
+            raise ValueError(f"every reward function ({names}) returned None for completion {row} (prompt group "
+                             f"{row // self.num_generations}); at least one must score each completion.")
+        beyond = rewards.abs() > MAX_ABS_REWARD
+        if beyond.any():
+            row = int(beyond.nonzero()[0])
+            raise ValueError(f"the weighted reward of completion {row} (reward functions {names}, reward_weights "
+                             f"{self.reward_weights.tolist()}) is {float(rewards[row]):.6g}, beyond the reward range "
+                             f"[-2^24, 2^24]; lower the reward_weights or rescale the rewards.")
         start = self.accelerator.process_index * len(prompts)
         self._rewards = rewards[start:start + len(prompts)]
         return per_function

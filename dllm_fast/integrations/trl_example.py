@@ -12,6 +12,7 @@ Needs the optional extra: pip install "dllm_fast[trl]".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 
@@ -26,6 +27,7 @@ from trl import GRPOConfig  # noqa: E402
 from dllm_fast import objectives  # noqa: E402
 from dllm_fast.integrations.trl import DiffusionGRPOTrainer, make_rollout_func  # noqa: E402
 from dllm_fast.models import LLaDAConfig, LLaDAModel  # noqa: E402
+from dllm_fast.validation import check_int  # noqa: E402
 
 WORDS = [f"a{i}" for i in range(62)] + [f"b{i}" for i in range(62, 124)]  # ids 0..123
 
@@ -50,13 +52,14 @@ def a_words_reward(completions: list[str], **kwargs) -> list[float]:
 def build_trainer(output_dir: str, *, objective: str = "diffu_grpo", steps: int = 2, seed: int = 0, peft_config=None,
                   reward_funcs=None, **config) -> DiffusionGRPOTrainer:
     """The example's trainer; `config` overrides GRPOConfig fields."""
+    check_int("steps", steps, minimum=1, hint="optimizer steps")  # GRPOConfig reads max_steps <= 0 as "by epochs"
     torch.manual_seed(seed)
     model = LLaDAModel(LLaDAConfig.preset("tiny"))
     prompts = ["a1 b70 a5", "b99 b64", "a10 a11 a12 b100", "b80"]
     options = dict(output_dir=output_dir, max_steps=steps, num_generations=4, per_device_train_batch_size=8,
                    gradient_accumulation_steps=1, max_completion_length=8, learning_rate=1e-3, temperature=1.0,
                    logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=seed,
-                   dataloader_num_workers=0)
+                   dataloader_num_workers=0, **activation_checkpointing(True))
     options.update(config)
     return DiffusionGRPOTrainer(
         model=model, reward_funcs=reward_funcs or [a_words_reward], args=GRPOConfig(**options),
@@ -65,10 +68,17 @@ def build_trainer(output_dir: str, *, objective: str = "diffu_grpo", steps: int 
         peft_config=peft_config)
 
 
+def activation_checkpointing(enabled: bool) -> dict:
+    """The GRPOConfig option that recomputes activations in backward, by its current name (transformers 5 renamed
+    gradient_checkpointing to activation_checkpointing and warns on the old one)."""
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": enabled}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--objective", default="diffu_grpo", choices=objectives.available())
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=_positive_int, default=2, help="optimizer steps, at least 1 (default: 2)")
     parser.add_argument("--output-dir", default=None)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
@@ -78,6 +88,16 @@ def main(argv: list[str] | None = None) -> None:
         if "loss" in row:
             print(f"step {row['step']}: loss {row['loss']:.4f}  reward {row.get('reward', float('nan')):.3f}  "
                   f"grad_norm {row.get('grad_norm', float('nan')):.4f}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes an integer >= 1, got {text!r}")
+    return value
 
 
 if __name__ == "__main__":

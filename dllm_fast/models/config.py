@@ -28,6 +28,8 @@ _REQUIRED_VALUES: dict[str, Any] = {
 _MUST_BE_FALSY = ("bias_for_layer_norm", "multi_query_attention", "clip_qkv")
 _MUST_BE_ZERO = ("attention_dropout", "residual_dropout", "embedding_dropout")
 
+# config.json's model_type of LLaDA checkpoints (one without it is read as LLaDA too).
+MODEL_TYPE = "llada"
 # LLaDA's tokenizer: <|eot_id|> ends an instruct answer; generate.py can zero its confidence.
 LLADA_EOT_TOKEN_ID = 126348
 
@@ -77,6 +79,10 @@ class LLaDAConfig:
             check_int(name, token, hint="a token id")
             if not 0 <= token < self.vocab_size:
                 raise ValueError(f"{name}={token} is outside the vocabulary [0, {self.vocab_size}).")
+        for name in ("eos_token_id", "pad_token_id", "eot_token_id"):  # the mask must be a token of its own
+            if getattr(self, name) == self.mask_token_id:
+                raise ValueError(f"mask_token_id={self.mask_token_id} is also {name}; the mask token must differ "
+                                 "from every other special token (a masked position would read as an end of text).")
         if not isinstance(self.extra, dict):
             raise TypeError(f"extra must be a dict of further config.json fields, got {type(self.extra).__name__}.")
         if self.d_model % self.n_heads != 0:
@@ -111,6 +117,9 @@ class LLaDAConfig:
         field of the wrong type or out of range (by name)."""
         if not isinstance(values, dict):
             raise TypeError(f"the config must be a JSON object of fields, got a JSON {_json_type(values)}.")
+        if values.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+            raise ValueError(f"model_type={values['model_type']!r} is not a LLaDA checkpoint (model_type "
+                             f"{MODEL_TYPE!r}); load other Hugging Face models with HFDiffusionLM.")
         for key, required in _REQUIRED_VALUES.items():
             # type() too: JSON's 1.0 or true equal 1 in Python, but are not LLaDA's block_group_size.
             if key in values and (type(values[key]) is not type(required) or values[key] != required):
@@ -134,7 +143,7 @@ class LLaDAConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The config.json content: LLaDA's field names and the fixed architecture values."""
-        values: dict[str, Any] = {"model_type": "llada", "architectures": ["LLaDAModelLM"], **_REQUIRED_VALUES}
+        values: dict[str, Any] = {"model_type": MODEL_TYPE, "architectures": ["LLaDAModelLM"], **_REQUIRED_VALUES}
         values.update(self.extra)
         values.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"})
         if self.eot_token_id == _inferred_eot_token_id(self.vocab_size):

@@ -15,6 +15,7 @@ and nothing in dllm_fast/train. Besides the model contract (contracts.DiffusionL
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -63,13 +64,82 @@ def model_family(name: str | Path) -> type:
     return model_class(name)
 
 
-def load_model(name: str | Path, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0):
-    """A preset with random weights from `seed` (PRESETS), or the checkpoint directory `name`."""
+def load_model(name: str | Path, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0, tokenizer=None):
+    """A preset with random weights from `seed` (PRESETS; with `tokenizer`, its vocabulary and special ids are the
+    tokenizer's, see `preset_config`), or the checkpoint directory `name`."""
     cls = model_family(name)
     if str(name) in PRESETS:
-        return cls.with_random_weights(cls.preset_config(PRESETS[str(name)][1]), dtype=dtype, device=device,
-                                       seed=seed)
+        return cls.with_random_weights(preset_config(str(name), tokenizer), dtype=dtype, device=device, seed=seed)
     return cls.from_pretrained(name, dtype=dtype, device=device)
+
+
+def model_skeleton(name: str | Path, *, tokenizer=None):
+    """What `load_model(name, tokenizer=tokenizer)` gives, on the meta device: its shapes, special ids and
+    max_sequence_length, with the checkpoint's config and weight headers checked and no weight read."""
+    cls = model_family(name)
+    if str(name) in PRESETS:
+        with torch.device("meta"):
+            return cls(preset_config(str(name), tokenizer))
+    return cls.from_pretrained(name, device="meta")
+
+
+def preset_config(name: str, tokenizer=None):
+    """The config of preset `name`; with `tokenizer`, its vocabulary size and special ids taken from the
+    tokenizer, so that a preset with random weights never samples ids the tokenizer cannot decode nor masks with a
+    token the tokenizer reads as text."""
+    cls, preset = PRESETS[name]
+    config = cls.preset_config(preset)
+    if tokenizer is None:
+        return config
+    ids = tokenizer_special_ids(tokenizer)
+    for field in ("eos_token_id", "mask_token_id"):
+        if ids[field] is None:
+            raise ValueError(f"the tokenizer names no {field[:-9]} token; preset {name!r} takes its special ids from "
+                             f"the tokenizer, which needs an EOS and a mask token ({', '.join(MASK_TOKENS)}).")
+    fields = {**ids, "embedding_size": ids["vocab_size"]}
+    return dataclasses.replace(config, **{k: v for k, v in fields.items() if hasattr(config, k)})
+
+
+# LLaDA's tokenizers keep the mask and end-of-turn tokens as added tokens, not as `mask_token`.
+MASK_TOKENS = ("<|mdm_mask|>",)
+EOT_TOKENS = ("<|eot_id|>",)
+
+
+def tokenizer_special_ids(tokenizer) -> dict[str, int | None]:
+    """The vocabulary size (len) and special ids of a tokenizer: eos_token_id, pad_token_id (the EOS when it has
+    no pad token), mask_token_id (its mask_token, else one of MASK_TOKENS) and eot_token_id (one of EOT_TOKENS);
+    None where it has none."""
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
+    vocabulary = tokenizer.get_vocab()
+
+    def named(tokens):
+        return next((vocabulary[token] for token in tokens if token in vocabulary), None)
+
+    eos = tokenizer.eos_token_id
+    mask = tokenizer.mask_token_id if tokenizer.mask_token is not None else named(MASK_TOKENS)
+    return {"vocab_size": len(tokenizer), "eos_token_id": eos,
+            "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+            "mask_token_id": mask, "eot_token_id": named(EOT_TOKENS)}
+
+
+def check_tokenizer(model, tokenizer, *, model_name: str, tokenizer_name: str) -> None:
+    """Raise unless `model` (model contract; a meta skeleton will do) and `tokenizer` agree: every id the tokenizer
+    produces has a row in the LM head, and the EOS and mask ids are the same where the tokenizer names them. A
+    tokenizer of another model would otherwise end completions at the wrong token, feed the model ids it never
+    learnt, and hand the reward function text with holes (ids the tokenizer decodes to nothing)."""
+    ids = tokenizer_special_ids(tokenizer)
+    vocabulary = model.lm_head_weight.shape[0]
+    problems = []
+    if ids["vocab_size"] > vocabulary:
+        problems.append(f"the tokenizer has {ids['vocab_size']} tokens, the model's vocabulary {vocabulary} (ids from "
+                        f"{vocabulary} on have no embedding)")
+    for field in ("eos_token_id", "mask_token_id"):
+        if ids[field] is not None and ids[field] != getattr(model, field):
+            problems.append(f"{field} is {ids[field]} in the tokenizer but {getattr(model, field)} in the model")
+    if problems:
+        raise ValueError(f"the model {model_name} and the tokenizer {tokenizer_name} disagree: {'; '.join(problems)}. "
+                         "Use the tokenizer the model was trained with (--tokenizer DIR), or a model whose config "
+                         "names the tokenizer's ids.")
 
 
 def family_of(model) -> type:
@@ -87,9 +157,18 @@ def load_tokenizer(directory: str | Path):
     from transformers import AutoTokenizer, PretrainedConfig
 
     config_file = Path(directory) / "config.json"
-    ours = config_file.is_file() and json.loads(config_file.read_text()).get("model_type") in FAMILIES
-    return AutoTokenizer.from_pretrained(str(directory), **({"config": PretrainedConfig()} if ours else {}))
+    try:
+        ours = config_file.is_file() and json.loads(config_file.read_text()).get("model_type") in FAMILIES
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), **({"config": PretrainedConfig()} if ours else {}))
+    except Exception as error:  # transformers raises OSError, ValueError, TypeError, KeyError ... by cause
+        text = " ".join(str(error).split())
+        raise ValueError(f"no tokenizer loads from {directory} ({type(error).__name__}: {text[:300]}); point "
+                         "--tokenizer at the directory holding the model's tokenizer.json and "
+                         "tokenizer_config.json.") from None
 
 
-__all__ = ["FAMILIES", "PRESETS", "family_of", "load_model", "load_tokenizer", "model_class", "model_family",
-           "register_family"]
+__all__ = ["FAMILIES", "PRESETS", "check_tokenizer", "family_of", "load_model", "load_tokenizer", "model_class",
+           "model_family", "model_skeleton", "preset_config", "register_family", "tokenizer_special_ids"]

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from dllm_fast.contracts import RolloutBatch, unwrap_model
+from dllm_fast.contracts import RolloutBatch, check_reference_model, unwrap_model
 from dllm_fast.likelihood import MonteCarloMasks, sample_masks, score, streaming_backward
 from dllm_fast.likelihood.masks import COUNT_MODES, SAMPLERS
 from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
@@ -376,6 +376,7 @@ class Objective:
 
     def _score_reference(self, model, ref_model, batch, masks, batching: MicroBatching) -> torch.Tensor:
         if ref_model is not None:
+            check_reference_model(model, ref_model)
             return _score(ref_model, batch, masks, batching)
         core = unwrap_model(model)
         if hasattr(core, "disable_adapter"):  # PEFT: the reference is the base model

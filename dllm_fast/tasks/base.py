@@ -7,10 +7,17 @@ skipped, as TRL decodes them for d1's reward functions).
 
 from __future__ import annotations
 
+import inspect
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
+
+# Generated tasks draw their problems up front (countdown: about 8,000 a second on one core); beyond this
+# many a run would wait minutes before its first step.
+MAX_GENERATED_EXAMPLES = 100_000
+# A generator that draws this many problems in a row without a new valid one has exhausted its options.
+MAX_FAILED_DRAWS = 10_000
 
 
 @dataclass(frozen=True)
@@ -20,11 +27,13 @@ class Example:
     question: the user turn the model sees, format instructions included.
     answer: the reference answer in the task's notation (a solution grid, a target, a number, a LaTeX value).
     data: task-specific fields the reward reads (the puzzle, the numbers, the target ...).
+    source: where it was read from ("train.jsonl:12"), for messages; empty for generated problems.
     """
 
     question: str
     answer: str
     data: Mapping[str, Any] = field(default_factory=dict)
+    source: str = ""
 
 
 class Task(ABC):
@@ -32,7 +41,8 @@ class Task(ABC):
 
     - `train_examples(seed)` is deterministic given the seed; `test_examples()` is fixed by the task's options
       alone, so that every training seed is evaluated on the same problems.
-    - `reward` is the sum of `reward_components` (d1 adds its reward functions the same way); it is finite.
+    - `reward` is the sum of `reward_components` (d1 adds its reward functions the same way); each is a reward
+      as `dllm_fast.tasks.rewards` defines it (a real number within +-2^24), and so is the sum.
     - `demonstration(example)` is a completion that earns the full reward, in the format the prompt asks for
       (the target of supervised fine-tuning), or None when the task has none.
     """
@@ -52,10 +62,11 @@ class Task(ABC):
     def correct(self, example: Example, completion: str) -> bool: ...
 
     def reward(self, example: Example, completion: str) -> float:
-        total = math.fsum(self.reward_components(example, completion).values())
-        if not math.isfinite(total):
-            raise ValueError(f"{self.name} reward of {completion!r} is {total}; a reward must be finite.")
-        return total
+        from dllm_fast.tasks.rewards import reward_value
+
+        components = self.reward_components(example, completion)
+        return reward_value(math.fsum(reward_value(value, f"task {self.name!r}'s reward component {name!r}")
+                                      for name, value in components.items()), f"task {self.name!r}'s reward")
 
     def demonstration(self, example: Example) -> str | None:
         return None
@@ -98,4 +109,11 @@ def get_task(name: str, **options) -> Task:
     """The task `name` built with `options` (e.g. ``get_task("gsm8k", train_path=..., test_path=...)``)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown task {name!r}; available tasks: {', '.join(sorted(_REGISTRY))}.")
-    return _REGISTRY[name](**options)
+    factory = _REGISTRY[name]
+    parameters = inspect.signature(factory).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        unknown = sorted(set(options) - set(parameters))
+        if unknown:
+            raise ValueError(f"task {name!r} has no option {unknown[0]!r}; its options are "
+                             f"{', '.join(sorted(parameters)) or 'none'}.")
+    return factory(**options)

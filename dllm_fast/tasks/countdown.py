@@ -22,7 +22,7 @@ import random
 import re
 from fractions import Fraction
 
-from dllm_fast.tasks.base import Example, Task, register_task
+from dllm_fast.tasks.base import MAX_FAILED_DRAWS, MAX_GENERATED_EXAMPLES, Example, Task, register_task
 from dllm_fast.tasks.formats import REASONING_FORMAT, last_answer_tag
 from dllm_fast.validation import check_int
 
@@ -82,8 +82,8 @@ class Countdown(Task):
     def __init__(self, *, split_seed: int = 0, num_train: int = 20000, num_test: int = 256, min_number: int = 1,
                  max_number: int = 100, max_target: int = 100):
         self.split_seed = check_int("split_seed", split_seed)
-        self.num_train = check_int("num_train", num_train, minimum=1)
-        self.num_test = check_int("num_test", num_test, minimum=1)
+        self.num_train = check_int("num_train", num_train, minimum=1, maximum=MAX_GENERATED_EXAMPLES)
+        self.num_test = check_int("num_test", num_test, minimum=1, maximum=MAX_GENERATED_EXAMPLES)
         self.min_number = check_int("min_number", min_number, minimum=1)
         self.max_number = check_int("max_number", max_number, minimum=self.min_number)
         self.max_target = check_int("max_target", max_target, minimum=1)
@@ -105,9 +105,11 @@ class Countdown(Task):
     def _draw(self, rng: random.Random, count: int, *, exclude: set, distinct: bool = True) -> list[Example]:
         examples: list[Example] = []
         seen = set(exclude)
-        for _ in range(1000 * count):
+        failed = 0
+        while failed < MAX_FAILED_DRAWS:
             if len(examples) == count:
                 return examples
+            failed += 1
             numbers = [rng.randint(self.min_number, self.max_number) for _ in range(3)]
             expression, value = self._random_expression(numbers, rng)
             if value.denominator != 1 or not 1 <= value <= self.max_target:
@@ -118,8 +120,11 @@ class Countdown(Task):
                 continue
             seen.add(key)
             examples.append(example)
-        raise ValueError(f"could not draw {count} countdown problems with numbers in [{self.min_number}, "
-                         f"{self.max_number}] and targets up to {self.max_target}; widen the ranges or ask for fewer.")
+            failed = 0
+        raise ValueError(f"could not draw {count} {'distinct ' if distinct else ''}countdown problems with numbers "
+                         f"in [{self.min_number}, {self.max_number}] and targets up to {self.max_target} (drew "
+                         f"{len(examples)}, then {MAX_FAILED_DRAWS} draws in a row gave no new one); widen the ranges "
+                         "or ask for fewer.")
 
     @staticmethod
     def _random_expression(numbers: list[int], rng: random.Random) -> tuple[str, Fraction]:

@@ -11,6 +11,7 @@ import torch
 from dllm_fast.rollout import generate
 from dllm_fast.tasks.base import Example, Task
 from dllm_fast.tasks.encoding import decode_completions, encode_prompts
+from dllm_fast.tasks.rewards import task_reward
 from dllm_fast.validation import check_int
 
 
@@ -67,7 +68,8 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example] | None = 
         if was_training:
             model.train()
     correct = [bool(task.correct(e, c)) for e, c in zip(examples, completions)]
-    rewards = [task.reward(e, c) for e, c in zip(examples, completions)]
+    rewards = [task_reward(task, e, c, f"example {i} ({e.question[:200]!r}), completion {c[:200]!r}")
+               for i, (e, c) in enumerate(zip(examples, completions))]
     return Evaluation(accuracy=sum(correct) / len(correct), mean_reward=sum(rewards) / len(rewards),
                       completions=completions, correct=correct, rewards=rewards,
                       seconds=time.perf_counter() - start)

@@ -69,8 +69,12 @@ class GSM8K(JsonlTask):
     fields = ("question", "answer")
 
     def example(self, record: dict) -> Example:
-        solution = str(record["answer"])
-        return Example(question=f"{REASONING_FORMAT}\n\n{record['question']}", answer=gold_answer(solution),
+        solution = record["answer"]
+        gold = gold_answer(solution)
+        if not gold:
+            raise ValueError(f"'answer' has nothing after '####' ({solution[-80:]!r}); the reference answer follows "
+                             "'####', e.g. \"... so she has 72 left.\\n#### 72\".")
+        return Example(question=f"{REASONING_FORMAT}\n\n{record['question']}", answer=gold,
                        data={"solution": solution})
 
     def reward_components(self, example: Example, completion: str) -> dict[str, float]:

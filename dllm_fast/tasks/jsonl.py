@@ -1,7 +1,13 @@
-"""Tasks read from local JSONL files (one JSON object per line), one file per split."""
+"""Tasks read from local JSONL files (one JSON object per line), one file per split.
+
+Every line is checked before it becomes an example, and a bad one is an error naming the file and the line: text
+that is not UTF-8, a line longer than MAX_LINE_BYTES (refused before it is parsed or tokenised), invalid JSON, a
+missing field, or a field that is null, not text, or empty.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -11,12 +17,16 @@ from pathlib import Path
 from dllm_fast.tasks.base import Example, Task
 from dllm_fast.validation import check_bool, check_int
 
+# No benchmark problem comes near this (GSM8K and MATH lines are a few KB); a longer line is a broken file.
+MAX_LINE_BYTES = 2**20
+
 
 class JsonlTask(Task):
     """A task over `train_path` and `test_path` (either may be None when that split is not needed).
 
-    Subclasses name the fields each line needs (`fields`) and turn a record into an Example (`example`).
-    Training examples come in the file's order shuffled by the seed; test examples in the file's order.
+    Subclasses name the fields each line needs (`fields`, each non-empty text) and turn a record into an Example
+    (`example`; a ValueError it raises is reported with the file and the line). Training examples come in the
+    file's order shuffled by the seed; test examples in the file's order.
     """
 
     fields: tuple[str, ...] = ()
@@ -50,19 +60,52 @@ class JsonlTask(Task):
         if path is None:
             raise ValueError(f"{self.name} was built without {name}; pass {name}= to get_task to use this split.")
         examples = []
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number} is not valid JSON ({error}).") from None
-                missing = [f for f in self.fields if not isinstance(record, dict) or f not in record]
-                if missing:
-                    raise ValueError(f"{path}:{number} lacks the field {missing[0]!r}; each {self.name} line needs "
-                                     f"{', '.join(map(repr, self.fields))}.")
-                examples.append(self.example(record))
+        with path.open("rb") as lines:
+            number = 0
+            while line := lines.readline(MAX_LINE_BYTES + 1):
+                number += 1
+                where = f"{path}:{number}"
+                if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                    raise ValueError(f"{where} is longer than {MAX_LINE_BYTES} bytes; a {self.name} line holds one "
+                                     "problem (a few KB). Check the file: it may not be JSONL.")
+                examples += self._line_example(line, where)
         if not examples:
             raise ValueError(f"{path} holds no examples; it needs one JSON object per line.")
         return examples
+
+    def _line_example(self, line: bytes, where: str) -> list[Example]:
+        """The example of one line (none for a blank line), or a ValueError naming `where` (file:line)."""
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{where} is not UTF-8 text (byte {line[error.start]:#04x} at column {error.start + 1}); "
+                             "save the file as UTF-8.") from None
+        if not text.strip():
+            return []
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where} is not valid JSON ({error}).") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where} holds a JSON {type(record).__name__}, not an object; each {self.name} line "
+                             f"needs {{{', '.join(map(repr, self.fields))}: ...}}.")
+        for field in self.fields:
+            if field not in record:
+                raise ValueError(f"{where} lacks the field {field!r}; each {self.name} line needs "
+                                 f"{', '.join(map(repr, self.fields))}.")
+            check_text_field(record, field, where)
+        try:
+            return [dataclasses.replace(self.example(record), source=where)]
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+
+
+def check_text_field(record: dict, field: str, where: str = "") -> str:
+    """record[field] as non-empty text, or a ValueError naming the field (and `where`, e.g. file:line)."""
+    value, prefix = record[field], f"{where}: " if where else ""
+    if not isinstance(value, str):
+        raise ValueError(f"{prefix}{field!r} is {json.dumps(value)[:80]}, not text; every {field!r} must be a "
+                         "non-empty string.")
+    if not value.strip():
+        raise ValueError(f"{prefix}{field!r} is empty; every {field!r} must be a non-empty string.")
+    return value

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 
 from dllm_fast.tasks.base import Example, register_task
-from dllm_fast.tasks.jsonl import JsonlTask
+from dllm_fast.tasks.jsonl import JsonlTask, check_text_field
 
 MATH_FORMAT = "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n\\boxed{...}\n</answer>"
 MATH_INSTRUCTIONS = ("You are a math expert. Solve the following problem step by step, and write the final answer "
@@ -119,14 +119,18 @@ class Math(JsonlTask):
 
     def example(self, record: dict) -> Example:
         if "answer" in record:
-            reference = str(record["answer"])
-        elif "solution" in record and last_boxed(str(record["solution"])) is not None:
-            reference = last_boxed(str(record["solution"]))
+            answer = record["answer"]
+            integer = isinstance(answer, int) and not isinstance(answer, bool)
+            reference = str(answer) if integer else check_text_field(record, "answer").strip()
+        elif "solution" in record and last_boxed(check_text_field(record, "solution")):
+            reference = last_boxed(record["solution"])
         else:
-            raise ValueError(f"a math record needs an 'answer' field or a 'solution' with a \\boxed{{}} answer; "
-                             f"got the fields {sorted(record)} (problem {str(record['problem'])[:60]!r}).")
+            raise ValueError(f"a math record needs an 'answer' field or a 'solution' with a \\boxed{{}} "
+                             f"answer; got the fields {sorted(record)} (problem {record['problem'][:60]!r}).")
+        solution = record.get("solution")
         question = f"{MATH_FORMAT}\n\n{MATH_INSTRUCTIONS}\n\n{record['problem']}"
-        return Example(question=question, answer=reference, data={"solution": str(record.get("solution", ""))})
+        return Example(question=question, answer=reference,
+                       data={"solution": solution if isinstance(solution, str) else ""})
 
     def _extracted(self, completion: str) -> str:
         boxed = last_boxed(completion)

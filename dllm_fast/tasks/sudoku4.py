@@ -19,7 +19,7 @@ import itertools
 import random
 from functools import lru_cache
 
-from dllm_fast.tasks.base import Example, Task, register_task
+from dllm_fast.tasks.base import MAX_FAILED_DRAWS, MAX_GENERATED_EXAMPLES, Example, Task, register_task
 from dllm_fast.tasks.formats import REASONING_FORMAT, last_answer_tag
 from dllm_fast.validation import check_choice, check_int, check_probability
 
@@ -120,8 +120,8 @@ class Sudoku4(Task):
         self.prompt_style = check_choice("prompt_style", prompt_style, PROMPT_STYLES)
         check_probability("test_fraction", test_fraction)
         self.split_seed = check_int("split_seed", split_seed)
-        self.num_train = check_int("num_train", num_train, minimum=1)
-        self.num_test = check_int("num_test", num_test, minimum=1)
+        self.num_train = check_int("num_train", num_train, minimum=1, maximum=MAX_GENERATED_EXAMPLES)
+        self.num_test = check_int("num_test", num_test, minimum=1, maximum=MAX_GENERATED_EXAMPLES)
         self.min_blanks = check_int("min_blanks", min_blanks, minimum=1, maximum=12)
         self.max_blanks = check_int("max_blanks", max_blanks, minimum=self.min_blanks, maximum=12,
                                     hint=f"at least min_blanks={self.min_blanks}; 12 is the most a unique 4x4 "
@@ -143,15 +143,16 @@ class Sudoku4(Task):
     def test_examples(self) -> list[Example]:
         rng = random.Random(f"sudoku4-test-{self.split_seed}")
         seen: dict[str, str] = {}
-        for _ in range(100 * self.num_test):
-            if len(seen) == self.num_test:
-                break
+        failed = 0
+        while len(seen) < self.num_test:
             puzzle, solution = self._draw(rng, self.test_solutions)
+            failed = failed + 1 if puzzle in seen else 0
             seen.setdefault(puzzle, solution)
-        else:
-            raise ValueError(f"num_test={self.num_test} distinct test puzzles could not be drawn from "
-                             f"{len(self.test_solutions)} grids with {self.min_blanks}-{self.max_blanks} blanks; "
-                             "ask for fewer, or widen the blank range or test_fraction.")
+            if failed >= MAX_FAILED_DRAWS:
+                raise ValueError(f"num_test={self.num_test} distinct test puzzles could not be drawn from "
+                                 f"{len(self.test_solutions)} grids with {self.min_blanks}-{self.max_blanks} blanks "
+                                 f"(drew {len(seen)}, then {MAX_FAILED_DRAWS} draws in a row repeated one); ask for "
+                                 "fewer, or widen the blank range or test_fraction.")
         return [self._example(puzzle, solution) for puzzle, solution in seen.items()]
 
     def _draw(self, rng: random.Random, solutions: tuple[str, ...]) -> tuple[str, str]:

@@ -23,7 +23,7 @@ import torch
 from dllm_fast.files import atomic_directory, follow_umask, write_text_atomic
 from dllm_fast.models.loading import family_of, load_model
 from dllm_fast.train.distributed import full_state, set_full_state
-from dllm_fast.train.resume import CONFIG
+from dllm_fast.train.resume import CONFIG, saved_config
 
 CHECKPOINT = "checkpoint"
 STATE = "state.pt"
@@ -61,9 +61,31 @@ def load_checkpoint(run) -> None:
     and this rank's random streams."""
     directory = run.run_dir.path(CHECKPOINT)
     state = read_state(directory / STATE)
+    check_state_matches(state, saved_config(directory), directory / STATE)
+    if run.config.steps < state["step"]:
+        raise ValueError(f"--steps {run.config.steps} is below the step {state['step']} the checkpoint in "
+                         f"{run.output_dir} reached; give more --steps to train further.")
+    weights = directory / ("adapter" if run.config.lora else "model")
+    if not weights.is_dir():
+        raise FileNotFoundError(f"{weights} is missing: the checkpoint is incomplete and cannot be resumed; start "
+                                "afresh with --overwrite true.")
     if state["world"] != run.ranks.world:
         raise ValueError(f"{directory} was written by {state['world']} ranks; resume it with the same number "
                          f"of ranks (this run has {run.ranks.world}), since each rank's random streams are restored.")
+    try:
+        _restore(run, directory, state)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, OSError) as error:
+        raise ValueError(f"the checkpoint in {directory} does not restore into this run ({type(error).__name__}: "
+                         f"{' '.join(str(error).split())[:300]}); it is damaged or was altered: start afresh with "
+                         "--overwrite true.") from error
+    run.step, run.data.position = state["step"], state["data_position"]
+    # The metrics file may hold steps past the checkpoint (written before a crash): keep what the state has.
+    run.metrics.restart(state["history"])
+    run.ranks.barrier()
+
+
+def _restore(run, directory: Path, state: dict) -> None:
+    """The weights, optimizer, schedule and this rank's random streams of `state` into `run`."""
     if run.config.lora:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
@@ -80,10 +102,6 @@ def load_checkpoint(run) -> None:
     set_rng_state(streams["rng"], run.device)
     run.rollout_generator.set_state(streams["rollout_generator"])
     run.mask_generator.set_state(streams["mask_generator"])
-    run.step, run.data.position = state["step"], state["data_position"]
-    # The metrics file may hold steps past the checkpoint (written before a crash): keep what the state has.
-    run.metrics.restart(state["history"])
-    run.ranks.barrier()
 
 
 def read_state(path: Path) -> dict:
@@ -112,7 +130,47 @@ def read_state(path: Path) -> dict:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not a dllm_fast training state of format {FORMAT}; start afresh with "
                          "--overwrite true.")
+    problem = _state_problem(state)
+    if problem:
+        raise ValueError(f"{path} is damaged or was altered ({problem}); it cannot be resumed: start afresh with "
+                         "--overwrite true.")
     return state
+
+
+# What each entry of state.pt holds; a file that differs was not written by save_checkpoint.
+_STATE_TYPES = {"step": int, "data_position": int, "world": int, "optimizer": dict, "schedule": dict,
+                "streams": list, "history": list}
+_STREAMS = ("rng", "rollout_generator", "mask_generator")
+
+
+def _state_problem(state: dict) -> str | None:
+    """What is wrong with a state.pt's entries (their presence, types and ranges), or None."""
+    for key, kind in _STATE_TYPES.items():
+        if key not in state:
+            return f"it lacks {key!r}"
+        if isinstance(state[key], bool) or not isinstance(state[key], kind):
+            return f"its {key!r} is of type {type(state[key]).__name__}, not {kind.__name__}"
+    if state["step"] < 0 or state["data_position"] < 0 or state["world"] < 1:
+        return f"step {state['step']}, data position {state['data_position']}, world {state['world']}"
+    if len(state["streams"]) != state["world"] or not all(
+            isinstance(stream, dict) and all(name in stream for name in _STREAMS) for stream in state["streams"]):
+        return f"it holds no random streams of each of its {state['world']} ranks"
+    if not all(isinstance(row, dict) for row in state["history"]):
+        return "its metrics history holds rows that are not mappings"
+    if not {"state", "param_groups"} <= set(state["optimizer"]):
+        return "its optimizer entry is not an optimizer's state"
+    return None
+
+
+def check_state_matches(state: dict, config, path: Path) -> None:
+    """The state continues the run `config` describes: its step within the saved run's --steps, and its data
+    position the prompts those steps took."""
+    if state["step"] > config.steps:
+        raise ValueError(f"{path} is at step {state['step']}, past the --steps {config.steps} the run was saved with; "
+                         "the checkpoint was altered: start afresh with --overwrite true.")
+    if state["data_position"] != state["step"] * config.prompts_per_step:
+        raise ValueError(f"{path} has taken {state['data_position']} prompts in {state['step']} steps of "
+                         f"{config.prompts_per_step}; the checkpoint was altered: start afresh with --overwrite true.")
 
 
 def unsharded_copy(model, state: dict | None):

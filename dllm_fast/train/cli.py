@@ -127,17 +127,33 @@ def main(argv: typing.Sequence[str] = ()) -> None:
 
     try:
         result = train(config)
-    except (ValueError, TypeError, OSError, RuntimeError, FloatingPointError) as error:
+    except KeyboardInterrupt:
         if debug:
             raise
-        print(f"{PROG}: {' '.join(str(error).split())} (--debug shows the traceback)", file=sys.stderr)
+        print(f"{PROG}: interrupted; a checkpoint already in {config.output_dir} is intact (continue from it with "
+              "--resume true).", file=sys.stderr)
+        raise SystemExit(130) from None
+    except (ValueError, TypeError, OSError, RuntimeError, FloatingPointError, MemoryError) as error:
+        if debug:
+            raise
+        print(f"{PROG}: {_plain(error)} (--debug shows the traceback)", file=sys.stderr)
         raise SystemExit(1) from None
     if result.rank != 0:
         return
     for length in sorted(result.final_accuracy):
         base, final = result.base_accuracy.get(length, float("nan")), result.final_accuracy[length]
         print(f"greedy test accuracy at {length} tokens: base {base:.3f} -> final {final:.3f} ({final - base:+.3f})")
-    print(f"{result.steps} steps in {result.seconds:.0f} s; metrics, checkpoint and {PLOT} in {result.output_dir}")
+    written = f"metrics, checkpoint and {PLOT}" if config.plot else "metrics and checkpoint"
+    print(f"{result.steps} steps in {result.seconds:.0f} s; {written} in {result.output_dir}")
+
+
+def _plain(error: BaseException) -> str:
+    """An error of a run as one line; running out of memory names the options that size the run."""
+    text = " ".join(str(error).split())
+    if isinstance(error, MemoryError) or "OutOfMemory" in type(error).__name__ or "can't allocate memory" in text:
+        return (f"out of memory ({text[:200]}); lower --micro-batch, --score-micro-batch, --eval-batch-size, "
+                "--prompts-per-step, --group-size or the objective's n_t (--objective-options).")
+    return text
 
 
 def objective_help(name: str) -> str:

@@ -46,7 +46,8 @@ class TrainConfig:
     objective_options: dict = option(help="the objective's options as JSON, e.g. '{\"n_t\": 4}'; "
                                           "`--objective NAME --help` lists them", factory=dict)
     model: str = option("sudoku4", help="'sudoku4' (the embedded default), a checkpoint directory, or a preset "
-                                        "with random weights", metavar="NAME|DIR", names="presets")
+                                        "with random weights (the tokenizer's vocabulary and special ids)",
+                        metavar="NAME|DIR", names="presets")
     tokenizer: str | None = option(None, help="tokenizer directory (default: the model's; the embedded one for "
                                               "presets)", metavar="DIR")
     output_dir: str = option("runs/default", help="run directory: metrics.jsonl, config.json, checkpoint/, "
@@ -118,9 +119,14 @@ class TrainConfig:
                 check_int(flag(name), getattr(self, name), minimum=1)
         check_int("--seed", self.seed, minimum=0, maximum=MAX_SEED)
         check_int("--warmup-steps", self.warmup_steps, minimum=0)
-        for name in ("lr", "grad_clip"):
-            check_float(flag(name), getattr(self, name), minimum=0.0, open_minimum=True)
+        check_float("--lr", self.lr, minimum=0.0, maximum=1.0, open_minimum=True,
+                    hint="AdamW's learning rates lie around 1e-6 to 1e-3")
+        check_float("--grad-clip", self.grad_clip, minimum=0.0, open_minimum=True)
         check_float("--weight-decay", self.weight_decay, minimum=0.0)
+        if self.lr * self.weight_decay >= 1.0:
+            raise ValueError(f"--lr {self.lr} x --weight-decay {self.weight_decay} = {self.lr * self.weight_decay:g}: "
+                             "AdamW multiplies the weights by 1 - lr x weight_decay at every step, which must stay "
+                             "positive; lower --weight-decay (e.g. 0.01 to 0.1).")
         check_float("--temperature", self.temperature, minimum=0.0, hint="0 is greedy")
         check_float("--lora-dropout", self.lora_dropout, minimum=0.0, maximum=1.0, open_maximum=True)
         if self.threshold is not None:
@@ -149,10 +155,17 @@ class TrainConfig:
         from dllm_fast.tasks import get_task
 
         with _prefixed("--objective-options"):
-            objectives.get(self.objective, **self.objective_options)
+            objective = objectives.get(self.objective, **self.objective_options)
+        samples = self.prompts_per_step * self.group_size * objective.config.n_t
+        if samples > MAX_ROLLOUTS_PER_STEP:
+            raise ValueError(f"--prompts-per-step {self.prompts_per_step} x --group-size {self.group_size} x "
+                             f"{self.objective}'s n_t {objective.config.n_t} = {samples} Monte Carlo samples per "
+                             f"update, more than {MAX_ROLLOUTS_PER_STEP} (2^20); lower n_t (--objective-options "
+                             "'{\"n_t\": 4}') or the rollouts per step.")
         with _prefixed("--task-options"):
             get_task(self.task, **task_options(self))
         model_source(self)
+        check_device(self.device)
 
     def _check_consistency(self) -> None:
         if self.parallel == "fsdp2" and self.lora:
@@ -229,6 +242,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"config file {path} does not exist.")
     if path.suffix not in (".yaml", ".yml", ".json"):
         raise ValueError(f"config file {path} must end in .yaml, .yml or .json.")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ValueError(f"config file {path} has {path.stat().st_size} bytes; a training config is a few KB (at "
+                         f"most {MAX_CONFIG_BYTES}). Check that --config names the right file.")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
@@ -242,7 +258,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         import yaml
 
         try:
-            values = yaml.safe_load(text)
+            values = yaml.load(text, Loader=_config_loader())
         except yaml.YAMLError as error:
             raise ValueError(f"config file {path} is not valid YAML: {' '.join(str(error).split())}") from None
         values = {} if values is None else values
@@ -255,6 +271,24 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"config file {path}: unknown option(s) {unknown}"
                          f"{f' (did you mean {close[0]}?)' if close else ''}; the options are {sorted(_FIELDS)}.")
     return {key: _typed(key, value, f"{path}: {key}", from_file=True) for key, value in values.items()}
+
+
+MAX_CONFIG_BYTES = 2**20
+
+
+def _config_loader():
+    """YAML's safe loader without aliases: `*name` can repeat a node exponentially (a "billion laughs" file that
+    takes minutes and gigabytes to expand), and a config file has no use for it."""
+    import yaml
+
+    class ConfigLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a dllm_fast "
+                                                  "config; write the value out", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+
+    return ConfigLoader
 
 
 def _typed(name: str, value: Any, where: str, *, from_file: bool = False) -> Any:
@@ -320,10 +354,41 @@ def model_source(config: TrainConfig) -> tuple[Any, type, Path]:
     if config.lora:
         lora_targets(family, config)
     tokenizer = Path(config.tokenizer or (SUDOKU4_DIR if config.model in PRESETS else source))
+    option = "--tokenizer" if config.tokenizer else "--model"
     if not tokenizer.is_dir():
-        raise FileNotFoundError(f"--tokenizer {str(tokenizer)!r} is not a directory (one holding a tokenizer's "
+        raise FileNotFoundError(f"{option} {str(tokenizer)!r} is not a directory (one holding a tokenizer's "
                                 "tokenizer_config.json and files).")
+    if not any((tokenizer / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{option} {str(tokenizer)!r} holds no tokenizer (none of "
+                                f"{', '.join(TOKENIZER_FILES)}); point --tokenizer at the model's tokenizer directory.")
     return source, family, tokenizer
+
+
+# A directory holds a tokenizer when it has one of these (transformers' fast, configured or SentencePiece files).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def check_device(device: str):
+    """--device as a torch device the trainer can run on (cpu, cuda, cuda:N; auto), or a ValueError naming it."""
+    import torch
+
+    if device == "auto":
+        return
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device!r} is not a torch device; use auto, cpu, cuda or cuda:N.") from None
+    if parsed.type == "cpu" and parsed.index not in (None, 0):
+        raise ValueError(f"--device {device!r}: the CPU has no index; use --device cpu.")
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {device!r}, but this torch sees no CUDA device; use --device cpu (or auto).")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"--device {device!r}, but this machine has {count} CUDA device(s), cuda:0 to "
+                             f"cuda:{count - 1}.")
+    elif parsed.type != "cpu":
+        raise ValueError(f"--device {device!r}: the trainer runs on cpu or cuda (meta tensors hold no data).")
 
 
 def lora_targets(family: type, config: TrainConfig) -> tuple[str, ...]:

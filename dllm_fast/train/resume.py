@@ -55,4 +55,8 @@ def saved_config(checkpoint: Path) -> TrainConfig:
                          "configuration it ran with.") from None
     if not isinstance(values, dict):
         raise ValueError(f"{path} must hold a JSON object of options.")
-    return TrainConfig.from_dict(values)
+    try:
+        return TrainConfig.from_dict(values)
+    except (TypeError, ValueError, OSError) as error:
+        raise type(error)(f"{path}, the configuration the checkpoint ran with, is not valid ({error}); the "
+                          "checkpoint cannot be resumed as it is: start afresh with --overwrite true.") from None

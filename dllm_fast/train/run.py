@@ -13,6 +13,7 @@ import copy
 import inspect
 import json
 import math
+import os
 import time
 
 import torch
@@ -21,11 +22,12 @@ from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, check_finite_rewards, unwrap_model
 from dllm_fast.files import settled_directory, write_text_atomic
 from dllm_fast.likelihood import MicroBatching
-from dllm_fast.models.loading import load_model, load_tokenizer
+from dllm_fast.models.loading import check_tokenizer, load_model, load_tokenizer, model_skeleton
 from dllm_fast.objectives import InnerUpdate
 from dllm_fast.rollout import generate
 from dllm_fast.tasks import get_task
 from dllm_fast.tasks.encoding import decode_completions, encode_prompts
+from dllm_fast.tasks.rewards import task_reward
 from dllm_fast.train.checkpoint import CHECKPOINT, load_checkpoint, seed_everything
 from dllm_fast.train.config import TrainConfig, lora_targets, model_source, task_options
 from dllm_fast.train.data import PromptStream
@@ -55,10 +57,14 @@ class Run:
         if self.sharded and config.threshold is not None:
             raise ValueError("--threshold decoding takes a different number of model calls on each rank, which "
                              "FSDP2's sharded forwards cannot; use a fixed schedule (--diffusion-steps) or DDP.")
-        for name in (METRICS, PLOT, CONFIG, CHECKPOINT):  # refuse a link out of the directory before any work
-            self.run_dir.path(name)
+        for name in (METRICS, PLOT, CONFIG, CHECKPOINT):  # a link out of the directory, or the wrong kind: refused
+            self.run_dir.expect(name, directory=name == CHECKPOINT)
         self.previous = self._previous_checkpoint()
         if config.threads is not None:
+            cpus = os.cpu_count() or 1
+            if config.threads > cpus:  # OpenMP fails to start that many threads and the process dies
+                raise ValueError(f"--threads {config.threads} is more than this machine's {cpus} CPUs; use at most "
+                                 f"{cpus} (or leave it out for torch's default).")
             torch.set_num_threads(config.threads)
         seed_everything(config.seed + ranks.rank)
         self.bf16 = config.bf16 if config.bf16 is not None else self.device.type == "cuda"
@@ -67,7 +73,14 @@ class Run:
         self.task = get_task(config.task, **task_options(config))
         self.objective = objectives.get(config.objective, **config.objective_options)
         check_rollout_records(self.objective, config.objective)
-        base, self.tokenizer = load_model_and_tokenizer(config, self.device)
+        self.data = PromptStream(self.task.train_examples(seed=config.seed), seed=config.seed)
+        self.test_examples = self.task.test_examples()[:config.eval_examples]
+        # The model, its tokenizer and the task's prompts agree before any weight is read.
+        source, self.tokenizer, skeleton = model_and_tokenizer_plan(config)
+        check_lengths(config, self.task, self.data.examples, self.test_examples, self.tokenizer, skeleton)
+        check_sizes(config, skeleton, self.device, ranks, self.objective.needs_reference)
+        base = load_model(source, dtype=torch.float32, device=self.device, seed=config.seed,
+                          tokenizer=self.tokenizer).train()
         base.set_gradient_checkpointing(config.gradient_checkpointing)
         # The reference policy: the initial weights. With LoRA, the objective disables the adapters instead.
         self.ref_model = None
@@ -82,9 +95,6 @@ class Run:
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, learning_rate_factor(config))
         self.rollout_generator = torch.Generator(self.device).manual_seed(config.seed + 7919 * ranks.rank)
         self.mask_generator = torch.Generator().manual_seed(config.seed + 1 + 7919 * ranks.rank)
-        self.data = PromptStream(self.task.train_examples(seed=config.seed), seed=config.seed)
-        self.test_examples = self.task.test_examples()[:config.eval_examples]
-        check_lengths(config, self.task, self.data.examples, self.test_examples, self.tokenizer, self.core)
         self.step = 0
         self.metrics = MetricsLog(self.run_dir)
         # Built and checked: now the run takes the directory over.
@@ -136,12 +146,9 @@ class Run:
     def rollout_batch(self, examples, rollout, completions) -> RolloutBatch:
         """The task's rewards of the completions, with the rollouts: what the objective consumes."""
         G = self.config.group_size
-        rewards = [self.task.reward(examples[row // G], text) for row, text in enumerate(completions)]
-        for row, value in enumerate(rewards):
-            if not math.isfinite(value):
-                raise ValueError(f"task {self.task.name!r} returned reward {value} for prompt {row // G} of step "
-                                 f"{self.step + 1} ({examples[row // G].question[:200]!r}), completion "
-                                 f"{completions[row][:200]!r}; a reward must be finite: fix the task's reward.")
+        rewards = [task_reward(self.task, examples[row // G], text,
+                               f"prompt {row // G} of step {self.step + 1} ({examples[row // G].question[:200]!r}), "
+                               f"completion {text[:200]!r}") for row, text in enumerate(completions)]
         rewards = torch.tensor(rewards, dtype=torch.float32, device=self.device)
         check_finite_rewards(rewards, G)
         return RolloutBatch.from_generation(rollout, rewards, group_size=G)
@@ -176,10 +183,21 @@ class Run:
 
 def load_model_and_tokenizer(config: TrainConfig, device: torch.device | str):
     """The policy's initial weights and its tokenizer, from the embedded default, a checkpoint directory or a
-    preset with random weights (the tokenizer then comes from `config.tokenizer` or the embedded default)."""
-    source, _, tokenizer = model_source(config)
-    model = load_model(source, dtype=torch.float32, device=device, seed=config.seed)
-    return model.train(), load_tokenizer(tokenizer)
+    preset with random weights (see `model_and_tokenizer_plan`)."""
+    source, tokenizer, _ = model_and_tokenizer_plan(config)
+    model = load_model(source, dtype=torch.float32, device=device, seed=config.seed, tokenizer=tokenizer)
+    return model.train(), tokenizer
+
+
+def model_and_tokenizer_plan(config: TrainConfig):
+    """(what load_model loads, the tokenizer, the model's meta-device skeleton), checked to agree before any weight
+    is read. The tokenizer is `config.tokenizer`, else the checkpoint's own, else (presets) the embedded default's,
+    whose vocabulary and special ids a preset then takes."""
+    source, _, tokenizer_dir = model_source(config)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    skeleton = model_skeleton(source, tokenizer=tokenizer)
+    check_tokenizer(skeleton, tokenizer, model_name=repr(config.model), tokenizer_name=str(tokenizer_dir))
+    return source, tokenizer, skeleton
 
 
 def check_rollout_records(objective, name: str) -> None:
@@ -192,22 +210,81 @@ def check_rollout_records(objective, name: str) -> None:
 
 def check_lengths(config: TrainConfig, task, train_examples, test_examples, tokenizer, model) -> None:
     """Every prompt plus its completion fits the model's positions (its max_sequence_length, when it has one):
-    the longest training prompt with --gen-length, the longest test prompt with each of --eval-gen-lengths."""
+    the longest training prompt with --gen-length, the longest test prompt with each of --eval-gen-lengths. A
+    prompt too long to fit whatever it encodes to (more characters than the positions times the tokenizer's longest
+    token) is refused before it is tokenised."""
     limit = getattr(model, "max_sequence_length", None)
     if limit is None:
         return
-    for name, examples, lengths in (("training", train_examples, [config.gen_length]),
-                                    ("test", test_examples, config.eval_gen_lengths)):
-        if not examples:
-            continue
+    for option, length in [("--gen-length", config.gen_length)] + [("--eval-gen-lengths", n)
+                                                                     for n in config.eval_gen_lengths]:
+        if length >= limit:
+            raise ValueError(f"{option} {length} leaves no room for a prompt: the model has {limit} positions "
+                             f"(max_sequence_length); lower {option}.")
+    longest_token = max(map(len, tokenizer.get_vocab()), default=1)
+    for split, examples, option, lengths in (("training", train_examples, "--gen-length", [config.gen_length]),
+                                             ("test", test_examples, "--eval-gen-lengths", config.eval_gen_lengths)):
+        room = limit - max(lengths)
         prompts = [task.prompt(example, tokenizer) for example in examples]
-        longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+        for example, text in zip(examples, prompts):
+            if len(text) > room * longest_token:
+                raise ValueError(f"the {split} prompt {_named(example)} has {len(text)} characters, more than "
+                                 f"{room} tokens can hold (the model's {limit} positions less {option} "
+                                 f"{max(lengths)}); shorten or drop it.")
+        if not prompts:
+            continue
+        counts = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+        longest = max(range(len(counts)), key=counts.__getitem__)
         for length in lengths:
-            if longest + length > limit:
-                option = "--gen-length" if name == "training" else "--eval-gen-lengths"
-                raise ValueError(f"the longest {name} prompt of task {task.name!r} has {longest} tokens, and with "
-                                 f"{option} {length} a sequence needs {longest + length} positions; the model has "
-                                 f"{limit} (max_sequence_length). Lower {option}, or use shorter prompts.")
+            if counts[longest] + length > limit:
+                raise ValueError(f"the longest {split} prompt of task {task.name!r}, {_named(examples[longest])}, "
+                                 f"has {counts[longest]} tokens, and with {option} {length} a sequence needs "
+                                 f"{counts[longest] + length} positions; the model has {limit} (max_sequence_length). "
+                                 f"Lower {option}, or use shorter prompts.")
+
+
+def _named(example) -> str:
+    """An example as messages name it: where it was read from, or the start of its question."""
+    return example.source or repr(example.question[:80])
+
+
+def check_sizes(config: TrainConfig, model, device: torch.device, ranks: Ranks, needs_reference: bool) -> None:
+    """Sizes that cannot work, refused before any weight is read: a LoRA rank above the model's width, and a model
+    whose weights, gradients, AdamW moments and reference copy (fp32) alone exceed the device's free memory
+    (an estimate that leaves out activations; checked for a single process)."""
+    width = model.lm_head_weight.shape[1]
+    if config.lora and config.lora_rank > width:
+        raise ValueError(f"--lora-rank {config.lora_rank} exceeds the model's width {width}, beyond which LoRA adds "
+                         "nothing; use e.g. --lora-rank 16.")
+    available = free_memory(device)
+    if ranks.world > 1 or available is None:
+        return
+    parameters = sum(p.numel() for p in model.parameters())
+    copies = 1 if config.lora else 4 + (1 if needs_reference else 0)  # weights (+ grads, 2 AdamW moments, reference)
+    needed = 4 * parameters * copies
+    if needed > available:
+        setup = "its weights" if config.lora else "weights, gradients, AdamW's two moments" + (
+            " and the reference copy" if needs_reference else "")
+        count = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters:,}"
+        raise ValueError(f"--model {config.model!r} has {count} parameters: {setup} in fp32 take about "
+                         f"{_size(needed)}, more than the {_size(available)} free on {device}. Use a smaller model"
+                         f"{'' if config.lora else ', --lora true'} or a larger device.")
+
+
+def _size(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on `device`: CUDA's free memory, or the host's available memory (Linux); None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as info:
+            fields = dict(line.split(":", 1) for line in info)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def add_lora(model, config: TrainConfig):

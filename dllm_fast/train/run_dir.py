@@ -62,6 +62,16 @@ class RunDirectory:
                                  "another --output-dir.")
         return path
 
+    def expect(self, name: str, *, directory: bool) -> Path:
+        """root/name as `path` gives it, refused when it exists as the wrong kind (a directory where the run writes
+        a file, or a file where it keeps a directory): found before any work, not at the first write."""
+        path = self.path(name)
+        if path.exists() and path.is_dir() != directory:
+            kind, wanted = ("a file", "directory") if directory else ("a directory", "file")
+            raise ValueError(f"{path} is {kind}, where the run keeps its {name} {wanted}; move it away, or pick "
+                             "another --output-dir.")
+        return path
+
     def remove(self, name: str) -> None:
         """Delete root/name (a directory or a file) so that a crash midway leaves it whole or absent: it is renamed
         aside first. A link inside root is removed itself, never its target."""
@@ -80,7 +90,14 @@ class RunDirectory:
     def _acquire(self) -> None:
         import fcntl
 
-        self.root.mkdir(parents=True, exist_ok=True)
+        if self.root.exists() and not self.root.is_dir():
+            raise NotADirectoryError(f"--output-dir {str(self.root)!r} is a file, not a directory; pick a directory "
+                                     "for the run (it is created when missing).")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise OSError(f"cannot create the run directory {self.root} ({error.strerror}); pick an --output-dir "
+                          "you can write to.") from None
         lock = self.path(LOCK)
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)

@@ -3,8 +3,21 @@ false, never the string "false"), with the place the value came from in the mess
 
 from __future__ import annotations
 
+import os
+import reprlib
 import typing
 from typing import Any
+
+
+
+def _short_repr() -> reprlib.Repr:
+    """Values as messages show them: a value read from a file may be large, and its message stays one short line."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxdict, short.maxstring, short.maxother = 2, 4, 4, 60, 60
+    return short
+
+
+_shown = _short_repr().repr
 
 
 def check_type(hint, value: Any, where: str, *, from_file: bool = False, example: str = "") -> Any:
@@ -21,15 +34,16 @@ def check_type(hint, value: Any, where: str, *, from_file: bool = False, example
     if origin is list or kind is list:
         element = typing.get_args(kind)[0] if typing.get_args(kind) else str
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            raise TypeError(f"{where} = {value!r} must be a list of {_PLURAL[element]}{f', e.g. {example}' if example else ''}.")
+            raise TypeError(f"{where} = {_shown(value)} must be a list of {_PLURAL[element]}"
+                            f"{f', e.g. {example}' if example else ''}.")
         return [_scalar(element, item, f"{where}[{index}]", from_file) for index, item in enumerate(value)]
     if kind is dict or origin is dict:
         if not isinstance(value, dict):
-            raise TypeError(f"{where} = {value!r} must be a mapping of option names to values (JSON object), e.g. "
-                            "{\"n_t\": 4}, not a " + type(value).__name__ + ".")
+            raise TypeError(f"{where} = {_shown(value)} must be a mapping of option names to values (JSON object), "
+                            "e.g. {\"n_t\": 4}, not a " + type(value).__name__ + ".")
         bad = [k for k in value if not isinstance(k, str)]
         if bad:
-            raise TypeError(f"{where} has the key {bad[0]!r}; option names are strings.")
+            raise TypeError(f"{where} has the key {_shown(bad[0])}; option names are strings.")
         return dict(value)
     return _scalar(kind, value, where, from_file)
 
@@ -38,11 +52,11 @@ def _scalar(kind, value, where: str, from_file: bool):
     if kind is bool:
         if not isinstance(value, bool):
             quoted = " (a string: write true or false without quotes)" if isinstance(value, str) else ""
-            raise TypeError(f"{where} = {value!r} must be true or false{quoted}.")
+            raise TypeError(f"{where} = {_shown(value)} must be true or false{quoted}.")
         return value
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{where} = {value!r} must be an integer.")
+            raise TypeError(f"{where} = {_shown(value)} must be an integer.")
         return value
     if kind is float:
         if from_file and isinstance(value, str):
@@ -51,10 +65,12 @@ def _scalar(kind, value, where: str, from_file: bool):
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{where} = {value!r} must be a number.")
+            raise TypeError(f"{where} = {_shown(value)} must be a number.")
         return float(value)
+    if isinstance(value, os.PathLike):  # a pathlib.Path for --output-dir, --model, --tokenizer from Python
+        value = os.fspath(value)
     if not isinstance(value, str):
-        raise TypeError(f"{where} = {value!r} must be a string.")
+        raise TypeError(f"{where} = {_shown(value)} must be a string.")
     return value
 
 
