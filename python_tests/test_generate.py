@@ -447,21 +447,24 @@ def test_steps_beyond_the_block_run_no_forward(cache, one_thread):
 
 
 def test_the_gumbel_noise_changes_between_denoising_steps(monkeypatch, one_thread):
-    """A position still masked after a step is sampled again with fresh noise (keyed by the step)."""
-    draws = {}
+    """A position still masked after a step is sampled again with fresh noise: its stream id (the op's row id)
+    keeps its position word and changes its step word."""
+    draws = {}  # position word -> [(step word, token)]
     sample_tokens = ops.sample_tokens
 
     def recording(hidden, weight, **kwargs):
         tokens, confidence = sample_tokens(hidden, weight, **kwargs)
-        for row, token in zip(kwargs["row_ids"].tolist(), tokens.tolist()):
-            draws.setdefault(row, []).append(token)
+        for stream, token in zip(kwargs["row_ids"].tolist(), tokens.tolist()):
+            draws.setdefault(stream & 0xFFFFFFFF, []).append((stream >> 32, token))
         return tokens, confidence
 
     monkeypatch.setattr(ops, "sample_tokens", recording)
     table = torch.zeros(18, 8, dtype=torch.float64)  # a flat distribution over the 7 decodable ids
     dllm_fast.generate(ScriptedModel(table), torch.tensor([[1, 2]]), gen_length=16, block_length=16, steps=16,
                        temperature=1.0, generator=torch.Generator().manual_seed(0))
-    repeats = [(a, b) for tokens in draws.values() for a, b in zip(tokens, tokens[1:])]
+    assert len(draws) == 16
+    assert all(len({word for word, _ in seen}) == len(seen) for seen in draws.values())
+    repeats = [(a, b) for seen in draws.values() for (_, a), (_, b) in zip(seen, seen[1:])]
     assert len(repeats) == 15 * 16 // 2
     assert sum(a != b for a, b in repeats) > len(repeats) // 2  # 6/7 of them when the noise is fresh
 
