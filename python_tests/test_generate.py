@@ -256,10 +256,24 @@ def test_kv_cache_reproduces_the_full_forward(device):
         block = model(x[:, start:start + 2], attention_mask=full_mask, cache=kv, cache_start=start,
                       attend_length=x.shape[1])
         torch.testing.assert_close(block, full[:, start:start + 2])
+        # The start as a tensor (what the compiled denoising step passes): the same keys written, the same output.
+        at = torch.tensor(start, device=device)
+        by_tensor = model(x[:, start:start + 2], attention_mask=full_mask, cache=kv, cache_start=at,
+                          attend_length=x.shape[1])
+        torch.testing.assert_close(by_tensor, full[:, start:start + 2])
+        fresh = KVCache.for_model(model, 2, x.shape[1])
+        model(x, attention_mask=full_mask, cache=fresh)
+        kv.keys[0][:, :, start:start + 2] = 0.0
+        model(x[:, start:start + 2], attention_mask=full_mask, cache=kv, cache_start=at, attend_length=x.shape[1])
+        torch.testing.assert_close(kv.keys[0], fresh.keys[0])  # layer 0: keys of the tokens alone
     with pytest.raises(RuntimeError, match="under torch.no_grad"):
         model(x, cache=kv)
     with torch.no_grad(), pytest.raises(ValueError, match="attend_length=3 must satisfy"):
         model(x[:, :4], cache=kv, cache_start=0, attend_length=3)
+    with torch.no_grad(), pytest.raises(ValueError, match="a tensor cache_start must be a 0-d integer tensor"):
+        model(x[:, :4], cache=kv, cache_start=torch.tensor([0]), attend_length=8)
+    with torch.no_grad(), pytest.raises(ValueError, match="cache_start and attend_length need a cache"):
+        model(x[:, :4], cache_start=torch.tensor(0))
 
 
 @pytest.mark.parametrize(

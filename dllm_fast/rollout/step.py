@@ -151,8 +151,13 @@ def denoise_step(model, state: RolloutState, constants: StepConstants, block: to
 
 
 @functools.cache
-def compiled_step(device_type: str):
-    """denoise_step compiled whole (fullgraph: a graph break is an error), once per process and device type;
-    on CUDA with mode="reduce-overhead" (CUDA graphs)."""
-    mode = "reduce-overhead" if device_type == "cuda" else None
-    return torch.compile(denoise_step, fullgraph=True, mode=mode)
+def compiled_step(device_type: str, backend: str = "inductor"):
+    """denoise_step compiled whole (fullgraph: a graph break is an error), once per process, device type and
+    backend; on CUDA with inductor's mode="reduce-overhead" (CUDA graphs). Tests pass backend="aot_eager" to
+    check the capture without inductor's code generation.
+
+    dynamic=False: nothing becomes dynamic behind our back (automatic dynamic would turn a temperature that
+    changes between calls into a symbolic float, which the op faces cannot check); the one dynamic size, the
+    prefix cache's span, is marked by generate."""
+    mode = "reduce-overhead" if device_type == "cuda" and backend == "inductor" else None
+    return torch.compile(denoise_step, fullgraph=True, dynamic=False, backend=backend, mode=mode)
