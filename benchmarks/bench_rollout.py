@@ -5,19 +5,29 @@
                                                        #      prompt 200, gen 256, block 32, 128 steps, + roofline
 
 Providers: reference (LLaDA generate.py port: full recompute, full logits), dllm_fast with cache none, prefix,
-dual, and dual with threshold 0.9. Each provider runs in a fresh process on the same random model (same seed),
-so its peak memory is its own: peak resident memory above the post-warm-up baseline on CPU,
+dual, and dual with threshold 0.9, and each cache mode compiled (generate(compile=True): the denoising step
+through torch.compile, inductor; CUDA graphs on a GPU). Each provider runs in a fresh process on the same random
+model (same seed), so its peak memory is its own: peak resident memory above the post-warm-up baseline on CPU,
 torch.cuda.max_memory_allocated on GPU. Tokens/s counts B * gen_length generated tokens per second of
 generate(). Greedy decoding (T = 0) by default, so every cached mode's agreement with cache="none" is
 reported, and whether cache="none" reproduces the reference token for token.
+
+A compiled provider's warm-up is a whole call (it compiles every kind of step); compile_s is that call's time
+minus a compiled call's. kernels/step counts, on the profiler's CPU trace of one more call, the kernels a
+denoising step launches (see `count_step_kernels`): eager, every aten op that computes; compiled, inductor's
+fused kernels plus the ops it leaves outside (GEMMs, attention, dllm_fast's ops). That count is the launch
+overhead a CUDA graph removes on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import importlib
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,6 +47,9 @@ GENERATE_OPTIONS = {
     "dllm_fast prefix": dict(cache="prefix"),
     "dllm_fast dual": dict(cache="dual"),
     "dllm_fast dual+t0.9": dict(cache="dual", threshold=0.9),
+    "compiled none": dict(cache="none", compile=True),
+    "compiled prefix": dict(cache="prefix", compile=True),
+    "compiled dual": dict(cache="dual", compile=True),
 }
 
 # Peak dense bf16 FLOP/s and HBM bandwidth (bytes/s) used for the roofline bound.
@@ -52,6 +65,7 @@ class Rollout:
     generate: Callable
     kwargs: dict
     warm_up_kwargs: dict
+    warm_up_seconds: float = 0.0
 
 
 def setup_rollout(options: dict, point: dict) -> Rollout:
@@ -71,6 +85,11 @@ def setup_rollout(options: dict, point: dict) -> Rollout:
     kwargs = dict(gen_length=point["gen"], block_length=point["block"], steps=steps,
                   temperature=point["temperature"], **options)
     warm_up_kwargs = dict(kwargs, gen_length=point["block"], steps=None if steps is None else 1)  # one block
+    if options.get("compile"):  # every kind of step compiles in the warm-up: a whole call
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.enable_kernel_profile = True  # name each fused kernel on the profiler trace
+        warm_up_kwargs = kwargs
     return Rollout(model, prompts, generate, kwargs, warm_up_kwargs)
 
 
@@ -79,16 +98,95 @@ def _generate(rollout: Rollout, kwargs: dict):
     return rollout.generate(rollout.model, rollout.prompts, generator=generator, **kwargs)
 
 
-def run_rollout(rollout: Rollout):
-    return _generate(rollout, rollout.kwargs)
+@dataclasses.dataclass
+class Outcome:
+    result: Any
+    rollout: Rollout
+
+
+def run_rollout(rollout: Rollout) -> Outcome:
+    return Outcome(_generate(rollout, rollout.kwargs), rollout)
 
 
 def warm_up_rollout(rollout: Rollout) -> None:
+    started = time.perf_counter()
     _generate(rollout, rollout.warm_up_kwargs)
+    rollout.warm_up_seconds = time.perf_counter() - started
 
 
-def rollout_summary(result) -> dict:
-    return dict(nfe=result.nfe, completion=result.completion_ids.cpu().tolist())
+def rollout_summary(outcome: Outcome) -> dict:
+    """What the parent process keeps of the timed run; for dllm_fast providers also the kernels per step of one
+    more (profiled) call."""
+    result, rollout = outcome.result, outcome.rollout
+    kernels = None
+    if rollout.generate is not _reference_generate():
+        kernels = count_step_kernels(lambda: _generate(rollout, rollout.kwargs))
+    return dict(nfe=result.nfe, completion=result.completion_ids.cpu().tolist(),
+                warm_up_seconds=rollout.warm_up_seconds, kernels_per_step=kernels)
+
+
+def _reference_generate():
+    from dllm_fast import reference
+
+    return reference.generate
+
+
+# Ops that launch no kernel on a GPU: views, allocations, no-op conversions.
+NO_KERNEL = {"aten::view", "aten::_unsafe_view", "aten::as_strided", "aten::expand", "aten::slice", "aten::select",
+             "aten::unsqueeze", "aten::squeeze", "aten::transpose", "aten::t", "aten::permute", "aten::detach",
+             "aten::alias", "aten::lift_fresh", "aten::empty", "aten::empty_strided", "aten::empty_like",
+             "aten::resize_", "aten::resolve_conj", "aten::resolve_neg", "aten::split", "aten::chunk",
+             "aten::unbind", "aten::narrow", "aten::_reshape_alias", "aten::reshape", "aten::contiguous", "aten::to",
+             "aten::_to_copy", "aten::split_with_sizes", "aten::expand_as", "aten::view_as"}
+STEP_RANGE = "dllm_fast.denoise_step"
+
+
+def count_step_kernels(run: Callable[[], Any]) -> float:
+    """Kernels a denoising step launches, on average over the steps of `run()` (a generate call), counted on the
+    profiler's CPU trace. A kernel is a leaf op inside a step: a dllm_fast op (its inner GEMMs are its own), an
+    inductor-generated kernel (named on the trace: cpp.enable_kernel_profile), or an aten op without op children
+    that computes (NO_KERNEL excluded)."""
+    generate_module = importlib.import_module("dllm_fast.rollout.generate")  # the package exports the function
+
+    def traced(step):
+        def run_step(*args):
+            with torch.profiler.record_function(STEP_RANGE):
+                return step(*args)
+        return run_step
+
+    eager_step, compiled_step = generate_module.denoise_step, generate_module.compiled_step
+    with contextlib.ExitStack() as restore:
+        restore.callback(setattr, generate_module, "denoise_step", eager_step)
+        restore.callback(setattr, generate_module, "compiled_step", compiled_step)
+        generate_module.denoise_step = traced(eager_step)
+        generate_module.compiled_step = lambda device_type: traced(compiled_step(device_type))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            run()
+    events = profile.events()
+    steps = sum(event.name == STEP_RANGE for event in events)
+    return sum(_is_kernel(event) and _inside_a_step(event) for event in events) / max(steps, 1)
+
+
+def _is_op(event) -> bool:
+    return event.name.startswith(("aten::", "dllm_fast::")) or "cpp_fused" in event.name
+
+
+def _is_kernel(event) -> bool:
+    if event.name.startswith("dllm_fast::") or "cpp_fused" in event.name:
+        return True
+    return (event.name.startswith("aten::") and event.name not in NO_KERNEL
+            and not any(_is_op(child) for child in event.cpu_children))
+
+
+def _inside_a_step(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("dllm_fast::"):  # the op's own inner calls are not launches of their own
+            return False
+        if parent.name == STEP_RANGE:
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 PROVIDERS = {
@@ -100,10 +198,13 @@ PROVIDERS = {
 def measure(provider: Provider, point: dict) -> dict:
     """In a fresh process, so that each provider's peak memory is its own: build, warm up, time one rollout."""
     out = measure_in_fresh_process(provider, point, repeats=1, summarize=rollout_summary)
-    seconds = out["timing"].median_s
+    seconds, summary = out["timing"].median_s, out["summary"]
     print(f"batch {point['batch']} {provider.name}: {point['batch'] * point['gen'] / seconds:.1f} tok/s", flush=True)
-    return dict(seconds=seconds, nfe=out["summary"]["nfe"], tokens_per_s=point["batch"] * point["gen"] / seconds,
-                peak_mb=out["peak_bytes"] / 2**20, completion=out["summary"]["completion"])
+    compiled = GENERATE_OPTIONS[provider.name].get("compile", False)
+    return dict(seconds=seconds, nfe=summary["nfe"], tokens_per_s=point["batch"] * point["gen"] / seconds,
+                peak_mb=out["peak_bytes"] / 2**20, completion=summary["completion"],
+                compile_s=summary["warm_up_seconds"] - seconds if compiled else None,
+                kernels_per_step=summary["kernels_per_step"])
 
 
 def planned_steps(policy, prompt_length: int, gen_length: int, block_length: int, steps_per_block: int):
@@ -138,6 +239,20 @@ def roofline_seconds(config, point: dict, cache: str, peaks) -> float:
         kv_bytes = 2 * 2 * layers * B * total * d if policy.uses_cache else 0
         seconds += max(flops / flops_peak, (weight_bytes + kv_bytes) / bandwidth)
     return seconds
+
+
+def add_compiled_ratios(rows: list[dict]) -> None:
+    """speedup_vs_eager: a compiled provider's tokens/s over the eager provider of its cache mode (same batch),
+    and whether their tokens agree (agree_with_eager)."""
+    for row in rows:
+        cache = GENERATE_OPTIONS[row["provider"]].get("cache")
+        if not GENERATE_OPTIONS[row["provider"]].get("compile") or row["status"] != "ok":
+            continue
+        eager = next((r for r in rows if r["provider"] == f"dllm_fast {cache}" and r["batch"] == row["batch"]
+                      and r["status"] == "ok"), None)
+        if eager is not None:
+            row["speedup_vs_eager"] = row["tokens_per_s"] / eager["tokens_per_s"]
+            row["agree_with_eager"] = row["completion"] == eager["completion"]
 
 
 def add_agreement_and_roofline(rows: list[dict], points: list[dict]) -> None:
@@ -182,11 +297,13 @@ def main():
     points = [dict(base, device=args.device, batch=batch, temperature=args.temperature, seed=0) for batch in batches]
     rows = run_sweep(points, [PROVIDERS[name] for name in args.providers], measure, row_keys=("batch",))
     add_ratio(rows, "speedup_vs_reference", "tokens_per_s", baseline={"provider": "reference"}, match=("batch",))
+    add_compiled_ratios(rows)
     add_agreement_and_roofline(rows, points)
     for row in rows:
         row.pop("completion", None)
     print_table(rows, ["batch", "provider", "status", "seconds", "nfe", "tokens_per_s", "peak_mb",
-                       "speedup_vs_reference", "agree_with_none", "roofline_s", "vs_roofline"])
+                       "speedup_vs_reference", "speedup_vs_eager", "agree_with_eager", "compile_s", "kernels_per_step",
+                       "agree_with_none", "roofline_s", "vs_roofline"])
     config = dict(base, batches=batches, temperature=args.temperature, providers=args.providers)
     print(f"wrote {write_results(f'rollout_{args.device}', config, rows, args.results_dir)}")
 

@@ -15,6 +15,8 @@ skipped: a fixed schedule, or threshold decoding with assumed_steps_per_block, r
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from dllm_fast.contracts import GenerationResult, completion_mask, logit_shift
@@ -27,6 +29,11 @@ from dllm_fast.rollout.rules import (check_block_done, check_finite_lm_head, con
 from dllm_fast.rollout.step import (NOISE_STEP, STEP_IN_BLOCK, RolloutState, StepConstants, compiled_step,
                                     denoise_step)
 from dllm_fast.validation import data_checks_enabled, values_checked
+
+
+# Graphs the compiled step may hold (dynamo's default is 8, then fullgraph fails): each configuration of a call
+# (model, batch and lengths, temperature, threshold, cache policy, remasking) compiles one or two.
+COMPILED_STEP_GRAPHS = 64
 
 
 @torch.no_grad()
@@ -109,7 +116,6 @@ def generate(
                          "values (fake or meta); pass assumed_steps_per_block=N to plan it.")
     device = input_ids.device
     B, P = input_ids.shape
-    total = P + gen_length
     state, result_mask = start_rollout(model, plan, input_ids, attention_mask, gen_length, block_length, generator)
     constants = step_constants(model, plan, P, block_length, B)
     step_fn = denoise_step
@@ -118,6 +124,19 @@ def generate(
         if device.type == "cuda":  # CUDA graphs replay on fixed addresses: the buffers the steps write
             for tensor in state.tensors():
                 torch._dynamo.mark_static_address(tensor, guard=False)
+    with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_GRAPHS) if plan.compile else nullcontext():
+        nfe = decode(model, plan, state, constants, step_fn, P, gen_length, block_length, generator)
+    completion = state.canvas[:, P:]
+    return GenerationResult(state.canvas, completion, completion_mask(completion, model.eos_token_id), nfe,
+                            result_mask, state.unmask_step)
+
+
+def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConstants, step_fn, P: int,
+           gen_length: int, block_length: int, generator) -> int:
+    """The block loop: runs the steps of every block, and returns the number of forwards."""
+    device, B = state.canvas.device, state.canvas.shape[0]
+    total = P + gen_length
+    reads_values = data_checks_enabled(state.canvas, model.lm_head_weight)
     reused_lengths = {hi - lo for lo, hi in reused_spans(plan.cache, P, gen_length, block_length)}
     schedule = None if plan.steps_per_block is None else masked_count_schedule(block_length, plan.steps_per_block)
     nfe = 0
@@ -162,9 +181,7 @@ def generate(
             check_block_end(state, plan, positions, block, model)
         check_block_done(remaining if plan.assumed_steps_per_block is None else 0, block,
                          plan.step_limit(block_length))
-    completion = state.canvas[:, P:]
-    return GenerationResult(state.canvas, completion, completion_mask(completion, model.eos_token_id), nfe,
-                            result_mask, state.unmask_step)
+    return nfe
 
 
 def start_rollout(model, plan: DecodingPlan, input_ids, attention_mask, gen_length: int, block_length: int,
