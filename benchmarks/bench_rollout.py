@@ -86,9 +86,9 @@ def setup_rollout(options: dict, point: dict) -> Rollout:
                   temperature=point["temperature"], **options)
     warm_up_kwargs = dict(kwargs, gen_length=point["block"], steps=None if steps is None else 1)  # one block
     if options.get("compile"):  # every kind of step compiles in the warm-up: a whole call
-        import torch._inductor.config
+        from torch._inductor import config as inductor_config
 
-        torch._inductor.config.cpp.enable_kernel_profile = True  # name each fused kernel on the profiler trace
+        inductor_config.cpp.enable_kernel_profile = True  # name each fused kernel on the profiler trace
         warm_up_kwargs = kwargs
     return Rollout(model, prompts, generate, kwargs, warm_up_kwargs)
 
@@ -143,9 +143,9 @@ STEP_RANGE = "dllm_fast.denoise_step"
 
 def count_step_kernels(run: Callable[[], Any]) -> float:
     """Kernels a denoising step launches, on average over the steps of `run()` (a generate call), counted on the
-    profiler's CPU trace. A kernel is a leaf op inside a step: a dllm_fast op (its inner GEMMs are its own), an
-    inductor-generated kernel (named on the trace: cpp.enable_kernel_profile), or an aten op without op children
-    that computes (NO_KERNEL excluded)."""
+    profiler's CPU trace: in each step, every op whose sub-calls launch nothing, except views and allocations
+    (NO_KERNEL); a dllm_fast op and an inductor-generated kernel (named on the trace with inductor's
+    cpp.enable_kernel_profile) count as one."""
     generate_module = importlib.import_module("dllm_fast.rollout.generate")  # the package exports the function
 
     def traced(step):
@@ -162,37 +162,18 @@ def count_step_kernels(run: Callable[[], Any]) -> float:
         generate_module.compiled_step = lambda device_type: traced(compiled_step(device_type))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             run()
-    events = profile.events()
-    steps = sum(event.name == STEP_RANGE for event in events)
-    return sum(_is_kernel(event) and _inside_a_step(event) for event in events) / max(steps, 1)
+    steps = [event for event in profile.events() if event.name == STEP_RANGE]
+    return sum(_launches(child) for step in steps for child in step.cpu_children) / max(len(steps), 1)
 
 
-def _is_op(event) -> bool:
-    return event.name.startswith(("aten::", "dllm_fast::")) or "cpp_fused" in event.name
-
-
-def _is_kernel(event) -> bool:
+def _launches(event) -> int:
+    """Kernels launched by an op of the trace and its sub-calls."""
     if event.name.startswith("dllm_fast::") or "cpp_fused" in event.name:
-        return True
-    return (event.name.startswith("aten::") and event.name not in NO_KERNEL
-            and not any(_is_op(child) for child in event.cpu_children))
-
-
-def _inside_a_step(event) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name.startswith("dllm_fast::"):  # the op's own inner calls are not launches of their own
-            return False
-        if parent.name == STEP_RANGE:
-            return True
-        parent = parent.cpu_parent
-    return False
-
-
-PROVIDERS = {
-    name: Provider(name, setup=functools.partial(setup_rollout, options), run=run_rollout, warm_up=warm_up_rollout)
-    for name, options in GENERATE_OPTIONS.items()
-}
+        return 1
+    inner = sum(_launches(child) for child in event.cpu_children)
+    if inner:
+        return inner
+    return int(event.name.startswith("aten::") and event.name not in NO_KERNEL)
 
 
 def measure(provider: Provider, point: dict) -> dict:
