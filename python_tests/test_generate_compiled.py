@@ -53,13 +53,17 @@ def fresh_dynamo():
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_the_step_compiles_whole_once_per_kind_of_step(name, fresh_dynamo, monkeypatch, one_thread):
     """Warm-up: the first call compiles one graph per kind of step (3 blocks of 3 or more steps: one graph for all).
-    Then 3 calls with other prompts and seeds compile nothing (error_on_recompile), and every call gives eager's
-    tokens."""
+    Then 3 calls with other prompts and seeds compile nothing (error_on_recompile) and reuse the first call's
+    buffers (one KV cache: a CUDA graph replays on the same addresses), and every call gives eager's tokens (each
+    result its own copy)."""
     counter = CompileCounterWithBackend("aot_eager")
     step = torch.compile(denoise_step, fullgraph=True, dynamic=False, backend=counter)
     monkeypatch.setattr(generate_module, "compiled_step", lambda device_type: step)
     config = CONFIGS[name]
     model = tiny_model("cpu", head_scale=4.0)
+    caches = []
+    new_cache = model.new_cache
+    monkeypatch.setattr(model, "new_cache", lambda *args: caches.append(new_cache(*args)) or caches[-1])
     torch.manual_seed(1)
     batches = [prompts("cpu", [3, 6]) for _ in range(4)]
     compiled = calls(model, batches[:1], config, compile=True)
@@ -67,6 +71,7 @@ def test_the_step_compiles_whole_once_per_kind_of_step(name, fresh_dynamo, monke
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled += calls(model, batches[1:], config, compile=True, first_seed=1)
     assert counter.frame_count == (1 if config["cache"] == "none" else 2)
+    assert len(caches) == (0 if config["cache"] == "none" else 1)
     eager = calls(model, batches, config, compile=False)
     assert all(same_outputs(a, b) for a, b in zip(compiled, eager))
     assert len({tuple(result.sequences.flatten().tolist()) for result in eager}) == 4  # the calls differ

@@ -15,6 +15,7 @@ skipped: a fixed schedule, or threshold decoding with assumed_steps_per_block, r
 
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -126,9 +127,12 @@ def generate(
                 torch._dynamo.mark_static_address(tensor, guard=False)
     with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_GRAPHS) if plan.compile else nullcontext():
         nfe = decode(model, plan, state, constants, step_fn, P, gen_length, block_length, generator)
-    completion = state.canvas[:, P:]
-    return GenerationResult(state.canvas, completion, completion_mask(completion, model.eos_token_id), nfe,
-                            result_mask, state.unmask_step)
+    sequences, unmask_step = state.canvas, state.unmask_step
+    if plan.compile:  # the buffers are kept for the next call: the result gets its own copy
+        sequences, unmask_step = sequences.clone(), None if unmask_step is None else unmask_step.clone()
+    completion = sequences[:, P:]
+    return GenerationResult(sequences, completion, completion_mask(completion, model.eos_token_id), nfe,
+                            result_mask, unmask_step)
 
 
 def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConstants, step_fn, P: int,
@@ -184,10 +188,15 @@ def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConsta
     return nfe
 
 
+# Compiled, the buffers of a model's last call are kept for its next call of the same shapes: a CUDA graph
+# replays on the addresses it recorded (new buffers would re-record it), and the KV cache is not reallocated.
+_KEPT_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def start_rollout(model, plan: DecodingPlan, input_ids, attention_mask, gen_length: int, block_length: int,
                   generator) -> tuple[RolloutState, torch.Tensor | None]:
-    """The buffers of a call (no host-to-device copy, which would sync on a GPU) and the result's attention
-    mask."""
+    """The buffers of a call (no host-to-device copy, which would sync on a GPU; compiled, the model's last
+    call's, refilled) and the result's attention mask."""
     device, mask_id = input_ids.device, model.mask_token_id
     B, P = input_ids.shape
     canvas, result_mask = initial_canvas(input_ids, attention_mask, gen_length, mask_id)
@@ -202,6 +211,12 @@ def start_rollout(model, plan: DecodingPlan, input_ids, attention_mask, gen_leng
     noise_key = torch.zeros((), dtype=torch.long, device=device)
     if plan.temperature > 0:  # 62 random bits, drawn once on the device: no host sync
         noise_key = torch.randint(2**62, (), generator=generator, device=device)
+    shapes = (device, B, P, gen_length, block_length, plan.steps_per_block, guided, step_mask is not None,
+              plan.record_unmask_step, plan.cache, model.lm_head_weight.dtype)
+    kept = _KEPT_STATES.get(model) if plan.compile else None
+    if kept is not None and kept[0] == shapes:
+        kept[1].restart(canvas, step_mask, noise_key)
+        return kept[1], result_mask
     state = RolloutState(
         canvas=canvas,
         kv=plan.cache.new_cache(model, 2 * B if guided else B, P + gen_length),
@@ -215,6 +230,8 @@ def start_rollout(model, plan: DecodingPlan, input_ids, attention_mask, gen_leng
         unmask_step=torch.full((B, gen_length), -1, dtype=torch.long, device=device)
         if plan.record_unmask_step else None,
     )
+    if plan.compile:
+        _KEPT_STATES[model] = (shapes, state)
     return state, result_mask
 
 

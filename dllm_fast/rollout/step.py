@@ -79,6 +79,18 @@ class RolloutState:
     not_finite: torch.Tensor
     unmask_step: torch.Tensor | None
 
+    def restart(self, canvas: torch.Tensor, attention_mask: torch.Tensor | None, noise_key: torch.Tensor) -> None:
+        """Start a new call of the same shapes in these buffers, in place (their addresses stay). The KV cache
+        needs no reset: every block's first step refreshes all of it before any step reads it."""
+        self.canvas.copy_(canvas)
+        if self.attention_mask is not None:
+            self.attention_mask.copy_(attention_mask)
+        self.noise_key.copy_(noise_key)
+        self.counters.zero_()
+        self.not_finite.zero_()
+        if self.unmask_step is not None:
+            self.unmask_step.fill_(-1)
+
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer the steps write in place (CUDA graphs need their addresses fixed)."""
         written = [self.canvas, self.counters, self.not_finite, self.unmask_step]
