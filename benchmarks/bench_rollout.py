@@ -176,6 +176,12 @@ def _launches(event) -> int:
     return int(event.name.startswith("aten::") and event.name not in NO_KERNEL)
 
 
+PROVIDERS = {
+    name: Provider(name, setup=functools.partial(setup_rollout, options), run=run_rollout, warm_up=warm_up_rollout)
+    for name, options in GENERATE_OPTIONS.items()
+}
+
+
 def measure(provider: Provider, point: dict) -> dict:
     """In a fresh process, so that each provider's peak memory is its own: build, warm up, time one rollout."""
     out = measure_in_fresh_process(provider, point, repeats=1, summarize=rollout_summary)
