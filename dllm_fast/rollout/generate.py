@@ -139,32 +139,24 @@ def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConsta
            gen_length: int, block_length: int, generator) -> int:
     """The block loop: runs the steps of every block, and returns the number of forwards."""
     device, B = state.canvas.device, state.canvas.shape[0]
-    total = P + gen_length
+    feeds = FedPositions(plan.cache, P, gen_length, block_length, device, dynamic=plan.compile)
     reads_values = data_checks_enabled(state.canvas, model.lm_head_weight)
-    reused_lengths = {hi - lo for lo, hi in reused_spans(plan.cache, P, gen_length, block_length)}
     schedule = None if plan.steps_per_block is None else masked_count_schedule(block_length, plan.steps_per_block)
     nfe = 0
     for block in range(gen_length // block_length):
-        start, end = P + block * block_length, P + (block + 1) * block_length
-        positions = torch.arange(start, end, device=device)
+        positions = torch.arange(P + block * block_length, P + (block + 1) * block_length, device=device)
         state.counters[STEP_IN_BLOCK] = 0
         if plan.steps_per_block is not None:  # the noise step is the schedule's: skipped steps change no sample
             state.counters[NOISE_STEP] = block * plan.steps_per_block
-        reused = None  # the positions a step that reuses the cache feeds
         remaining = block_length  # the most masked positions in a row; a new block is fully masked
         for step in range(plan.step_limit(block_length)):
             if remaining == 0:  # the block is complete: leave it (Fast-dLLM), no forward that unmasks nothing
                 break
-            fed = None
-            if not plan.cache.refreshes(step):
-                if reused is None:
-                    reused = torch.arange(*plan.cache.reused_span(start, end, total), device=device)
-                    if plan.compile and len(reused_lengths) > 1:  # the prefix cache: one graph for every length
-                        torch._dynamo.maybe_mark_dynamic(reused, 0)
-                fed = reused
-            drawn = plan.remasking.draw((B, total if fed is None else len(fed)), generator, device)
-            if plan.compile and drawn is not None and fed is not None and len(reused_lengths) > 1:
-                torch._dynamo.maybe_mark_dynamic(drawn, 1)
+            fed = feeds(block, step)
+            drawn = feeds.mark(plan.remasking.draw((B, P + gen_length if fed is None else len(fed)), generator,
+                                                   device), fed)
+            # Compiled, a step decodes the whole block (a static shape); without the masked count, so must one
+            # that assumes the steps; else the most masked positions any row has left.
             rows = block_length if plan.compile or plan.assumed_steps_per_block else remaining
             try:
                 with values_checked():  # the prompts were checked once: the model skips its per-call check
@@ -186,6 +178,34 @@ def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConsta
         check_block_done(remaining if plan.assumed_steps_per_block is None else 0, block,
                          plan.step_limit(block_length))
     return nfe
+
+
+class FedPositions:
+    """The positions each step feeds: None for a step that refreshes (it feeds every position), else the cache
+    policy's reused span of the block, as a tensor made once per block. With dynamic=True (compiled) a span whose
+    length varies between blocks (the prefix cache's) is marked dynamic: one graph serves every block."""
+
+    def __init__(self, policy: CachePolicy, prompt_length: int, gen_length: int, block_length: int, device,
+                 dynamic: bool):
+        self.policy, self.device = policy, device
+        self.spans = reused_spans(policy, prompt_length, gen_length, block_length)
+        self.dynamic = dynamic and len({hi - lo for lo, hi in self.spans}) > 1
+        self._block, self._positions = None, None
+
+    def __call__(self, block: int, step: int) -> torch.Tensor | None:
+        if self.policy.refreshes(step):
+            return None
+        if self._block != block:
+            self._block, self._positions = block, torch.arange(*self.spans[block], device=self.device)
+            if self.dynamic:
+                torch._dynamo.maybe_mark_dynamic(self._positions, 0)
+        return self._positions
+
+    def mark(self, drawn: torch.Tensor | None, fed: torch.Tensor | None) -> torch.Tensor | None:
+        """A remasking rule's draw over the fed positions: as dynamic as their span."""
+        if self.dynamic and drawn is not None and fed is not None:
+            torch._dynamo.maybe_mark_dynamic(drawn, 1)
+        return drawn
 
 
 # Compiled, the buffers of a model's last call are kept for its next call of the same shapes: a CUDA graph
