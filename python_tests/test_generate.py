@@ -307,6 +307,12 @@ def test_bad_prompts_are_named():
         dllm_fast.generate(model, ids[:0], mask[:0], **kwargs)
     with pytest.raises(ValueError, match="must be left-padded"):
         dllm_fast.generate(model, ids, mask.flip(1), **kwargs)
+    with pytest.raises(ValueError, match=r"prompt 0 is all padding"):
+        dllm_fast.generate(model, ids, mask * torch.tensor([[0], [1]]), **kwargs)
+    bad = ids.clone()
+    bad[0, 4] = 128  # checked once, at the boundary (the model's check), not at every step
+    with pytest.raises(ValueError, match=r"token id 128, outside the model's embedding table \[0, 128\)"):
+        dllm_fast.generate(model, bad, mask, **kwargs)
     no_eot = LLaDAModel(LLaDAConfig(**{**LLaDAConfig.preset("tiny").__dict__, "eot_token_id": None}))
     with pytest.raises(ValueError, match="confidence_eos_eot_inf needs"):
         dllm_fast.generate(no_eot, ids, mask, confidence_eos_eot_inf=True, **kwargs)
