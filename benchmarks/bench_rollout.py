@@ -3,6 +3,7 @@
     python benchmarks/bench_rollout.py                 # CPU: small preset, batch 4, prompt 64, gen 128, block 32, 64 steps
     python benchmarks/bench_rollout.py --device cuda   # GPU: llada-8b shapes (random bf16), batch 1 and 8,
                                                        #      prompt 200, gen 256, block 32, 128 steps, + roofline
+    python benchmarks/bench_rollout.py --interleaved 5 # eager vs compiled per cache mode, alternating calls
 
 Providers: reference (LLaDA generate.py port: full recompute, full logits), dllm_fast with cache none, prefix,
 dual, and dual with threshold 0.9, and each cache mode compiled (generate(compile=True): the denoising step
@@ -26,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -267,12 +269,38 @@ def add_agreement_and_roofline(rows: list[dict], points: list[dict]) -> None:
                   f"{at_batch['reference']['completion'] == none_tokens}")
 
 
+def interleaved_compiled(point: dict, cache: str, rounds: int) -> dict:
+    """Eager against compiled generate() for one cache mode in one process, calls alternating (ABBA order) so
+    that a machine whose load drifts slows both alike: median seconds of each, their ratio, the compile time
+    (the first compiled call minus the median one), and whether the tokens agree."""
+    rollout = setup_rollout(dict(cache=cache), point)
+    compiled_kwargs = dict(rollout.kwargs, compile=True)
+    eager_tokens = _generate(rollout, rollout.kwargs).completion_ids  # also the eager warm-up
+    started = time.perf_counter()
+    compiled_tokens = _generate(rollout, compiled_kwargs).completion_ids
+    first_compiled = time.perf_counter() - started
+    seconds = {"eager": [], "compiled": []}
+    for round_ in range(rounds):
+        order = ("eager", "compiled") if round_ % 2 == 0 else ("compiled", "eager")
+        for mode in order:
+            started = time.perf_counter()
+            _generate(rollout, compiled_kwargs if mode == "compiled" else rollout.kwargs)
+            seconds[mode].append(time.perf_counter() - started)
+    eager_s, compiled_s = (statistics.median(seconds[mode]) for mode in ("eager", "compiled"))
+    return dict(batch=point["batch"], cache=cache, status="ok", eager_s=eager_s, compiled_s=compiled_s,
+                speedup=eager_s / compiled_s, compile_s=first_compiled - compiled_s,
+                tokens_equal=bool(torch.equal(eager_tokens, compiled_tokens)), rounds=rounds)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--batch", type=int, nargs="+", help="batch sizes (default: by device)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
+    parser.add_argument("--interleaved", type=int, metavar="ROUNDS", default=0,
+                        help="instead of the providers: eager vs compiled in one process per cache mode, ROUNDS "
+                             "alternating pairs of calls (robust to a shared machine's drifting load)")
     add_results_dir_argument(parser)
     args = parser.parse_args()
     if args.device == "cuda":
@@ -282,6 +310,12 @@ def main():
         base = dict(preset="small", dtype="float32", prompt=64, gen=128, block=32, steps=64)
         batches = args.batch or [4]
     points = [dict(base, device=args.device, batch=batch, temperature=args.temperature, seed=0) for batch in batches]
+    if args.interleaved:
+        rows = [interleaved_compiled(point, cache, args.interleaved) for point in points for cache in CACHE_POLICIES]
+        print_table(rows, ["batch", "cache", "eager_s", "compiled_s", "speedup", "compile_s", "tokens_equal"])
+        config = dict(base, batches=batches, temperature=args.temperature, rounds=args.interleaved)
+        print(f"wrote {write_results(f'rollout_interleaved_{args.device}', config, rows, args.results_dir)}")
+        return
     rows = run_sweep(points, [PROVIDERS[name] for name in args.providers], measure, row_keys=("batch",))
     add_ratio(rows, "speedup_vs_reference", "tokens_per_s", baseline={"provider": "reference"}, match=("batch",))
     add_compiled_ratios(rows)
