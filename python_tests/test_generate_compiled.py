@@ -84,10 +84,13 @@ def test_the_step_compiles_whole_once_per_kind_of_step(name, fresh_dynamo, monke
 def test_inductor_compiled_rollouts_equal_eager(name, config, fresh_dynamo, one_thread):
     """The shipped path (inductor): tokens equal eager's at T = 0, and at T = 1 with the same seed; no recompile
     across calls."""
+    from torch._inductor import config as inductor_config
+
     model = tiny_model("cpu", torch.float32, head_scale=4.0)
     torch.manual_seed(2)
     batches = [prompts("cpu", [4, 7]) for _ in range(3)]
-    compiled = calls(model, batches[:1], config, compile=True)
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):  # as test_bench_rollout: one cached graph
+        compiled = calls(model, batches[:1], config, compile=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled += calls(model, batches[1:], config, compile=True, first_seed=1)
     eager = calls(model, batches, config, compile=False)
