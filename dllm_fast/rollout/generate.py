@@ -125,7 +125,7 @@ def generate(
         if device.type == "cuda":  # CUDA graphs replay on fixed addresses: the buffers the steps write
             for tensor in state.tensors():
                 torch._dynamo.mark_static_address(tensor, guard=False)
-    with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_GRAPHS) if plan.compile else nullcontext():
+    with _graph_limit(COMPILED_STEP_GRAPHS) if plan.compile else nullcontext():
         nfe = decode(model, plan, state, constants, step_fn, P, gen_length, block_length, generator)
     sequences, unmask_step = state.canvas, state.unmask_step
     if plan.compile:  # the buffers are kept for the next call: the result gets its own copy
@@ -133,6 +133,13 @@ def generate(
     completion = sequences[:, P:]
     return GenerationResult(sequences, completion, completion_mask(completion, model.eos_token_id), nfe,
                             result_mask, unmask_step)
+
+
+def _graph_limit(graphs: int):
+    """Dynamo's per-function graph limit raised while the compiled step runs (named cache_size_limit before
+    torch 2.6)."""
+    config = torch._dynamo.config
+    return config.patch(**{"recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit": graphs})
 
 
 def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConstants, step_fn, P: int,
