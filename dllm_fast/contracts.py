@@ -109,6 +109,9 @@ class GenerationResult:
     completion_mask: [B, G] bool, True up to and including the first EOS (all True if there is none).
     nfe: number of model forward calls (a CFG step counts once: one forward of the doubled batch).
     attention_mask: [B, P + G] (1 = token, 0 = left padding), or None when the prompts had no padding mask.
+    unmask_step: [B, G] int64, for each completion position the 0-based index of the denoising forward that
+        unmasked it (the nfe count before that forward, counted across blocks); None unless the rollout was
+        asked to record it (generate(record_unmask_step=True); TraceRL's trajectory order).
     """
 
     sequences: torch.Tensor
@@ -116,6 +119,7 @@ class GenerationResult:
     completion_mask: torch.Tensor
     nfe: int
     attention_mask: torch.Tensor | None = None
+    unmask_step: torch.Tensor | None = None
 
     @property
     def prompt_length(self) -> int:

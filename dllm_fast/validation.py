@@ -3,10 +3,13 @@ what it needs, so that every layer words the same mistake the same way. Check a 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Any, Iterable
 
 import torch
+from torch._guards import detect_fake_mode
 
 
 def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
@@ -112,9 +115,12 @@ def check_threshold(name: str, value) -> float:
     return check_float(name, value, minimum=0.0, maximum=1.0, open_minimum=True)
 
 
-def check_binary_mask(name: str, mask, *, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def check_binary_mask(name: str, mask, *, shape: tuple[int, ...], device: torch.device,
+                      check_values: bool = True) -> torch.Tensor:
     """A 0/1 mask of `shape` on `device`: bool, or an integer dtype holding only 0 and 1. Floats are rejected:
-    0.5 would read as True to one consumer and as 0 to another. Returns it as bool."""
+    0.5 would read as True to one consumer and as 0 to another. Returns it as bool. check_values=False skips
+    the one check that reads the values (a host sync), for a caller that batches it with others
+    (`non_binary(mask)`)."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of 0/1 (or bool), got {type(mask).__name__}.")
     if tuple(mask.shape) != tuple(shape):
@@ -124,10 +130,54 @@ def check_binary_mask(name: str, mask, *, shape: tuple[int, ...], device: torch.
     if mask.is_floating_point() or mask.is_complex():
         raise TypeError(f"{name} has dtype {mask.dtype}; it must be bool or an integer dtype holding 0 and 1 "
                         f"(convert a float mask with {name}.round().long() if it is meant to be 0/1).")
-    if mask.dtype != torch.bool:
-        bad = (mask != 0) & (mask != 1)
+    if check_values and mask.dtype != torch.bool:
+        bad = non_binary(mask)
         if bad.any():
             index = tuple(int(i) for i in bad.nonzero()[0])
             raise ValueError(f"{name}[{', '.join(map(str, index))}] = {int(mask[index])}; a mask holds only 0 "
                              "(padding) and 1 (token).")
     return mask.to(torch.bool)
+
+
+def non_binary(mask: torch.Tensor) -> torch.Tensor:
+    """Where a 0/1 mask holds another value (all False for a bool mask); no host sync."""
+    return (mask != 0) & (mask != 1) if mask.dtype != torch.bool else torch.zeros_like(mask)
+
+
+# -- when a check may read tensor values ----------------------------------------------------------------------
+# A check that reads values (`.item()`, `nonzero`, the truth value of a tensor, `tolist`) is a host sync: the host
+# waits for the device. Such checks run at public boundaries, once per call, and only where
+# `data_checks_enabled` says they can; a hot loop (a denoising step) never runs one.
+
+_VALUES_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("dllm_fast_values_checked", default=False)
+
+
+def data_checks_enabled(*tensors: torch.Tensor | None) -> bool:
+    """Whether a check that reads the values of `tensors` may run here. No when:
+
+    - torch.compile is tracing (a value read would break the graph, and a CUDA graph cannot hold a sync);
+    - a tensor holds no data: a fake tensor (FakeTensorMode, as the planner runs it), a meta tensor, or any tensor
+      while a FakeTensorMode is active;
+    - inside `values_checked()`: the public entry point has checked these values already (generate checks the
+      prompts once, so the model forward does not check them again at every denoising step).
+
+    Otherwise yes. A skipped check is skipped, not deferred: the caller of a compiled or fake run owns its inputs."""
+    if torch.compiler.is_compiling():  # first: dynamo folds it to a constant and traces nothing below
+        return False
+    if _VALUES_CHECKED.get():
+        return False
+    given = [tensor for tensor in tensors if isinstance(tensor, torch.Tensor)]
+    if any(tensor.is_meta for tensor in given):
+        return False
+    return detect_fake_mode(given) is None
+
+
+@contextlib.contextmanager
+def values_checked():
+    """Within this context, inner layers skip their value checks (`data_checks_enabled` is False): the caller
+    has checked the values at its boundary, and the loop it runs would otherwise repeat a host sync per step."""
+    token = _VALUES_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _VALUES_CHECKED.reset(token)

@@ -256,10 +256,24 @@ def test_kv_cache_reproduces_the_full_forward(device):
         block = model(x[:, start:start + 2], attention_mask=full_mask, cache=kv, cache_start=start,
                       attend_length=x.shape[1])
         torch.testing.assert_close(block, full[:, start:start + 2])
+        # The start as a tensor (what the compiled denoising step passes): the same keys written, the same output.
+        at = torch.tensor(start, device=device)
+        by_tensor = model(x[:, start:start + 2], attention_mask=full_mask, cache=kv, cache_start=at,
+                          attend_length=x.shape[1])
+        torch.testing.assert_close(by_tensor, full[:, start:start + 2])
+        fresh = KVCache.for_model(model, 2, x.shape[1])
+        model(x, attention_mask=full_mask, cache=fresh)
+        kv.keys[0][:, :, start:start + 2] = 0.0
+        model(x[:, start:start + 2], attention_mask=full_mask, cache=kv, cache_start=at, attend_length=x.shape[1])
+        torch.testing.assert_close(kv.keys[0], fresh.keys[0])  # layer 0: keys of the tokens alone
     with pytest.raises(RuntimeError, match="under torch.no_grad"):
         model(x, cache=kv)
     with torch.no_grad(), pytest.raises(ValueError, match="attend_length=3 must satisfy"):
         model(x[:, :4], cache=kv, cache_start=0, attend_length=3)
+    with torch.no_grad(), pytest.raises(ValueError, match="a tensor cache_start must be a 0-d integer tensor"):
+        model(x[:, :4], cache=kv, cache_start=torch.tensor([0]), attend_length=8)
+    with torch.no_grad(), pytest.raises(ValueError, match="cache_start and attend_length need a cache"):
+        model(x[:, :4], cache_start=torch.tensor(0))
 
 
 @pytest.mark.parametrize(
@@ -293,6 +307,12 @@ def test_bad_prompts_are_named():
         dllm_fast.generate(model, ids[:0], mask[:0], **kwargs)
     with pytest.raises(ValueError, match="must be left-padded"):
         dllm_fast.generate(model, ids, mask.flip(1), **kwargs)
+    with pytest.raises(ValueError, match=r"prompt 0 is all padding"):
+        dllm_fast.generate(model, ids, mask * torch.tensor([[0], [1]]), **kwargs)
+    bad = ids.clone()
+    bad[0, 4] = 128  # checked once, at the boundary (the model's check), not at every step
+    with pytest.raises(ValueError, match=r"token id 128, outside the model's embedding table \[0, 128\)"):
+        dllm_fast.generate(model, bad, mask, **kwargs)
     no_eot = LLaDAModel(LLaDAConfig(**{**LLaDAConfig.preset("tiny").__dict__, "eot_token_id": None}))
     with pytest.raises(ValueError, match="confidence_eos_eot_inf needs"):
         dllm_fast.generate(no_eot, ids, mask, confidence_eos_eot_inf=True, **kwargs)
@@ -447,21 +467,24 @@ def test_steps_beyond_the_block_run_no_forward(cache, one_thread):
 
 
 def test_the_gumbel_noise_changes_between_denoising_steps(monkeypatch, one_thread):
-    """A position still masked after a step is sampled again with fresh noise (keyed by the step)."""
-    draws = {}
+    """A position still masked after a step is sampled again with fresh noise: its stream id (the op's row id)
+    keeps its position word and changes its step word."""
+    draws = {}  # position word -> [(step word, token)]
     sample_tokens = ops.sample_tokens
 
     def recording(hidden, weight, **kwargs):
         tokens, confidence = sample_tokens(hidden, weight, **kwargs)
-        for row, token in zip(kwargs["row_ids"].tolist(), tokens.tolist()):
-            draws.setdefault(row, []).append(token)
+        for stream, token in zip(kwargs["row_ids"].tolist(), tokens.tolist()):
+            draws.setdefault(stream & 0xFFFFFFFF, []).append((stream >> 32, token))
         return tokens, confidence
 
     monkeypatch.setattr(ops, "sample_tokens", recording)
     table = torch.zeros(18, 8, dtype=torch.float64)  # a flat distribution over the 7 decodable ids
     dllm_fast.generate(ScriptedModel(table), torch.tensor([[1, 2]]), gen_length=16, block_length=16, steps=16,
                        temperature=1.0, generator=torch.Generator().manual_seed(0))
-    repeats = [(a, b) for tokens in draws.values() for a, b in zip(tokens, tokens[1:])]
+    assert len(draws) == 16
+    assert all(len({word for word, _ in seen}) == len(seen) for seen in draws.values())
+    repeats = [(a, b) for seen in draws.values() for (_, a), (_, b) in zip(seen, seen[1:])]
     assert len(repeats) == 15 * 16 // 2
     assert sum(a != b for a, b in repeats) > len(repeats) // 2  # 6/7 of them when the noise is fresh
 

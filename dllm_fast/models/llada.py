@@ -12,16 +12,19 @@ written for LLaDA (q_proj, k_proj, v_proj, attn_out, ff_proj, up_proj, ff_out) m
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import checkpoint
 
 from dllm_fast.models.config import LLaDAConfig
 from dllm_fast.models.kv_cache import KVCache
+from dllm_fast.validation import data_checks_enabled
 
 
 # The linear layers of a block, by their official names: LoRA's default targets.
@@ -42,6 +45,16 @@ def _normal_(weight: torch.Tensor, std: float, generator: torch.Generator | None
     else:
         draw = torch.empty(weight.shape, dtype=draw_dtype, device=weight.device)
         weight.copy_(draw.normal_(0.0, std, generator=generator))
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 class RMSNorm(nn.Module):
@@ -92,10 +105,11 @@ class LLaDABlock(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_bias: torch.Tensor | None,
-        cached: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
+        cached: tuple[torch.Tensor, torch.Tensor, int | torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
-        """`cached` = (keys, values, start, attend): write this call's keys/values at [start, start + L) of the
-        layer's cache buffers and attend over their first `attend` positions."""
+        """`cached` = (keys, values, at, attend): write this call's keys/values at positions [at, at + L) of the
+        layer's cache buffers (`at` an int, or the [L] positions as a tensor) and attend over their first
+        `attend` positions."""
         B, L, _ = x.shape
         n = self.attn_norm(x)
         q = self.q_proj(n).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
@@ -103,9 +117,13 @@ class LLaDABlock(nn.Module):
         v = self.v_proj(n).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cached is not None:
-            keys, values, start, attend = cached
-            keys[:, :, start : start + L] = k
-            values[:, :, start : start + L] = v
+            keys, values, at, attend = cached
+            if isinstance(at, torch.Tensor):  # positions on the device: one graph for every block (torch.compile)
+                keys.index_copy_(2, at, k)
+                values.index_copy_(2, at, v)
+            else:
+                keys[:, :, at : at + L] = k
+                values[:, :, at : at + L] = v
             k, v = keys[:, :, :attend], values[:, :, :attend]
         if self.n_kv_heads != self.n_heads:
             k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
@@ -177,7 +195,7 @@ class LLaDAModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
-        cache_start: int = 0,
+        cache_start: int | torch.Tensor = 0,
         attend_length: int | None = None,
     ) -> torch.Tensor:
         """input_ids [B, T] -> hidden [B, T, d] after the final norm.
@@ -190,6 +208,13 @@ class LLaDAModel(nn.Module):
         [cache_start, cache_start + T): their keys/values are written there and they attend over the cached
         positions [0, attend_length) (default cache_start + T); attention_mask then covers those
         attend_length keys and position_ids default to cache_start + 0..T-1. See KVCache for the modes.
+        cache_start may be a 0-d integer tensor (so that torch.compile traces one graph for every start); then
+        attend_length is required, and the caller keeps 0 <= cache_start <= attend_length - T (reading the value
+        to check it would cost a host sync).
+
+        On CPU, token ids outside the embedding table raise (`check_input_ids`), except where value checks are
+        off (validation.data_checks_enabled: under torch.compile, on fake tensors, inside generate's loop, which
+        checked its prompts once).
         """
         if input_ids.dim() != 2 or 0 in input_ids.shape:
             raise ValueError(f"input_ids must be [B, T] with B >= 1 sequences of T >= 1 tokens, got shape "
@@ -199,19 +224,22 @@ class LLaDAModel(nn.Module):
                              "gives a skeleton); load it with device='cpu' or 'cuda' to run it.")
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}; pass ids.long().")
-        if input_ids.device.type == "cpu" and input_ids.numel():  # on GPU this check would cost a host sync
-            low, high = input_ids.min().item(), input_ids.max().item()
-            if low < 0 or high >= self.config.embedding_size:
-                raise ValueError(f"input_ids holds token id {low if low < 0 else high}, outside the model's "
-                                 f"embedding table [0, {self.config.embedding_size}); check the tokenizer.")
+        if input_ids.device.type == "cpu" and data_checks_enabled(input_ids):  # on GPU: a host sync per call
+            self.check_input_ids(input_ids)
         B, T = input_ids.shape
         keys_length = T
         if cache is not None:
             keys_length = self._check_cache(cache, B, T, cache_start, attend_length)
-        elif cache_start != 0 or attend_length is not None:
+        elif isinstance(cache_start, torch.Tensor) or cache_start != 0 or attend_length is not None:
             raise ValueError("cache_start and attend_length need a cache; pass cache=KVCache.for_model(...).")
+        written: int | torch.Tensor = cache_start  # where the cache receives this call's keys and values
+        if isinstance(cache_start, torch.Tensor):
+            written = cache_start + torch.arange(T, device=input_ids.device)
         if position_ids is None:
-            position_ids = torch.arange(cache_start, cache_start + T, device=input_ids.device).expand(B, T)
+            if isinstance(written, torch.Tensor):
+                position_ids = written.expand(B, T)
+            else:
+                position_ids = torch.arange(cache_start, cache_start + T, device=input_ids.device).expand(B, T)
         elif position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected {(B, T)}.")
         x = self.transformer["wte"](input_ids)
@@ -226,19 +254,35 @@ class LLaDAModel(nn.Module):
             bias = padding_bias(attention_mask, x.dtype)
         for i, block in enumerate(self.transformer["blocks"]):
             if cache is not None:
-                x = block(x, cos, sin, bias, (cache.keys[i], cache.values[i], cache_start, keys_length))
+                x = block(x, cos, sin, bias, (cache.keys[i], cache.values[i], written, keys_length))
             elif self.gradient_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, bias, use_reentrant=False)
             else:
                 x = block(x, cos, sin, bias)
         return self.transformer["ln_f"](x)
 
-    def _check_cache(self, cache: KVCache, batch: int, length: int, start: int, attend: int | None) -> int:
+    def check_input_ids(self, input_ids: torch.Tensor) -> None:
+        """Raise if a token id lies outside the embedding table. Reads the values: one host sync."""
+        low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()
+        if low < 0 or high >= self.config.embedding_size:
+            raise ValueError(f"input_ids holds token id {low if low < 0 else high}, outside the model's "
+                             f"embedding table [0, {self.config.embedding_size}); check the tokenizer.")
+
+    def _check_cache(self, cache: KVCache, batch: int, length: int, start: int | torch.Tensor,
+                     attend: int | None) -> int:
         if torch.is_grad_enabled():
             raise RuntimeError("KV caches are for sampling; run the cached forward under torch.no_grad().")
         if cache.batch != batch or len(cache.keys) != self.config.n_layers:
             raise ValueError(f"the cache holds {cache.batch} sequences and {len(cache.keys)} layers; the call has "
                              f"{batch} sequences and the model {self.config.n_layers} layers.")
+        if isinstance(start, torch.Tensor):
+            if start.dim() != 0 or start.is_floating_point() or attend is None:
+                raise ValueError(f"a tensor cache_start must be a 0-d integer tensor (got {start.dtype} of shape "
+                                 f"{tuple(start.shape)}) and needs attend_length.")
+            if not length <= attend <= cache.capacity:
+                raise ValueError(f"{length} tokens with attend_length={attend} must satisfy tokens <= attend_length "
+                                 f"<= capacity={cache.capacity}.")
+            return attend
         end = start + length
         attend = end if attend is None else attend
         if not (0 <= start and end <= attend <= cache.capacity):
@@ -311,10 +355,15 @@ class LLaDAModel(nn.Module):
     def with_random_weights(cls, config: LLaDAConfig, *, dtype: torch.dtype = torch.float32,
                             device: str | torch.device = "cpu", seed: int = 0) -> "LLaDAModel":
         """`init_weights`' random weights from `seed`, allocated directly in `dtype` on `device` (an 8B model
-        never exists in fp32 on the host)."""
-        with torch.device("meta"):
-            model = cls(config)
-        model = model.to(dtype=dtype).to_empty(device=device)
+        never exists in fp32 on the host). Under a FakeTensorMode (the planner) the model is built in place:
+        fake tensors take no memory, and a meta skeleton could not be moved onto them."""
+        if detect_fake_mode() is not None:
+            with torch.device(device), _default_dtype(dtype):
+                model = cls(config)
+        else:
+            with torch.device("meta"):
+                model = cls(config)
+            model = model.to(dtype=dtype).to_empty(device=device)
         model.init_weights(generator=torch.Generator(device=device).manual_seed(seed))
         return model
 

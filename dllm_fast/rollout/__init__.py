@@ -1,6 +1,7 @@
 """Rollouts: block semi-autoregressive diffusion sampling with Fast-dLLM's caches and parallel decoding.
 
 - `generate` (generate.py): the fused sampler;
+- `step.py`: one denoising step as one function, without a host sync, run eagerly or through torch.compile;
 - `plan.py`: a generate call checked once into a `DecodingPlan` (schedule, temperature, cache, remasking);
 - `cache.py`: the cache policies (none, prefix, dual); `remasking.py`: the remasking rules;
 - `rules.py`: what both samplers enforce (the mask token is never decoded, non-finite outputs raise).

@@ -54,6 +54,15 @@ class CachePolicy:
         lo, hi = self.reused_span(start, end, total)
         return model(ids[:, lo:hi], attention_mask=attention_mask, cache=kv, cache_start=lo, attend_length=total)
 
+    def forward_fed(self, model, ids: torch.Tensor, attention_mask, kv, fed: torch.Tensor | None) -> torch.Tensor:
+        """`forward` for the denoising step that torch.compile captures: the fed positions come as a tensor
+        (`fed`, [F] consecutive positions; None feeds every position and refreshes the cache), so one graph
+        serves every block."""
+        if fed is None:
+            return model(ids, attention_mask=attention_mask, cache=kv)
+        return model(ids.index_select(1, fed), attention_mask=attention_mask, cache=kv, cache_start=fed[0],
+                     attend_length=ids.shape[1])
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -71,6 +80,9 @@ class NoCache(CachePolicy):
         pass
 
     def forward(self, model, ids, attention_mask, kv, start, end, step):
+        return model(ids, attention_mask=attention_mask)
+
+    def forward_fed(self, model, ids, attention_mask, kv, fed):
         return model(ids, attention_mask=attention_mask)
 
 

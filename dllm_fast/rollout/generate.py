@@ -1,25 +1,40 @@
 """Fused block semi-autoregressive diffusion sampling (LLaDA semantics, Fast-dLLM caches and parallel decoding).
 
-Per step, the model body runs on the positions the cache policy feeds; the LM head runs only on the still-masked
-positions of the current block, inside the fused `sample_tokens` op (Gumbel-max and confidence in one pass
-over the vocabulary, never a [B, L, V] tensor); `select_transfer` picks the positions to unmask without a
-Python loop over rows. With a fixed schedule every row has the same number of masked positions at each step,
-so that number is known on the host and a step needs no host sync (non-finite outputs are checked once per
-block); threshold mode syncs once per step for the largest number of masked positions left in a row (zero ends
-the block) and the non-finite flag together.
+Per step, the model body runs on the positions the cache policy feeds; the LM head runs only on positions of the
+current block, inside the fused `sample_tokens` op (Gumbel-max and confidence in one pass over the vocabulary,
+never a [B, L, V] tensor); `select_transfer` picks the positions to unmask without a Python loop over rows. The
+step itself is one function (rollout/step.py) that runs eagerly or compiled whole (`compile=True`).
+
+Host syncs (the host reading a value; counted by dllm_fast.syncs, pinned by the tests): with a fixed schedule
+none per step and one per block (the non-finite check); threshold decoding one per step (the largest number of
+masked positions left in a row, zero ends the block, read with the non-finite flag), or, with
+assumed_steps_per_block, none per step and one per block. At the boundary, the prompt checks read the values in
+one sync, and LLaDAModel's token-id check in one more. On fake tensors (FakeTensorMode) every value check is
+skipped: a fixed schedule, or threshold decoding with assumed_steps_per_block, runs without reading a value.
 """
 
 from __future__ import annotations
 
+import weakref
+from contextlib import nullcontext
+
 import torch
 
-from dllm_fast import ops
 from dllm_fast.contracts import GenerationResult, completion_mask, logit_shift
+from dllm_fast.ops.backend import default_chunk_size
 from dllm_fast.rollout.cache import CachePolicy
-from dllm_fast.rollout.plan import check_generate_args, initial_canvas, masked_count_schedule
+from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, initial_canvas, masked_count_schedule
 from dllm_fast.rollout.remasking import Remasking
 from dllm_fast.rollout.rules import (check_block_done, check_finite_lm_head, confidence_excluded_ids,
                                      raise_if_not_finite, suppressed_ids)
+from dllm_fast.rollout.step import (NOISE_STEP, STEP_IN_BLOCK, RolloutState, StepConstants, compiled_step,
+                                    denoise_step)
+from dllm_fast.validation import data_checks_enabled, values_checked
+
+
+# Graphs the compiled step may hold (dynamo's default is 8, then fullgraph fails): each configuration of a call
+# (model, batch and lengths, temperature, threshold, cache policy, remasking) compiles one or two.
+COMPILED_STEP_GRAPHS = 64
 
 
 @torch.no_grad()
@@ -39,6 +54,9 @@ def generate(
     logits_eos_inf: bool = False,
     confidence_eos_eot_inf: bool = False,
     generator: torch.Generator | None = None,
+    compile: bool = False,
+    record_unmask_step: bool = False,
+    assumed_steps_per_block: int | None = None,
 ) -> GenerationResult:
     """Generate `gen_length` tokens after each prompt by block diffusion.
 
@@ -53,7 +71,7 @@ def generate(
             soon as it is complete (Fast-dLLM), so with more steps per block than block_length the extra steps
             run no forward.
         temperature: 0 is greedy; T > 0 samples softmax(logits / T) exactly (Gumbel-max with Philox noise keyed
-            by a seed drawn once from `generator`, the denoising step, the row, and the position in the
+            by a key drawn once from `generator`, the denoising step, the row, and the position in the
             completion, so a prompt's sample depends on its row but not on how wide the batch is padded).
             T < 1e-30 (validation.GREEDY_BELOW_TEMPERATURE) is greedy: logits / T would leave fp32's range, and
             the sample is the argmax up to exact ties anyway. T must be finite (a large T is near-uniform).
@@ -68,7 +86,16 @@ def generate(
             the confidence softmax), so they are unmasked last within a block. This holds at every temperature;
             LLaDA's generate.py, through a chained assignment, removes only EoT when T > 0.
         generator: the source of all randomness, on input_ids' device; a fixed generator state gives
-            identical outputs (None: torch's default generator).
+            identical outputs (None: torch's default generator of that device).
+        compile: run each denoising step through torch.compile(fullgraph=True) (mode="reduce-overhead", CUDA
+            graphs, on a GPU): one graph for every step, block and call of the same configuration; the first
+            call compiles. A compiled step decodes every position of its block (static shapes), so the LM head
+            also runs on already decoded positions; the tokens are those of eager mode.
+        record_unmask_step: also return GenerationResult.unmask_step, for each completion position the forward
+            (0-based, counted across blocks like nfe) that unmasked it. Off, it costs nothing.
+        assumed_steps_per_block: threshold decoding only: instead of reading the masked count after every step
+            (one host sync), assume each block completes in this many steps. For planning on fake tensors, where
+            no value can be read; a real run checks at each block's end that the block is complete.
 
     The mask token is never sampled nor argmaxed: it is removed from sampling and from the confidence softmax,
     like EOS under logits_eos_inf (a deviation from LLaDA's generate.py, whose completions can hold it). A NaN or
@@ -77,98 +104,204 @@ def generate(
     end of the block, to avoid a host sync per step); such a position is never unmasked.
 
     Returns: GenerationResult(sequences [B, P+G], completion_ids [B, G], completion_mask [B, G] (up to and
-        including the first EOS), nfe (forwards that unmasked something), attention_mask).
+        including the first EOS), nfe (forwards that unmasked something), attention_mask, unmask_step).
     """
     plan = check_generate_args(
         model, input_ids, attention_mask, gen_length=gen_length, block_length=block_length, steps=steps,
         temperature=temperature, remasking=remasking, cfg_scale=cfg_scale, cache=cache, threshold=threshold,
-        logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, generator=generator)
-    device, mask_id = input_ids.device, model.mask_token_id
+        logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, generator=generator,
+        compile=compile, record_unmask_step=record_unmask_step, assumed_steps_per_block=assumed_steps_per_block)
+    reads_values = data_checks_enabled(input_ids, attention_mask, model.lm_head_weight)
+    if plan.threshold is not None and plan.assumed_steps_per_block is None and not reads_values:
+        raise ValueError("threshold decoding reads the masked count after every step, and these tensors hold no "
+                         "values (fake or meta); pass assumed_steps_per_block=N to plan it.")
+    device = input_ids.device
     B, P = input_ids.shape
-    total = P + gen_length
-    x, result_mask = initial_canvas(input_ids, attention_mask, gen_length, mask_id)
-    attention_mask = result_mask
-    guided = plan.cfg_scale > 0
-    if guided:
-        masked_prompt = torch.full((B, P), mask_id, dtype=torch.long, device=device)  # CFG's unconditional input
-        attention_mask = None if attention_mask is None else torch.cat([attention_mask, attention_mask])
-    shift = logit_shift(model)  # the hidden state at i - shift predicts token i
-    kv = plan.cache.new_cache(model, 2 * B if guided else B, total)
-    seed = 0
-    if plan.temperature > 0:
-        seed = int(torch.randint(2**62, (1,), generator=generator,
-                                 device=generator.device if generator is not None else "cpu"))
-    suppress, exclude = suppressed_ids(model, plan), confidence_excluded_ids(model, plan)
-    # Noise is keyed by (row, position in the completion): a prompt's sample does not depend on the padded width.
-    row_base = torch.arange(B, device=device)[:, None] * gen_length
+    state, result_mask = start_rollout(model, plan, input_ids, attention_mask, gen_length, block_length, generator)
+    constants = step_constants(model, plan, P, block_length, B)
+    step_fn = denoise_step
+    if plan.compile:
+        step_fn = compiled_step(device.type)
+        if device.type == "cuda":  # CUDA graphs replay on fixed addresses: the buffers the steps write
+            for tensor in state.tensors():
+                torch._dynamo.mark_static_address(tensor, guard=False)
+    with _graph_limit(COMPILED_STEP_GRAPHS) if plan.compile else nullcontext():
+        nfe = decode(model, plan, state, constants, step_fn, P, gen_length, block_length, generator)
+    sequences, unmask_step = state.canvas, state.unmask_step
+    if plan.compile:  # the buffers are kept for the next call: the result gets its own copy
+        sequences, unmask_step = sequences.clone(), None if unmask_step is None else unmask_step.clone()
+    completion = sequences[:, P:]
+    return GenerationResult(sequences, completion, completion_mask(completion, model.eos_token_id), nfe,
+                            result_mask, unmask_step)
 
-    def block_hidden(start: int, end: int, step: int) -> torch.Tensor:
-        """Hidden states [B, end - start, d] predicting the current block under the cache policy (CFG applied)."""
-        ids = x if not guided else torch.cat([x, torch.cat([masked_prompt, x[:, P:]], dim=1)])
-        fed_start, _ = plan.cache.fed_span(start, end, total, step)
-        hidden = plan.cache.forward(model, ids, attention_mask, kv, start, end, step)
-        hidden = hidden[:, start - shift - fed_start:end - shift - fed_start]
-        if guided:  # logits are linear in hidden, so guidance can be applied before the LM head
-            cond, uncond = hidden.chunk(2)
-            hidden = uncond + (plan.cfg_scale + 1) * (cond - uncond)
-        return hidden
 
+def _graph_limit(graphs: int):
+    """Dynamo's per-function graph limit raised while the compiled step runs (named cache_size_limit before
+    torch 2.6)."""
+    config = torch._dynamo.config
+    return config.patch(**{"recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit": graphs})
+
+
+def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConstants, step_fn, P: int,
+           gen_length: int, block_length: int, generator) -> int:
+    """The block loop: runs the steps of every block, and returns the number of forwards."""
+    device, B = state.canvas.device, state.canvas.shape[0]
+    feeds = FedPositions(plan.cache, P, gen_length, block_length, device, dynamic=plan.compile)
+    reads_values = data_checks_enabled(state.canvas, model.lm_head_weight)
+    schedule = None if plan.steps_per_block is None else masked_count_schedule(block_length, plan.steps_per_block)
     nfe = 0
     for block in range(gen_length // block_length):
-        start, end = P + block * block_length, P + (block + 1) * block_length
-        window = x[:, start:end]  # a view: steps write their tokens into x
-        schedule = None if plan.steps_per_block is None else masked_count_schedule(block_length, plan.steps_per_block)
-        not_finite = torch.zeros(B, block_length, dtype=torch.bool, device=device)
+        positions = torch.arange(P + block * block_length, P + (block + 1) * block_length, device=device)
+        state.counters[STEP_IN_BLOCK] = 0
+        if plan.steps_per_block is not None:  # the noise step is the schedule's: skipped steps change no sample
+            state.counters[NOISE_STEP] = block * plan.steps_per_block
         remaining = block_length  # the most masked positions in a row; a new block is fully masked
         for step in range(plan.step_limit(block_length)):
             if remaining == 0:  # the block is complete: leave it (Fast-dLLM), no forward that unmasks nothing
                 break
-            masked = window == mask_id
-            # The first `remaining` masked positions of each row (a stable argsort keeps position order). With a
-            # fixed schedule every row has exactly `remaining`; in threshold mode rows with fewer pad with
-            # unmasked positions, which are not candidates.
-            positions = torch.argsort((~masked).to(torch.int8), dim=1, stable=True)[:, :remaining]
-            candidates = masked.gather(1, positions)
-            hidden = block_hidden(start, end, step)
-            weight = model.lm_head_weight  # read after the forward: FSDP2 gathers the root's weights in it
-            rows = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
-            # A non-finite output is flagged (raised below without a host sync per step), zeroed so the kernel
-            # never sees it, and never unmasked.
-            bad_rows = ~torch.isfinite(rows).all(dim=-1)
-            rows = rows.masked_fill(bad_rows[..., None], 0)
-            # The noise offset is the denoising step, so skipping a complete block's steps changes no sample.
-            offset = nfe if schedule is None else block * plan.steps_per_block + step
+            fed = feeds(block, step)
+            drawn = feeds.mark(plan.remasking.draw((B, P + gen_length if fed is None else len(fed)), generator,
+                                                   device), fed)
+            # Compiled, a step decodes the whole block (a static shape); without the masked count, so must one
+            # that assumes the steps; else the most masked positions any row has left.
+            rows = block_length if plan.compile or plan.assumed_steps_per_block else remaining
             try:
-                tokens, confidence = ops.sample_tokens(
-                    rows.reshape(-1, rows.shape[-1]), weight, temperature=plan.temperature, seed=seed,
-                    offset=offset, row_ids=(row_base + (start - P) + positions).reshape(-1), suppress_ids=suppress,
-                    confidence_exclude_ids=exclude, check_finite=False)
+                with values_checked():  # the prompts were checked once: the model skips its per-call check
+                    step_fn(model, state, constants, positions, fed, rows, drawn)
             except RuntimeError:  # the CPU kernel raises on a row without a finite logit: name a corrupt head
-                check_finite_lm_head(weight)
+                check_finite_lm_head(model.lm_head_weight)
                 raise
-            tokens, confidence = tokens.view(positions.shape), confidence.view(positions.shape)
-            bad = (bad_rows | confidence.isnan() | (tokens < 0)) & candidates
-            not_finite |= torch.zeros_like(not_finite).scatter_(1, positions, bad)
-            candidates &= ~bad
-            fed_start, fed_end = plan.cache.fed_span(start, end, total, step)
-            scores = plan.remasking.scores(confidence, fed_shape=(B, fed_end - fed_start),
-                                           fed_positions=positions + (start - fed_start), generator=generator,
-                                           device=device)
-            if schedule is None:
-                transfer = ops.select_transfer(scores, candidates, threshold=plan.threshold, check_finite=False)
-            else:
-                counts = torch.full((B,), schedule[step], dtype=torch.long, device=device)
-                transfer = ops.select_transfer(scores, candidates, counts=counts, check_finite=False)
-            window.scatter_(1, positions, torch.where(transfer, tokens, window.gather(1, positions)))
             nfe += 1
-            if schedule is None:  # threshold mode's one host sync per step reads the non-finite flag too
-                left = torch.stack([(window == mask_id).sum(dim=1).max(), not_finite.any().long()])
-                remaining, any_bad = left.tolist()
-                if any_bad:
-                    raise_if_not_finite(not_finite, start - P, plan.cfg_scale, weight)
-            else:
+            if schedule is not None:
                 remaining -= schedule[step]
-        raise_if_not_finite(not_finite, start - P, plan.cfg_scale, weight)
-        check_block_done(remaining, block, plan.step_limit(block_length))
-    completion = x[:, P:]
-    return GenerationResult(x, completion, completion_mask(completion, model.eos_token_id), nfe, result_mask)
+            elif plan.assumed_steps_per_block is not None:
+                remaining = 0 if step + 1 == plan.assumed_steps_per_block else remaining
+            else:  # threshold decoding's one host sync per step, which reads the non-finite flag too
+                remaining, any_bad = masked_left_and_bad(state, positions, model.mask_token_id)
+                if any_bad:
+                    raise_if_not_finite(state.not_finite, 0, plan.cfg_scale, model.lm_head_weight)
+        if reads_values:
+            check_block_end(state, plan, positions, block, model)
+        check_block_done(remaining if plan.assumed_steps_per_block is None else 0, block,
+                         plan.step_limit(block_length))
+    return nfe
+
+
+class FedPositions:
+    """The positions each step feeds: None for a step that refreshes (it feeds every position), else the cache
+    policy's reused span of the block, as a tensor made once per block. With dynamic=True (compiled) a span whose
+    length varies between blocks (the prefix cache's) is marked dynamic: one graph serves every block."""
+
+    def __init__(self, policy: CachePolicy, prompt_length: int, gen_length: int, block_length: int, device,
+                 dynamic: bool):
+        self.policy, self.device = policy, device
+        self.spans = reused_spans(policy, prompt_length, gen_length, block_length)
+        self.dynamic = dynamic and len({hi - lo for lo, hi in self.spans}) > 1
+        self._block, self._positions = None, None
+
+    def __call__(self, block: int, step: int) -> torch.Tensor | None:
+        if self.policy.refreshes(step):
+            return None
+        if self._block != block:
+            self._block, self._positions = block, torch.arange(*self.spans[block], device=self.device)
+            if self.dynamic:
+                torch._dynamo.maybe_mark_dynamic(self._positions, 0)
+        return self._positions
+
+    def mark(self, drawn: torch.Tensor | None, fed: torch.Tensor | None) -> torch.Tensor | None:
+        """A remasking rule's draw over the fed positions: as dynamic as their span."""
+        if self.dynamic and drawn is not None and fed is not None:
+            torch._dynamo.maybe_mark_dynamic(drawn, 1)
+        return drawn
+
+
+# Compiled, the buffers of a model's last call are kept for its next call of the same shapes: a CUDA graph
+# replays on the addresses it recorded (new buffers would re-record it), and the KV cache is not reallocated.
+_KEPT_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def start_rollout(model, plan: DecodingPlan, input_ids, attention_mask, gen_length: int, block_length: int,
+                  generator) -> tuple[RolloutState, torch.Tensor | None]:
+    """The buffers of a call (no host-to-device copy, which would sync on a GPU; compiled, the model's last
+    call's, refilled) and the result's attention mask."""
+    device, mask_id = input_ids.device, model.mask_token_id
+    B, P = input_ids.shape
+    canvas, result_mask = initial_canvas(input_ids, attention_mask, gen_length, mask_id)
+    guided = plan.cfg_scale > 0
+    step_mask = result_mask
+    if guided and result_mask is not None:
+        step_mask = torch.cat([result_mask, result_mask])
+    schedule = None
+    if plan.steps_per_block is not None:  # masked_count_schedule, built on the device
+        base, remainder = divmod(block_length, plan.steps_per_block)
+        schedule = base + (torch.arange(plan.steps_per_block, device=device) < remainder).long()
+    noise_key = torch.zeros((), dtype=torch.long, device=device)
+    if plan.temperature > 0:  # 62 random bits, drawn once on the device: no host sync
+        noise_key = torch.randint(2**62, (), generator=generator, device=device)
+    shapes = (device, B, P, gen_length, block_length, plan.steps_per_block, guided, step_mask is not None,
+              plan.record_unmask_step, plan.cache, model.lm_head_weight.dtype)
+    kept = _KEPT_STATES.get(model) if plan.compile else None
+    if kept is not None and kept[0] == shapes:
+        kept[1].restart(canvas, step_mask, noise_key)
+        return kept[1], result_mask
+    state = RolloutState(
+        canvas=canvas,
+        kv=plan.cache.new_cache(model, 2 * B if guided else B, P + gen_length),
+        attention_mask=step_mask,
+        masked_prompt=torch.full((B, P), mask_id, dtype=torch.long, device=device) if guided else None,
+        noise_key=noise_key,
+        counters=torch.zeros(3, dtype=torch.long, device=device),
+        schedule=schedule,
+        row_base=torch.arange(B, device=device)[:, None] * gen_length,
+        not_finite=torch.zeros(B, gen_length, dtype=torch.bool, device=device),
+        unmask_step=torch.full((B, gen_length), -1, dtype=torch.long, device=device)
+        if plan.record_unmask_step else None,
+    )
+    if plan.compile:
+        _KEPT_STATES[model] = (shapes, state)
+    return state, result_mask
+
+
+def step_constants(model, plan: DecodingPlan, prompt_length: int, block_length: int, batch: int) -> StepConstants:
+    weight = model.lm_head_weight
+    return StepConstants(
+        prompt_length=prompt_length, block_length=block_length, mask_id=model.mask_token_id,
+        logit_shift=logit_shift(model), temperature=plan.temperature, threshold=plan.threshold,
+        cfg_scale=plan.cfg_scale, cache=plan.cache, remasking=plan.remasking,
+        suppress_ids=tuple(suppressed_ids(model, plan)), exclude_ids=tuple(confidence_excluded_ids(model, plan)),
+        chunk_size=default_chunk_size(batch * block_length, weight.shape[0], weight.device),
+        decode_whole_block=plan.compile)
+
+
+def reused_spans(policy: CachePolicy, prompt_length: int, gen_length: int, block_length: int):
+    """The (lo, hi) span of every block that a step reusing the cache feeds (none for a policy without one)."""
+    if not policy.uses_cache:
+        return []
+    total = prompt_length + gen_length
+    starts = range(prompt_length, total, block_length)
+    return [policy.reused_span(start, start + block_length, total) for start in starts]
+
+
+def masked_left_and_bad(state: RolloutState, positions: torch.Tensor, mask_id: int) -> tuple[int, bool]:
+    """The most masked positions left in a row of the block, and whether any output was non-finite: one host
+    sync."""
+    left = (state.canvas.index_select(1, positions) == mask_id).sum(dim=1).max()
+    masked, any_bad = torch.stack([left, state.not_finite.any().long()]).tolist()
+    return masked, bool(any_bad)
+
+
+def check_block_end(state: RolloutState, plan: DecodingPlan, positions, block: int, model) -> None:
+    """At a block's end (one host sync where the steps read nothing): raise on a non-finite output, and check
+    that assumed_steps_per_block completed the block."""
+    if plan.threshold is not None and plan.assumed_steps_per_block is None:
+        return  # the last step's read covered it
+    if plan.assumed_steps_per_block is None:
+        raise_if_not_finite(state.not_finite, 0, plan.cfg_scale, model.lm_head_weight)
+        return
+    masked, any_bad = masked_left_and_bad(state, positions, model.mask_token_id)
+    if any_bad:
+        raise_if_not_finite(state.not_finite, 0, plan.cfg_scale, model.lm_head_weight)
+    if masked:
+        raise ValueError(f"assumed_steps_per_block={plan.assumed_steps_per_block} left {masked} masked positions in "
+                         f"block {block}; it is meant for planning on fake tensors: drop it to decode until each "
+                         "block is complete.")

@@ -8,16 +8,18 @@ from dataclasses import dataclass
 
 import torch
 
+from dllm_fast.contracts import unwrap_model
 from dllm_fast.rollout.cache import CachePolicy, cache_policy
 from dllm_fast.rollout.remasking import Remasking, remasking_rule
 from dllm_fast.validation import (check_binary_mask, check_bool, check_float, check_int, check_same_device,
-                                  check_temperature, check_threshold)
+                                  check_temperature, check_threshold, data_checks_enabled, non_binary)
 
 
 @dataclass(frozen=True)
 class DecodingPlan:
     """A checked generate() call: steps_per_block is None when threshold sets the steps adaptively; temperature
-    is the one to sample at (0.0 for greedy, including temperatures too small to sample at)."""
+    is the one to sample at (0.0 for greedy, including temperatures too small to sample at);
+    assumed_steps_per_block, in threshold mode, replaces the per-step read of the masked count."""
 
     steps_per_block: int | None
     temperature: float
@@ -27,6 +29,9 @@ class DecodingPlan:
     remasking: Remasking
     logits_eos_inf: bool
     confidence_eos_eot_inf: bool
+    compile: bool = False
+    record_unmask_step: bool = False
+    assumed_steps_per_block: int | None = None
 
     def step_limit(self, block_length: int) -> int:
         """Most steps a block may take: its schedule, or one unmasked token per step under a threshold."""
@@ -52,8 +57,11 @@ def initial_canvas(input_ids, attention_mask, gen_length: int, mask_id: int):
 
 def check_generate_args(model, input_ids, attention_mask, *, gen_length, block_length, steps, temperature,
                         remasking, cfg_scale, cache, threshold, logits_eos_inf=False, confidence_eos_eot_inf=False,
-                        generator=None) -> DecodingPlan:
-    """Validate a generate() call, once, and return its plan."""
+                        generator=None, compile=False, record_unmask_step=False,
+                        assumed_steps_per_block=None) -> DecodingPlan:
+    """Validate a generate() call, once, and return its plan. The checks that read the prompts' values cost one
+    host sync (and the model's own token-id check, `check_input_ids`, one more); they are skipped where
+    validation.data_checks_enabled says values cannot be read (fake tensors, torch.compile tracing)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a [B, P] tensor of prompt token ids, got {getattr(input_ids, 'shape', input_ids)!r}.")
     check_same_device("generate", **{"input_ids": input_ids, "attention_mask": attention_mask,
@@ -64,24 +72,11 @@ def check_generate_args(model, input_ids, attention_mask, *, gen_length, block_l
         raise ValueError("input_ids has prompts of length 0; every prompt needs at least one token.")
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}.")
-    mask_id = model.mask_token_id
-    real = torch.ones_like(input_ids, dtype=torch.bool)
     if attention_mask is not None:
-        real = check_binary_mask("attention_mask", attention_mask, shape=tuple(input_ids.shape),
-                                 device=input_ids.device)
-        if not torch.equal(real, real.to(torch.int8).cummax(dim=1).values.to(torch.bool)):
-            raise ValueError("attention_mask must be left-padded (zeros, then ones, in every row); pad prompts on the left.")
-        if (~real[:, -1]).any():
-            row = int((~real[:, -1]).nonzero()[0])
-            raise ValueError(f"prompt {row} is all padding; every prompt needs at least one token.")
-    hits = (input_ids == mask_id).nonzero()
-    if len(hits):
-        row, pos = (int(v) for v in hits[0])
-        kind = "padding" if not real[row, pos] else "prompt"
-        raise ValueError(
-            f"input_ids[{row}, {pos}] is the mask token {mask_id} ({kind}); prompts and padding must not contain it "
-            "(pad with the EOS/pad token instead)."
-        )
+        check_binary_mask("attention_mask", attention_mask, shape=tuple(input_ids.shape), device=input_ids.device,
+                          check_values=False)
+    if data_checks_enabled(input_ids, attention_mask):
+        check_prompt_values(model, input_ids, attention_mask)
     check_int("gen_length", gen_length, minimum=1)
     check_int("block_length", block_length, minimum=1)
     if gen_length % block_length != 0:
@@ -114,7 +109,49 @@ def check_generate_args(model, input_ids, attention_mask, *, gen_length, block_l
         if generator.device.type != input_ids.device.type:
             raise ValueError(f"generator is on {generator.device} but input_ids on {input_ids.device}; pass "
                              f"torch.Generator(device={str(input_ids.device)!r}).manual_seed(seed).")
+    check_bool("compile", compile)
+    check_bool("record_unmask_step", record_unmask_step)
+    if assumed_steps_per_block is not None:
+        check_int("assumed_steps_per_block", assumed_steps_per_block, minimum=1, maximum=block_length,
+                  hint="steps a threshold-decoded block is assumed to take, at most block_length")
+        if threshold is None:
+            raise ValueError(f"assumed_steps_per_block={assumed_steps_per_block} replaces threshold decoding's read "
+                             "of the masked count; with a fixed schedule (steps) the steps are known: drop it.")
+    if input_ids.shape[0] * gen_length > 2**32:
+        raise ValueError(f"{input_ids.shape[0]} prompts x gen_length={gen_length} completion positions exceed "
+                         "2^32, the noise counter's position word; generate in smaller batches.")
     return DecodingPlan(steps_per_block, temperature, threshold, cfg_scale, policy, rule, logits_eos_inf,
-                        confidence_eos_eot_inf)
+                        confidence_eos_eot_inf, compile, record_unmask_step, assumed_steps_per_block)
+
+
+def check_prompt_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """The checks of a generate() call that read the prompts' values, read together in one host sync (a failure
+    then reads more, to name the position): a 0/1 left-padded attention mask with a token in every prompt, no
+    mask token in the prompts or their padding; then the model's own token-id check, if it has one."""
+    mask_id = model.mask_token_id
+    real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask != 0
+    where = {"mask token": input_ids == mask_id}
+    if attention_mask is not None:
+        left_padded = real.to(torch.int8).cummax(dim=1).values.to(torch.bool)
+        where = {"non-binary": non_binary(attention_mask), "not left-padded": real != left_padded,
+                 "all padding": ~real[:, -1], **where}
+    found = dict(zip(where, torch.stack([flags.any() for flags in where.values()]).tolist()))
+    if found.get("non-binary"):
+        check_binary_mask("attention_mask", attention_mask, shape=tuple(input_ids.shape), device=input_ids.device)
+    if found.get("not left-padded"):
+        raise ValueError("attention_mask must be left-padded (zeros, then ones, in every row); pad prompts on the left.")
+    if found.get("all padding"):
+        row = int((~real[:, -1]).nonzero()[0])
+        raise ValueError(f"prompt {row} is all padding; every prompt needs at least one token.")
+    if found["mask token"]:
+        row, pos = (int(v) for v in (input_ids == mask_id).nonzero()[0])
+        kind = "padding" if not real[row, pos] else "prompt"
+        raise ValueError(
+            f"input_ids[{row}, {pos}] is the mask token {mask_id} ({kind}); prompts and padding must not contain it "
+            "(pad with the EOS/pad token instead)."
+        )
+    check_input_ids = getattr(unwrap_model(model), "check_input_ids", None)
+    if check_input_ids is not None:
+        check_input_ids(input_ids)
 
 

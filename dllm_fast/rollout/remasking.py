@@ -8,7 +8,12 @@ from dllm_fast.validation import check_choice
 
 
 class Remasking:
-    """How a step ranks the still-masked positions of the block: the highest scores are unmasked first."""
+    """How a step ranks the still-masked positions of the block: the highest scores are unmasked first.
+
+    A rule is `scores`. A rule that draws random numbers also splits it in two, so that the denoising step, which
+    torch.compile captures whole, never calls a generator: `draw` (before the step, eagerly) and `rank` (inside
+    it). The defaults fit a rule without randomness: `draw` draws nothing and `rank` calls `scores`.
+    """
 
     name = ""
     uses_model_confidence = True  # whether `scores` reads the model's confidence in its sampled tokens
@@ -23,6 +28,16 @@ class Remasking:
             them; generator: the sampler's torch.Generator.
         """
         raise NotImplementedError
+
+    def draw(self, fed_shape: tuple[int, int], generator, device) -> torch.Tensor | None:
+        """The random numbers a step's `rank` uses, drawn from `generator` before the step (None: none)."""
+        return None
+
+    def rank(self, confidence: torch.Tensor | None, drawn: torch.Tensor | None, *, fed_shape: tuple[int, int],
+             fed_positions, device) -> torch.Tensor:
+        """`scores` from what `draw` drew, without touching a generator."""
+        return self.scores(confidence, fed_shape=fed_shape, fed_positions=fed_positions, generator=None,
+                           device=device)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -44,8 +59,14 @@ class RandomRemasking(Remasking):
     uses_model_confidence = False
 
     def scores(self, confidence, *, fed_shape, fed_positions, generator, device):
-        uniform = torch.rand(fed_shape, device=device, generator=generator)
-        return uniform if fed_positions is None else uniform.gather(1, fed_positions)
+        return self.rank(confidence, self.draw(fed_shape, generator, device), fed_shape=fed_shape,
+                         fed_positions=fed_positions, device=device)
+
+    def draw(self, fed_shape, generator, device):
+        return torch.rand(fed_shape, device=device, generator=generator)
+
+    def rank(self, confidence, drawn, *, fed_shape, fed_positions, device):
+        return drawn if fed_positions is None else drawn.gather(1, fed_positions)
 
 
 REMASKING: dict[str, Remasking] = {rule.name: rule for rule in (LowConfidence(), RandomRemasking())}

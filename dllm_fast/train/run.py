@@ -138,7 +138,7 @@ class Run:
         with torch.no_grad(), self.autocast():  # core: DDP's wrapper adds nothing to sampling; FSDP2's is the model
             result = generate(self.core, input_ids, attention_mask, gen_length=c.gen_length,
                               block_length=c.block_length, steps=c.diffusion_steps, temperature=c.temperature,
-                              remasking=c.remasking, cache=c.cache, threshold=c.threshold,
+                              remasking=c.remasking, cache=c.cache, threshold=c.threshold, compile=c.compile,
                               generator=self.rollout_generator, **record)
         self.model.train()
         return result, decode_completions(self.tokenizer, result), time.perf_counter() - started
