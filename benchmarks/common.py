@@ -258,7 +258,9 @@ import common
 provider = importlib.import_module(module).PROVIDERS[name]
 out = common._fresh_process_worker(provider, json.loads(point), int(repeats), None, int(threads))
 timing = out["timing"]
-print("DLLM_FAST_TREE " + json.dumps(dict(median_s=timing.median_s, min_s=timing.min_s, peak_bytes=out["peak_bytes"])))
+import dllm_fast
+print("DLLM_FAST_TREE " + json.dumps(dict(median_s=timing.median_s, min_s=timing.min_s, peak_bytes=out["peak_bytes"],
+                                          package=dllm_fast.__file__)))
 """
 
 
@@ -267,7 +269,8 @@ def measure_in_tree(module: str, provider: str, point: dict, tree: str | os.Path
     """`measure_in_fresh_process` of `module.PROVIDERS[provider]` (a benchmark in this folder, by name) with
     dllm_fast imported from another checkout `tree` (built in place), e.g. `git archive <commit> | tar -x -C
     /tmp/before` and `python setup.py build_ext --inplace` there: the same benchmark code drives both trees, so
-    a change's before and after are measured side by side in one run. Returns {"timing", "peak_bytes"}."""
+    a change's before and after are measured side by side in one run. Returns {"timing", "peak_bytes",
+    "package"} (the dllm_fast/__init__.py that was imported)."""
     tree = str(Path(tree).resolve())
     if not (Path(tree) / "dllm_fast").is_dir():
         raise ValueError(f"{tree} holds no dllm_fast package; give the root of a checkout built in place.")
@@ -280,7 +283,8 @@ def measure_in_tree(module: str, provider: str, point: dict, tree: str | os.Path
     if result.returncode != 0 or line is None:
         raise RuntimeError(f"{provider} in {tree} failed:\n{result.stderr[-4000:]}")
     values = json.loads(line.split(" ", 1)[1])
-    return dict(timing=Timing(median_s=values["median_s"], min_s=values["min_s"]), peak_bytes=values["peak_bytes"])
+    return dict(timing=Timing(median_s=values["median_s"], min_s=values["min_s"]), peak_bytes=values["peak_bytes"],
+                package=values["package"])
 
 
 def time_interleaved(runs: Mapping[str, Callable[[], Any]], device, *, repeats: int = 3) -> dict[str, Timing]:
