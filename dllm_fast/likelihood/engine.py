@@ -84,8 +84,8 @@ def streaming_backward(
             was scored). Pass 1 is skipped; the gradient is identical. Not with separable=True (no pass 1 to
             skip) nor with active dropout (pass 2 could not replay the draws lp was scored under). Like pass 1's
             lp, it also gives pass 2 each row's normaliser (its target logit minus lp): an lp off by d nats for
-            a row (scored with other weights) would make that row's softmax term of the LM head's gradient off
-            by a factor e^d, on top of the coefficients being taken at the wrong point.
+            a row (scored with other weights) would scale that row's softmax term in the LM head weight's
+            gradient by e^d, on top of the coefficients being taken at the wrong point.
         return_lp: also return the current policy's lp [N, n_t, L] (detached), e.g. for logging; it costs
             nothing extra.
         hooks: `BackwardHooks`, how a data-parallel wrapper or a host trainer takes part in each backward
