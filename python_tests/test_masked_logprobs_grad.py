@@ -74,6 +74,21 @@ def test_the_composite_of_the_forward_and_backward_kernels_gives_the_same():
     assert _composite_grad(hidden, weight, targets, upstream, None, 64)[1].shape == hidden.shape
 
 
+def test_a_device_without_the_kernel_takes_the_composite(monkeypatch):
+    """CUDA builds until csrc/cuda registers masked_logprobs_grad: the face must route there, not fail."""
+    import dllm_fast.ops.logprobs as faces
+
+    hidden, weight, targets, upstream = make_inputs(20, 8, 300, dtype=torch.float64)
+    want = masked_logprobs_grad(hidden, weight, targets, upstream, lse=exact_lse(hidden, weight))
+    calls = []
+    monkeypatch.setattr(faces, "has_kernel", lambda op, device: op != "masked_logprobs_grad")
+    monkeypatch.setattr(faces, "_composite_grad", lambda *args: calls.append(1) or _composite_grad(*args))
+    got = masked_logprobs_grad(hidden, weight, targets, upstream, lse=exact_lse(hidden, weight))
+    assert calls == [1]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_accumulates_in_fp32_into_a_low_precision_gradient(dtype):
     hidden, weight, targets, upstream = make_inputs(24, 16, 500, dtype=dtype)
