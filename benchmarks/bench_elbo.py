@@ -3,23 +3,32 @@
     python benchmarks/bench_elbo.py                          # CPU: `small` preset, prompt 64 + completion 256
     python benchmarks/bench_elbo.py --device cuda            # GPU: llada-8b shapes, prompt 200 + completion 512,
     python benchmarks/bench_elbo.py --device cuda --lora     #      random bf16 weights, full fine-tune or LoRA
+    python benchmarks/bench_elbo.py --sequences 4 --micro-batch 2 --nt 1 2 32 --providers two_pass separable \
+        --before /tmp/engine_before                         # memory flat in n_t, before and after a change
 
-One sequence, n_t stratified_l masks over its completion (every position counts), on-policy objectives (the
-old policy's ELBO is the current one, detached, so no extra scoring pass is needed). Providers, side by side:
+--sequences sequences (default 1), n_t stratified_l masks over each completion (every position counts),
+on-policy objectives (the old policy's ELBO is the current one, detached, so no extra scoring pass is needed).
+Gradients are None when each run starts (--grads none, as the trainer leaves them: the peak includes the
+gradients the run allocates) or already allocated (--grads existing: accumulating into them; the engine's
+all-or-nothing guarantee then keeps one copy). Providers, side by side:
 
     naive       dllm_fast.reference.likelihood.score_naive: all n_t pairs in one graph through the full
                 [n_t, P + L, V] logits and log_softmax, then VRPO-OL's exp(ELBO - ELBO_old) * A, backward;
     all_graphs  the same graph but through the fused LM head (dllm_fast.likelihood.score, one micro-batch):
                 an honest baseline for the streaming paths, which use the same scoring;
     two_pass    dllm_fast.likelihood.streaming_backward on the same objective, `--micro-batch` pairs per graph;
-    separable   streaming_backward(separable=True) on BGPO's per-sample linear bound (BGPO Eq. 13).
+    separable   streaming_backward(separable=True) on BGPO's per-sample linear bound (BGPO Eq. 13);
+    <p>@before  with --before TREE: provider p (two_pass, separable) of this benchmark with dllm_fast imported
+                from another checkout, built in place (`git archive 5649a7b | tar -x -C /tmp/engine_before`,
+                then `python setup.py build_ext --inplace` there), timed and measured in a fresh process.
 
 Time is the median (and the minimum) of --repeats runs after a warm-up, reported per MC sample. Memory:
   - saved: the peak of the bytes autograd keeps for backward and that are alive at once during one full run
     (track_live_saved_tensors, parameters excluded): every graph for naive/all_graphs, one micro-batch's graph
     for the streaming paths;
   - peak: on CPU the resident peak of a fresh subprocess above its baseline (after a warm-up run on one fully
-    masked sample, which allocates the gradients and the largest per-sample buffers); on CUDA
+    masked sample per sequence, which touches the largest per-sample buffers; gradients then freed or kept as
+    --grads says); on CUDA
     torch.cuda.max_memory_allocated above what was allocated before the run. The CPU subprocess runs with
     MALLOC_MMAP_THRESHOLD_=64 KiB, so that freed tensors go back to the OS: with glibc's default (dynamic,
     up to 32 MiB) threshold the `small` preset's 0.6 MiB activations stay in the heap once freed and RSS counts
@@ -33,6 +42,7 @@ provider.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -46,7 +56,8 @@ from dllm_fast.models import LLaDAConfig, LLaDAModel
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 from common import (  # noqa: E402
-    Provider, add_ratio, add_results_dir_argument, print_table, run_sweep, time_call, training_memory, write_results,
+    Provider, add_ratio, add_results_dir_argument, measure_in_tree, print_table, run_sweep, time_call, training_memory,
+    write_results,
 )
 
 ADVANTAGE = 1.0
@@ -93,7 +104,7 @@ class Case:
     """One model and one sequence, shared by every provider and n_t of a sweep; the masks for each n_t."""
 
     def __init__(self, *, preset, prompt, completion, device, dtype, lora, lora_rank, checkpointing, micro_batch,
-                 score_micro_batch=None, seed=0):
+                 score_micro_batch=None, sequences=1, seed=0):
         self.device = torch.device(device)
         self.model = build_model(preset, self.device, dtype, lora=lora, lora_rank=lora_rank,
                                  checkpointing=checkpointing, seed=seed)
@@ -101,7 +112,7 @@ class Case:
         self.prompt = prompt
         config = LLaDAConfig.preset(preset)
         gen = torch.Generator(device=self.device).manual_seed(seed + 1)
-        self.sequences = torch.randint(0, config.mask_token_id, (1, prompt + completion), generator=gen,
+        self.sequences = torch.randint(0, config.mask_token_id, (sequences, prompt + completion), generator=gen,
                                        device=self.device)
         self._masks = {}
 
@@ -113,7 +124,7 @@ class Case:
         return self._masks[n_t]
 
     def fully_masked(self):
-        """One sample with every completion position masked: the most rows through the LM head."""
+        """One sample per sequence with every completion position masked: the most rows through the LM head."""
         return sample_masks(self.sequences, prompt_length=self.prompt, n_t=1, sampler="mean_field", count="all",
                             perturb_prob=0.0, generator=torch.Generator(device=self.device).manual_seed(0))
 
@@ -122,7 +133,7 @@ class Case:
 
 
 CASE_KEYS = ("preset", "prompt", "completion", "device", "dtype", "lora", "lora_rank", "checkpointing", "micro_batch",
-             "score_micro_batch")
+             "score_micro_batch", "sequences")
 
 
 @functools.lru_cache(maxsize=1)
@@ -134,9 +145,9 @@ def cached_case(*values) -> Case:
 
 
 def setup(point: dict):
-    """(case, masks) for the point's n_t."""
+    """(case, masks, whether gradients exist when a run starts) for the point."""
     case = cached_case(*(point[key] for key in CASE_KEYS))
-    return case, case.masks(point["n_t"])
+    return case, case.masks(point["n_t"]), point["grads"] == "existing"
 
 
 # One function per provider: forward + backward of the objective on (case, masks).
@@ -161,16 +172,17 @@ def separable(case: Case, masks) -> None:
 
 
 def run(backward, state) -> None:
-    case, masks = state
-    case.model.zero_grad(set_to_none=False)  # gradients stay allocated: they are part of the baseline
+    case, masks, existing = state
+    case.model.zero_grad(set_to_none=not existing)  # None, or allocated and part of the baseline
     backward(case, masks)
 
 
 def warm_up(backward, state) -> None:
-    """One run on a single fully masked sample: allocates the gradients and the largest per-sample buffers, so a
-    later peak measures transient memory, not first touches."""
-    case, _ = state
-    run(backward, (case, case.fully_masked()))
+    """One run on a fully masked sample per sequence: touches the largest per-sample buffers, so a later peak
+    measures transient memory, not first touches; the gradients it allocates stay only with --grads existing."""
+    case, _, existing = state
+    run(backward, (case, case.fully_masked(), existing))
+    case.model.zero_grad(set_to_none=not existing)
 
 
 PROVIDERS = {
@@ -180,25 +192,35 @@ PROVIDERS = {
 }
 
 
-def naive_logits_bytes(n_t: int, length: int, vocab: int) -> int:
+def naive_logits_bytes(pairs: int, length: int, vocab: int) -> int:
     """Logits, their fp32 log_softmax and its gradient: what the naive path allocates beyond the model."""
-    return 3 * n_t * length * vocab * 4
+    return 3 * pairs * length * vocab * 4
 
 
 def skip_naive_on_cpu(args, provider: Provider, point: dict) -> str | None:
     if provider.name != "naive" or point["device"] != "cpu":
         return None
     vocab = LLaDAConfig.preset(point["preset"]).vocab_size
-    need = naive_logits_bytes(point["n_t"], point["prompt"] + point["completion"], vocab)
+    need = naive_logits_bytes(point["sequences"] * point["n_t"], point["prompt"] + point["completion"], vocab)
     if need > args.naive_max_gib * 2**30:
         return f"skipped: logits need {need / 2**30:.1f} GiB > --naive-max-gib"
     return None
 
 
+BEFORE = "@before"
+
+
 def measure(args, provider: Provider, point: dict) -> dict:
-    state = provider.prepare(point)
-    case, masks = state
     n_t = point["n_t"]
+    if provider.name.endswith(BEFORE):
+        env = {} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
+        out = measure_in_tree("bench_elbo", provider.name.removesuffix(BEFORE), point, args.before,
+                              repeats=args.repeats, env=env)
+        timing = out["timing"]
+        return dict(seconds=timing.median_s, ms_per_sample=1e3 * timing.median_s / n_t,
+                    min_ms_per_sample=1e3 * timing.min_s / n_t, peak_mib=out["peak_bytes"] / 2**20)
+    state = provider.prepare(point)
+    case, masks, _ = state
     timing = time_call(lambda: provider.run(state), point["device"], warmup=0, repeats=args.repeats)
     row = dict(pairs_scored=int((masks.num_masked > 0).sum()), seconds=timing.median_s,
                ms_per_sample=1e3 * timing.median_s / n_t, min_ms_per_sample=1e3 * timing.min_s / n_t)
@@ -214,6 +236,11 @@ def main():
     parser.add_argument("--preset", help="model preset (default: small on CPU, llada-8b on CUDA)")
     parser.add_argument("--prompt", type=int, help="prompt length (default: 64 on CPU, 200 on CUDA)")
     parser.add_argument("--completion", type=int, help="completion length (default: 256 on CPU, 512 on CUDA)")
+    parser.add_argument("--sequences", type=int, default=1, help="sequences N (default 1)")
+    parser.add_argument("--grads", choices=["none", "existing"], default="none",
+                        help="gradients when a run starts: none (as the trainer leaves them) or existing")
+    parser.add_argument("--before", help="also run two_pass/separable with dllm_fast from this checkout (built in "
+                        "place), in fresh processes: e.g. /tmp/engine_before")
     parser.add_argument("--micro-batch", type=int, default=1, help="(sequence, sample) pairs per streamed graph")
     parser.add_argument("--score-micro-batch", type=int, help="pairs per no-grad call in pass 1 (default: "
                         "--micro-batch)")
@@ -242,10 +269,15 @@ def main():
 
     case_settings = dict(preset=args.preset, prompt=args.prompt, completion=args.completion, device=args.device,
                          dtype=dtype, lora=args.lora, lora_rank=args.lora_rank, checkpointing=args.checkpointing,
-                         micro_batch=args.micro_batch, score_micro_batch=args.score_micro_batch)
+                         micro_batch=args.micro_batch, score_micro_batch=args.score_micro_batch,
+                         sequences=args.sequences, grads=args.grads)
     points = [dict(case_settings, n_t=n_t) for n_t in args.nt]
-    rows = run_sweep(points, [PROVIDERS[name] for name in args.providers], functools.partial(measure, args),
-                     row_keys=("n_t",), skip=functools.partial(skip_naive_on_cpu, args))
+    providers = [PROVIDERS[name] for name in args.providers]
+    if args.before:
+        providers += [dataclasses.replace(PROVIDERS[name], name=name + BEFORE) for name in args.providers
+                      if name in ("two_pass", "separable")]
+    rows = run_sweep(points, providers, functools.partial(measure, args), row_keys=("n_t",),
+                     skip=functools.partial(skip_naive_on_cpu, args))
     # Time per sample against naive and all_graphs at the same n_t; peak and saved against the first n_t.
     for baseline in ("naive", "all_graphs"):
         add_ratio(rows, f"time_vs_{baseline}", "ms_per_sample", baseline={"provider": baseline}, match=("n_t",))
@@ -257,7 +289,7 @@ def main():
     print_table(rows, columns)
     name = args.name or "elbo_" + args.device + ("_lora" if args.lora else "") + ("_ckpt" if args.checkpointing else "")
     config = {k: v for k, v in vars(args).items() if k not in ("name", "results_dir")} | dict(
-        dtype=f"torch.{dtype}", sequences=1, sampler="stratified_l")
+        dtype=f"torch.{dtype}", sampler="stratified_l")
     print(f"wrote {write_results(name, config, rows, args.results_dir)}")
 
 

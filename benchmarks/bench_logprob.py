@@ -2,6 +2,7 @@
 
     python benchmarks/bench_logprob.py                 # CPU: d=512, V=126464, M in {256, 2048}
     python benchmarks/bench_logprob.py --device cuda   # GPU: d=4096, V=126464, M in {2048, 8192}, bf16
+    python benchmarks/bench_logprob.py --roofline --threads 1      # GEMM efficiency against torch.mm, by chunk
 
 Providers, side by side in one run:
     naive      log_softmax((hidden @ W.T).float()).gather(targets): the [M, V] logits live through backward;
@@ -10,6 +11,14 @@ Time is the median (and the minimum) of --repeats calls after a warm-up. Memory 
 during forward + backward: resident memory of a fresh subprocess on CPU, torch.cuda.max_memory_allocated on
 GPU; both include the gradients themselves (grad_W is [V, d]). "saved" is what autograd keeps for backward.
 Inputs are realistic: logits have a std of about 2.
+
+--roofline measures GEMM efficiency at each M and vocabulary chunk: achieved FLOP/s of the fused ops against
+torch.mm(hidden, W.T) at the same M, d, V (the logits GEMM, 2 M d V FLOPs, [M, V] written out), all timed in turns
+(minimum of --repeats rounds). masked_logprobs_grad with a known logsumexp does 3 GEMMs per chunk (6 M d V
+FLOPs: logits, grad_hidden, grad_weight added into a buffer), the forward 1 (2 M d V), the ordinary backward 3
+(it recomputes the logits). "vs mm" is the fused op's FLOP/s over torch.mm's; "vs mm_block" over torch.mm's
+on a block of 4096 rows of W (the same GEMM without the [M, V] output leaving the cache: closer to what this
+machine's GEMM can do); "default" marks the chunk that dllm_fast.ops.default_chunk_size picks for the device.
 """
 
 from __future__ import annotations
@@ -22,14 +31,16 @@ from pathlib import Path
 import torch
 
 import dllm_fast
+import dllm_fast.ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     Provider, add_ratio, add_results_dir_argument, peak_extra_bytes, print_table, run_sweep, saved_bytes, time_call,
-    write_results,
+    time_interleaved, write_results,
 )
 
 VOCAB = 126464
+MM_BLOCK = 4096  # --roofline: torch.mm on this many rows of W, an output that stays in cache: the GEMM's own rate
 
 
 def naive(hidden, weight, targets):
@@ -89,17 +100,70 @@ def measure(provider: Provider, point: dict, repeats: int) -> dict:
                 fwd_bwd_min_ms=full.min_s * 1e3, peak_mb=peak / 2**20, saved_mb=saved / 2**20)
 
 
+def roofline(args, sizes, d, dtype) -> None:
+    """GEMM efficiency of the fused ops against torch.mm at the same M, d, V, for each vocabulary chunk."""
+    device = torch.device(args.device)
+    rows = []
+    for M in sizes:
+        inputs = make_inputs(dict(device=args.device, M=M, d=d, V=VOCAB, dtype=dtype))
+        hidden, weight, targets = (inputs[k].detach() for k in ("hidden", "weight", "targets"))
+        upstream = inputs["upstream"].to(hidden.dtype)
+        lse = torch.ops.dllm_fast.masked_logprobs(hidden, weight, targets, 4096)[1]
+        buffer = torch.zeros_like(weight)
+        default = dllm_fast.ops.default_chunk_size(M, VOCAB, device)
+        chunks = sorted(set(args.chunks) | {default})
+        block = weight[:MM_BLOCK]
+        runs = {("torch.mm", 0): lambda: torch.mm(hidden, weight.T),
+                ("torch.mm_block", MM_BLOCK): lambda: torch.mm(hidden, block.T)}
+        for chunk in chunks:
+            runs[("grad", chunk)] = functools.partial(torch.ops.dllm_fast.masked_logprobs_grad, hidden, weight,
+                                                      targets, upstream, lse, buffer, chunk)
+            runs[("forward", chunk)] = functools.partial(torch.ops.dllm_fast.masked_logprobs, hidden, weight,
+                                                         targets, chunk)
+            runs[("backward", chunk)] = functools.partial(
+                torch.ops.dllm_fast.masked_logprobs_backward, upstream, None, hidden, weight, targets, lse, chunk,
+                [True, True])
+        for run in runs.values():
+            run()  # warm-up
+        timings = time_interleaved(runs, device, repeats=args.repeats)
+        gemm = 2 * M * d * VOCAB
+        flops = {"torch.mm": gemm, "torch.mm_block": 2 * M * d * MM_BLOCK, "grad": 3 * gemm, "forward": gemm,
+                 "backward": 3 * gemm}
+        mm_rate = gemm / timings[("torch.mm", 0)].min_s
+        block_rate = flops["torch.mm_block"] / timings[("torch.mm_block", MM_BLOCK)].min_s
+        for (op, chunk), timing in timings.items():
+            rate = flops[op] / timing.min_s
+            rows.append(dict(M=M, d=d, V=VOCAB, op=op, chunk=chunk or None,
+                             default=op not in ("torch.mm", "torch.mm_block") and chunk == default,
+                             ms=timing.min_s * 1e3, median_ms=timing.median_s * 1e3, gflops=rate / 1e9,
+                             vs_mm=rate / mm_rate, vs_mm_block=rate / block_rate, status="ok"))
+        del buffer
+    print_table(rows, ["M", "op", "chunk", "default", "ms", "gflops", "vs_mm", "vs_mm_block"])
+    config = dict(sizes=sizes, d=d, V=VOCAB, dtype=f"torch.{dtype}", repeats=args.repeats, chunks=args.chunks,
+                  threads=torch.get_num_threads())
+    print(f"wrote {write_results(args.name or f'logprob_roofline_{args.device}', config, rows, args.results_dir)}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--m", type=int, nargs="+", help="rows to score (default: by device)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--roofline", action="store_true", help="GEMM efficiency against torch.mm, by chunk")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768],
+                        help="--roofline: vocabulary chunks to try (the device's default is added)")
+    parser.add_argument("--threads", type=int, help="CPU threads (default: torch's default)")
+    parser.add_argument("--name", help="results file name")
     add_results_dir_argument(parser)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device == "cuda":
         sizes, d, dtype = args.m or [2048, 8192], 4096, "bfloat16"
     else:
         sizes, d, dtype = args.m or [256, 2048], 512, "float32"
+    if args.roofline:
+        return roofline(args, sizes, d, dtype)
     points = [dict(device=args.device, M=M, d=d, V=VOCAB, dtype=dtype) for M in sizes]
     rows = run_sweep(points, list(PROVIDERS.values()), functools.partial(measure, repeats=args.repeats),
                      row_keys=("M", "d", "V", "dtype"))
@@ -108,7 +172,7 @@ def main():
     print_table(rows, ["M", "d", "dtype", "provider", "status", "fwd_ms", "fwd_bwd_ms", "peak_mb", "saved_mb",
                        "speedup_fwd_bwd", "memory_ratio"])
     config = dict(sizes=sizes, d=d, V=VOCAB, dtype=f"torch.{dtype}", repeats=args.repeats)
-    print(f"wrote {write_results(f'logprob_{args.device}', config, rows, args.results_dir)}")
+    print(f"wrote {write_results(args.name or f'logprob_{args.device}', config, rows, args.results_dir)}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,10 @@ Every benchmark in this folder has the same shape (after Liger-Kernel's benchmar
   once), `peak_extra_bytes` (peak above the post-warm-up baseline: torch.cuda.max_memory_allocated on CUDA, the
   resident peak of a fresh process on CPU), `training_memory` (both, for a gradient step), and
   `measure_in_fresh_process` (setup, warm-up, timed runs and the
-  peak all in one fresh process, for providers that must not share a process).
+  peak all in one fresh process, for providers that must not share a process), `measure_in_tree` (the same with
+  dllm_fast imported from another checkout, e.g. the commit before a change, built in place: before and after
+  in one run), and `time_interleaved` (several providers' runs alternated, so that a shared machine's load
+  drifts over all of them alike).
 - `run_sweep` loops points x providers, catches CUDA out-of-memory errors (that provider is then skipped for
   the rest of the sweep), prints progress and returns one row per (point, provider) with a "status".
   `add_ratio` compares each row with a baseline row (another provider at the same point, or the same provider
@@ -244,6 +247,58 @@ def _fresh_process_worker(provider, point, repeats, summarize, threads) -> dict:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
     return dict(timing=Timing(median_s=statistics.median(samples), min_s=min(samples)), peak_bytes=peak - baseline,
                 summary=summarize(result) if summarize else None)
+
+
+_TREE_DRIVER = """
+import json, sys
+module, name, point, repeats, threads, tree, bench_dir = sys.argv[1:]
+sys.path[:0] = [tree, bench_dir]
+import importlib
+import common
+provider = importlib.import_module(module).PROVIDERS[name]
+out = common._fresh_process_worker(provider, json.loads(point), int(repeats), None, int(threads))
+timing = out["timing"]
+import dllm_fast
+print("DLLM_FAST_TREE " + json.dumps(dict(median_s=timing.median_s, min_s=timing.min_s, peak_bytes=out["peak_bytes"],
+                                          package=dllm_fast.__file__)))
+"""
+
+
+def measure_in_tree(module: str, provider: str, point: dict, tree: str | os.PathLike, *, repeats: int = 1,
+                    env: Mapping[str, str] | None = None, timeout: float = 3600) -> dict:
+    """`measure_in_fresh_process` of `module.PROVIDERS[provider]` (a benchmark in this folder, by name) with
+    dllm_fast imported from another checkout `tree` (built in place), e.g. `git archive <commit> | tar -x -C
+    /tmp/before` and `python setup.py build_ext --inplace` there: the same benchmark code drives both trees, so
+    a change's before and after are measured side by side in one run. Returns {"timing", "peak_bytes",
+    "package"} (the dllm_fast/__init__.py that was imported)."""
+    tree = str(Path(tree).resolve())
+    if not (Path(tree) / "dllm_fast").is_dir():
+        raise ValueError(f"{tree} holds no dllm_fast package; give the root of a checkout built in place.")
+    arguments = [module, provider, json.dumps(point), str(repeats), str(torch.get_num_threads()), tree,
+                 str(BENCH_DIR)]
+    environment = dict(os.environ) | dict(env or {}) | {"PYTHONPATH": tree}
+    result = subprocess.run([sys.executable, "-c", _TREE_DRIVER, *arguments], capture_output=True, text=True,
+                            env=environment, timeout=timeout)
+    line = next((l for l in result.stdout.splitlines() if l.startswith("DLLM_FAST_TREE ")), None)
+    if result.returncode != 0 or line is None:
+        raise RuntimeError(f"{provider} in {tree} failed:\n{result.stderr[-4000:]}")
+    values = json.loads(line.split(" ", 1)[1])
+    return dict(timing=Timing(median_s=values["median_s"], min_s=values["min_s"]), peak_bytes=values["peak_bytes"],
+                package=values["package"])
+
+
+def time_interleaved(runs: Mapping[str, Callable[[], Any]], device, *, repeats: int = 3) -> dict[str, Timing]:
+    """Median and minimum seconds of each run, timed in turns (a, b, a, b, ...) after no warm-up: on a machine
+    shared with other work, a load that comes and goes then weighs on every run alike."""
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            samples[name].append(time.perf_counter() - start)
+    return {name: Timing(median_s=statistics.median(values), min_s=min(values)) for name, values in samples.items()}
 
 
 @contextlib.contextmanager

@@ -34,6 +34,35 @@ void check_masked_logprobs_args(const Tensor& hidden, const Tensor& weight, cons
   TORCH_CHECK(chunk_size > 0, "masked_logprobs: chunk_size must be positive, got ", chunk_size, ".");
 }
 
+void check_masked_logprobs_grad_args(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+                                     const Tensor& grad_logp, const std::optional<Tensor>& lse,
+                                     const std::optional<Tensor>& grad_weight, int64_t chunk_size) {
+  check_masked_logprobs_args(hidden, weight, targets, chunk_size);
+  const int64_t M = hidden.size(0);
+  const auto acc = accumulate_type(hidden.scalar_type());
+  TORCH_CHECK(grad_logp.dim() == 1 && grad_logp.size(0) == M && grad_logp.is_floating_point(),
+              "masked_logprobs_grad: grad_logp must be a floating-point [M] tensor with M = ", M, ", got ",
+              grad_logp.scalar_type(), " ", grad_logp.sizes(), ".");
+  TORCH_CHECK(grad_logp.device() == hidden.device(), "masked_logprobs_grad: grad_logp is on ", grad_logp.device(),
+              " but hidden on ", hidden.device(), "; move it to hidden's device.");
+  if (lse.has_value() && lse->defined()) {
+    TORCH_CHECK(lse->dim() == 1 && lse->size(0) == M && lse->scalar_type() == acc,
+                "masked_logprobs_grad: lse must be a ", acc, " [M] tensor with M = ", M, ", got ", lse->scalar_type(),
+                " ", lse->sizes(), ".");
+    TORCH_CHECK(lse->device() == hidden.device(), "masked_logprobs_grad: lse is on ", lse->device(),
+                " but hidden on ", hidden.device(), "; move it to hidden's device.");
+  }
+  if (grad_weight.has_value() && grad_weight->defined()) {
+    TORCH_CHECK(grad_weight->sizes() == weight.sizes() && grad_weight->scalar_type() == weight.scalar_type() &&
+                    grad_weight->device() == weight.device(),
+                "masked_logprobs_grad: grad_weight must match weight (", weight.scalar_type(), " ", weight.sizes(),
+                " on ", weight.device(), "), got ", grad_weight->scalar_type(), " ", grad_weight->sizes(), " on ",
+                grad_weight->device(), ".");
+    TORCH_CHECK(grad_weight->is_contiguous(), "masked_logprobs_grad: grad_weight must be contiguous (its rows are "
+                "updated in place chunk by chunk); pass weight.grad of a contiguous parameter, or None.");
+  }
+}
+
 void check_sample_tokens_args(const Tensor& hidden, const Tensor& weight, const Tensor& row_ids, double temperature,
                               at::IntArrayRef suppress_ids, at::IntArrayRef confidence_exclude_ids,
                               int64_t chunk_size) {

@@ -16,6 +16,14 @@ TORCH_LIBRARY(dllm_fast, m) {
   m.def(
       "masked_logprobs_backward(Tensor? grad_logp, Tensor? grad_lse, Tensor hidden, Tensor weight, "
       "Tensor targets, Tensor lse, int chunk_size, bool[2] output_mask) -> (Tensor, Tensor)");
+  // For an upstream gradient grad_logp known before the forward: (logp, grad_hidden) of sum(grad_logp * logp)
+  // in one walk over the vocabulary (three GEMMs per chunk), adding d/d weight into grad_weight in place when it
+  // is given (a [V, d] buffer such as the parameter's .grad; never a new [V, d] tensor). lse: the rows' logsumexp
+  // when known (e.g. target logit minus a known logp); logp and grad_hidden come out exact even when it is off
+  // by a little (the walk measures the true normaliser), grad_weight to first order. None: computed first.
+  m.def(
+      "masked_logprobs_grad(Tensor hidden, Tensor weight, Tensor targets, Tensor grad_logp, Tensor? lse, "
+      "Tensor(a!)? grad_weight, int chunk_size) -> (Tensor, Tensor)");
   // One token per row of hidden, drawn from softmax(logits / temperature) by Gumbel-max with Philox noise keyed
   // by (seed, offset, row_ids[i], token id); temperature 0 is argmax, ties to the lowest id. Also returns the
   // softmax probability of that token under the unscaled logits. suppress_ids are removed from both;
@@ -31,6 +39,7 @@ TORCH_LIBRARY(dllm_fast, m) {
 TORCH_LIBRARY_IMPL(dllm_fast, CPU, m) {
   m.impl("masked_logprobs", &dllm_fast::masked_logprobs_cpu);
   m.impl("masked_logprobs_backward", &dllm_fast::masked_logprobs_backward_cpu);
+  m.impl("masked_logprobs_grad", &dllm_fast::masked_logprobs_grad_cpu);
   m.impl("sample_tokens", &dllm_fast::sample_tokens_cpu);
   m.impl("select_transfer", &dllm_fast::select_transfer_cpu);
 }

@@ -1,8 +1,9 @@
 """Memory measurement for tests and benchmarks on machines without a GPU.
 
-Two views: the bytes autograd saves for backward (exact and deterministic, via saved_tensors_hooks), and the
-peak resident memory of a fresh subprocess above its baseline (Linux /proc; the peak is reset after setup).
-On CUDA, use torch.cuda.max_memory_allocated instead.
+Three views: the bytes autograd saves for backward (exact and deterministic, via saved_tensors_hooks), the peak
+of torch's allocator over a block (`track_allocations`: every tensor and kernel buffer, from the profiler's
+allocation events), and the peak resident memory of a fresh subprocess above its baseline (Linux /proc; the
+peak is reset after setup). On CUDA, torch.cuda.max_memory_allocated also does.
 """
 
 from __future__ import annotations
@@ -82,6 +83,39 @@ def track_live_saved_tensors(exclude=()):
     tracker = LiveSavedTensors(exclude)
     with torch.autograd.graph.saved_tensors_hooks(tracker._pack, lambda tensor: tensor):
         yield tracker
+
+
+class AllocationPeak:
+    """What `track_allocations` measured: `peak`, the most bytes that allocations made inside the block held at
+    once (frees of memory allocated before the block count against it), and `total`, all bytes allocated."""
+
+    def __init__(self):
+        self.peak = 0
+        self.total = 0
+
+
+@contextlib.contextmanager
+def track_allocations(device: str | torch.device = "cpu"):
+    """`with track_allocations() as allocated: fn()`, then `allocated.peak` is the peak of torch's allocator on
+    `device` above its level on entry. Unlike the saved-tensor views it sees everything torch allocates: outputs
+    and temporaries of every op (a gradient built in a backward, the buffers inside a compiled kernel); not
+    memory that libraries allocate on their own (MKL's workspace). Deterministic for a deterministic block; it
+    runs the profiler, so keep the block small."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device_type = torch.device(device).type
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
+    result = AllocationPeak()
+    with profile(activities=activities, profile_memory=True) as profiler:
+        yield result
+    events = sorted((e for e in profiler.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and str(e.device_type()).split(".")[-1].lower() == device_type),
+                    key=lambda e: e.start_ns())
+    level = 0
+    for event in events:
+        level += event.nbytes()
+        result.peak = max(result.peak, level)
+        result.total += max(event.nbytes(), 0)
 
 
 def _status_kib(field: str) -> int:

@@ -120,3 +120,28 @@ def test_rollout_roofline_follows_the_cache_policy_plan():
     # dual: each block's first step feeds all 26 positions, its other steps the block's 8
     assert [fed for fed, _ in steps] == [26, 8, 8, 8, 26, 8, 8, 8]
     assert seconds["dual"] == sum(2 * (fed * body + masked * head) for fed, masked in steps)
+
+
+def test_time_interleaved_alternates_the_runs():
+    order = []
+    timings = common.time_interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, "cpu",
+                                      repeats=3)
+    assert order == ["a", "b"] * 3
+    assert set(timings) == {"a", "b"} and all(0 <= t.min_s <= t.median_s for t in timings.values())
+
+
+def test_measure_in_tree_imports_dllm_fast_from_that_checkout(tmp_path, one_thread):
+    """The same benchmark code driven with another checkout's package (here a copy of this one)."""
+    import shutil
+
+    import dllm_fast
+
+    tree = tmp_path / "before"
+    shutil.copytree(Path(dllm_fast.__file__).parent, tree / "dllm_fast",
+                    ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    point = dict(device="cpu", M=8, d=16, V=256, dtype="float32")
+    out = common.measure_in_tree("bench_logprob", "dllm_fast", point, tree, repeats=2)
+    assert Path(out["package"]) == tree / "dllm_fast" / "__init__.py"
+    assert 0 < out["timing"].min_s <= out["timing"].median_s and out["peak_bytes"] >= 0
+    with pytest.raises(ValueError, match="holds no dllm_fast package"):
+        common.measure_in_tree("bench_logprob", "dllm_fast", point, tmp_path / "nothing")

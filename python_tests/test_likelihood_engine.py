@@ -1,6 +1,7 @@
 """streaming_backward: exact gradients of nonlinear objectives, the separable path, LoRA, activation
 checkpointing, shared masks, memory independent of n_t, and input checks."""
 
+import contextlib
 import copy
 
 import pytest
@@ -123,6 +124,30 @@ def bgpo_bound(masks, lp_old, advantages):
         return -g.sum() / masks.num_sequences
 
     return objective
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_gradient_error_at_most_twice_the_ordinary_paths(dtype):
+    """The LM head's gradient computed in pass 2's forward and added into a bf16/fp16 .grad per micro-batch: its
+    error against an fp64 oracle is at most twice that of autograd through the ordinary op in the same dtype."""
+    oracle = tiny_model(torch.float64)
+    model = copy.deepcopy(oracle).to(dtype)
+    sequences, attention_mask = rollouts(oracle)
+    masks = draw(oracle, sequences, "stratified_l", n_t=4)
+    advantages = torch.tensor([1.0, -0.7, 0.4], dtype=torch.float64)
+
+    def objective(lp):
+        return -(torch.exp(elbo(lp, masks) / 10) * advantages.to(lp.dtype)).mean()
+
+    _, want = naive_gradient(oracle, sequences, masks, objective, attention_mask)
+    ordinary = torch.autograd.grad(objective(score(model, sequences, masks, micro_batch=3,
+                                                   attention_mask=attention_mask)), trainable(model))
+    _, engine = engine_gradient(model, sequences, masks, objective, attention_mask, micro_batch=3)
+
+    def error(got):
+        return relative_error([g.double() for g in got], want)
+
+    assert error(engine) <= 2 * error(ordinary) + 1e-3, (error(engine), error(ordinary))
 
 
 def test_bgpo_bound_equals_vrpo_ol_on_policy_value_and_gradient():
@@ -537,6 +562,113 @@ def test_a_failure_midway_leaves_gradients_untouched(separable, error):
         streaming_backward(model, sequences, masks, objective, micro_batch=4, attention_mask=attention_mask,
                            separable=separable)
     assert same_grads(grads(inner), before)
+
+
+
+class Interrupter:
+    """Counts the boundaries of a call and raises KeyboardInterrupt at one of them: before each forward of the
+    model (pass 1 and pass 2), and, as the grad_sync context every micro-batch of the engine runs in when it
+    does not synchronise, before each micro-batch of the backward loop and after its backward."""
+
+    def __init__(self, fail_at=None):
+        self.fail_at, self.events = fail_at, 0
+
+    def tick(self):
+        self.events += 1
+        if self.events == self.fail_at:
+            raise KeyboardInterrupt
+
+    def wrap(self, inner):
+        interrupter = self
+
+        class Model(Recorder):
+            def forward(self, input_ids, attention_mask=None):
+                interrupter.tick()
+                return super().forward(input_ids, attention_mask)
+
+        return Model(inner)
+
+    @contextlib.contextmanager
+    def grad_sync(self):
+        self.tick()
+        yield
+        self.tick()
+
+
+def existing_gradients(model):
+    """Gradients an earlier call left behind, in every parameter: the embedding, the LM head and the body."""
+    gen = torch.Generator().manual_seed(5)
+    for p in trainable(model):
+        p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+
+
+@pytest.mark.parametrize("path", ["two_pass", "two_pass_lp", "host_backward", "separable"])
+@pytest.mark.parametrize("on_entry", ["none", "existing"])
+def test_an_interrupt_at_every_boundary_leaves_gradients_bit_identical(path, on_entry):
+    """Issue 16: a KeyboardInterrupt before any forward, before any micro-batch of the backward loop, or after any
+    of its backwards (the last one included: every gradient accumulated) leaves every .grad as it was."""
+    inner = tiny_model()
+    sequences, attention_mask = rollouts(inner)
+    masks = draw(inner, sequences, "stratified_l", n_t=4)
+    with torch.no_grad():
+        lp = score(inner, sequences, masks, micro_batch=12, attention_mask=attention_mask)
+    separable = path == "separable"
+    objective = (lambda rows, n, j: -torch.exp(rows.sum(-1) / 10).sum()) if separable else (
+        lambda x: -torch.exp(elbo(x, masks) / 10).sum())
+
+    def call(interrupter):
+        backward = torch.Tensor.backward if path == "host_backward" else None
+        return streaming_backward(interrupter.wrap(inner), sequences, masks, objective, micro_batch=5,
+                                  attention_mask=attention_mask, separable=separable,
+                                  lp=lp if path == "two_pass_lp" else None,
+                                  hooks=BackwardHooks(sync_gradients=False, grad_sync=interrupter.grad_sync,
+                                                      backward=backward))
+
+    counting = Interrupter()
+    call(counting)  # 12 pairs in micro-batches of 5: 3 backwards, after 3 pass-1 forwards unless skipped
+    assert counting.events == {"two_pass": 12, "two_pass_lp": 9, "host_backward": 12, "separable": 9}[path]
+    for fail_at in range(1, counting.events + 1):
+        inner.zero_grad(set_to_none=True)
+        if on_entry == "existing":
+            existing_gradients(inner)
+        before = grads(inner)
+        with pytest.raises(KeyboardInterrupt):
+            call(Interrupter(fail_at))
+        assert same_grads(grads(inner), before), fail_at
+
+
+@pytest.mark.parametrize("where", ["stats", "last_backward"])
+@pytest.mark.parametrize("on_entry", ["none", "existing"])
+def test_an_interrupt_after_the_backward_of_an_objective_update_leaves_gradients_bit_identical(where, on_entry):
+    """Objective.backward is all-or-nothing as a whole: its stats (computed after the engine has accumulated
+    every gradient) included."""
+    from dllm_fast import objectives
+    from dllm_fast.contracts import RolloutBatch, completion_mask
+
+    model = tiny_model()
+    sequences, attention_mask = rollouts(model)
+    batch = RolloutBatch(sequences, attention_mask, P, completion_mask(sequences[:, P:], model.eos_token_id),
+                         torch.tensor([1.0, 0.0, 0.25], dtype=torch.float64), 3)
+    objective = objectives.get("espo", n_t=4, beta=0.0)
+    update = objectives.InnerUpdate(objective.draw_masks(batch, generator=torch.Generator().manual_seed(1),
+                                                         eos_token_id=model.eos_token_id))
+    if on_entry == "existing":
+        existing_gradients(model)
+    before = grads(model)
+    interrupter = Interrupter()
+    hooks = BackwardHooks(sync_gradients=False, grad_sync=interrupter.grad_sync)
+    if where == "stats":
+        objective.stats = lambda lp, inputs: (_ for _ in ()).throw(KeyboardInterrupt)
+    else:
+        objective.backward(model, batch, update, micro_batch=5, hooks=hooks)
+        model.zero_grad(set_to_none=True)
+        if on_entry == "existing":
+            existing_gradients(model)
+        interrupter.fail_at, interrupter.events = interrupter.events, 0  # after the last backward
+    assert objective.advantages(batch).abs().min() > 0
+    with pytest.raises(KeyboardInterrupt):
+        objective.backward(model, batch, update, micro_batch=5, hooks=hooks)
+    assert same_grads(grads(model), before)
 
 
 def test_non_finite_objective_values_leave_gradients_untouched():

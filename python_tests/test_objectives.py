@@ -8,7 +8,7 @@ import torch
 
 from dllm_fast import objectives, reference
 from dllm_fast.contracts import RolloutBatch, completion_mask
-from dllm_fast.likelihood import MicroBatching, elbo, eubo, score
+from dllm_fast.likelihood import BackwardHooks, MicroBatching, elbo, eubo, score
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 from dllm_fast.objectives import InnerUpdate, LossInputs
 
@@ -236,6 +236,35 @@ def test_on_policy_ratios_are_exactly_one_at_any_micro_batch(name):
             grads = [p.grad.clone() for p in trainable(model)]
             reference_grads = reference_grads or grads
             assert relative_error(grads, reference_grads) < 1e-10, (objective, batching)
+
+
+@pytest.mark.parametrize("name, overrides", VARIANTS)
+def test_head_gradient_in_the_forward_equals_the_ordinary_ops_gradient_fp32(name, overrides):
+    """Issue 23: the engine's LM head gradient computed in pass 2's forward (lse from pass 1's lp, or from lp=),
+    or in the backward under a host-owned backward, equals today's path, autograd through the ordinary fused
+    op, within fp32's tolerance, for every objective."""
+    model = tiny_model().float()
+    objective = make(name, **overrides)
+    batch = rollout_batch(model)
+    masks = draw(objective, model, batch)
+    with torch.no_grad():
+        lp_now = score(model, batch.sequences, masks, micro_batch=16, attention_mask=batch.attention_mask)
+        lp_old = score(perturbed(model, seed=3), batch.sequences, masks, micro_batch=16,
+                       attention_mask=batch.attention_mask)
+        lp_ref = score(perturbed(model, seed=4), batch.sequences, masks, micro_batch=16,
+                       attention_mask=batch.attention_mask) if objective.needs_reference else None
+    inputs = objective.prepare(batch, masks, lp_old=lp_old, lp_ref=lp_ref)
+    ordinary = objective.loss(score(model, batch.sequences, masks, micro_batch=3,
+                                    attention_mask=batch.attention_mask), inputs)
+    want = torch.autograd.grad(ordinary, trainable(model))
+    runs = {"in_forward": {}, "host_backward": {"hooks": BackwardHooks(backward=torch.Tensor.backward)}}
+    if not objective.separable:
+        runs["known_lp"] = {"update": InnerUpdate(masks, lp_old=lp_old, lp=lp_now)}
+    for run, options in runs.items():
+        model.zero_grad(set_to_none=True)
+        update = options.pop("update", InnerUpdate(masks, lp_old=lp_old))
+        objective.backward(model, batch, update, micro_batch=3, lp_ref=lp_ref, **options)
+        assert relative_error([p.grad for p in trainable(model)], want) < 2e-6, run
 
 
 # ---------------------------------------------------------------------------------------------------------

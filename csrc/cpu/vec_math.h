@@ -113,6 +113,21 @@ DLLM_FAST_MULTIVERSION
   for (int64_t j = 0; j < n; ++j) x[j] = scale * expf_vec(x[j] - shift);
 }
 
+// x[j] <- scale * exp(x[j] - shift), returning the sum of exp(x[j] - shift) over the row (before scaling): the
+// softmax-gradient transform of masked_logprobs_grad, which also measures how far the row's given
+// normaliser is from its true one (the sum is 1 when `shift` is exactly the row's logsumexp).
+DLLM_FAST_MULTIVERSION
+[[maybe_unused]] static float row_scaled_exp_sum(float* x, int64_t n, float shift, float scale) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = expf_vec(x[j] - shift);
+    s += e;
+    x[j] = scale * e;
+  }
+  return s;
+}
+
 [[maybe_unused]] static double row_max(const double* x, int64_t n) {
   double m = -std::numeric_limits<double>::infinity();
   for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
@@ -127,6 +142,16 @@ DLLM_FAST_MULTIVERSION
 
 [[maybe_unused]] static void row_scaled_exp(double* x, int64_t n, double shift, double scale) {
   for (int64_t j = 0; j < n; ++j) x[j] = scale * std::exp(x[j] - shift);
+}
+
+[[maybe_unused]] static double row_scaled_exp_sum(double* x, int64_t n, double shift, double scale) {
+  double s = 0.0;
+  for (int64_t j = 0; j < n; ++j) {
+    const double e = std::exp(x[j] - shift);
+    s += e;
+    x[j] = scale * e;
+  }
+  return s;
 }
 
 // The online logsumexp update, shared by every CPU kernel: folds the chunk x[0, n) into a running pair

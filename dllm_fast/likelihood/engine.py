@@ -11,6 +11,14 @@ micro-batch's graph before the next. Peak memory is one micro-batch's graph, wha
 is a sum of per-pair terms (BGPO's bound) needs no coef: the separable path scores and backpropagates each
 micro-batch once, skipping pass 1.
 
+Memory is flat in n_t with the gradients included: across micro-batches, gradients accumulate in place into
+`.grad`. The LM head's and the embeddings' [V, d] gradients are added straight into their `.grad` (the fused op
+and `gradients.embedding_grads_in_place`) rather than built as a new [V, d] tensor each micro-batch for autograd
+to add. Pass 2 knows every lp's coefficient before its forward, so the fused LM head computes its gradient while
+it walks the vocabulary (three GEMMs per chunk: logits, grad_hidden, grad_weight), with the rows' normaliser
+taken from pass 1's lp, and the body receives grad_hidden through a surrogate; under a host-owned backward
+(`BackwardHooks.backward`, which may scale the loss) the head's gradient is added in its backward instead.
+
 Pass 2 must recompute exactly what pass 1 scored. With active dropout (e.g. PEFT's lora_dropout in training
 mode) the engine therefore records the RNG state before each pass-1 micro-batch and replays it in pass 2 over
 the same micro-batches, as activation checkpointing does; the gradient stays exact for the dropout masks drawn.
@@ -25,7 +33,10 @@ import torch
 
 from dllm_fast.contracts import accumulate_dtype, data_parallel, unwrap_model
 from dllm_fast.likelihood.masks import MonteCarloMasks
-from dllm_fast.likelihood.scoring import active_pairs, aligned_call_count, check_inputs, score_pairs
+from dllm_fast.likelihood.gradients import all_or_nothing, embedding_grads_in_place
+from dllm_fast.likelihood.scoring import (
+    active_pairs, aligned_call_count, check_inputs, score_pairs, score_pairs_with_known_gradient,
+)
 from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
 from dllm_fast.validation import check_bool
 
@@ -71,7 +82,10 @@ def streaming_backward(
         separable: take the one-pass path described above (it has no pass 1: score_micro_batch does not apply).
         lp: the current policy's lp on these masks when it is already known (the policy has not moved since it
             was scored). Pass 1 is skipped; the gradient is identical. Not with separable=True (no pass 1 to
-            skip) nor with active dropout (pass 2 could not replay the draws lp was scored under).
+            skip) nor with active dropout (pass 2 could not replay the draws lp was scored under). Like pass 1's
+            lp, it also gives pass 2 each row's normaliser (its target logit minus lp): an lp off by d nats for
+            a row (scored with other weights) would scale that row's softmax term in the LM head weight's
+            gradient by e^d, on top of the coefficients being taken at the wrong point.
         return_lp: also return the current policy's lp [N, n_t, L] (detached), e.g. for logging; it costs
             nothing extra.
         hooks: `BackwardHooks`, how a data-parallel wrapper or a host trainer takes part in each backward
@@ -79,11 +93,12 @@ def streaming_backward(
             backpropagate still runs one zero-weighted backward so that the collective happens.
 
     Gradients are all or nothing: if the objective raises or returns a non-finite value or coefficient, if a
-    micro-batch fails, or if the call is interrupted (KeyboardInterrupt), every `.grad` is left exactly as it was
-    before the call, so an optimizer never steps on a partial gradient. While the call runs, gradients that
-    existed before it are set aside and added back at the end (one extra gradient buffer only when
-    accumulating into existing gradients; after `zero_grad(set_to_none=True)` it costs nothing). Gradients that
-    live outside `.grad` (DeepSpeed ZeRO through `backward=`) are not covered.
+    micro-batch fails, or if the call is interrupted (KeyboardInterrupt) at any point, every `.grad` is left
+    bit-identical to what it was before the call, so an optimizer never steps on a partial gradient. Gradients
+    accumulate in place into `.grad` as the call runs. After `zero_grad(set_to_none=True)` this costs nothing (a
+    failure resets them to None); gradients that already exist are copied on entry, one extra gradient-sized
+    buffer for the duration of the call. Gradients that live outside `.grad` (DeepSpeed ZeRO through
+    `backward=`) are not covered.
 
     Returns:
         The objective's value, a detached 0-dim tensor (fp32, or fp64 for an fp64 model); with return_lp,
@@ -109,7 +124,7 @@ def streaming_backward(
         masks.check_lp(lp, "lp")
         lp = lp.detach().to(accumulate_dtype(unwrap_model(model).lm_head_weight.dtype))
     backward_pass = _Backward(model, hooks.backward, hooks.grad_sync, hooks.sync_gradients)
-    with _all_or_nothing(model):
+    with all_or_nothing(model):
         if separable:
             value, lp = _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size,
                                    backward_pass)
@@ -126,6 +141,9 @@ class _Backward:
         self.run = backward if backward is not None else torch.Tensor.backward
         self.grad_sync = grad_sync if grad_sync is not None else default_grad_sync(model)
         self.sync_gradients = sync_gradients
+        # Only a plain loss.backward() is known to backpropagate with a unit upstream gradient, which the LM
+        # head's gradient computed in the forward (logprobs_with_known_gradient) relies on.
+        self.unit_upstream = backward is None
 
     @property
     def distributed(self) -> bool:
@@ -163,27 +181,6 @@ def default_grad_sync(model) -> Callable[[], ContextManager] | None:
 
         return fsdp_no_sync
     return None
-
-
-@contextlib.contextmanager
-def _all_or_nothing(model):
-    """Set existing gradients aside; add them back on success, restore them untouched on any failure."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    kept = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        yield
-    except BaseException:
-        for p, grad in zip(params, kept):
-            p.grad = grad
-        raise
-    for p, grad in zip(params, kept):
-        if grad is None:
-            continue
-        if p.grad is not None:
-            grad.add_(p.grad)
-        p.grad = grad
 
 
 def has_active_dropout(model) -> bool:
@@ -239,15 +236,22 @@ def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch
     if backward_pass.distributed:  # every rank runs the same number of backwards; the last one all-reduces
         total = backward_pass.aligned(max(len(pass_2), 1), device)
         pass_2 += [(batches[0][:micro_batch], rng_states[0] if replay else None, 0.0)] * (total - len(pass_2))
-    with torch.enable_grad():
+    lp_rows = lp.view(-1, L)
+    with torch.enable_grad(), embedding_grads_in_place(model):
         for index, (batch, state, weight) in enumerate(pass_2):
             if state is not None:
                 _set_rng_state(state, device)
             with backward_pass.step(last=index == len(pass_2) - 1):
-                lp_batch = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
-                                       chunk_size=chunk_size)
-                if lp_batch.requires_grad:
-                    backward_pass((coef_rows[batch] * lp_batch).sum() * weight)
+                if backward_pass.unit_upstream:
+                    loss, _ = score_pairs_with_known_gradient(model, sequences, masks, batch, coef_rows[batch] * weight,
+                                                              lp_rows[batch], attention_mask=attention_mask,
+                                                              chunk_size=chunk_size)
+                else:
+                    lp_batch = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
+                                           chunk_size=chunk_size, grad_into_weight=True)
+                    loss = (coef_rows[batch] * lp_batch).sum() * weight
+                if loss.requires_grad:
+                    backward_pass(loss)
     if replay:
         _set_rng_state(after_pass_1, device)  # later draws continue as if pass 2 had drawn nothing
     return value, lp
@@ -275,13 +279,13 @@ def _separable(model, sequences, masks, objective, micro_batch, attention_mask, 
     lp = torch.zeros(masks.num_sequences * n_t, L, dtype=dtype, device=device)
     batches = list(active.split(micro_batch))
     total = backward_pass.aligned(len(batches), device)
-    with torch.enable_grad():
+    with torch.enable_grad(), embedding_grads_in_place(model):
         for index in range(total):
             padding = index >= len(batches)  # keeps this rank in step with ranks that have more micro-batches
             batch = batches[-1] if padding else batches[index]
             with backward_pass.step(last=index == total - 1):
                 lp_batch = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
-                                       chunk_size=chunk_size)
+                                       chunk_size=chunk_size, grad_into_weight=True)
                 if padding:
                     loss = (lp_batch * 0).sum()
                 else:

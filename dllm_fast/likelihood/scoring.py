@@ -12,7 +12,7 @@ import torch
 
 from dllm_fast.contracts import accumulate_dtype, data_parallel, logit_shift, unwrap_model
 from dllm_fast.likelihood.masks import MonteCarloMasks
-from dllm_fast.ops import masked_logprobs
+from dllm_fast.ops import logprobs_with_known_gradient, masked_logprobs
 from dllm_fast.validation import check_int
 
 
@@ -74,12 +74,44 @@ def score_pairs(
     *,
     attention_mask: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    grad_into_weight: bool = False,
 ) -> torch.Tensor:
     """lp rows of some (sequence, sample) pairs: pairs [b] int64 (p = n * n_t + j) -> [b, L].
 
-    One model call on the b noisy sequences; differentiable under grad mode. Inputs are not re-checked (see
-    `score` and `check_inputs`).
+    One model call on the b noisy sequences; differentiable under grad mode. grad_into_weight: the LM head's
+    gradient goes straight into its `.grad` in the backward (see `masked_logprobs`). Inputs are not re-checked
+    (see `score` and `check_inputs`).
     """
+    hidden, weight, targets, scored, rows, positions = _scored_rows(model, sequences, masks, pairs, attention_mask)
+    logp = masked_logprobs(hidden, weight, targets, chunk_size=chunk_size, grad_into_weight=grad_into_weight)
+    return _pair_rows(scored, rows, positions, logp)
+
+
+def score_pairs_with_known_gradient(
+    model,
+    sequences: torch.Tensor,
+    masks: MonteCarloMasks,
+    pairs: torch.Tensor,
+    coef: torch.Tensor,
+    lp: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's pass 2 for some pairs, whose d loss / d lp (coef [b, L]) and lp (lp [b, L], scored earlier on
+    the same masks) are known: one model call, the LM head's gradient computed in the forward and its weight's
+    part added into `.grad` (`logprobs_with_known_gradient`). Returns (surrogate, lp rows [b, L] of this
+    forward): `surrogate.backward()` (unit upstream gradient) completes the gradient of (coef * lp).sum().
+    """
+    hidden, weight, targets, scored, rows, positions = _scored_rows(model, sequences, masks, pairs, attention_mask)
+    logp, surrogate = logprobs_with_known_gradient(hidden, weight, targets, coef[rows, positions],
+                                                   logp=lp[rows, positions], chunk_size=chunk_size)
+    return surrogate, _pair_rows(scored, rows, positions, logp)
+
+
+def _scored_rows(model, sequences, masks, pairs, attention_mask):
+    """One model call on the pairs' noisy sequences; the hidden rows that predict their scored tokens [M, d], the
+    LM head, the targets [M], the pairs' scored positions [b, L] and the (row, position) of each of the M rows."""
     n_t, P = masks.n_t, masks.prompt_length
     core = unwrap_model(model)  # forwards go through a DDP wrapper; attributes live on the module
     seq_index, sample_index = pairs // n_t, pairs % n_t
@@ -89,9 +121,13 @@ def score_pairs(
     hidden = model(noisy, attention_mask=None if attention_mask is None else attention_mask[seq_index])
     scored = masked[:, P:] & masks.counted[seq_index]
     rows, positions = scored.nonzero(as_tuple=True)
-    # Token i is predicted by the hidden state at i - logit_shift (0 for LLaDA, 1 for Dream-style models).
-    logp = masked_logprobs(hidden[rows, P + positions - logit_shift(core)], core.lm_head_weight,
-                           tokens[rows, P + positions], chunk_size=chunk_size)
+    # Token i is predicted by the hidden state at i - logit_shift (0 for LLaDA, 1 for Dream-style models). The
+    # head is read after the forward: under FSDP2 that is the unsharded parameter.
+    return (hidden[rows, P + positions - logit_shift(core)], core.lm_head_weight, tokens[rows, P + positions],
+            scored, rows, positions)
+
+
+def _pair_rows(scored, rows, positions, logp):
     out = torch.zeros(scored.shape, dtype=logp.dtype, device=logp.device)
     return out.index_put((rows, positions), logp)
 

@@ -33,6 +33,7 @@ import torch
 
 from dllm_fast.contracts import RolloutBatch, check_reference_model, unwrap_model
 from dllm_fast.likelihood import MonteCarloMasks, sample_masks, score, streaming_backward
+from dllm_fast.likelihood.gradients import all_or_nothing
 from dllm_fast.likelihood.masks import COUNT_MODES, SAMPLERS
 from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
 from dllm_fast.objectives.advantages import group_advantages, zero_std_fraction
@@ -326,7 +327,8 @@ class Objective:
                  lp_ref: torch.Tensor | None = None, ref_model=None,
                  hooks: BackwardHooks | None = None) -> ObjectiveOutput:
         """Accumulate this objective's exact gradient for one inner update into the model's `.grad`; return the
-        loss and the stats.
+        loss and the stats. All or nothing, as `streaming_backward`: a failure or an interrupt anywhere in the
+        call, the stats included, leaves every `.grad` bit-identical to what it was before the call.
 
         Args:
             model: the current policy (model contract; PEFT and DDP wrappers work).
@@ -361,18 +363,20 @@ class Objective:
                 lp_ref = self._score_reference(model, ref_model, batch, masks, batching)
         inputs = self._loss_inputs(batch, masks, update.lp_old, lp_ref, batching.micro_batch)
         engine = dict(micro_batch=batching, attention_mask=batch.attention_mask, return_lp=True, hooks=hooks)
-        if self.separable and update.lp is None:  # a known current lp goes through the two-pass route instead
-            value, lp_now = streaming_backward(
-                model, batch.sequences, masks, lambda rows, n, j: self.pair_loss(rows, n, j, inputs),
-                separable=True, **engine)
-        else:
-            value, lp_now = streaming_backward(model, batch.sequences, masks, lambda x: self.loss(x, inputs),
-                                               lp=update.lp, **engine)
-        with torch.no_grad():
-            stats = {name: float(v) for name, v in self.stats(lp_now, inputs).items()}
-        stats.update(loss=float(value), zero_std_fraction=zero_std_fraction(batch.rewards, batch.group_size),
-                     advantage_abs_mean=float(inputs.advantages.abs().mean()))
-        return ObjectiveOutput(loss=value, stats=stats, masks=masks, lp=lp_now)
+        with all_or_nothing(model):  # the stats too: an interrupt there leaves .grad as it was before the call
+            if self.separable and update.lp is None:  # a known current lp goes through the two-pass route
+                value, lp_now = streaming_backward(
+                    model, batch.sequences, masks, lambda rows, n, j: self.pair_loss(rows, n, j, inputs),
+                    separable=True, **engine)
+            else:
+                value, lp_now = streaming_backward(model, batch.sequences, masks, lambda x: self.loss(x, inputs),
+                                                   lp=update.lp, **engine)
+            with torch.no_grad():
+                stats = {name: float(v) for name, v in self.stats(lp_now, inputs).items()}
+            stats.update(loss=float(value), zero_std_fraction=zero_std_fraction(batch.rewards, batch.group_size),
+                         advantage_abs_mean=float(inputs.advantages.abs().mean()))
+            output = ObjectiveOutput(loss=value, stats=stats, masks=masks, lp=lp_now)
+        return output
 
     def _score_reference(self, model, ref_model, batch, masks, batching: MicroBatching) -> torch.Tensor:
         if ref_model is not None:

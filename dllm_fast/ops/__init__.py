@@ -11,7 +11,8 @@ falling back. The environment variable ``DLLM_FAST_BACKEND`` sets the default.
 """
 
 from dllm_fast.ops.backend import BACKENDS, choose_backend, default_chunk_size
-from dllm_fast.ops.logprobs import masked_logprobs
+from dllm_fast.ops.logprobs import logprobs_with_known_gradient, masked_logprobs, masked_logprobs_grad
 from dllm_fast.ops.sampling import sample_tokens, select_transfer
 
-__all__ = ["BACKENDS", "choose_backend", "default_chunk_size", "masked_logprobs", "sample_tokens", "select_transfer"]
+__all__ = ["BACKENDS", "choose_backend", "default_chunk_size", "logprobs_with_known_gradient", "masked_logprobs",
+           "masked_logprobs_grad", "sample_tokens", "select_transfer"]

@@ -12,3 +12,16 @@ def masked_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets:
     acc = accumulate_dtype(hidden.dtype)
     logits = hidden.to(acc) @ lm_head_weight.to(acc).T
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.long()[:, None]).squeeze(-1)
+
+
+def masked_logprobs_grad(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
+                         grad_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, grad_hidden, grad_weight) of sum(grad_logp * logp) by autograd through the full logits; the
+    gradients in the inputs' dtypes."""
+    acc = accumulate_dtype(hidden.dtype)
+    with torch.enable_grad():
+        h = hidden.detach().to(acc).requires_grad_(True)
+        w = lm_head_weight.detach().to(acc).requires_grad_(True)
+        logp = masked_logprobs(h, w, targets)
+        grad_hidden, grad_weight = torch.autograd.grad((grad_logp.detach().to(acc) * logp).sum(), (h, w))
+    return logp.detach(), grad_hidden.to(hidden.dtype), grad_weight.to(lm_head_weight.dtype)

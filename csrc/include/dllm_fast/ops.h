@@ -16,6 +16,12 @@ using at::Tensor;
 void check_masked_logprobs_args(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
                                 int64_t chunk_size);
 
+// ... and of masked_logprobs_grad: the above plus grad_logp [M], lse [M] when given, and grad_weight (mutated)
+// of weight's shape, dtype and device, contiguous.
+void check_masked_logprobs_grad_args(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+                                     const Tensor& grad_logp, const std::optional<Tensor>& lse,
+                                     const std::optional<Tensor>& grad_weight, int64_t chunk_size);
+
 void check_sample_tokens_args(const Tensor& hidden, const Tensor& weight, const Tensor& row_ids, double temperature,
                               at::IntArrayRef suppress_ids, at::IntArrayRef confidence_exclude_ids,
                               int64_t chunk_size);
@@ -40,6 +46,10 @@ std::tuple<Tensor, Tensor> masked_logprobs_backward_cpu(
     const std::optional<Tensor>& grad_logp, const std::optional<Tensor>& grad_lse, const Tensor& hidden,
     const Tensor& weight, const Tensor& targets, const Tensor& lse, int64_t chunk_size,
     std::array<bool, 2> output_mask);
+
+std::tuple<Tensor, Tensor> masked_logprobs_grad_cpu(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+                                                    const Tensor& grad_logp, const std::optional<Tensor>& lse,
+                                                    const std::optional<Tensor>& grad_weight, int64_t chunk_size);
 
 std::tuple<Tensor, Tensor> sample_tokens_cpu(const Tensor& hidden, const Tensor& weight, const Tensor& row_ids,
                                              double temperature, int64_t seed, int64_t offset,
