@@ -27,7 +27,6 @@ from dataclasses import dataclass, field, fields
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from dllm_fast.ops import costs as op_costs
@@ -42,6 +41,8 @@ HOST_SYNCS = {aten._local_scalar_dense, aten.nonzero, aten.equal, aten.masked_se
               aten.unique_dim, aten.unique_consecutive}
 # Ops that write their first argument without reading it.
 _OVERWRITES = {aten.copy_, aten.fill_, aten.zero_}
+_METADATA = {torch.ops.prim.device.default, aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
+             aten.sym_storage_offset.default, aten.is_contiguous.default}
 _FACTORIES = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided}
 
 
@@ -118,6 +119,8 @@ class Accountant(TorchDispatchMode):
         self._hooks = []
         self._saved = None
         self.before_op = None  # called before each op (the replayer attributes backward ops to recorded calls)
+        self.cached_casts: set[int] = set()  # storages of trainable weights cast by autocast, which caches them
+        self._host: dict[int, weakref.ref] = {}  # storages on the host: no device memory, no kernels
 
     # -- memory -------------------------------------------------------------------------------------------
     def _bytes(self, storage) -> int:
@@ -125,6 +128,28 @@ class Accountant(TorchDispatchMode):
         if self.target.device_type == "cuda" and size:
             size = CUDA_BLOCK * math.ceil(size / CUDA_BLOCK)
         return size
+
+    def host_resident(self, tensor: torch.Tensor) -> None:
+        """`tensor` lives on the host in the real run (e.g. AdamW's step counters): it takes no device memory,
+        and ops on host tensors alone launch no kernel and read nothing back from the device."""
+        storage = tensor.untyped_storage()
+        self._free(id(storage))
+        key = id(storage)
+        self._host[key] = weakref.ref(storage, lambda _, key=key: self._host.pop(key, None))
+
+    def _on_host(self, tensors: list[torch.Tensor]) -> bool:
+        return bool(tensors) and all(id(t.untyped_storage()) in self._host for t in tensors)
+
+    def _category_of(self, tensor: torch.Tensor) -> str | None:
+        entry = self._live.get(id(tensor.untyped_storage()))
+        return None if entry is None else entry[1]
+
+    def live_storages(self) -> set[int]:
+        return set(self._live)
+
+    def size_of_storages(self, keys, category: str | None = None) -> int:
+        """Bytes of the live storages among `keys` (those in `category`, when given)."""
+        return sum(self._live[k][0] for k in keys if k in self._live and category in (None, self._live[k][1]))
 
     def size_of(self, tensor: torch.Tensor) -> int:
         return self._bytes(tensor.untyped_storage())
@@ -162,6 +187,7 @@ class Accountant(TorchDispatchMode):
         entry[1] = category
 
     def _free(self, key: int) -> None:
+        self.cached_casts.discard(key)
         entry = self._live.pop(key, None)
         if entry is not None:
             self.memory[entry[1]] -= entry[0]
@@ -243,10 +269,18 @@ class Accountant(TorchDispatchMode):
         self._hooks.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _METADATA:  # .device, .size() of a fake tensor: no kernel, and the hot path
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         if self.before_op is not None:
             self.before_op()
         packet = func.overloadpacket
+        inputs = _tensors((args, kwargs))
+        if self._on_host(inputs):
+            out = func(*args, **kwargs)
+            for t in _tensors(out):
+                self.host_resident(t)
+            return out
         extra = None
         namespace, _, op = packet._qualified_op_name.partition("::")
         if namespace == "dllm_fast":
@@ -257,21 +291,24 @@ class Accountant(TorchDispatchMode):
         if packet in HOST_SYNCS:
             self.costs.syncs += 1
         out = func(*args, **kwargs)
-        self._count(func, packet, args, kwargs, out, extra)
-        flat_out, _ = tree_flatten(out)
-        for t in flat_out:
-            if isinstance(t, torch.Tensor):
-                self.track(t)
+        outputs = _tensors(out)
+        self._count(func, packet, args, kwargs, outputs, extra)
+        for t in outputs:
+            self.track(t)
+        if (packet is aten._to_copy and args[0].requires_grad and args[0].is_leaf
+                and torch.is_autocast_enabled("cpu") and self._category_of(args[0]) == "parameters"):
+            # autocast keeps this cast of a trainable leaf until the autocast region ends
+            self.cached_casts.add(id(outputs[0].untyped_storage()))
         if extra is not None and extra.bytes:
             self.assert_peak({"temporaries": extra.bytes})
         return out
 
-    def _count(self, func, packet, args, kwargs, out, extra) -> None:
-        outputs = _tensors(out)
+    def _count(self, func, packet, args, kwargs, outputs, extra) -> None:
         if not outputs and packet not in HOST_SYNCS:  # a metadata query (device, size): no kernel
             return
         flop_formula = flop_registry.get(packet)
-        flops = flop_formula(*args, **kwargs, out_val=out) if flop_formula is not None else 0
+        flops = flop_formula(*args, **kwargs, out_val=outputs[0] if len(outputs) == 1 else tuple(outputs)) \
+            if flop_formula is not None else 0
         moved = 0 if (func.is_view or packet in _FACTORIES) else _moved_bytes(packet, args, kwargs, outputs)
         if extra is not None:
             moved += extra.traffic
@@ -286,9 +323,22 @@ class Accountant(TorchDispatchMode):
             self.costs.seconds += max(compute, moved / gpu.bandwidth)
 
 
+def flat_values(tree):
+    """The leaves of nested tuples, lists and dicts (a cheaper tree_flatten for op arguments)."""
+    if isinstance(tree, (tuple, list)):
+        for item in tree:
+            yield from flat_values(item)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            yield from flat_values(item)
+    else:
+        yield tree
+
+
 def _tensors(tree) -> list[torch.Tensor]:
-    flat, _ = tree_flatten(tree)
-    return [t for t in flat if isinstance(t, torch.Tensor)]
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    return [t for t in flat_values(tree) if isinstance(t, torch.Tensor)]
 
 
 def _distinct_bytes(t: torch.Tensor) -> int:

@@ -25,8 +25,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._mode_utils import no_dispatch
-from torch.utils._pytree import tree_flatten, tree_map_only
 
+from dllm_fast.planning.accounting import flat_values
+from torch.utils._pytree import tree_map_only
+
+_DEVICE = torch.ops.prim.device.default
 # Real tensors above this size stay fake: no device-scale buffer is ever allocated on the host.
 DEFAULT_CONSTANT_BYTES = 256 << 20
 
@@ -55,19 +58,26 @@ class PlanningFakeMode(FakeTensorMode):
         self.constant_bytes = constant_bytes
         self._assumed_outputs = _assumed_outputs()
         self._fake_factories = 0
+        self._depth = 0  # > 1 inside another op's fake implementation (e.g. _to_copy's empty_strided)
 
     def may_turn_const(self, t: torch.Tensor) -> bool:
         return (not self.is_our_fake(t) and t.device.type != "meta" and t.layout == torch.strided
                 and t.numel() * t.element_size() <= self.constant_bytes)
 
     def dispatch(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # a tensor's .device: the hot path
+            return super().dispatch(func, types, args, kwargs)
         kwargs = kwargs or {}
-        out = super().dispatch(func, types, args, kwargs)
-        flat_args, _ = tree_flatten((args, kwargs))
-        if not any(isinstance(a, torch.Tensor) for a in flat_args):  # a factory: real when small enough
-            return self._real_factory(func, args, kwargs, out)
+        self._depth += 1
+        try:
+            out = super().dispatch(func, types, args, kwargs)
+        finally:
+            self._depth -= 1
+        tensors = [a for a in flat_values((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if not tensors:  # a factory: real when small enough
+            return out if self._depth else self._real_factory(func, args, kwargs, out)
         assumed = self._assumed_outputs.get(func.overloadpacket)
-        if assumed is not None and not all(is_constant(a) for a in flat_args if isinstance(a, torch.Tensor)):
+        if assumed is not None and not all(is_constant(a) for a in tensors):
             return assumed(self, args, out)
         return out
 
@@ -96,10 +106,14 @@ class PlanningFakeMode(FakeTensorMode):
         """A fake tensor of this mode that carries `real` (a CPU tensor) as its value."""
         return self.fake_tensor_converter.from_real_tensor(self, real, make_constant=True)
 
-    def filled(self, shape, dtype: torch.dtype, value) -> FakeTensor:
-        """A constant of `shape` and `dtype` holding `value` everywhere."""
+    def filled(self, shape, dtype: torch.dtype, value, *, broadcast: bool = False) -> FakeTensor:
+        """A constant of `shape` and `dtype` holding `value` everywhere; with broadcast, one element expanded to
+        the shape (no memory; for values nothing writes into)."""
         with no_dispatch():
-            real = torch.full(tuple(shape), value, dtype=dtype)
+            if broadcast:
+                real = torch.full((), value, dtype=dtype).expand(tuple(shape))
+            else:
+                real = torch.full(tuple(shape), value, dtype=dtype)
         return self.constant(real)
 
 
@@ -143,7 +157,7 @@ class FiniteValues(TorchFunctionMode):
         kwargs = kwargs or {}
         answer = self._ANSWERS.get(func)
         if answer is not None and args and isinstance(args[0], FakeTensor) and not is_constant(args[0]):
-            return self.mode.filled(args[0].shape, torch.bool, answer)
+            return self.mode.filled(args[0].shape, torch.bool, answer, broadcast=True)
         return func(*args, **kwargs)
 
 

@@ -23,9 +23,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._pytree import tree_flatten
-
-from dllm_fast.planning.accounting import CATEGORIES, Accountant, Costs, Mark
+from dllm_fast.planning.accounting import CATEGORIES, Accountant, Costs, Mark, flat_values
 from dllm_fast.planning.fake import PlanningFakeMode
 
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
@@ -39,8 +37,8 @@ class CallRecord:
     forward_peak: dict[str, int]
     output_shape: tuple[int, ...]
     output_dtype: torch.dtype
-    activations: int  # saved for backward, alive after the call
-    kept: dict[str, int]  # other memory alive after the call beyond the output (autocast's cast cache)
+    activations: int  # held by the graph after the call (saved for backward, leaves that will get a .grad)
+    kept: dict[str, int]  # memory alive after the call until the autocast region ends (cached parameter casts)
     parameters: tuple[str, ...] = ()  # names of the module's parameters the call's backward reaches
     backward: Costs | None = None
     backward_peak: dict[str, int] | None = None
@@ -67,6 +65,8 @@ class Replayer:
         self._region_seen: set[int] = set()
         self._region_kept: list[torch.Tensor] = []
         self._signature: dict[int, tuple] = {}
+        self._named: dict[int, dict[str, torch.nn.Parameter]] = {}
+        self._first_trainable: dict[int, torch.nn.Parameter | None] = {}
         self._last_real: dict[int, bool] = {}
         self._last_key: dict[int, tuple] = {}
         self._grad_kinds_seen: set[tuple] = set()
@@ -79,8 +79,11 @@ class Replayer:
     def install(self, module: torch.nn.Module) -> None:
         """Replay identical calls of `module` from now on."""
         original = module.forward
+        named = dict(module.named_parameters())
         self._signature[id(module)] = (type(module).__qualname__, tuple(
-            (tuple(p.shape), p.dtype, p.requires_grad) for p in module.parameters()))
+            (tuple(p.shape), p.dtype, p.requires_grad) for p in named.values()))
+        self._named[id(module)] = named
+        self._first_trainable[id(module)] = next((p for p in named.values() if p.requires_grad), None)
 
         def forward(*args, **kwargs):
             return self._call(module, original, args, kwargs)
@@ -104,7 +107,7 @@ class Replayer:
     # -- calls --------------------------------------------------------------------------------------------
     def _key(self, module, args, kwargs) -> tuple:
         parts = []
-        for value in tree_flatten((args, kwargs))[0]:
+        for value in flat_values((args, kwargs)):
             if isinstance(value, torch.Tensor):
                 parts.append((tuple(value.shape), value.dtype, value.requires_grad))
             elif hasattr(value, "keys") and hasattr(value, "capacity"):  # a KV cache: its size, not its identity
@@ -113,7 +116,7 @@ class Replayer:
                 parts.append(value)
         grad = torch.is_grad_enabled()
         autocast = torch.is_autocast_enabled("cpu")
-        trainable = next((p for p in module.parameters() if p.requires_grad), None)
+        trainable = self._first_trainable[id(module)]
         return (self._signature[id(module)], tuple(parts), grad, autocast,
                 torch.get_autocast_dtype("cpu") if autocast else None, module.training,
                 getattr(module, "gradient_checkpointing", None), self.state(), id(module) not in self._region_seen,
@@ -148,6 +151,7 @@ class Replayer:
     def _run(self, module, original, key, args, kwargs):
         accountant = self.accountant
         self._close_all()
+        before = accountant.live_storages()
         mark = accountant.mark()
         out = original(*args, **kwargs)
         accountant.release(mark)
@@ -157,10 +161,20 @@ class Replayer:
         after = dict(accountant.memory)
         left = {c: after[c] - mark.memory[c] for c in CATEGORIES}
         left["temporaries"] -= accountant.size_of(out)
+        casts = accountant.cached_casts - before  # autocast's cache: alive until the region ends
+        cached = accountant.size_of_storages(casts)
+        cached_saved = accountant.size_of_storages(casts, "activations")
+        left["activations"] -= cached_saved
+        left["temporaries"] -= cached - cached_saved
+        # With a graph, what the call leaves alive lives as long as the graph (saved tensors, and leaves such as
+        # an embedding output PEFT makes require grad); without one, only the cast cache may stay.
+        graph = out.grad_fn is not None
+        held = max(0, left.pop("activations")) + (max(0, left["temporaries"]) if graph else 0)
+        kept = {c: v for c, v in left.items() if v > 0 and not (graph and c == "temporaries")}
+        if cached:
+            kept["temporaries"] = kept.get("temporaries", 0) + cached
         record = CallRecord(forward=accountant.costs - mark.costs, forward_peak=mark.peak_above(),
-                            output_shape=tuple(out.shape), output_dtype=out.dtype,
-                            activations=max(0, left.pop("activations")),
-                            kept={c: v for c, v in left.items() if v > 0})
+                            output_shape=tuple(out.shape), output_dtype=out.dtype, activations=held, kept=kept)
         if key not in self.records or self.records[key].backward is None:
             self.records[key] = record
         if out.grad_fn is not None:
@@ -170,8 +184,8 @@ class Replayer:
     def _own_backward(self, record: CallRecord, module, out, args, kwargs) -> None:
         """Remember which autograd nodes the call made, so its backward's ops are recorded into it, and which of
         the module's parameters its backward reaches."""
-        stop = {t.grad_fn for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        names = {id(p): name for name, p in module.named_parameters()}
+        stop = {t.grad_fn for t in flat_values((args, kwargs)) if isinstance(t, torch.Tensor)}
+        names = {id(p): name for name, p in self._named[id(module)].items()}
         reached, seen, queue = [], set(), [out.grad_fn]
         while queue:
             node = queue.pop()
@@ -236,8 +250,8 @@ class Replayer:
                 kept = torch.empty(size, dtype=torch.uint8)
                 accountant.classify(kept, category)
                 self._region_kept.append(kept)
-            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            named = dict(module.named_parameters())
+            inputs = [t for t in flat_values((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+            named = self._named[id(module)]
             params = [named[name] for name in record.parameters]
             if torch.is_grad_enabled() and (inputs or params):
                 return _ReplayedCall.apply(self, record, len(inputs), *inputs, *params)
