@@ -87,6 +87,11 @@ class Mark:
     memory: dict[str, int]
     peak: int
     peak_memory: dict[str, int]
+    category_peaks: dict[str, int] = None  # the most each category held at once since the mark
+
+    def __post_init__(self):
+        if self.category_peaks is None:
+            self.category_peaks = dict(self.memory)
 
     def peak_above(self) -> dict[str, int]:
         """The peak since the mark, above the memory at the mark, by category."""
@@ -198,6 +203,11 @@ class Accountant(TorchDispatchMode):
         memory = self.memory if memory is None else memory
         total = (self.total if memory is self.memory else sum(memory.values())) + (sum(extra.values()) if extra else 0)
         for mark in self._marks if marks is None else marks:
+            peaks = mark.category_peaks
+            for category, size in memory.items():
+                held = size + (extra.get(category, 0) if extra else 0)
+                if held > peaks[category]:
+                    peaks[category] = held
             if total > mark.peak:
                 mark.peak = total
                 mark.peak_memory = dict(memory)

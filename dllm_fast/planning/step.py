@@ -59,8 +59,15 @@ class PhasePlan:
     calls_run: int = 0
     calls_replayed: int = 0
     extrapolated_from: tuple[float, float] | None = None
+    start: int = 0  # bytes alive when the phase first started
+    category_peaks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
 
-    def add(self, peak: int, memory: dict[str, int], costs: Costs, calls_run: int, calls_replayed: int) -> None:
+    def add(self, peak: int, memory: dict[str, int], costs: Costs, calls_run: int, calls_replayed: int,
+            start: int = 0, category_peaks: dict[str, int] | None = None) -> None:
+        if not self.runs:
+            self.start = start
+        for category, size in (category_peaks or {}).items():
+            self.category_peaks[category] = max(self.category_peaks[category], size)
         self.runs += 1
         if peak >= self.peak:
             self.peak, self.memory = peak, dict(memory)
@@ -147,7 +154,16 @@ class Session:
             yield
         accountant.release(mark)
         plan.add(mark.peak, mark.peak_memory, accountant.costs - mark.costs,
-                 self.replayer.calls["run"] - calls["run"], self.replayer.calls["replayed"] - calls["replayed"])
+                 self.replayer.calls["run"] - calls["run"], self.replayer.calls["replayed"] - calls["replayed"],
+                 start=sum(mark.memory.values()), category_peaks=mark.category_peaks)
+
+    def measure(self, name: str, fn):
+        """Run `fn()` as a phase of its own: (its PhasePlan, what it returned). For plans of single calls (a
+        scoring pass, one backward) such as benchmarks measure; tensors it makes belong to the session."""
+        plan = PhasePlan(name)
+        with self.phase(plan):
+            result = fn()
+        return plan, result
 
     # -- phases -------------------------------------------------------------------------------------------
     def rollout(self, *, prompts: int, group_size: int, prompt_length: int) -> Rollout:
@@ -226,11 +242,11 @@ def smallest_n_t(config: TrainConfig) -> int:
 
 def probe_n_t(config: TrainConfig, rollouts: int, micro_batch: int) -> tuple[int, int]:
     """Two small n_t to plan the updates at, from which larger ones are extrapolated (fit.py): the smallest at
-    which every kind of micro-batch runs (at least two micro-batches of pairs), and twice it."""
+    which every kind of micro-batch runs (at least two micro-batches of pairs), and four times it."""
     step = smallest_n_t(config)
     low = max(step, -(-2 * micro_batch // max(rollouts, 1)))
     low = step * -(-low // step)
-    return low, 2 * low
+    return low, 4 * low
 
 
 # ---------------------------------------------------------------------------------------------------------
