@@ -79,6 +79,9 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     weights_dtype: "float32" (what train loads; bf16 autocast on GPU) or "bfloat16" (weights, gradients and
     optimizer state in bf16). search: also find the largest n_t, micro-batch and group size that fit."""
     started = time.perf_counter()
+    if getattr(config, "compile", False):
+        raise ValueError("--compile true: the planner plans eager execution (every op one kernel); plan without "
+                         "--compile, and expect a compiled step to hold and move less.")
     if weights_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weights_dtype={weights_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}.")
     if isinstance(gpu, str):
@@ -109,7 +112,7 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
         if search and gpu is not None:
             from dllm_fast.planning.search import largest_settings
 
-            plan.largest, search_notes = largest_settings(session, plan, rollout, runs, probes, batching)
+            plan.largest, search_notes = largest_settings(session, plan, rollout, runs, probes, batching, fresh)
             plan.notes += search_notes
     plan.seconds = time.perf_counter() - started
     return plan
@@ -140,6 +143,9 @@ def _notes(plan: Plan, probes, n_t: int, session: Session) -> list[str]:
     if extrapolated:
         notes.append(f"{', '.join(extrapolated)}: planned at n_t = {probes[0]} and {probes[1]} and extrapolated to "
                      f"n_t = {n_t} (work affine in the number of pairs; memory too, never decreasing)")
+    if plan.gpu is not None:
+        notes.append("roofline: the sum over ops of max(FLOPs / peak FLOP/s for the op's dtype, bytes moved / "
+                     "bandwidth): eager PyTorch, every op one kernel at its roofline, no launch overhead, no overlap")
     notes.append("assumed: sampled tokens are never EOS (completions fill gen_length), every group's rewards differ "
                  "(every pair has a gradient weight), model outputs are finite"
                  + (", threshold decoding unmasks one token per step" if plan.config.threshold is not None else ""))

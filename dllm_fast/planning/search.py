@@ -21,7 +21,7 @@ from dllm_fast.planning.step import UPDATE_PHASES, probe_n_t, smallest_n_t
 MAX_N_T, MAX_MICRO_BATCH, MAX_GROUP_SIZE = 1 << 16, 1 << 14, 1 << 12
 
 
-def largest_settings(session, plan, rollout, runs, probes, batching: MicroBatching):
+def largest_settings(session, plan, rollout, runs, probes, batching: MicroBatching, fresh):
     """({"n_t": ..., "micro_batch": ..., "group_size": ...}, notes) for a planned step (see planner.plan_step).
     A value is None when even the smallest setting does not fit."""
     capacity, config, n_t = plan.capacity, plan.config, plan.shapes["n_t"]
@@ -41,8 +41,11 @@ def largest_settings(session, plan, rollout, runs, probes, batching: MicroBatchi
     # micro-batch: the updates at a second micro-batch (and at the answer), at a small n_t, moved to n_t
     def updates_at(micro_batch: int) -> dict[str, float]:
         probe = probe_n_t(config, plan.shapes["rollouts"], micro_batch)[0]
-        phases = session.updates(rollout.batch, n_t=probe, batching=dataclasses.replace(batching,
-                                                                                      micro_batch=micro_batch))
+        if micro_batch == batching.micro_batch and probe == probes[0]:
+            phases = fresh  # planned already (its first run: real calls, as a new micro-batch's plan makes)
+        else:
+            phases = session.updates(rollout.batch, n_t=probe, batching=dataclasses.replace(
+                batching, micro_batch=micro_batch))
         return {name: phases[name].peak + n_slopes[name] * (n_t - probe) for name in active}
 
     m0 = batching.micro_batch

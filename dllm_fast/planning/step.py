@@ -90,7 +90,8 @@ class Session:
     Enter it (`with session:`) to run phases; tensors made inside belong to it."""
 
     def __init__(self, config: TrainConfig, *, target: Target, weights_dtype: torch.dtype = torch.float32,
-                 engine: str = "streaming", assumptions: Assumptions | None = None):
+                 engine: str = "streaming", assumptions: Assumptions | None = None, optimizer: bool = True):
+        """optimizer: allocate the AdamW state a training step holds (False for a rollout on its own)."""
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is not one of {', '.join(ENGINES)}.")
         self.config, self.target, self.engine = config, target, engine
@@ -99,7 +100,10 @@ class Session:
         base = self.base
         if assumptions is None:
             special = (base.mask_token_id, base.eos_token_id, getattr(base, "eot_token_id", None))
-            assumptions = Assumptions(avoid_ids=frozenset(i for i in special if i is not None))
+            # threshold decoding: every confidence below the threshold, so a step unmasks one token (the most steps)
+            confidence = config.threshold / 2 if config.threshold is not None else Assumptions.confidence
+            assumptions = Assumptions(confidence=confidence,
+                                      avoid_ids=frozenset(i for i in special if i is not None))
         self.mode = PlanningFakeMode(assumptions)
         self.accountant = Accountant(target)
         self.bf16 = config.bf16 if config.bf16 is not None else target.device_type == "cuda"
@@ -108,6 +112,7 @@ class Session:
             fake_module(module, self.mode)
         self._stack = contextlib.ExitStack()
         self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        self.with_optimizer = optimizer
 
     def __enter__(self) -> "Session":
         stack = self._stack
@@ -128,9 +133,12 @@ class Session:
                     self.replayer.install(block)
         _allocate_kv_cache_as(self.base, self.accountant)
         c = self.config
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay,
-                                           foreach=True if self.target.device_type == "cuda" else None)
-        _prime_optimizer(self.optimizer, self.trainable, self.accountant)
+        self.optimizer = None
+        if self.with_optimizer:
+            self.optimizer = torch.optim.AdamW(self.trainable, lr=c.lr, betas=tuple(c.betas),
+                                               weight_decay=c.weight_decay,
+                                               foreach=True if self.target.device_type == "cuda" else None)
+            _prime_optimizer(self.optimizer, self.trainable, self.accountant)
         return self
 
     def __exit__(self, *exc):
