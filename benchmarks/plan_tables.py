@@ -126,8 +126,8 @@ def main():
         print(markdown(results["rollout"], ["batch", "cache", "nfe", "peak_gb", "kv_cache_gb", "tflop", "gb_moved",
                                              "roofline_s", "floor_s", "tokens_per_s"]))
     config = dict(gpu=args.gpu, prompt_length=PROMPT, n_t=N_T, **BASE, label="planner estimate")
-    rows = [dict(table=name, **row) for name, table in results.items() for row in table]
-    print(f"wrote {write_results(f'plan_tables_{args.gpu}', config, rows, args.results_dir)}")
+    for name, rows in results.items():
+        print(f"wrote {write_results(f'plan_{name}_{args.gpu}', config, rows, args.results_dir)}")
 
 
 if __name__ == "__main__":
