@@ -62,11 +62,20 @@ def text(plan: Plan) -> str:
     lines.append(verdict(plan))
     if plan.largest:
         lines.append("largest that fit, the others as configured: " + "; ".join(
-            f"{name.replace('_', '-')} {'none' if value is None else value}" for name, value in plan.largest.items()))
+            f"{name.replace('_', '-')} {_largest(name, value)}" for name, value in plan.largest.items()))
     lines.append("notes:")
     lines += [f"  - {note}" for note in plan.notes]
     lines.append(f"planned in {plan.seconds:.0f} s")
     return "\n".join(lines)
+
+
+def _largest(name: str, value: int | None) -> str:
+    from dllm_fast.planning.search import MAX_GROUP_SIZE, MAX_MICRO_BATCH, MAX_N_T
+
+    if value is None:
+        return "none (not even the smallest fits)"
+    cap = {"n_t": MAX_N_T, "micro_batch": MAX_MICRO_BATCH, "group_size": MAX_GROUP_SIZE}[name]
+    return f">= {value} (the search's cap)" if value >= cap else str(value)
 
 
 def verdict(plan: Plan) -> str:
