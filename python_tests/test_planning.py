@@ -42,16 +42,16 @@ def test_streaming_is_flat_in_n_t_and_all_graphs_doubles():
     peaks = {}
     for engine in ("streaming", "all_graphs"):
         with session(engine=engine) as s:
-            batch = s.rollout(prompts=2, group_size=4, prompt_length=8).batch
-            for n_t in (8, 16):
+            batch = s.rollout(prompts=1, group_size=4, prompt_length=8).batch
+            for n_t in (4, 8):
                 update = s.updates(batch, n_t=n_t, batching=MicroBatching(4))["inner update"]
                 peaks[engine, n_t] = update
-    streaming_growth = peaks["streaming", 16].peak - peaks["streaming", 8].peak
-    lp_buffers = 8 * 8 * 16 * 4  # 8 more samples x 8 sequences x 16 positions, fp32: one lp-sized tensor
+    streaming_growth = peaks["streaming", 8].peak - peaks["streaming", 4].peak
+    lp_buffers = 4 * 4 * 16 * 4  # 4 more samples x 4 sequences x 16 positions, fp32: one lp-sized tensor
     assert 0 <= streaming_growth <= 8 * lp_buffers
-    activations = {n_t: peaks["all_graphs", n_t].category_peaks["activations"] for n_t in (8, 16)}
-    assert activations[16] == pytest.approx(2 * activations[8], rel=0.05)
-    assert peaks["all_graphs", 16].peak - peaks["all_graphs", 8].peak > 10 * streaming_growth
+    activations = {n_t: peaks["all_graphs", n_t].category_peaks["activations"] for n_t in (4, 8)}
+    assert activations[8] == pytest.approx(2 * activations[4], rel=0.05)
+    assert peaks["all_graphs", 8].peak - peaks["all_graphs", 4].peak > 10 * streaming_growth
 
 
 def test_lora_optimizer_state_is_the_adapters_size():
@@ -272,3 +272,14 @@ def test_cli_refuses_an_unknown_gpu_by_name():
     out = run_cli("--gpu", "h300")
     assert out.returncode == 2
     assert "--gpu 'h300'" in out.stderr and "h100" in out.stderr
+
+
+def test_reading_a_model_output_is_an_error_not_an_invented_value():
+    """The plan never makes up a value the model computes: reading one is a readable error."""
+    from dllm_fast.planning.planner import _readable_data_errors
+
+    with pytest.raises(RuntimeError, match="cannot know"):
+        with _readable_data_errors(), session() as s:
+            hidden = s.base(torch.zeros(1, 4, dtype=torch.long))
+            assert torch.isfinite(hidden).all()  # finiteness is assumed: no error
+            hidden.sum().item()

@@ -13,6 +13,7 @@ The largest settings that fit (search.py) come from the same kind of fits, each 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -92,7 +93,7 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     session = Session(config, target=target, weights_dtype=WEIGHT_DTYPES[weights_dtype], engine=engine)
     batching = MicroBatching(config.micro_batch, config.score_micro_batch, config.chunk_size)
     n_t = session.objective.config.n_t
-    with session:
+    with _readable_data_errors(), session:
         rollout = session.rollout(prompts=config.prompts_per_step, group_size=config.group_size,
                                   prompt_length=prompt_length)
         probes = probe_n_t(config, rollout.batch.num_rollouts, batching.micro_batch)
@@ -118,6 +119,21 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     return plan
 
 
+@contextlib.contextmanager
+def _readable_data_errors():
+    """A read of a value the fake model computed (a host sync on model output that the plan makes no assumption
+    about) as one readable error."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        raise RuntimeError(f"the step reads a value the model computes ({error.func}), which a plan on fake tensors "
+                           "cannot know; the planner assumes only finiteness checks, sampled tokens and log-probs "
+                           "(dllm_fast/planning/fake.py). Make the read sync-free, or teach the planner the value "
+                           "to assume.") from error
+
+
 def task_prompt_length(config: TrainConfig, *, candidates: int = 32) -> int:
     """The longest training prompt of the task in tokens of the configured tokenizer, as train checks it, among
     the `candidates` longest in characters (tokenizing every prompt of a large task takes long)."""
@@ -141,7 +157,7 @@ def _notes(plan: Plan, probes, n_t: int, session: Session) -> list[str]:
                  "a recorded call (denoising steps, micro-batches, blocks)")
     extrapolated = [name for name, p in plan.phases.items() if p.extrapolated_from]
     if extrapolated:
-        notes.append(f"{', '.join(extrapolated)}: planned at n_t = {probes[0]} and {probes[1]} and extrapolated to "
+        notes.append(f"{', '.join(extrapolated)}: planned at n_t = {probes[0]} and {probes[1]} and fit to "
                      f"n_t = {n_t} (work affine in the number of pairs; memory too, never decreasing)")
     if plan.gpu is not None:
         notes.append("roofline: the sum over ops of max(FLOPs / peak FLOP/s for the op's dtype, bytes moved / "

@@ -53,7 +53,7 @@ def text(plan: Plan) -> str:
     for row in [header, *rows]:
         lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
     if any(p.extrapolated_from for p in plan.phases.values()):
-        lines.append("* extrapolated to the configured n_t from plans at two smaller n_t (see notes)")
+        lines.append("* fit to the configured n_t from plans at two other n_t (see notes)")
     lines.append("")
     lines.append(f"rollout: {plan.nfe} forwards that unmask tokens"
                  + (f"; weight-streaming floor {plan.weight_streaming_floor:.2f} s (each forward reads "
