@@ -20,9 +20,10 @@ def affine(x1: float, y1: float, x2: float, y2: float, x: float) -> float:
 def extrapolate(first: PhasePlan, second: PhasePlan, x1: float, x2: float, x: float,
                 fresh: PhasePlan | None = None) -> PhasePlan:
     """The phase at setting x from its runs at x1 < x2. Costs: affine. Memory: the peak affine with a slope of at
-    least zero (more pairs never free memory; a drop is the noise of which micro-batch peaks), its split by
-    category that of the run at x2 with the growth given to the categories that grew (to temporaries when none
-    did). `fresh`: the phase's first run at x1, whose real calls hold slightly more at the peak than replays of
+    least zero (more pairs never free memory; a drop is the noise of which micro-batch peaks), which errs high:
+    part of the growth is the largest micro-batch's masked rows, which levels off as micro-batches add up. The
+    split by category is the run's at x2, with the growth given to the categories that grew (to temporaries when
+    none did). `fresh`: the phase's first run at x1, whose real calls hold slightly more at the peak than replays of
     them do (a few tenths of a percent); its excess over `first` is added back."""
     if not (first.runs and second.runs):
         return second

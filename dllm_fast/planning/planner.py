@@ -158,7 +158,8 @@ def _notes(plan: Plan, probes, n_t: int, session: Session) -> list[str]:
     extrapolated = [name for name, p in plan.phases.items() if p.extrapolated_from]
     if extrapolated:
         notes.append(f"{', '.join(extrapolated)}: planned at n_t = {probes[0]} and {probes[1]} and fit to "
-                     f"n_t = {n_t} (work affine in the number of pairs; memory too, never decreasing)")
+                     f"n_t = {n_t}: work affine in the number of pairs; memory grown linearly from the two plans, "
+                     "which errs high (part of the growth, the largest micro-batch's masked rows, levels off)")
     if plan.gpu is not None:
         notes.append("roofline: the sum over ops of max(FLOPs / peak FLOP/s for the op's dtype, bytes moved / "
                      "bandwidth): eager PyTorch, every op one kernel at its roofline, no launch overhead, no overlap")
