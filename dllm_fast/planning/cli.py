@@ -25,7 +25,8 @@ DESCRIPTION = """Plan one RL training step before renting a GPU: the trainer's s
 scoring, the inner updates through the objective's engine, the optimizer step) runs on fake tensors at the
 configured shapes and dtypes. Per phase: peak memory by category, FLOPs, bytes moved and a roofline time on the
 GPU; then the verdict and the largest n_t, micro-batch and group size that fit. Planner estimates, not
-measurements. Takes every option of `train`, plus those below."""
+measurements. Takes every option of `train`, plus those below; the options that do not shape one step (steps,
+evaluation, checkpoints, output directory, device) are checked as train checks them and otherwise unused."""
 ENGINES = ("streaming", "all_graphs")
 WEIGHT_DTYPES = ("float32", "bfloat16")
 
@@ -73,9 +74,13 @@ def main(argv: typing.Sequence[str] = ()) -> None:
             raise
         print(f"{PROG}: {' '.join(str(error).split())}", file=sys.stderr)
         raise SystemExit(2) from None
+    import torch
+
     from dllm_fast.planning.planner import plan_step
     from dllm_fast.planning.report import as_dict, text
 
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     try:
         plan = plan_step(config, gpu=args.gpu, prompt_length=args.prompt_length, engine=args.engine,
                          weights_dtype=args.weights_dtype, search=args.search)
