@@ -16,7 +16,7 @@ import math
 
 from dllm_fast.likelihood import MicroBatching
 from dllm_fast.planning.fit import affine, extrapolate
-from dllm_fast.planning.step import UPDATE_PHASES, probe_n_t, smallest_n_t
+from dllm_fast.planning.step import UPDATE_PHASES, probe_n_t, smallest_n_t, valid_n_t
 
 MAX_N_T, MAX_MICRO_BATCH, MAX_GROUP_SIZE = 1 << 16, 1 << 14, 1 << 12
 
@@ -34,9 +34,8 @@ def largest_settings(session, plan, rollout, runs, probes, batching: MicroBatchi
     # n_t
     lines = {name: ((n_t, plan.phases[name].peak), (n_t + 1, plan.phases[name].peak + n_slopes[name]))
              for name in active}
-    step = smallest_n_t(config)
-    best = _solve(capacity, rollout_peak, lines, minimum=step, maximum=MAX_N_T)
-    largest = {"n_t": None if best is None else step * (best // step)}
+    best = _solve(capacity, rollout_peak, lines, minimum=smallest_n_t(config), maximum=MAX_N_T)
+    largest = {"n_t": None if best is None else valid_n_t(config, best, down=True)}
 
     # micro-batch: the updates at a second micro-batch (and at the answer), at a small n_t, moved to n_t
     def updates_at(micro_batch: int) -> dict[str, float]:

@@ -185,11 +185,13 @@ class Session:
         plan = PhasePlan("rollout")
         with self.phase(plan):
             self.policy.eval()
+            # as train does: trajectory objectives (TraceRL) ask generate to record the decoding order
+            record = {"record_unmask_step": True} if getattr(self.objective, "needs_unmask_step", False) else {}
             with torch.no_grad(), self.autocast():
                 result = generate(self.policy, input_ids, attention_mask, gen_length=c.gen_length,
                                   block_length=c.block_length, steps=c.diffusion_steps, temperature=c.temperature,
                                   remasking=c.remasking, cache=c.cache, threshold=c.threshold,
-                                  generator=torch.Generator().manual_seed(c.seed + 1))
+                                  generator=torch.Generator().manual_seed(c.seed + 1), **record)
             self.policy.train()
         rewards = torch.arange(input_ids.shape[0], dtype=torch.float32) % 2
         return Rollout(plan, RolloutBatch.from_generation(result, rewards, group_size=group_size), int(result.nfe))
@@ -242,19 +244,31 @@ class Session:
         objective.loss(lp, inputs).backward()
 
 
+def valid_n_t(config: TrainConfig, n_t: int, *, down: bool = False, limit: int = 1 << 16) -> int | None:
+    """The n_t nearest `n_t` (at or above it; at or below with down=True) that the objective accepts (pairs
+    need an even n_t, a full mask plus pairs an odd one, quadrature a multiple of its points); None when there
+    is none within [1, limit]."""
+    step = -1 if down else 1
+    for candidate in range(max(1, n_t), 0 if down else limit + 1, step):
+        try:
+            objectives.get(config.objective, **{**config.objective_options, "n_t": candidate})
+        except ValueError:
+            continue
+        return candidate
+    return None
+
+
 def smallest_n_t(config: TrainConfig) -> int:
-    """The smallest n_t the objective accepts (2 for complementary pairs)."""
-    objective = objectives.get(config.objective, **config.objective_options)
-    return 2 if objective.config.sampler == "complementary" else 1
+    """The smallest n_t the objective accepts."""
+    return valid_n_t(config, 1)
 
 
 def probe_n_t(config: TrainConfig, rollouts: int, micro_batch: int) -> tuple[int, int]:
     """Two small n_t to plan the updates at, from which larger ones are extrapolated (fit.py): the smallest at
-    which every kind of micro-batch runs (at least two micro-batches of pairs), and four times it."""
-    step = smallest_n_t(config)
-    low = max(step, -(-2 * micro_batch // max(rollouts, 1)))
-    low = step * -(-low // step)
-    return low, 4 * low
+    which every kind of micro-batch runs (at least two micro-batches of pairs), and the first valid one from four
+    times it."""
+    low = valid_n_t(config, -(-2 * micro_batch // max(rollouts, 1)))
+    return low, valid_n_t(config, 4 * low)
 
 
 # ---------------------------------------------------------------------------------------------------------
