@@ -96,6 +96,31 @@ def _masked_logprobs_backward(device_type, grad_logp, grad_lse, hidden, weight, 
     return Workspace(grad_hidden_accumulator + logits + upcast_copies + chunk_product + 4 * M * acc, traffic)
 
 
+@declare_workspace("masked_logprobs_grad")
+def _masked_logprobs_grad(device_type, hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size) -> Workspace:
+    """Both gradients for an upstream gradient known before the forward, in one walk over the vocabulary
+    (grad_weight accumulated in place). A device without its kernel runs the forward and backward kernels."""
+    M, d = hidden.shape
+    V = weight.shape[0]
+    if device_type == "cuda":  # the composite: forward, then backward, one after the other
+        forward = _masked_logprobs(device_type, hidden, weight, targets, chunk_size)
+        mask = (True, grad_weight is not None)
+        backward = _masked_logprobs_backward(device_type, grad_logp, None, hidden, weight, targets, None, chunk_size,
+                                             mask)
+        return Workspace(max(forward.bytes, backward.bytes), forward.traffic + backward.traffic)
+    acc, size = _size(accumulate_dtype(hidden.dtype)), _size(hidden.dtype)
+    C, chunks = _chunks(V, chunk_size)
+    upcast = size != acc
+    lse_pass = _masked_logprobs(device_type, hidden, weight, targets, chunk_size).bytes if lse is None else 0
+    grad_hidden_accumulator = M * d * acc if upcast else 0  # else it is the output itself
+    copies = (M * d * acc + C * d * acc if upcast else 0) + M * d * acc  # hidden, a weight chunk, target rows
+    chunk_product = C * d * acc if grad_weight is not None and grad_weight.dtype != accumulate_dtype(hidden.dtype) else 0
+    held = grad_hidden_accumulator + M * C * acc + copies + chunk_product + 4 * M * acc
+    traffic = (2 * M * V * acc * (2 if lse is None else 1) + V * d * size
+               + (chunks * M * d * acc + V * d * size if grad_weight is not None else 0))
+    return Workspace(max(held, lse_pass), traffic)
+
+
 @declare_workspace("sample_tokens")
 def _sample_tokens(device_type, hidden, weight, row_ids, temperature, seed, offset, suppress_ids, exclude_ids,
                    chunk_size) -> Workspace:
@@ -135,11 +160,22 @@ def _sample_tokens_flops(hidden_shape, weight_shape, *args, out_shape=None, **kw
     return 2 * hidden_shape[0] * weight_shape[0] * hidden_shape[1]
 
 
+def _masked_logprobs_grad_flops(hidden_shape, weight_shape, targets_shape, grad_logp_shape, lse_shape,
+                                grad_weight_shape, chunk_size, *args, out_shape=None, **kwargs):
+    gemm = 2 * hidden_shape[0] * weight_shape[0] * hidden_shape[1]
+    # the logits, grad_hidden and (when asked) grad_weight per chunk; a forward pass first when lse is not given
+    return gemm * (2 + (grad_weight_shape is not None) + (lse_shape is None))
+
+
+_FLOPS = {"masked_logprobs": _masked_logprobs_flops, "masked_logprobs_backward": _masked_logprobs_backward_flops,
+          "masked_logprobs_grad": _masked_logprobs_grad_flops, "sample_tokens": _sample_tokens_flops}
+
 if HAS_EXTENSION:
     from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-    for _op, _formula in ((torch.ops.dllm_fast.masked_logprobs, _masked_logprobs_flops),
-                          (torch.ops.dllm_fast.masked_logprobs_backward, _masked_logprobs_backward_flops),
-                          (torch.ops.dllm_fast.sample_tokens, _sample_tokens_flops)):
-        if _op not in flop_registry:  # a module reload must not register twice
+    _registered = {name.split("::")[1].split(".")[0] for name in torch._C._dispatch_get_all_op_names()
+                   if name.startswith("dllm_fast::")}
+    for _name, _formula in _FLOPS.items():
+        _op = getattr(torch.ops.dllm_fast, _name) if _name in _registered else None
+        if _op is not None and _op not in flop_registry:  # a module reload must not register twice
             register_flop_formula(_op)(_formula)

@@ -138,7 +138,15 @@ def _assumed_outputs() -> dict:
         logp, lse = out
         return mode.filled(logp.shape, logp.dtype, mode.assumptions.logprob), mode.filled(lse.shape, lse.dtype, 0.0)
 
-    return {torch.ops.dllm_fast.sample_tokens: sample_tokens, torch.ops.dllm_fast.masked_logprobs: masked_logprobs}
+    def masked_logprobs_grad(mode, args, out):  # (logp, grad_hidden): the log-probs are data, the gradient is not
+        logp, grad_hidden = out
+        return mode.filled(logp.shape, logp.dtype, mode.assumptions.logprob), grad_hidden
+
+    ops = torch.ops.dllm_fast
+    assumed = {ops.sample_tokens: sample_tokens, ops.masked_logprobs: masked_logprobs}
+    if "dllm_fast::masked_logprobs_grad" in torch._C._dispatch_get_all_op_names():
+        assumed[ops.masked_logprobs_grad] = masked_logprobs_grad
+    return assumed
 
 
 class FiniteValues(TorchFunctionMode):
