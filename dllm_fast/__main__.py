@@ -16,6 +16,8 @@ PROG = "python -m dllm_fast"
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("dllm_fast.train.cli", "RL training; with no options, the embedded default (sudoku4 on CPU)"),
     "demo": ("dllm_fast.demo", "show what is built: rollouts, the fused log-prob op, the streaming backward"),
+    "plan": ("dllm_fast.planning.cli", "plan a training step for a GPU on fake tensors: memory by phase, FLOPs, "
+             "roofline time, the verdict and the largest settings that fit"),
 }
 
 

@@ -10,6 +10,7 @@ falls back to the reference with a one-time warning. Asking for ``"compiled"`` e
 falling back. The environment variable ``DLLM_FAST_BACKEND`` sets the default.
 """
 
+from dllm_fast.ops import costs  # registers the ops' FLOP formulas with torch.utils.flop_counter
 from dllm_fast.ops.backend import BACKENDS, choose_backend, default_chunk_size
 from dllm_fast.ops.logprobs import logprobs_with_known_gradient, masked_logprobs, masked_logprobs_grad
 from dllm_fast.ops.sampling import sample_tokens, select_transfer

@@ -12,6 +12,8 @@ falling back. The environment variable ``DLLM_FAST_BACKEND`` sets the default.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import warnings
 
@@ -47,11 +49,27 @@ def choose_backend(op: str, device: torch.device, backend: str | None) -> str:
     return "reference"
 
 
+# The device type default chunks are sized for, when it is not the tensors' own (see chunks_sized_for).
+_CHUNK_DEVICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("dllm_fast_chunk_device", default=None)
+
+
+@contextlib.contextmanager
+def chunks_sized_for(device_type: str):
+    """Size default vocabulary chunks as on `device_type` ("cpu" or "cuda") whatever device the tensors are on:
+    the planner runs fake CPU tensors for a GPU and must see the GPU's chunks (and their buffers)."""
+    token = _CHUNK_DEVICE.set(device_type)
+    try:
+        yield
+    finally:
+        _CHUNK_DEVICE.reset(token)
+
+
 def default_chunk_size(rows: int, vocab: int, device: torch.device) -> int:
     """Vocabulary columns per chunk: about 8 MB of fp32 logits on CPU (cache-friendly), 256 MB on GPU."""
-    budget = (256 << 20) if device.type == "cuda" else (8 << 20)
+    device_type = _CHUNK_DEVICE.get() or device.type
+    budget = (256 << 20) if device_type == "cuda" else (8 << 20)
     columns = budget // (4 * max(rows, 1))
-    columns = max(1024 if device.type == "cuda" else 256, min(columns, 32768))
+    columns = max(1024 if device_type == "cuda" else 256, min(columns, 32768))
     return int(min(vocab, columns - columns % 128))
 
 

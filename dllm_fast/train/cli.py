@@ -255,6 +255,9 @@ def _converter(name: str, kind, optional: bool):
     return convert
 
 
+value_converter = _converter  # the planner's own flags read values the same way (true/false, none, numbers)
+
+
 def _dashed(arguments: typing.Sequence[str]) -> list[str]:
     """`--inner_updates` -> `--inner-updates` (the field name spelt with underscores), other tokens as given."""
     out = []

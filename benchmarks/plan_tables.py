@@ -1,0 +1,134 @@
+"""Planned GPU tables for RESULTS.md and the README: PLANNER ESTIMATES made on fake tensors, never measurements.
+
+    python benchmarks/plan_tables.py                      # both tables, H100 80GB
+    python benchmarks/plan_tables.py --tables rollout --gpu h200
+
+Training step (table "step"): LLaDA-8B, one prompt group of G = 8 per step, prompt 200 + gen 256 (block 32,
+128 steps, dual cache), VRPO-OL (the ELBO, stratified masks, two passes) at n_t in {1, 16, 64, 256}, micro-batch
+8 pairs, gradient checkpointing; LoRA (r 16) and the full fine-tune; the streaming engine against all-graphs
+(every pair's graph kept until one backward), with the n_t where all-graphs stops fitting. Weights in bf16
+(weights, gradients and AdamW state); the trainer's own default, fp32 weights with bf16 autocast, as a row of its
+own.
+
+Rollouts (table "rollout"): the same model and lengths in bf16, inference only (no optimizer state), batch 1 and
+8, caches none / prefix / dual: peak memory, KV cache, the roofline time of generate (eager kernels, each at max(FLOPs / peak, bytes / bandwidth)) and the
+weight-streaming floor (each forward reads the weights once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+from common import add_results_dir_argument, write_results  # noqa: E402
+
+from dllm_fast.likelihood import MicroBatching  # noqa: E402
+from dllm_fast.planning.accounting import Target  # noqa: E402
+from dllm_fast.planning.fit import extrapolate  # noqa: E402
+from dllm_fast.planning.gpus import GPUS  # noqa: E402
+from dllm_fast.planning.search import MAX_N_T, _solve  # noqa: E402
+from dllm_fast.planning.step import UPDATE_PHASES, Session, probe_n_t  # noqa: E402
+from dllm_fast.train.config import TrainConfig  # noqa: E402
+
+N_T = (1, 16, 64, 256)
+BASE = dict(model="llada-8b", objective="vrpo_ol", prompts_per_step=1, group_size=8, gen_length=256, block_length=32,
+            diffusion_steps=128, cache="dual", micro_batch=8, gradient_checkpointing=True, temperature=1.0)
+PROMPT = 200
+
+
+def step_rows(gpu, setups) -> list[dict]:
+    rows = []
+    for label, lora, weights in setups:
+        for engine in ("streaming", "all_graphs"):
+            config = TrainConfig(**BASE, lora=lora, objective_options={"n_t": N_T[0]})
+            session = Session(config, target=Target("cuda", gpu), weights_dtype=weights, engine=engine)
+            batching = MicroBatching(config.micro_batch)
+            with session:
+                rollout = session.rollout(prompts=1, group_size=config.group_size, prompt_length=PROMPT)
+                probes = probe_n_t(config, rollout.batch.num_rollouts, batching.micro_batch)
+                fresh = session.updates(rollout.batch, n_t=probes[0], batching=batching)
+                low, high = (session.updates(rollout.batch, n_t=x, batching=batching) for x in probes)
+            lines = {"rollout": ((1, rollout.phase.peak), (2, rollout.phase.peak))}
+            for n_t in N_T:
+                phases = {name: extrapolate(low[name], high[name], *probes, n_t, fresh[name]) for name in UPDATE_PHASES}
+                phases["rollout"] = rollout.phase
+                peak = max(p.peak for p in phases.values() if p.runs)
+                worst = max((p for p in phases.values() if p.runs), key=lambda p: p.peak).name
+                rows.append(dict(setup=label, engine=engine, n_t=n_t, peak_gb=peak / 1e9, fits=peak <= gpu.memory,
+                                 worst_phase=worst, step_roofline_s=sum(p.costs.seconds for p in phases.values()
+                                                                        if p.runs),
+                                 update_gb=phases["inner update"].peak / 1e9))
+            for name in UPDATE_PHASES:
+                if high[name].runs:
+                    with_fresh = extrapolate(low[name], high[name], *probes, probes[1] + 1, fresh[name])
+                    at_high = extrapolate(low[name], high[name], *probes, probes[1], fresh[name])
+                    lines[name] = ((probes[1], at_high.peak), (probes[1] + 1, with_fresh.peak))
+            largest = _solve(gpu.memory, None, lines, minimum=1, maximum=MAX_N_T)
+            for row in rows[-len(N_T):]:
+                row["largest_n_t"] = largest
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def rollout_rows(gpu) -> list[dict]:
+    rows = []
+    for batch in (1, 8):
+        for cache in ("none", "prefix", "dual"):
+            config = TrainConfig(**{**BASE, "cache": cache}, lora=False)
+            with Session(config, target=Target("cuda", gpu), weights_dtype=torch.bfloat16, optimizer=False) as session:
+                rollout = session.rollout(prompts=batch, group_size=1, prompt_length=PROMPT)
+                phase, weight_bytes = rollout.phase, session.weight_bytes
+            seconds = phase.costs.seconds
+            rows.append(dict(batch=batch, cache=cache, nfe=rollout.nfe, peak_gb=phase.peak / 1e9,
+                             kv_cache_gb=phase.category_peaks["kv_cache"] / 1e9, tflop=phase.costs.flops / 1e12,
+                             gb_moved=phase.costs.bytes / 1e9, roofline_s=seconds,
+                             floor_s=rollout.nfe * weight_bytes / gpu.bandwidth,
+                             tokens_per_s=batch * BASE["gen_length"] / seconds))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def markdown(rows: list[dict], columns: list[str]) -> str:
+    def cell(value):
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if isinstance(value, float):
+            return f"{value:,.2f}" if value < 1000 else f"{value:,.0f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", default="h100", choices=list(GPUS))
+    parser.add_argument("--tables", nargs="+", default=["step", "rollout"], choices=["step", "rollout"])
+    add_results_dir_argument(parser)
+    args = parser.parse_args()
+    gpu = GPUS[args.gpu]
+    results = {}
+    if "step" in args.tables:
+        setups = [("LoRA, bf16 weights", True, torch.bfloat16), ("full, bf16 weights", False, torch.bfloat16),
+                  ("LoRA, fp32 weights + autocast (train's default)", True, torch.float32)]
+        results["step"] = step_rows(gpu, setups)
+        print(markdown(results["step"], ["setup", "engine", "n_t", "peak_gb", "fits", "worst_phase", "update_gb",
+                                          "step_roofline_s", "largest_n_t"]))
+    if "rollout" in args.tables:
+        results["rollout"] = rollout_rows(gpu)
+        print(markdown(results["rollout"], ["batch", "cache", "nfe", "peak_gb", "kv_cache_gb", "tflop", "gb_moved",
+                                             "roofline_s", "floor_s", "tokens_per_s"]))
+    config = dict(gpu=args.gpu, prompt_length=PROMPT, n_t=N_T, **BASE, label="planner estimate")
+    for name, rows in results.items():
+        print(f"wrote {write_results(f'plan_{name}_{args.gpu}', config, rows, args.results_dir)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""What each compiled op costs beyond reading its inputs and writing its outputs, declared so that the planner
+(dllm_fast.planning) and torch's FlopCounterMode can count it.
+
+- FLOPs: one formula per op, registered with `torch.utils.flop_counter`, so FlopCounterMode counts the fused
+  LM-head GEMMs too (it sees only the op, not the GEMMs inside it).
+- Workspace: the fake kernels (ops/logprobs.py, ops/sampling.py) allocate only the outputs; the real kernels also
+  allocate chunk buffers, upcast copies and per-row state while they run, and move the chunk logits through
+  memory. `workspace(op, device_type, args)` says how much, for the CPU kernel (csrc/cpu) or the CUDA one
+  (csrc/cuda/*_glue.cpp). Keep each entry in step with its kernel: when a kernel allocates something new,
+  declare it here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dllm_fast._extension import HAS_EXTENSION
+from dllm_fast.contracts import accumulate_dtype
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """bytes: the most memory the kernel holds at once beyond its inputs and outputs. traffic: the bytes it moves
+    through memory beyond reading its inputs and writing its outputs once (chunk logits written and read back,
+    weights read again)."""
+
+    bytes: int = 0
+    traffic: int = 0
+
+
+# op name (without the "dllm_fast::" namespace) -> fn(device_type, *op arguments) -> Workspace
+WORKSPACES: dict[str, Callable[..., Workspace]] = {}
+
+
+def declare_workspace(op: str):
+    def register(fn: Callable[..., Workspace]) -> Callable[..., Workspace]:
+        WORKSPACES[op] = fn
+        return fn
+
+    return register
+
+
+def workspace(op: str, device_type: str, args) -> Workspace:
+    """The workspace of one call of dllm_fast::<op> with `args` (its schema's arguments, in order) on a device
+    of `device_type` ("cpu" or "cuda"). KeyError for an op with no declaration."""
+    return WORKSPACES[op](device_type, *args)
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _chunks(vocab: int, chunk: int) -> tuple[int, int]:
+    """(columns per chunk, number of chunks) of a pass over `vocab` columns in chunks of `chunk`."""
+    chunk = max(1, min(chunk, vocab))
+    return chunk, -(-vocab // chunk)
+
+
+@declare_workspace("masked_logprobs")
+def _masked_logprobs(device_type, hidden, weight, targets, chunk_size) -> Workspace:
+    M, d = hidden.shape
+    V = weight.shape[0]
+    acc, size = _size(accumulate_dtype(hidden.dtype)), _size(hidden.dtype)
+    C, _ = _chunks(V, chunk_size)
+    logits = M * C * acc
+    traffic = 2 * M * V * acc  # each chunk's logits are written by the GEMM and read by the reduction
+    if device_type == "cuda":
+        return Workspace(logits + 3 * M * acc, traffic)  # + running max, sum and target logit per row
+    upcast = size != acc
+    return Workspace(logits + (M * d * acc if upcast else 0) + (C * d * acc if upcast else 0) + 3 * M * acc, traffic)
+
+
+@declare_workspace("masked_logprobs_backward")
+def _masked_logprobs_backward(device_type, grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size,
+                              output_mask) -> Workspace:
+    M, d = hidden.shape
+    V = weight.shape[0]
+    acc, size = _size(accumulate_dtype(hidden.dtype)), _size(hidden.dtype)
+    C, chunks = _chunks(V, chunk_size)
+    need_hidden, need_weight = output_mask
+    upcast = size != acc
+    grad_hidden_accumulator = M * d * acc if need_hidden else 0
+    logits = M * C * acc
+    # Recompute the logits (written, read), write d(logits), read it for each gradient GEMM; read the weight again
+    # for grad_hidden and the hidden rows once per chunk for grad_weight.
+    traffic = 2 * M * V * acc + M * V * size * (1 + need_hidden + need_weight)
+    traffic += (V * d * size if need_hidden else 0) + (chunks * M * d * size if need_weight else 0)
+    if device_type == "cuda":
+        d_logits = M * C * size if upcast else 0  # bf16/fp16 d(logits) for the tensor-core GEMMs
+        return Workspace(grad_hidden_accumulator + logits + d_logits + 4 * M * acc, traffic)
+    upcast_copies = (M * d * acc + C * d * acc) if upcast else 0  # hidden and each weight chunk in fp32
+    chunk_product = C * d * acc if (upcast and need_weight) else 0  # grad_weight rows before their cast
+    return Workspace(grad_hidden_accumulator + logits + upcast_copies + chunk_product + 4 * M * acc, traffic)
+
+
+@declare_workspace("masked_logprobs_grad")
+def _masked_logprobs_grad(device_type, hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size) -> Workspace:
+    """Both gradients for an upstream gradient known before the forward, in one walk over the vocabulary
+    (grad_weight accumulated in place). A device without its kernel runs the forward and backward kernels."""
+    M, d = hidden.shape
+    V = weight.shape[0]
+    if device_type == "cuda":  # the composite: forward, then backward, one after the other
+        forward = _masked_logprobs(device_type, hidden, weight, targets, chunk_size)
+        mask = (True, grad_weight is not None)
+        backward = _masked_logprobs_backward(device_type, grad_logp, None, hidden, weight, targets, None, chunk_size,
+                                             mask)
+        return Workspace(max(forward.bytes, backward.bytes), forward.traffic + backward.traffic)
+    acc, size = _size(accumulate_dtype(hidden.dtype)), _size(hidden.dtype)
+    C, chunks = _chunks(V, chunk_size)
+    upcast = size != acc
+    lse_pass = _masked_logprobs(device_type, hidden, weight, targets, chunk_size).bytes if lse is None else 0
+    grad_hidden_accumulator = M * d * acc if upcast else 0  # else it is the output itself
+    copies = (M * d * acc + C * d * acc if upcast else 0) + M * d * acc  # hidden, a weight chunk, target rows
+    chunk_product = C * d * acc if grad_weight is not None and grad_weight.dtype != accumulate_dtype(hidden.dtype) else 0
+    held = grad_hidden_accumulator + M * C * acc + copies + chunk_product + 4 * M * acc
+    traffic = (2 * M * V * acc * (2 if lse is None else 1) + V * d * size
+               + (chunks * M * d * acc + V * d * size if grad_weight is not None else 0))
+    return Workspace(max(held, lse_pass), traffic)
+
+
+@declare_workspace("sample_tokens")
+def _sample_tokens(device_type, hidden, weight, row_ids, temperature, seed, offset, suppress_ids, exclude_ids,
+                   chunk_size) -> Workspace:
+    N, d = hidden.shape
+    V = weight.shape[0]
+    acc, size = _size(accumulate_dtype(hidden.dtype)), _size(hidden.dtype)
+    C = min((chunk_size + 3) // 4 * 4, (V + 3) // 4 * 4)  # chunks start at multiples of 4 (Philox quads)
+    logits = N * C * acc
+    traffic = 2 * N * V * acc
+    if device_type == "cuda":
+        return Workspace(logits + N * (4 * acc + 8), traffic)  # best score/logit, max, sum; best token
+    upcast = size != acc
+    row_state = N * (4 * acc + 8)
+    return Workspace(logits + row_state + ((N * d + C * d) * acc if upcast else 0), traffic)
+
+
+@declare_workspace("select_transfer")
+def _select_transfer(device_type, confidence, candidates, counts, threshold) -> Workspace:
+    if device_type == "cuda":
+        return Workspace()
+    return Workspace(confidence.numel() * 8)  # the CPU kernel ranks a float64 copy of the confidences
+
+
+# FLOPs of the GEMMs inside each op (2 per multiply-add), in torch.utils.flop_counter's formula convention: the
+# tensor arguments arrive as their shapes.
+def _masked_logprobs_flops(hidden_shape, weight_shape, targets_shape, chunk_size, *args, out_shape=None, **kwargs):
+    return 2 * hidden_shape[0] * weight_shape[0] * hidden_shape[1]
+
+
+def _masked_logprobs_backward_flops(grad_logp_shape, grad_lse_shape, hidden_shape, weight_shape, targets_shape,
+                                    lse_shape, chunk_size, output_mask, *args, out_shape=None, **kwargs):
+    gemm = 2 * hidden_shape[0] * weight_shape[0] * hidden_shape[1]
+    return gemm * (1 + bool(output_mask[0]) + bool(output_mask[1]))  # recompute, then one GEMM per gradient
+
+
+def _sample_tokens_flops(hidden_shape, weight_shape, *args, out_shape=None, **kwargs):
+    return 2 * hidden_shape[0] * weight_shape[0] * hidden_shape[1]
+
+
+def _masked_logprobs_grad_flops(hidden_shape, weight_shape, targets_shape, grad_logp_shape, lse_shape,
+                                grad_weight_shape, chunk_size, *args, out_shape=None, **kwargs):
+    gemm = 2 * hidden_shape[0] * weight_shape[0] * hidden_shape[1]
+    # the logits, grad_hidden and (when asked) grad_weight per chunk; a forward pass first when lse is not given
+    return gemm * (2 + (grad_weight_shape is not None) + (lse_shape is None))
+
+
+_FLOPS = {"masked_logprobs": _masked_logprobs_flops, "masked_logprobs_backward": _masked_logprobs_backward_flops,
+          "masked_logprobs_grad": _masked_logprobs_grad_flops, "sample_tokens": _sample_tokens_flops}
+
+if HAS_EXTENSION:
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    _registered = {name.split("::")[1].split(".")[0] for name in torch._C._dispatch_get_all_op_names()
+                   if name.startswith("dllm_fast::")}
+    for _name, _formula in _FLOPS.items():
+        _op = getattr(torch.ops.dllm_fast, _name) if _name in _registered else None
+        if _op is not None and _op not in flop_registry:  # a module reload must not register twice
+            register_flop_formula(_op)(_formula)

@@ -1,0 +1,206 @@
+"""The fake world a plan runs in: the model's weights and everything computed from them are fake tensors (shapes,
+dtypes and devices, no memory and no arithmetic), while the small data a step steers by is real.
+
+A trainer step reads data on the host: token ids are range-checked, masks pick the rows to score, an objective's
+value is checked for finiteness, the engine skips pairs whose gradient weight is zero. A fake tensor has no value
+to read, so `PlanningFakeMode` keeps such tensors real, as FakeTensorMode's constants (a fake tensor that carries
+its real value): every tensor created without fake inputs (prompts, masks, random draws from the trainer's
+generators, lp buffers) and every result of ops on constants alone stays a constant, up to `constant_bytes`
+per tensor. What the model computes cannot be known; the plan assumes (see `Assumptions`):
+
+- model outputs are finite (isfinite is all True, isnan and isinf all False on fake tensors);
+- `sample_tokens` draws the lowest token id it may return at every position, with confidence `confidence`
+  (EOS, EoT and the mask token are avoided: completions fill their whole length, the most work for scoring);
+- `masked_logprobs` returns log-prob `logprob` at every scored position.
+
+Everything else (ratios, advantages, which pairs the engine scores) follows from these by real arithmetic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._mode_utils import no_dispatch
+
+from dllm_fast.planning.accounting import flat_values
+from torch.utils._pytree import tree_map_only
+
+_DEVICE = torch.ops.prim.device.default
+# Real tensors above this size stay fake: no device-scale buffer is ever allocated on the host.
+DEFAULT_CONSTANT_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What a plan assumes of the values a model computes (see the module docstring).
+
+    confidence: the confidence of every sampled token; below a threshold decoder's threshold, a step unmasks one
+        token (the most steps), at or above it the whole block at once.
+    logprob: the log-probability masked_logprobs returns at every scored position.
+    avoid_ids: token ids sampling never returns (EOS, EoT, the mask token), so completions never end early.
+    """
+
+    confidence: float = 0.5
+    logprob: float = -1.0
+    avoid_ids: frozenset[int] = frozenset()
+
+
+class PlanningFakeMode(FakeTensorMode):
+    """FakeTensorMode whose constants cover the step's small data (see the module docstring)."""
+
+    def __init__(self, assumptions: Assumptions = Assumptions(), *, constant_bytes: int = DEFAULT_CONSTANT_BYTES):
+        super().__init__()
+        self.assumptions = assumptions
+        self.constant_bytes = constant_bytes
+        self._assumed_outputs = _assumed_outputs()
+        self._fake_factories = 0
+        self._depth = 0  # > 1 inside another op's fake implementation (e.g. _to_copy's empty_strided)
+
+    def may_turn_const(self, t: torch.Tensor) -> bool:
+        return (not self.is_our_fake(t) and t.device.type != "meta" and t.layout == torch.strided
+                and t.numel() * t.element_size() <= self.constant_bytes)
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # a tensor's .device: the hot path
+            return super().dispatch(func, types, args, kwargs)
+        kwargs = kwargs or {}
+        self._depth += 1
+        try:
+            out = super().dispatch(func, types, args, kwargs)
+        finally:
+            self._depth -= 1
+        tensors = [a for a in flat_values((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if not tensors:  # a factory: real when small enough
+            return out if self._depth else self._real_factory(func, args, kwargs, out)
+        assumed = self._assumed_outputs.get(func.overloadpacket)
+        if assumed is not None and not all(is_constant(a) for a in tensors):
+            return assumed(self, args, out)
+        return out
+
+    @contextlib.contextmanager
+    def fake_factories(self):
+        """New tensors made without inputs stay fake inside the block, whatever their size (stand-ins for
+        values the plan does not compute)."""
+        self._fake_factories += 1
+        try:
+            yield
+        finally:
+            self._fake_factories -= 1
+
+    def _real_factory(self, func, args, kwargs, out):
+        if self._fake_factories or not isinstance(out, FakeTensor) or out.constant is not None:
+            return out
+        if out.device.type != "cpu":
+            return out
+        if out.numel() * out.element_size() > self.constant_bytes:
+            return out
+        with no_dispatch():
+            real = func(*args, **kwargs)  # random factories draw from the caller's real generator
+        return self.constant(real)
+
+    def constant(self, real: torch.Tensor) -> FakeTensor:
+        """A fake tensor of this mode that carries `real` (a CPU tensor) as its value."""
+        return self.fake_tensor_converter.from_real_tensor(self, real, make_constant=True)
+
+    def filled(self, shape, dtype: torch.dtype, value, *, broadcast: bool = False) -> FakeTensor:
+        """A constant of `shape` and `dtype` holding `value` everywhere; with broadcast, one element expanded to
+        the shape (no memory; for values nothing writes into)."""
+        with no_dispatch():
+            if broadcast:
+                real = torch.full((), value, dtype=dtype).expand(tuple(shape))
+            else:
+                real = torch.full(tuple(shape), value, dtype=dtype)
+        return self.constant(real)
+
+
+def is_constant(t: torch.Tensor) -> bool:
+    return isinstance(t, FakeTensor) and t.constant is not None
+
+
+def _assumed_outputs() -> dict:
+    """op packet -> fn(mode, args, fake outputs) -> the outputs with assumed values, for the dllm_fast ops whose
+    outputs are data the step reads (tokens and confidences steer decoding, log-probs feed the objective)."""
+    if not hasattr(torch.ops, "dllm_fast") or not hasattr(torch.ops.dllm_fast, "sample_tokens"):
+        return {}
+
+    def sample_tokens(mode, args, out):
+        tokens, confidence = out
+        suppressed = set(args[6]) | set(args[7]) | set(mode.assumptions.avoid_ids)
+        token = next(i for i in range(args[1].shape[0]) if i not in suppressed)
+        return (mode.filled(tokens.shape, tokens.dtype, token),
+                mode.filled(confidence.shape, confidence.dtype, mode.assumptions.confidence))
+
+    def masked_logprobs(mode, args, out):
+        logp, lse = out
+        return mode.filled(logp.shape, logp.dtype, mode.assumptions.logprob), mode.filled(lse.shape, lse.dtype, 0.0)
+
+    def masked_logprobs_grad(mode, args, out):  # (logp, grad_hidden): the log-probs are data, the gradient is not
+        logp, grad_hidden = out
+        return mode.filled(logp.shape, logp.dtype, mode.assumptions.logprob), grad_hidden
+
+    ops = torch.ops.dllm_fast
+    assumed = {ops.sample_tokens: sample_tokens, ops.masked_logprobs: masked_logprobs}
+    if "dllm_fast::masked_logprobs_grad" in torch._C._dispatch_get_all_op_names():
+        assumed[ops.masked_logprobs_grad] = masked_logprobs_grad
+    return assumed
+
+
+class FiniteValues(TorchFunctionMode):
+    """isfinite / isnan / isinf of a fake, non-constant tensor answer as for finite values (constants), so that
+    finiteness checks on model outputs pass and the data they steer stays known. isfinite decomposes into
+    several ops below the Python API, so it is answered here, at the API."""
+
+    _ANSWERS = {torch.isfinite: True, torch.Tensor.isfinite: True, torch.isnan: False, torch.Tensor.isnan: False,
+                torch.isinf: False, torch.Tensor.isinf: False}
+
+    def __init__(self, mode: PlanningFakeMode):
+        super().__init__()
+        self.mode = mode
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        answer = self._ANSWERS.get(func)
+        if answer is not None and args and isinstance(args[0], FakeTensor) and not is_constant(args[0]):
+            return self.mode.filled(args[0].shape, torch.bool, answer, broadcast=True)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def fake_world(mode: PlanningFakeMode):
+    """Enter the fake mode and its finiteness answers."""
+    with mode, FiniteValues(mode):
+        yield mode
+
+
+def fake_module(module: torch.nn.Module, mode: PlanningFakeMode, device: str = "cpu") -> torch.nn.Module:
+    """Replace the parameters and buffers of a module built on the meta device by fake tensors of `mode` on
+    `device`, in place (tied tensors stay tied). Built on meta and converted once: nn.Module.to() cannot swap fake
+    parameters, so dtypes, adapters and copies are all settled on meta first."""
+    converter, memo = mode.fake_tensor_converter, {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            raise ValueError(f"fake_module needs a module on the meta device, found a tensor on {t.device}.")
+        return converter.from_meta_and_device(mode, t, torch.device(device))
+
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None:
+                if id(param) not in memo:
+                    memo[id(param)] = torch.nn.Parameter(fake(param.data), requires_grad=param.requires_grad)
+                sub._parameters[name] = memo[id(param)]
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None:
+                if id(buffer) not in memo:
+                    memo[id(buffer)] = fake(buffer)
+                sub._buffers[name] = memo[id(buffer)]
+    return module
+
+
+def constants(mode: PlanningFakeMode, tree):
+    """Every real CPU tensor in `tree` as a constant of `mode`."""
+    return tree_map_only(torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else mode.constant(t), tree)

@@ -1,0 +1,66 @@
+"""The GPUs a plan can be made for: vendors' published peak dense FLOP/s, memory bandwidth and memory size.
+
+Every figure is the vendor's datasheet value without structured sparsity (NVIDIA's tables print the sparse
+figure with an asterisk, twice the dense one). Memory is the vendor's nominal size in 10^9 bytes, a little below
+what the device reports (HBM stacks are sized in GiB), and the difference is left as headroom for the CUDA
+context and the caching allocator. Sources:
+
+- H100 SXM, H100 PCIe, H100 NVL: NVIDIA H100 Tensor Core GPU datasheet,
+  https://www.nvidia.com/en-us/data-center/h100/ (BF16 1,979 / 1,513 / 1,671 TFLOPS with sparsity; TF32 989 /
+  756 / 835; FP32 67 / 51 / 60 TFLOPS; 3.35 / 2.0 / 3.9 TB/s; 80 / 80 / 94 GB).
+- H200 SXM: NVIDIA H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/ (BF16 1,979
+  TFLOPS with sparsity, TF32 989, FP32 67; 4.8 TB/s; 141 GB).
+- A100 SXM 80GB and 40GB: NVIDIA A100 Tensor Core GPU datasheet,
+  https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
+  (BF16 312 TFLOPS dense, TF32 156, FP32 19.5; 2,039 GB/s for 80GB, 1,555 GB/s for 40GB).
+- L40S: NVIDIA L40S datasheet, https://www.nvidia.com/en-us/data-center/l40s/ (BF16 362.05 TFLOPS dense, TF32
+  183, FP32 91.6; 864 GB/s; 48 GB GDDR6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GPU:
+    """Peak dense FLOP/s by kind of arithmetic, bandwidth in bytes/s, memory in bytes."""
+
+    name: str
+    description: str
+    bf16_flops: float  # tensor cores, bf16 and fp16 inputs
+    tf32_flops: float  # tensor cores, fp32 inputs with TF32 allowed (off by default in PyTorch)
+    fp32_flops: float  # CUDA cores: fp32 GEMMs and anything else in fp32
+    bandwidth: float
+    memory: int
+
+    def peak_flops(self, dtype: torch.dtype, *, allow_tf32: bool = False) -> float:
+        """The peak a GEMM with inputs of `dtype` can reach. PyTorch runs fp32 matmuls without TF32 unless
+        torch.backends.cuda.matmul.allow_tf32 is set; fp64 runs at about half the fp32 rate on these parts."""
+        if dtype in (torch.bfloat16, torch.float16):
+            return self.bf16_flops
+        if dtype == torch.float64:
+            return self.fp32_flops / 2
+        return self.tf32_flops if allow_tf32 else self.fp32_flops
+
+
+_T, _G = 1e12, 1e9
+GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
+    GPU("h100", "NVIDIA H100 SXM 80GB", 989.4 * _T, 494.7 * _T, 66.9 * _T, 3.35e12, 80 * _G),
+    GPU("h100-pcie", "NVIDIA H100 PCIe 80GB", 756.5 * _T, 378.0 * _T, 51.2 * _T, 2.0e12, 80 * _G),
+    GPU("h100-nvl", "NVIDIA H100 NVL 94GB", 835.5 * _T, 417.5 * _T, 60.0 * _T, 3.9e12, 94 * _G),
+    GPU("h200", "NVIDIA H200 SXM 141GB", 989.4 * _T, 494.7 * _T, 66.9 * _T, 4.8e12, 141 * _G),
+    GPU("a100-80gb", "NVIDIA A100 SXM 80GB", 312.0 * _T, 156.0 * _T, 19.5 * _T, 2.039e12, 80 * _G),
+    GPU("a100-40gb", "NVIDIA A100 SXM 40GB", 312.0 * _T, 156.0 * _T, 19.5 * _T, 1.555e12, 40 * _G),
+    GPU("l40s", "NVIDIA L40S 48GB", 362.05 * _T, 183.0 * _T, 91.6 * _T, 864e9, 48 * _G),
+)}
+
+
+def gpu(name: str) -> GPU:
+    """The GPU named `name` (case-insensitive; h100 is the SXM part)."""
+    key = name.lower()
+    if key not in GPUS:
+        raise ValueError(f"--gpu {name!r} is not a GPU the planner knows; choose one of {', '.join(GPUS)}.")
+    return GPUS[key]

@@ -1,0 +1,175 @@
+"""`plan_step`: plan one trainer step of a TrainConfig on a GPU, with the verdict and the largest settings that fit.
+
+How the step is run (all on fake tensors, see step.py):
+
+- the rollout once, at the configured group size;
+- the phases after it (old-policy and reference scoring, the inner updates, the optimizer steps) at the configured
+  n_t when it is small; otherwise at two small n_t, from which each phase is extrapolated to the configured one
+  (fit.py: their work and memory are affine in the number of pairs once every kind of micro-batch has run). The
+  report says which phases were extrapolated, and from which n_t.
+
+The largest settings that fit (search.py) come from the same kind of fits, each checked where a check is cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dllm_fast.likelihood import MicroBatching
+from dllm_fast.planning.accounting import Target
+from dllm_fast.planning.fit import extrapolate
+from dllm_fast.planning.gpus import GPU, gpu as gpu_named
+from dllm_fast.planning.step import PHASES, UPDATE_PHASES, PhasePlan, Session, probe_n_t
+from dllm_fast.train.config import TrainConfig
+
+WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Plan:
+    """A planned step. phases: by name (see step.PHASES), each with its peak memory by category and its costs.
+    capacity: the GPU's memory (None on CPU). largest: the largest n_t, micro_batch and group_size that fit, each
+    with the others as configured (None: not even the smallest fits; absent: not searched). notes: how the plan
+    was made (extrapolations, assumptions), one line each."""
+
+    config: TrainConfig
+    gpu: GPU | None
+    engine: str
+    weights_dtype: str
+    prompt_length: int
+    phases: dict[str, PhasePlan]
+    shapes: dict
+    nfe: int
+    weight_bytes: int
+    largest: dict[str, int | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def peak(self) -> int:
+        return max((p.peak for p in self.phases.values() if p.runs), default=0)
+
+    @property
+    def capacity(self) -> int | None:
+        return None if self.gpu is None else self.gpu.memory
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.capacity is None else self.peak <= self.capacity
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(p.costs.seconds for p in self.phases.values() if p.runs)
+
+    @property
+    def weight_streaming_floor(self) -> float | None:
+        """The rollout's lower bound from reading the weights once per forward: nfe * weight bytes / bandwidth."""
+        return None if self.gpu is None else self.nfe * self.weight_bytes / self.gpu.bandwidth
+
+
+def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_length: int | None = None,
+              engine: str = "streaming", weights_dtype: str = "float32", search: bool = True,
+              allow_tf32: bool = False) -> Plan:
+    """Plan one step of `config` on `gpu` (a name from planning.GPUS; None plans for this machine's CPU, without
+    a roofline). prompt_length: tokens per prompt (default: the task's longest training prompt under the
+    configured tokenizer). engine: "streaming" (the trainer's) or "all_graphs" (every pair's graph at once).
+    weights_dtype: "float32" (what train loads; bf16 autocast on GPU) or "bfloat16" (weights, gradients and
+    optimizer state in bf16). search: also find the largest n_t, micro-batch and group size that fit."""
+    started = time.perf_counter()
+    if getattr(config, "compile", False):
+        raise ValueError("--compile true: the planner plans eager execution (every op one kernel); plan without "
+                         "--compile, and expect a compiled step to hold and move less.")
+    if weights_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weights_dtype={weights_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}.")
+    if isinstance(gpu, str):
+        gpu = gpu_named(gpu)
+    target = Target("cpu") if gpu is None else Target("cuda", gpu, allow_tf32=allow_tf32)
+    if prompt_length is None:
+        prompt_length = task_prompt_length(config)
+    session = Session(config, target=target, weights_dtype=WEIGHT_DTYPES[weights_dtype], engine=engine)
+    batching = MicroBatching(config.micro_batch, config.score_micro_batch, config.chunk_size)
+    n_t = session.objective.config.n_t
+    with _readable_data_errors(), session:
+        rollout = session.rollout(prompts=config.prompts_per_step, group_size=config.group_size,
+                                  prompt_length=prompt_length)
+        probes = probe_n_t(config, rollout.batch.num_rollouts, batching.micro_batch)
+        fresh = session.updates(rollout.batch, n_t=probes[0], batching=batching)
+        runs = {x: session.updates(rollout.batch, n_t=x, batching=batching) for x in probes}
+        if n_t == probes[0]:
+            updates = fresh
+        else:
+            updates = {name: extrapolate(runs[probes[0]][name], runs[probes[1]][name], *probes, n_t, fresh[name])
+                       for name in UPDATE_PHASES}
+        plan = Plan(config, gpu, engine, weights_dtype, prompt_length, {"rollout": rollout.phase, **updates},
+                    dict(rollouts=rollout.batch.num_rollouts, prompt_length=prompt_length,
+                         completion_length=config.gen_length, n_t=n_t, pairs=rollout.batch.num_rollouts * n_t,
+                         micro_batch=batching.micro_batch, score_micro_batch=batching.scoring),
+                    rollout.nfe, session.weight_bytes)
+        plan.notes += _notes(plan, probes, n_t, session)
+        if search and gpu is not None:
+            from dllm_fast.planning.search import largest_settings
+
+            plan.largest, search_notes = largest_settings(session, plan, rollout, runs, probes, batching, fresh)
+            plan.notes += search_notes
+    plan.seconds = time.perf_counter() - started
+    return plan
+
+
+@contextlib.contextmanager
+def _readable_data_errors():
+    """A read of a value the fake model computed (a host sync on model output that the plan makes no assumption
+    about) as one readable error."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        raise RuntimeError(f"the step reads a value the model computes ({error.func}), which a plan on fake tensors "
+                           "cannot know; the planner assumes only finiteness checks, sampled tokens and log-probs "
+                           "(dllm_fast/planning/fake.py). Make the read sync-free, or teach the planner the value "
+                           "to assume.") from error
+
+
+def task_prompt_length(config: TrainConfig, *, candidates: int = 32) -> int:
+    """The longest training prompt of the task in tokens of the configured tokenizer, as train checks it, among
+    the `candidates` longest in characters (tokenizing every prompt of a large task takes long)."""
+    from dllm_fast.models.loading import load_tokenizer
+    from dllm_fast.tasks import get_task
+    from dllm_fast.train.config import model_source, task_options
+
+    _, _, tokenizer_dir = model_source(config)
+    task = get_task(config.task, **task_options(config))
+    tokenizer = load_tokenizer(tokenizer_dir)
+    prompts = sorted({task.prompt(example, tokenizer) for example in task.train_examples(seed=config.seed)},
+                     key=len, reverse=True)[:candidates]
+    return max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+
+
+def _notes(plan: Plan, probes, n_t: int, session: Session) -> list[str]:
+    notes = []
+    calls = sum(p.calls_run for p in plan.phases.values())
+    replayed = sum(p.calls_replayed for p in plan.phases.values())
+    notes.append(f"model and block calls: {calls} run on fake tensors, {replayed} identical ones replayed from "
+                 "a recorded call (denoising steps, micro-batches, blocks)")
+    extrapolated = [name for name, p in plan.phases.items() if p.extrapolated_from]
+    if extrapolated:
+        notes.append(f"{', '.join(extrapolated)}: planned at n_t = {probes[0]} and {probes[1]} and fit to "
+                     f"n_t = {n_t}: work affine in the number of pairs; memory grown linearly from the two plans, "
+                     "which errs high (part of the growth, the largest micro-batch's masked rows, levels off)")
+    if plan.gpu is not None:
+        notes.append("roofline: the sum over ops of max(FLOPs / peak FLOP/s for the op's dtype, bytes moved / "
+                     "bandwidth): eager PyTorch, every op one kernel at its roofline, no launch overhead, no overlap")
+    notes.append("assumed: sampled tokens are never EOS (completions fill gen_length), every group's rewards differ "
+                 "(every pair has a gradient weight), model outputs are finite"
+                 + (", threshold decoding unmasks one token per step" if plan.config.threshold is not None else ""))
+    if session.bf16 and plan.weights_dtype == "float32":
+        notes.append("weights in fp32 with bf16 autocast (what train does on GPU); autocast keeps a bf16 copy of "
+                     "trainable fp32 weights for the duration of each phase (counted in temporaries)")
+    return notes
+
+
+__all__ = ["PHASES", "Plan", "WEIGHT_DTYPES", "plan_step", "task_prompt_length"]

@@ -1,0 +1,120 @@
+"""A plan as text (a table per phase, the verdict, the largest settings) and as JSON. Every number is a planner
+estimate, made on fake tensors, and says so; memory is in GB of 10^9 bytes, as GPU memory is sold."""
+
+from __future__ import annotations
+
+from dllm_fast.planning.accounting import CATEGORIES
+from dllm_fast.planning.planner import Plan
+
+LABEL = "PLANNER ESTIMATE: fake tensors and a roofline, not a measurement"
+_SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
+          "kv_cache": "kv", "temporaries": "temps"}
+
+
+def _gb(value: float) -> str:
+    return f"{value / 1e9:.2f}"
+
+
+def summary(plan: Plan) -> str:
+    c, shapes = plan.config, plan.shapes
+    schedule = (f"threshold {c.threshold}" if c.threshold is not None else f"{c.diffusion_steps} steps")
+    lora = f"LoRA r{c.lora_rank}" if c.lora else "full fine-tune"
+    weights = plan.weights_dtype + (" + bf16 autocast" if plan.weights_dtype == "float32" and
+                                    (c.bf16 if c.bf16 is not None else plan.gpu is not None) else "")
+    target = plan.gpu.description if plan.gpu is not None else "this CPU"
+    return (f"{c.model}, {lora}, weights {weights}, gradient checkpointing {'on' if c.gradient_checkpointing else 'off'}"
+            f"; {c.objective} n_t={shapes['n_t']}, mu={c.inner_updates}, {plan.engine} engine, micro-batch "
+            f"{shapes['micro_batch']} (scoring {shapes['score_micro_batch']})\n"
+            f"{c.prompts_per_step} prompts x G={c.group_size} = {shapes['rollouts']} rollouts, prompt "
+            f"{plan.prompt_length} + gen {c.gen_length} tokens (block {c.block_length}, {schedule}, cache {c.cache})"
+            f"; on {target}")
+
+
+def text(plan: Plan) -> str:
+    """The plan as the `plan` command prints it."""
+    header = ["phase", "runs", "peak GB", *(_SHORT[c] for c in CATEGORIES), "TFLOP", "GB moved", "roofline s",
+              "kernels", "syncs"]
+    rows = []
+    for name, phase in plan.phases.items():
+        if not phase.runs:
+            rows.append([name, "-", *([""] * (len(header) - 2))])
+            continue
+        mark = "*" if phase.extrapolated_from else ""
+        rows.append([name + mark, str(phase.runs), _gb(phase.peak), *(_gb(phase.memory[c]) for c in CATEGORIES),
+                     f"{phase.costs.flops / 1e12:.1f}", f"{phase.costs.bytes / 1e9:.1f}",
+                     f"{phase.costs.seconds:.2f}" if plan.gpu is not None else "-", f"{phase.costs.kernels:,}",
+                     str(phase.costs.syncs)])
+    flops = sum(p.costs.flops for p in plan.phases.values() if p.runs)
+    moved = sum(p.costs.bytes for p in plan.phases.values() if p.runs)
+    rows.append(["step", "", _gb(plan.peak), *([""] * len(CATEGORIES)), f"{flops / 1e12:.1f}", f"{moved / 1e9:.1f}",
+                 f"{plan.step_seconds:.2f}" if plan.gpu is not None else "-", "", ""])
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [LABEL, summary(plan), ""]
+    for row in [header, *rows]:
+        lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    if any(p.extrapolated_from for p in plan.phases.values()):
+        lines.append("* fit to the configured n_t from plans at two other n_t (see notes)")
+    lines.append("")
+    lines.append(f"rollout: {plan.nfe} forwards that unmask tokens"
+                 + (f"; weight-streaming floor {plan.weight_streaming_floor:.2f} s (each forward reads "
+                    f"{plan.weight_bytes / 1e9:.1f} GB of weights at {plan.gpu.bandwidth / 1e12:.2f} TB/s)"
+                    if plan.gpu is not None else ""))
+    lines.append(verdict(plan))
+    if plan.largest:
+        lines.append("largest that fit, the others as configured: " + "; ".join(
+            f"{name.replace('_', '-')} {_largest(name, value)}" for name, value in plan.largest.items()))
+    lines.append("notes:")
+    lines += [f"  - {note}" for note in plan.notes]
+    lines.append(f"planned in {plan.seconds:.0f} s")
+    return "\n".join(lines)
+
+
+def _largest(name: str, value: int | None) -> str:
+    from dllm_fast.planning.search import MAX_GROUP_SIZE, MAX_MICRO_BATCH, MAX_N_T
+
+    if value is None:
+        return "none (not even the smallest fits)"
+    cap = {"n_t": MAX_N_T, "micro_batch": MAX_MICRO_BATCH, "group_size": MAX_GROUP_SIZE}[name]
+    return f">= {value} (the search's cap)" if value >= cap else str(value)
+
+
+def verdict(plan: Plan) -> str:
+    if plan.gpu is None:
+        return f"peak {_gb(plan.peak)} GB (no GPU to compare with)"
+    worst = max((p for p in plan.phases.values() if p.runs), key=lambda p: p.peak)
+    if plan.fits:
+        return (f"verdict: FITS on {plan.gpu.description}: peak {_gb(plan.peak)} GB ({worst.name}) of "
+                f"{_gb(plan.capacity)} GB; roofline {plan.step_seconds:.1f} s per step")
+    return (f"verdict: DOES NOT FIT on {plan.gpu.description}: peak {_gb(plan.peak)} GB ({worst.name}) > "
+            f"{_gb(plan.capacity)} GB")
+
+
+def as_dict(plan: Plan) -> dict:
+    """The plan as plain JSON values (bytes, FLOPs, seconds)."""
+    return {
+        "label": LABEL,
+        "summary": summary(plan),
+        "config": plan.config.to_dict(),
+        "gpu": None if plan.gpu is None else {"name": plan.gpu.name, "description": plan.gpu.description,
+                                              "memory_bytes": plan.gpu.memory, "bandwidth_bytes_per_s":
+                                              plan.gpu.bandwidth, "bf16_flops_per_s": plan.gpu.bf16_flops},
+        "engine": plan.engine,
+        "weights_dtype": plan.weights_dtype,
+        "prompt_length": plan.prompt_length,
+        "shapes": plan.shapes,
+        "phases": {name: {"runs": p.runs, "peak_bytes": p.peak, "memory_bytes": dict(p.memory),
+                          "flops": p.costs.flops, "bytes_moved": p.costs.bytes, "roofline_seconds": p.costs.seconds,
+                          "kernels": p.costs.kernels, "host_syncs": p.costs.syncs, "calls_run": p.calls_run,
+                          "calls_replayed": p.calls_replayed, "extrapolated_from_n_t": p.extrapolated_from}
+                   for name, p in plan.phases.items()},
+        "peak_bytes": plan.peak,
+        "capacity_bytes": plan.capacity,
+        "fits": plan.fits,
+        "step_roofline_seconds": plan.step_seconds if plan.gpu is not None else None,
+        "rollout_nfe": plan.nfe,
+        "weight_bytes_per_forward": plan.weight_bytes,
+        "weight_streaming_floor_seconds": plan.weight_streaming_floor,
+        "largest": plan.largest,
+        "notes": plan.notes,
+        "planning_seconds": plan.seconds,
+    }

@@ -1,0 +1,350 @@
+"""One trainer step on fake tensors, phase by phase, as `dllm_fast.train` runs it.
+
+The phases, in the order of train/loop.py and train/run.py:
+
+1. rollout: `generate` with the configured cache and schedule, under no_grad and the trainer's autocast;
+2. old-policy scoring: `Objective.plan_updates` (the old policy's lp for the updates after the first);
+3. reference scoring: the reference policy's lp on each update's masks (the base model with its LoRA adapters
+   disabled, or the reference copy of a full fine-tune), as `Objective.backward` scores it;
+4. inner update: `Objective.backward`, the streaming engine (or, with engine="all_graphs", the whole loss through
+   one graph of every pair, the naive way);
+5. optimizer step: gradient clipping, AdamW, zeroing the gradients.
+
+Phases 3 to 5 run once per inner update (mu); a phase's memory is its largest peak, its costs the sum. The step
+runs in steady state: the optimizer's state exists from the start (a first step allocates it), gradients are None
+between updates (the trainer zeroes them to None).
+
+A `Session` builds the fake models once and runs phases at any group size, n_t and micro-batching, so that a
+search reuses them (and the replayer's records). What the plan assumes of values the model would compute is in
+dllm_fast.planning.fake; rewards alternate 0 and 1 within each group, so every group has a nonzero spread and
+every pair a nonzero gradient weight (the most work).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from dllm_fast import objectives
+from dllm_fast.contracts import RolloutBatch, unwrap_model
+from dllm_fast.likelihood import MicroBatching, score
+from dllm_fast.ops.backend import chunks_sized_for
+from dllm_fast.planning.accounting import CATEGORIES, Accountant, Costs, Target
+from dllm_fast.planning.fake import Assumptions, PlanningFakeMode, fake_module, fake_world
+from dllm_fast.planning.replay import Replayer
+from dllm_fast.rollout import generate
+from dllm_fast.train.config import TrainConfig, model_source
+
+ENGINES = ("streaming", "all_graphs")
+UPDATE_PHASES = ("old-policy scoring", "reference scoring", "inner update", "optimizer step")
+PHASES = ("rollout", *UPDATE_PHASES)
+
+
+@dataclass
+class PhasePlan:
+    """What one phase of the step holds and costs. peak: the most bytes alive at once during the phase (all of
+    them: parameters, state and data kept from earlier phases included), split by category in `memory`. runs:
+    how many times the phase ran in the step (inner updates run mu times). calls_run / calls_replayed: module
+    calls executed on fake tensors, and identical ones replayed from a recorded call (see replay.py).
+    extrapolated_from: the two settings (n_t) it was run at when its values are extrapolated (see fit.py)."""
+
+    name: str
+    runs: int = 0
+    peak: int = 0
+    memory: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    costs: Costs = field(default_factory=Costs)
+    calls_run: int = 0
+    calls_replayed: int = 0
+    extrapolated_from: tuple[float, float] | None = None
+    start: int = 0  # bytes alive when the phase first started
+    category_peaks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+
+    def add(self, peak: int, memory: dict[str, int], costs: Costs, calls_run: int, calls_replayed: int,
+            start: int = 0, category_peaks: dict[str, int] | None = None) -> None:
+        if not self.runs:
+            self.start = start
+        for category, size in (category_peaks or {}).items():
+            self.category_peaks[category] = max(self.category_peaks[category], size)
+        self.runs += 1
+        if peak >= self.peak:
+            self.peak, self.memory = peak, dict(memory)
+        self.costs = self.costs + costs
+        self.calls_run += calls_run
+        self.calls_replayed += calls_replayed
+
+
+@dataclass
+class Rollout:
+    """A planned rollout: its phase, the batch it produced, and the model calls that unmasked tokens."""
+
+    phase: PhasePlan
+    batch: RolloutBatch
+    nfe: int
+
+
+class Session:
+    """The fake world of one configuration: models, optimizer (its state allocated), ledger and replayer.
+    Enter it (`with session:`) to run phases; tensors made inside belong to it."""
+
+    def __init__(self, config: TrainConfig, *, target: Target, weights_dtype: torch.dtype = torch.float32,
+                 engine: str = "streaming", assumptions: Assumptions | None = None, optimizer: bool = True):
+        """optimizer: allocate the AdamW state a training step holds (False for a rollout on its own)."""
+        if engine not in ENGINES:
+            raise ValueError(f"engine={engine!r} is not one of {', '.join(ENGINES)}.")
+        self.config, self.target, self.engine = config, target, engine
+        self.objective = objectives.get(config.objective, **config.objective_options)
+        self.policy, self.reference, self.base = _build_models(config, self.objective, weights_dtype)
+        base = self.base
+        if assumptions is None:
+            special = (base.mask_token_id, base.eos_token_id, getattr(base, "eot_token_id", None))
+            # threshold decoding: every confidence below the threshold, so a step unmasks one token (the most steps)
+            confidence = config.threshold / 2 if config.threshold is not None else Assumptions.confidence
+            assumptions = Assumptions(confidence=confidence,
+                                      avoid_ids=frozenset(i for i in special if i is not None))
+        self.mode = PlanningFakeMode(assumptions)
+        self.accountant = Accountant(target)
+        self.bf16 = config.bf16 if config.bf16 is not None else target.device_type == "cuda"
+        self._models = [m for m in (self.policy, self.reference) if m is not None]
+        for module in self._models:
+            fake_module(module, self.mode)
+        self._stack = contextlib.ExitStack()
+        self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        self.with_optimizer = optimizer
+
+    def __enter__(self) -> "Session":
+        stack = self._stack
+        stack.enter_context(chunks_sized_for(self.target.device_type))
+        stack.enter_context(_library_caches_kept())
+        stack.enter_context(fake_world(self.mode))
+        stack.enter_context(self.accountant)
+        stack.callback(self.accountant.close)
+        for module in self._models:
+            for tensor in [*module.parameters(), *module.buffers()]:
+                self.accountant.track(tensor, "parameters")
+        self.accountant.watch_gradients(self.trainable)
+        self.replayer = Replayer(self.accountant, self.mode, state=_adapter_state(self.policy))
+        for model in (self.base, self.reference):
+            if model is not None:
+                self.replayer.install(model)
+                for block in model.shard_units():
+                    self.replayer.install(block)
+        _allocate_kv_cache_as(self.base, self.accountant)
+        c = self.config
+        self.optimizer = None
+        if self.with_optimizer:
+            self.optimizer = torch.optim.AdamW(self.trainable, lr=c.lr, betas=tuple(c.betas),
+                                               weight_decay=c.weight_decay,
+                                               foreach=True if self.target.device_type == "cuda" else None)
+            _prime_optimizer(self.optimizer, self.trainable, self.accountant)
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
+
+    @property
+    def weight_bytes(self) -> int:
+        """The bytes of weights one forward reads (the embedding is gathered, not read)."""
+        base = self.base
+        return sum(p.numel() * p.element_size() for name, p in base.named_parameters()
+                   if "wte" not in name or base.config.weight_tying)
+
+    def autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def phase(self, plan: PhasePlan):
+        accountant, calls = self.accountant, dict(self.replayer.calls)
+        with self.replayer.region():
+            mark = accountant.mark()
+            yield
+        accountant.release(mark)
+        plan.add(mark.peak, mark.peak_memory, accountant.costs - mark.costs,
+                 self.replayer.calls["run"] - calls["run"], self.replayer.calls["replayed"] - calls["replayed"],
+                 start=sum(mark.memory.values()), category_peaks=mark.category_peaks)
+
+    def measure(self, name: str, fn):
+        """Run `fn()` as a phase of its own: (its PhasePlan, what it returned). For plans of single calls (a
+        scoring pass, one backward) such as benchmarks measure; tensors it makes belong to the session."""
+        plan = PhasePlan(name)
+        with self.phase(plan):
+            result = fn()
+        return plan, result
+
+    # -- phases -------------------------------------------------------------------------------------------
+    def rollout(self, *, prompts: int, group_size: int, prompt_length: int) -> Rollout:
+        """Generate `group_size` completions for each of `prompts` prompts of `prompt_length` tokens."""
+        c = self.config
+        generator = torch.Generator().manual_seed(c.seed)
+        vocab = min(self.base.lm_head_weight.shape[0], self.base.mask_token_id)
+        input_ids = torch.randint(0, vocab, (prompts, prompt_length), generator=generator)
+        input_ids = input_ids.repeat_interleave(group_size, dim=0)
+        attention_mask = torch.ones_like(input_ids)
+        plan = PhasePlan("rollout")
+        with self.phase(plan):
+            self.policy.eval()
+            # as train does: trajectory objectives (TraceRL) ask generate to record the decoding order
+            record = {"record_unmask_step": True} if getattr(self.objective, "needs_unmask_step", False) else {}
+            with torch.no_grad(), self.autocast():
+                result = generate(self.policy, input_ids, attention_mask, gen_length=c.gen_length,
+                                  block_length=c.block_length, steps=c.diffusion_steps, temperature=c.temperature,
+                                  remasking=c.remasking, cache=c.cache, threshold=c.threshold,
+                                  generator=torch.Generator().manual_seed(c.seed + 1), **record)
+            self.policy.train()
+        rewards = torch.arange(input_ids.shape[0], dtype=torch.float32) % 2
+        return Rollout(plan, RolloutBatch.from_generation(result, rewards, group_size=group_size), int(result.nfe))
+
+    def updates(self, batch: RolloutBatch, *, n_t: int, batching: MicroBatching) -> dict[str, PhasePlan]:
+        """The phases after the rollout: the objective's plan of the mu inner updates (old-policy scoring), then
+        for each update the reference scoring, the update itself and the optimizer step."""
+        c = self.config
+        objective = objectives.get(c.objective, **{**c.objective_options, "n_t": n_t})
+        phases = {name: PhasePlan(name) for name in UPDATE_PHASES}
+        moved = [k > 0 for k in range(c.inner_updates)]
+        with self.phase(phases["old-policy scoring"]), self.autocast():
+            plan = objective.plan_updates(self.policy, batch, moved=moved,
+                                          generator=torch.Generator().manual_seed(c.seed + 2), micro_batch=batching)
+        for update in plan:
+            lp_ref = None
+            if objective.needs_reference:
+                with self.phase(phases["reference scoring"]), torch.no_grad(), self.autocast():
+                    lp_ref = self._score_reference(batch, update.masks, batching)
+            with self.phase(phases["inner update"]), self.autocast():
+                self._update(objective, batch, update, lp_ref, batching)
+            with self.phase(phases["optimizer step"]):
+                norm = torch.nn.utils.clip_grad_norm_(self.trainable, c.grad_clip)
+                if not torch.isfinite(norm):  # the trainer's check (a host sync; the plan assumes it passes)
+                    raise FloatingPointError("the planned gradient norm is not finite.")
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        if phases["old-policy scoring"].calls_run + phases["old-policy scoring"].calls_replayed == 0:
+            phases["old-policy scoring"].runs = 0  # mu = 1, or an objective without a ratio: nothing scored
+        return phases
+
+    def _score_reference(self, batch: RolloutBatch, masks, batching: MicroBatching) -> torch.Tensor:
+        """The reference policy's lp as Objective.backward scores it: the reference copy, or the PEFT model with
+        its adapters disabled."""
+        kwargs = dict(micro_batch=batching.scoring, attention_mask=batch.attention_mask,
+                      chunk_size=batching.chunk_size)
+        if self.reference is not None:
+            return score(self.reference, batch.sequences, masks, **kwargs)
+        with unwrap_model(self.policy).disable_adapter():
+            return score(self.policy, batch.sequences, masks, **kwargs)
+
+    def _update(self, objective, batch: RolloutBatch, update, lp_ref, batching: MicroBatching) -> None:
+        if self.engine == "streaming":
+            objective.backward(self.policy, batch, update, micro_batch=batching, lp_ref=lp_ref)
+            return
+        # all_graphs: every micro-batch's graph kept until one backward of the whole loss
+        inputs = objective.prepare(batch, update.masks, lp_old=update.lp_old, lp_ref=lp_ref)
+        lp = score(self.policy, batch.sequences, update.masks, micro_batch=batching.micro_batch,
+                   attention_mask=batch.attention_mask, chunk_size=batching.chunk_size)
+        objective.loss(lp, inputs).backward()
+
+
+def valid_n_t(config: TrainConfig, n_t: int, *, down: bool = False, limit: int = 1 << 16) -> int | None:
+    """The n_t nearest `n_t` (at or above it; at or below with down=True) that the objective accepts (pairs
+    need an even n_t, a full mask plus pairs an odd one, quadrature a multiple of its points); None when there
+    is none within [1, limit]."""
+    step = -1 if down else 1
+    for candidate in range(max(1, n_t), 0 if down else limit + 1, step):
+        try:
+            objectives.get(config.objective, **{**config.objective_options, "n_t": candidate})
+        except ValueError:
+            continue
+        return candidate
+    return None
+
+
+def smallest_n_t(config: TrainConfig) -> int:
+    """The smallest n_t the objective accepts."""
+    return valid_n_t(config, 1)
+
+
+def probe_n_t(config: TrainConfig, rollouts: int, micro_batch: int) -> tuple[int, int]:
+    """Two small n_t to plan the updates at, from which larger ones are extrapolated (fit.py): the smallest at
+    which every kind of micro-batch runs (at least two micro-batches of pairs), and the first valid one from four
+    times it."""
+    low = valid_n_t(config, -(-2 * micro_batch // max(rollouts, 1)))
+    return low, valid_n_t(config, 4 * low)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# building the fake models
+
+
+def _build_models(config: TrainConfig, objective, weights_dtype: torch.dtype):
+    """(policy, reference copy or None, the base model), on the meta device, as train/run.py builds them."""
+    from dllm_fast.models.loading import PRESETS
+
+    source, family, _ = model_source(config)
+    with torch.device("meta"):
+        if str(source) in PRESETS:
+            base = family(family.preset_config(PRESETS[str(source)][1]))
+        else:
+            base = family.from_pretrained(source, device="meta")
+    base = base.to(weights_dtype).train()
+    base.set_gradient_checkpointing(config.gradient_checkpointing)
+    reference = None
+    if objective.needs_reference and not config.lora:
+        reference = copy.deepcopy(base).eval().requires_grad_(False)
+    policy = base
+    if config.lora:
+        from dllm_fast.train.run import add_lora
+
+        with torch.device("meta"):  # the adapters' layers too: no initialisation on the host
+            policy = add_lora(base, config)
+    return policy, reference, base
+
+
+def _adapter_state(policy):
+    """Whether the LoRA adapters are enabled: a call with them disabled computes something else."""
+    layers = [m for m in policy.modules() if hasattr(m, "disable_adapters") and hasattr(m, "lora_A")]
+    if not layers:
+        return lambda: None
+    first = layers[0]
+    return lambda: bool(first.disable_adapters)
+
+
+def _allocate_kv_cache_as(base, accountant: Accountant) -> None:
+    """Count what the model's new_cache allocates as the KV cache."""
+    original = base.new_cache
+
+    def new_cache(*args, **kwargs):
+        with accountant.allocating_as("kv_cache"):
+            return original(*args, **kwargs)
+
+    base.new_cache = new_cache
+
+
+@contextlib.contextmanager
+def _library_caches_kept():
+    """Leave the library's module-level tensor caches as they were: tensors cached during a plan are fake and
+    would poison later real calls in the process (likelihood.masks caches its fingerprint multipliers)."""
+    from dllm_fast.likelihood import masks
+
+    kept = dict(masks._fingerprint_multipliers)
+    try:
+        yield
+    finally:
+        masks._fingerprint_multipliers.clear()
+        masks._fingerprint_multipliers.update(kept)
+
+
+def _prime_optimizer(optimizer, trainable, accountant: Accountant) -> None:
+    """Allocate the optimizer's state as a first step does, and count it as optimizer state. Its step counters
+    live on the host (AdamW without capturable), so reading them is no device sync."""
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                if name == "step":
+                    accountant.host_resident(value)
+                else:
+                    accountant.classify(value, "optimizer_state")
+
