@@ -3,6 +3,8 @@
 
 #include <cmath>
 
+#include "launch.cuh"
+
 namespace dllm_fast::cuda {
 
 constexpr int kThreads = 256;  // every row kernel runs one block of kThreads threads per row
@@ -48,7 +50,7 @@ __device__ __forceinline__ void block_logsumexp(acc_t& m, acc_t& s) {
   for (int offset = 16; offset > 0; offset >>= 1) {
     logsumexp_merge(m, s, __shfl_down_sync(0xffffffffu, m, offset), __shfl_down_sync(0xffffffffu, s, offset));
   }
-  __shared__ acc_t warp_m[kWarps], warp_s[kWarps];
+  __shared__ SharedArray<acc_t, kWarps> warp_m, warp_s;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) {
     warp_m[warp] = m;
@@ -56,7 +58,7 @@ __device__ __forceinline__ void block_logsumexp(acc_t& m, acc_t& s) {
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w) logsumexp_merge(m, s, warp_m[w], warp_s[w]);
+    for (int w = 1; w < kWarps; ++w) logsumexp_merge<acc_t>(m, s, warp_m[w], warp_s[w]);
   }
 }
 

@@ -81,7 +81,7 @@ template <typename acc_t, typename out_t>
 cudaError_t launch_softmax_grad_typed(const acc_t* logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
                                       const int64_t* targets, const acc_t* lse, const acc_t* grad_logp,
                                       const acc_t* grad_lse, void* dlogits, int64_t ld_out, cudaStream_t stream) {
-  softmax_grad_kernel<acc_t, out_t><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+  DLLM_FAST_LAUNCH(static_cast<unsigned>(rows), kThreads, 0, stream, softmax_grad_kernel<acc_t, out_t>)(
       logits, cols, ld, v0, targets, lse, grad_logp, grad_lse, static_cast<out_t*>(dlogits), ld_out);
   return cudaGetLastError();
 }
@@ -93,7 +93,7 @@ cudaError_t launch_chunk_logsumexp(const acc_t* logits, int64_t rows, int64_t co
                                    const int64_t* targets, acc_t* run_max, acc_t* run_sum, acc_t* target_logit,
                                    cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  chunk_logsumexp_kernel<acc_t><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+  DLLM_FAST_LAUNCH(static_cast<unsigned>(rows), kThreads, 0, stream, chunk_logsumexp_kernel<acc_t>)(
       logits, cols, ld, v0, targets, run_max, run_sum, target_logit);
   return cudaGetLastError();
 }
@@ -103,7 +103,7 @@ cudaError_t launch_finalize_logprobs(int64_t rows, const acc_t* run_max, const a
                                      const acc_t* target_logit, acc_t* lse, acc_t* logp, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const unsigned blocks = static_cast<unsigned>((rows + kThreads - 1) / kThreads);
-  finalize_kernel<acc_t><<<blocks, kThreads, 0, stream>>>(rows, run_max, run_sum, target_logit, lse, logp);
+  DLLM_FAST_LAUNCH(blocks, kThreads, 0, stream, finalize_kernel<acc_t>)(rows, run_max, run_sum, target_logit, lse, logp);
   return cudaGetLastError();
 }
 

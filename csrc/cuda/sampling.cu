@@ -60,12 +60,12 @@ __global__ void __launch_bounds__(kThreads)
                       __shfl_down_sync(0xffffffffu, best.logit, step)};
     take_better(best, other);
   }
-  __shared__ Best<acc_t> warp_best[kWarps];
+  __shared__ SharedArray<Best<acc_t>, kWarps> warp_best;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) warp_best[warp] = best;
   block_logsumexp(m, s);  // synchronises the block, which also publishes warp_best
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w) take_better(best, warp_best[w]);
+    for (int w = 1; w < kWarps; ++w) take_better(best, static_cast<Best<acc_t>>(warp_best[w]));
     Best<acc_t> total{state.best_score[row], state.best_token[row], state.best_logit[row]};
     take_better(total, best);
     state.best_score[row] = total.score;
@@ -120,7 +120,7 @@ cudaError_t launch_sample_chunk(const acc_t* logits, int64_t rows, int64_t cols,
                                 uint32_t offset, TokenList suppress, TokenList exclude, SampleState<acc_t> state,
                                 cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  sample_chunk_kernel<acc_t><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+  DLLM_FAST_LAUNCH(static_cast<unsigned>(rows), kThreads, 0, stream, sample_chunk_kernel<acc_t>)(
       logits, cols, ld, v0, row_ids, greedy, inv_temperature, seed, offset, suppress, exclude, state);
   return cudaGetLastError();
 }
@@ -130,7 +130,7 @@ cudaError_t launch_sample_finalize(int64_t rows, TokenList exclude, SampleState<
                                    acc_t* confidence, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const unsigned blocks = static_cast<unsigned>((rows + kThreads - 1) / kThreads);
-  sample_finalize_kernel<acc_t><<<blocks, kThreads, 0, stream>>>(rows, exclude, state, tokens, confidence);
+  DLLM_FAST_LAUNCH(blocks, kThreads, 0, stream, sample_finalize_kernel<acc_t>)(rows, exclude, state, tokens, confidence);
   return cudaGetLastError();
 }
 
@@ -139,7 +139,7 @@ cudaError_t launch_select_transfer(const conf_t* confidence, const bool* candida
                                    int64_t rows, int64_t n, double threshold, bool* transfer, cudaStream_t stream) {
   if (rows == 0 || n == 0) return cudaSuccess;
   const int threads = n >= 256 ? 256 : 32 * static_cast<int>((n + 31) / 32);
-  select_transfer_kernel<conf_t><<<static_cast<unsigned>(rows), threads, 0, stream>>>(confidence, candidates, counts,
+  DLLM_FAST_LAUNCH(static_cast<unsigned>(rows), threads, 0, stream, select_transfer_kernel<conf_t>)(confidence, candidates, counts,
                                                                                        n, threshold, transfer);
   return cudaGetLastError();
 }
