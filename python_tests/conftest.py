@@ -19,6 +19,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
         if "emulated_cuda" in item.keywords and not emulated:
             item.add_marker(skip_emulated)
+        if "emulated_cuda" in item.keywords and "slow_to_emulate" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="too many kernel launches to emulate; a smaller case covers it"))
 
 
 @pytest.fixture(params=DEVICES)

@@ -25,14 +25,6 @@ using cpu::row_scaled_exp;
 // Rows per parallel task: enough that a task touches ~64K logits.
 int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(cols, 1)); }
 
-void check_targets_in_vocab(const Tensor& targets, int64_t vocab) {
-  const int64_t* t = targets.data_ptr<int64_t>();
-  for (int64_t i = 0; i < targets.numel(); ++i) {
-    TORCH_CHECK(t[i] >= 0 && t[i] < vocab, "masked_logprobs: targets[", i, "] = ", t[i],
-                " is outside the vocabulary [0, ", vocab, "); targets must be token ids of the scored rows.");
-  }
-}
-
 template <typename acc_t>
 std::tuple<Tensor, Tensor> forward_impl(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
                                         int64_t chunk_size) {
@@ -43,13 +35,14 @@ std::tuple<Tensor, Tensor> forward_impl(const Tensor& hidden, const Tensor& weig
   if (M == 0) return {logp, lse};
 
   const Tensor tgt = targets.contiguous();
-  check_targets_in_vocab(tgt, V);
   const Tensor h = hidden.to(acc).contiguous();
   const Tensor w_all = weight.contiguous();
   const int64_t C = std::min(chunk_size, V);
   Tensor buffer = at::empty({M * C}, opts);
 
-  std::vector<acc_t> run_max(M, -std::numeric_limits<acc_t>::infinity()), run_sum(M, 0), target_logit(M, 0);
+  // A target outside [0, V) is never found: its log-prob stays NaN, as on CUDA (checking costs a sync there).
+  std::vector<acc_t> run_max(M, -std::numeric_limits<acc_t>::infinity()), run_sum(M, 0),
+      target_logit(M, std::numeric_limits<acc_t>::quiet_NaN());
   const int64_t* t = tgt.data_ptr<int64_t>();
   for (int64_t v0 = 0; v0 < V; v0 += C) {
     const int64_t c = std::min(C, V - v0);
@@ -95,7 +88,9 @@ std::tuple<Tensor, Tensor> backward_impl(const std::optional<Tensor>& grad_logp,
   const Tensor tgt = targets.contiguous();
   const Tensor h = hidden.to(acc).contiguous();
   const Tensor w_all = weight.contiguous();
-  const Tensor glp = has_glp ? grad_logp->to(acc).contiguous() : at::zeros({M}, opts);
+  // The log-prob of a target outside [0, V) is a constant NaN: nothing flows back through it (as on CUDA).
+  const Tensor outside = (tgt < 0).logical_or_(tgt >= V);
+  const Tensor glp = has_glp ? grad_logp->to(acc).masked_fill(outside, 0).contiguous() : at::zeros({M}, opts);
   const Tensor glse = has_glse ? grad_lse->to(acc).contiguous() : at::zeros({M}, opts);
   const Tensor lse_c = lse.to(acc).contiguous();
   const int64_t C = std::min(chunk_size, V);
@@ -137,7 +132,6 @@ std::tuple<Tensor, Tensor> backward_impl(const std::optional<Tensor>& grad_logp,
 
 std::tuple<Tensor, Tensor> masked_logprobs_cpu(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
                                                int64_t chunk_size) {
-  check_masked_logprobs_args(hidden, weight, targets, chunk_size);
   return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
     return forward_impl<decltype(acc)>(hidden, weight, targets, chunk_size);
   });
@@ -147,7 +141,6 @@ std::tuple<Tensor, Tensor> masked_logprobs_backward_cpu(const std::optional<Tens
                                                         const std::optional<Tensor>& grad_lse, const Tensor& hidden,
                                                         const Tensor& weight, const Tensor& targets, const Tensor& lse,
                                                         int64_t chunk_size, std::array<bool, 2> output_mask) {
-  check_masked_logprobs_args(hidden, weight, targets, chunk_size);
   return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
     return backward_impl<decltype(acc)>(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask);
   });

@@ -32,7 +32,8 @@ def masked_logprobs(
     Returns:
         logp: [M], ``log_softmax(hidden @ lm_head_weight.T)[i, targets[i]]`` in fp32 (fp64 for fp64 inputs).
         Differentiable with respect to `hidden` and `lm_head_weight`; backward recomputes the logits chunk by
-        chunk. On CUDA, an out-of-range target yields NaN (checking it would cost a host sync); on CPU it raises.
+        chunk. A target outside [0, V) yields NaN on every device and backend (checking would cost a host sync
+        on CUDA), and no gradient flows back through it.
         The compiled backend has no second derivative (create_graph=True through it raises); the reference
         backend has.
     """
@@ -59,6 +60,9 @@ def _check_masked_logprobs(hidden, weight, targets, chunk_size) -> int:
             f"masked_logprobs: lm_head_weight must be [V, d] with d = {hidden.shape[1]} (hidden's width), "
             f"got shape {tuple(weight.shape)}."
         )
+    if hidden.shape[1] == 0 or weight.shape[0] == 0:
+        raise ValueError(f"masked_logprobs: the hidden width d and the vocabulary V must be positive, got "
+                         f"d = {hidden.shape[1]} and V = {weight.shape[0]}.")
     if targets.shape != (hidden.shape[0],):
         raise ValueError(
             f"masked_logprobs: targets must be [M] = [{hidden.shape[0]}] (one id per row of hidden), "

@@ -18,7 +18,7 @@ from dllm_fast.contracts import GenerationResult, completion_mask, logit_shift
 from dllm_fast.rollout.cache import CachePolicy
 from dllm_fast.rollout.plan import check_generate_args, initial_canvas, masked_count_schedule
 from dllm_fast.rollout.remasking import Remasking
-from dllm_fast.rollout.rules import (check_block_done, check_finite_lm_head, confidence_excluded_ids,
+from dllm_fast.rollout.rules import (check_block_done, confidence_excluded_ids,
                                      raise_if_not_finite, suppressed_ids)
 
 
@@ -138,14 +138,10 @@ def generate(
             rows = rows.masked_fill(bad_rows[..., None], 0)
             # The noise offset is the denoising step, so skipping a complete block's steps changes no sample.
             offset = nfe if schedule is None else block * plan.steps_per_block + step
-            try:
-                tokens, confidence = ops.sample_tokens(
-                    rows.reshape(-1, rows.shape[-1]), weight, temperature=plan.temperature, seed=seed,
-                    offset=offset, row_ids=(row_base + (start - P) + positions).reshape(-1), suppress_ids=suppress,
-                    confidence_exclude_ids=exclude, check_finite=False)
-            except RuntimeError:  # the CPU kernel raises on a row without a finite logit: name a corrupt head
-                check_finite_lm_head(weight)
-                raise
+            tokens, confidence = ops.sample_tokens(
+                rows.reshape(-1, rows.shape[-1]), weight, temperature=plan.temperature, seed=seed, offset=offset,
+                row_ids=(row_base + (start - P) + positions).reshape(-1), suppress_ids=suppress,
+                confidence_exclude_ids=exclude, check_finite=False)
             tokens, confidence = tokens.view(positions.shape), confidence.view(positions.shape)
             bad = (bad_rows | confidence.isnan() | (tokens < 0)) & candidates
             not_finite |= torch.zeros_like(not_finite).scatter_(1, positions, bad)

@@ -1,5 +1,6 @@
 // The schema of every op, listed once: csrc/registration.cpp declares them in the dllm_fast namespace and the
-// emulated CUDA build (csrc/emulation/registration.cpp) in dllm_fast_emulated. X(name, schema) per op.
+// emulated CUDA build (csrc/emulation/registration.cpp) in dllm_fast_emulated. X(name, schema) per op. The ops
+// trust their arguments; dllm_fast/ops/ checks them (see dllm_fast/ops.h).
 #pragma once
 
 #define DLLM_FAST_OP_SCHEMAS(X)                                                                                \
