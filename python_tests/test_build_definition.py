@@ -36,7 +36,8 @@ def test_setup_py_and_cmake_build_the_same_definition():
     torch_archs = setup.cuda_arch_list().split(";")
     cmake_archs = cmake["CUDA_ARCHITECTURES"].split(";")
     assert torch_archs[-1].endswith("+PTX") and not cmake_archs[-1].endswith("-real")
-    assert [a.removesuffix("+PTX").replace(".", "") for a in torch_archs] == [a.removesuffix("-real") for a in cmake_archs]
+    assert ([a.removesuffix("+PTX").replace(".", "") for a in torch_archs]
+            == [a.removesuffix("-real") for a in cmake_archs])
     assert all(a.endswith("-real") for a in cmake_archs[:-1]) and not any("+PTX" in a for a in torch_archs[:-1])
 
 

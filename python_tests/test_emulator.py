@@ -95,7 +95,8 @@ def test_a_bad_launch_configuration_is_rejected(emulated):
         selftest(torch.zeros(4), "nonsense", 1, 1)
 
 
-@pytest.mark.skipif(emulation.enabled() != "asan", reason="needs the AddressSanitizer build (DLLM_FAST_EMULATED_CUDA=asan)")
+@pytest.mark.skipif(emulation.enabled() != "asan",
+                    reason="needs the AddressSanitizer build (DLLM_FAST_EMULATED_CUDA=asan)")
 def test_an_out_of_bounds_read_is_reported_by_address_sanitizer(emulated):
     code = ("import torch; from dllm_fast.ops import emulation; emulation.load(); "
             "torch.ops.dllm_fast_emulated.emulator_selftest(torch.zeros(8), 'read_past_the_end', 1, 4)")

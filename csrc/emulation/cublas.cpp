@@ -24,7 +24,8 @@ bool supported(cublasComputeType_t compute, cudaDataType_t a, cudaDataType_t b, 
   if (a != b) return false;
   switch (compute) {
     case CUBLAS_COMPUTE_32F:
-      return (a == CUDA_R_32F && c == CUDA_R_32F) || ((a == CUDA_R_16BF || a == CUDA_R_16F) && (c == a || c == CUDA_R_32F));
+      return (a == CUDA_R_32F && c == CUDA_R_32F) ||
+             ((a == CUDA_R_16BF || a == CUDA_R_16F) && (c == a || c == CUDA_R_32F));
     case CUBLAS_COMPUTE_32F_FAST_TF32: return a == CUDA_R_32F && c == CUDA_R_32F;
     case CUBLAS_COMPUTE_64F: return a == CUDA_R_64F && c == CUDA_R_64F;
   }

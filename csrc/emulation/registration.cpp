@@ -74,6 +74,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("sanitized") = false;
 #endif
+  m.def("launch_count", &dllm_fast::emulation::launch_count, "kernel launches the emulator has run");
   m.def("grid_limit_x", &dllm_fast::emulation::grid_limit_x, "gridDim.x's limit on the emulated device");
   m.def("set_grid_limit_x", &dllm_fast::emulation::set_grid_limit_x,
         "lower gridDim.x's limit (tests of the grid-stride loops); 2**31 - 1 restores it");

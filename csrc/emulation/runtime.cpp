@@ -6,6 +6,7 @@
 #include <cxxabi.h>
 #include <sys/mman.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -149,6 +150,7 @@ thread_local std::vector<std::unique_ptr<Stack>> stacks;
 thread_local cudaError_t last_error = cudaSuccess;
 thread_local std::string last_message;
 int64_t grid_limit = 2147483647;
+std::atomic<int64_t> launches{0};
 
 [[noreturn]] void die(const char* what) {
   std::fprintf(stderr, "dllm_fast emulator: %s\n", what);
@@ -394,7 +396,9 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t bits, int oper
   Run& r = run();
   Thread& t = r.threads[r.current];
   const unsigned lane = t.linear % kWarpSize, base = t.linear - lane;
-  const auto call = [&] { return std::string(collective_name(kind)) + " at " + where(file, line) + " with mask " + hex(mask); };
+  const auto call = [&] {
+    return std::string(collective_name(kind)) + " at " + where(file, line) + " with mask " + hex(mask);
+  };
   if (width < 1 || width > kWarpSize || (width & (width - 1)) != 0) {
     fail(call() + ": width " + std::to_string(width) + " is not a power of two in [1, 32]");
   }
@@ -478,7 +482,9 @@ void shared_access(void* array, size_t array_bytes, int64_t index, int64_t lengt
       if (written_now && !e.atomic && e.writer != me) {
         fail("atomically updates " + element() + ", " + since_barrier("written by", e.writer) + " (a race)");
       }
-      if (read_by_other) fail("atomically updates " + element() + ", " + since_barrier("read by", e.reader) + " (a race)");
+      if (read_by_other) {
+        fail("atomically updates " + element() + ", " + since_barrier("read by", e.reader) + " (a race)");
+      }
       e.many_writers = written_now && e.atomic && (e.many_writers || e.writer != me);
       e.written = true;
       e.atomic = true;
@@ -550,7 +556,8 @@ void run_block(Run& r) {
     }
     std::string message = "deadlock: no thread can go on;";
     if (!at_barrier.empty()) {
-      message += " threads " + ranges(at_barrier) + " wait at the __syncthreads() at " + where(first.file, first.line) + ";";
+      message += " threads " + ranges(at_barrier) + " wait at the __syncthreads() at " +
+                 where(first.file, first.line) + ";";
     }
     const Thread& waiting = r.threads[in_collective[0]];
     message += " threads " + ranges(in_collective) + " wait in warp collectives (thread " +
@@ -573,6 +580,7 @@ void run_launch(const char* kernel, dim3 grid, dim3 block, size_t dynamic_shared
     return;
   }
   if (active != nullptr) die("a kernel launched another kernel; the emulator runs one launch at a time");
+  ++launches;
   Run r;
   r.kernel = kernel;
   r.grid = grid;
@@ -619,6 +627,8 @@ const char* error_name(cudaError_t error) {
   }
   return "unknown error";
 }
+
+int64_t launch_count() { return launches.load(); }
 
 int64_t grid_limit_x() { return grid_limit; }
 

@@ -66,7 +66,8 @@ def sample_tokens(hidden, weight, row_ids, temperature, seed, offset, suppress_i
     scores = logits
     if temperature != 0:
         logit_scale, noise_scale = (1.0, temperature) if temperature < 1 else (1.0 / temperature, 1.0)
-        logit_scale, noise_scale = (torch.tensor(v, dtype=acc, device=logits.device) for v in (logit_scale, noise_scale))
+        logit_scale, noise_scale = (torch.tensor(v, dtype=acc, device=logits.device)
+                                    for v in (logit_scale, noise_scale))
         scores = logits * logit_scale + noise_scale * gumbel_noise(seed, offset, row_ids, logits.shape[1])
     scores = scores.masked_fill(scores.isnan(), float("-inf"))
     scores[:, list(suppress_ids)] = float("-inf")

@@ -1,13 +1,14 @@
 // The schema of every op, listed once: csrc/registration.cpp declares them in the dllm_fast namespace and the
 // emulated CUDA build (csrc/emulation/registration.cpp) in dllm_fast_emulated. X(name, schema) per op. The ops
-// trust their arguments; dllm_fast/ops/ checks them (see dllm_fast/ops.h).
+// trust their arguments; dllm_fast/ops/ checks them (see ops.h).
 #pragma once
 
 #define DLLM_FAST_OP_SCHEMAS(X)                                                                                \
   /* logp[i] = log_softmax(hidden[i] @ weight.T)[targets[i]], plus lse[i] = logsumexp(hidden[i] @ weight.T),  \
      chunked over the vocabulary with an online logsumexp: never more than [M, chunk_size] logits. Outputs   \
      are fp32 (fp64 for fp64 inputs); a target outside [0, V) gives logp NaN (on every device). */           \
-  X(masked_logprobs, "masked_logprobs(Tensor hidden, Tensor weight, Tensor targets, int chunk_size) -> (Tensor, Tensor)") \
+  X(masked_logprobs,                                                                                           \
+    "masked_logprobs(Tensor hidden, Tensor weight, Tensor targets, int chunk_size) -> (Tensor, Tensor)")      \
   /* Gradients of sum(grad_logp * logp + grad_lse * lse) with respect to hidden and weight, recomputing the    \
      logits chunk by chunk. output_mask selects which are computed; an unselected one comes back empty. */     \
   X(masked_logprobs_backward,                                                                                  \
@@ -24,7 +25,8 @@
   /* Per row, the candidate positions to unmask: the counts[b] most confident (ties to the lowest position)    \
      when threshold < 0, else the most confident one plus every candidate whose confidence >= threshold. A     \
      NaN confidence ranks as -inf. */                                                                          \
-  X(select_transfer, "select_transfer(Tensor confidence, Tensor candidates, Tensor counts, float threshold) -> Tensor")
+  X(select_transfer,                                                                                           \
+    "select_transfer(Tensor confidence, Tensor candidates, Tensor counts, float threshold) -> Tensor")
 
 // The CUDA implementation of each op that has one: X(name, function). The emulated build runs these on CPU.
 #define DLLM_FAST_CUDA_KERNELS(X)                               \

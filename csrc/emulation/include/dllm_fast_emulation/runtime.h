@@ -160,6 +160,9 @@ cudaError_t take_last_error();          // cudaGetLastError: returns the last er
 std::string last_error_message();       // the detail of the last failed launch on this OS thread
 const char* error_name(cudaError_t error);
 
+// Launches run so far (in every OS thread): lets a test see that the emulated kernels ran.
+int64_t launch_count();
+
 // gridDim.x's limit (2^31 - 1 by default, as on every GPU since compute capability 3.0). Tests lower it to run
 // the grid-stride loops of every kernel without giant tensors.
 int64_t grid_limit_x();
