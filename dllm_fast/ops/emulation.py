@@ -1,7 +1,7 @@
 """The CUDA kernels and glue of csrc/cuda, run on the CPU by a host emulator: test infrastructure, so that the CUDA
 code executes in CI without a GPU (csrc/emulation/README.md describes the emulator).
 
-    python -m dllm_fast.ops.emulation [--sanitize]      # build (incrementally) into build/emulated-cuda[-asan]
+    python -m dllm_fast.ops.emulation [--sanitize]   # build (incrementally) into build/dllm_fast_emulated_cuda[_asan]
 
 The emulated build is a separate extension module compiled from a source checkout (never by pip) that registers
 the CUDA implementations for CPU tensors as ``torch.ops.dllm_fast_emulated.*``. Inside ``emulated_cuda()`` (or
@@ -86,6 +86,10 @@ def load():
 def emulated_cuda():
     """Within this block, the CPU kernels of every dllm_fast op that has a CUDA implementation are that CUDA
     implementation, run by the emulator; on exit the CPU kernels are back."""
+    from dllm_fast._extension import HAS_EXTENSION, missing_extension_message
+
+    if not HAS_EXTENSION:  # the ops to reroute are registered by dllm_fast._C
+        raise RuntimeError(missing_extension_message())
     module = load()
     library = torch.library.Library("dllm_fast", "IMPL")
     try:
