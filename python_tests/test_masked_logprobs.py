@@ -304,3 +304,16 @@ def test_float16_backward_keeps_gradients_below_float16s_smallest_number(device)
     assert oracle[0][0, 1] < -4e-6
     torch.testing.assert_close(grad_hidden[:, 1].double(), oracle[0][:, 1], rtol=1e-2, atol=0)
     torch.testing.assert_close(grad_weight[1:].double(), oracle[1][1:].to(torch.float16).double(), rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("vocab", [1, 33, 257])
+def test_rows_of_1_33_and_257_columns_match_the_reference(device, vocab):
+    """One chunk of V columns: the CUDA kernels' partial warps and blocks, forward and backward."""
+    hidden, weight, targets = make_inputs(6, 8, vocab, device, torch.float64, requires_grad=True)
+    logp = dllm_fast.masked_logprobs(hidden, weight, targets, chunk_size=vocab)
+    expected = reference.masked_logprobs(hidden, weight, targets)
+    torch.testing.assert_close(logp, expected)
+    upstream = torch.randn(6, device=device, dtype=torch.float64)
+    for got, want in zip(torch.autograd.grad(logp, (hidden, weight), upstream),
+                         torch.autograd.grad(expected, (hidden, weight), upstream)):
+        torch.testing.assert_close(got, want)

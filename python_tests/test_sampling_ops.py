@@ -30,7 +30,7 @@ def test_philox_known_answers():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.6, 1.0, 1.7])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_sample_tokens_matches_reference(device, temperature, dtype):
     hidden, weight = head(48, 16, 1003, device, dtype)
     row_ids = torch.randint(0, 10**9, (48,), device=device)
@@ -375,3 +375,15 @@ def test_select_transfer_called_directly_ranks_nan_as_minus_inf(device, n, thres
         assert torch.equal(chosen.cpu(), nan_last_ranks_expected(conf.cpu(), candidates.cpu(), counts.cpu(), threshold))
         twin = reference.select_transfer(conf, candidates, counts, threshold if threshold >= 0 else None)
         assert torch.equal(chosen, twin)
+
+
+@pytest.mark.parametrize("vocab", [1, 33, 257])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_of_1_33_and_257_columns_match_the_reference(device, vocab, temperature):
+    """One chunk of V columns: the CUDA kernel's partial warps and blocks (V not a multiple of 4 or 32)."""
+    hidden, weight = head(5, 8, vocab, device)
+    kwargs = dict(temperature=temperature, seed=12, row_ids=torch.arange(100, 105, device=device))
+    tokens, confidence = ops.sample_tokens(hidden, weight, chunk_size=vocab, **kwargs)
+    ref_tokens, ref_confidence = ops.sample_tokens(hidden, weight, backend="reference", **kwargs)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(confidence, ref_confidence, rtol=1e-5, atol=1e-7)
