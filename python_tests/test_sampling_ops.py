@@ -7,7 +7,7 @@ import torch
 from torch.library import opcheck
 
 from dllm_fast import ops, reference
-from dllm_fast.reference.sampling_ops import philox4x32_10
+from dllm_fast.reference.sampling_ops import gumbel_from_words, philox4x32_10
 
 
 def head(N, d, V, device, dtype=torch.float32, scale=1.0):
@@ -30,7 +30,7 @@ def test_philox_known_answers():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.6, 1.0, 1.7])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_sample_tokens_matches_reference(device, temperature, dtype):
     hidden, weight = head(48, 16, 1003, device, dtype)
     row_ids = torch.randint(0, 10**9, (48,), device=device)
@@ -54,6 +54,7 @@ def test_greedy_ties_go_to_the_lowest_id(device):
     torch.testing.assert_close(confidence, torch.full((3,), math.e**4 / (3 * math.e**4 + 7), device=device))
 
 
+@pytest.mark.slow_to_emulate  # 40k rows; the emulated kernel's tokens match the reference's draw for draw
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_token_distribution_is_softmax_over_temperature(device, temperature):
     """Chi-square goodness of fit of 40k samples against softmax(logits / T), with one suppressed id."""
@@ -211,9 +212,9 @@ def test_a_huge_temperature_samples_uniformly_the_same_in_both_backends(device, 
 
 
 def test_excluding_every_token_from_the_confidence_gives_zero_in_both_backends(device):
-    hidden, weight = head(6, 8, 20, device)
+    hidden, weight = head(6, 8, 8, device)
     for backend in ("compiled", "reference"):
-        _, confidence = ops.sample_tokens(hidden, weight, confidence_exclude_ids=range(20), backend=backend)
+        _, confidence = ops.sample_tokens(hidden, weight, confidence_exclude_ids=range(8), backend=backend)
         assert torch.equal(confidence, torch.zeros_like(confidence))
 
 
@@ -273,3 +274,116 @@ def test_bad_scalars_are_named():
         ops.select_transfer(torch.rand(2, 3), torch.ones(2, 3, dtype=torch.bool), counts=torch.ones(2))
     with pytest.raises(ValueError, match=r"threshold=nan must be a finite number in \(0.0, 1.0\]"):
         ops.select_transfer(torch.rand(2, 3), torch.ones(2, 3, dtype=torch.bool), threshold=float("nan"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Issue 19: the CPU kernel, the CUDA kernel (emulated) and the reference agree, at the edges too
+
+
+def test_philox_words_near_2_32_give_finite_gumbel_noise():
+    """uniform_open(w) used to round to exactly 1.0 for w >= 0xFFFFFF80, whose Gumbel noise is then -inf: a
+    token that can never win its draw (about 3e-8 per token)."""
+    words = torch.arange(0xFFFFFF00, 0x100000000, dtype=torch.int64)
+    noise = gumbel_from_words(words)
+    assert torch.isfinite(noise).all()
+    assert noise[-128:].min() > -3.0  # the words closest to 2^32 give the smallest noise, about -2.8
+
+
+# (row id, column): under seed 0 and offset 0, Philox gives that column of that row a word >= 0xFFFFFF80.
+EXTREME_WORDS = [(5150801, 0), (8459372, 3)]
+
+
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
+@pytest.mark.parametrize("row_id, column", EXTREME_WORDS)
+def test_a_token_whose_philox_word_is_near_2_32_can_be_sampled(device, backend, row_id, column):
+    words = philox4x32_10([torch.tensor([0]), torch.tensor([row_id]), torch.tensor([0]), torch.tensor([0])], (0, 0))
+    assert int(words[column]) >= 0xFFFFFF80  # the case this test is about
+    hidden, weight = head(1, 8, 4, device)
+    others = [token for token in range(4) if token != column]
+    tokens, confidence = ops.sample_tokens(hidden, weight, temperature=1.0, seed=0, offset=0,
+                                           row_ids=torch.tensor([row_id], device=device), suppress_ids=others,
+                                           backend=backend)
+    assert tokens.tolist() == [column]
+    torch.testing.assert_close(confidence, torch.ones(1, device=device))
+
+
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
+@pytest.mark.parametrize("temperature", [2e-30, 1e-25, 1e-12, 0.5])
+def test_a_tiny_temperature_samples_the_argmax_even_for_huge_logits(device, backend, temperature):
+    """logits / T used to overflow fp32 just above the greedy cutoff (T >= 1e-30): every huge logit became +inf
+    and the lowest id won instead of the argmax."""
+    hidden = torch.full((3, 1), 1e9, device=device)
+    weight = torch.tensor([[1.0], [3.0], [2.0]], device=device)
+    tokens, confidence = ops.sample_tokens(hidden, weight, temperature=temperature, seed=3, backend=backend)
+    assert tokens.tolist() == [1, 1, 1]
+    assert torch.equal(confidence, torch.ones(3, device=device))
+
+
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
+def test_a_row_without_a_finite_score_gives_token_minus_one_on_every_backend(device, backend):
+    """The CPU kernel used to raise where the CUDA kernel returns token -1: both return it now (check_finite
+    raises for both, naming the row)."""
+    hidden, weight = head(4, 8, 20, device)
+    hidden[2] = float("nan")
+    tokens, confidence = ops.sample_tokens(hidden, weight, temperature=1.0, check_finite=False, backend=backend)
+    assert tokens[2] == -1 and confidence[2].isnan()
+    assert (tokens[[0, 1, 3]] >= 0).all() and torch.isfinite(confidence[[0, 1, 3]]).all()
+    raw = torch.ops.dllm_fast.sample_tokens(hidden, weight, torch.arange(4, device=device), 0.0, 0, 0, [], [], 16)
+    assert raw[0][2] == -1 and raw[1][2].isnan()
+    with pytest.raises(ValueError, match=r"hidden\[2\] holds NaN or inf"):
+        ops.sample_tokens(hidden, weight, backend=backend)
+
+
+def test_more_than_eight_ids_per_list_are_refused_on_every_device(device):
+    """The CUDA kernel takes the lists by value (8 ids each); the face refuses longer lists on every device."""
+    hidden, weight = head(2, 8, 30, device)
+    with pytest.raises(ValueError, match=r"suppress_ids holds 9 distinct ids; at most 8"):
+        ops.sample_tokens(hidden, weight, suppress_ids=range(9))
+    with pytest.raises(ValueError, match=r"confidence_exclude_ids holds 10 distinct ids; at most 8"):
+        ops.sample_tokens(hidden, weight, confidence_exclude_ids=range(10))
+    tokens, _ = ops.sample_tokens(hidden, weight, suppress_ids=[1, 1, 1, 2, 3, 4, 5, 6, 7, 8])  # 8 distinct
+    assert not torch.isin(tokens, torch.arange(1, 9, device=device)).any()
+
+
+def nan_last_ranks_expected(confidence, candidates, counts, threshold):
+    """select_transfer's definition: a NaN confidence ranks as -inf, -0.0 as 0.0; ties to the lowest position."""
+    keys = torch.nan_to_num(confidence.double(), nan=float("-inf")) + 0.0
+    chosen = torch.zeros_like(candidates)
+    for b in range(confidence.shape[0]):
+        order = sorted((j for j in range(confidence.shape[1]) if candidates[b, j]), key=lambda j: (-keys[b, j], j))
+        for rank, j in enumerate(order):
+            chosen[b, j] = (rank == 0 or keys[b, j] >= threshold) if threshold >= 0 else rank < counts[b]
+    return chosen
+
+
+@pytest.mark.parametrize("n", [1, 33, 257, 1000])
+@pytest.mark.parametrize("threshold", [-1.0, 0.25])
+def test_select_transfer_called_directly_ranks_nan_as_minus_inf(device, n, threshold):
+    """The raw op (no face in front to replace NaN) on every device: NaN ranks below every number and ties with
+    -inf by position, -0.0 ties with 0.0; ties, empty rows, counts of 0, negative or beyond the candidates."""
+    rows = 6
+    confidence = torch.rand(rows, n, device=device).round(decimals=1)  # many ties
+    confidence[torch.rand(rows, n, device=device) < 0.1] = float("nan")
+    confidence[torch.rand(rows, n, device=device) < 0.05] = float("-inf")
+    confidence[torch.rand(rows, n, device=device) < 0.05] = -0.0
+    candidates = torch.rand(rows, n, device=device) < 0.8
+    candidates[1] = False
+    counts = torch.tensor([1, 3, 0, n, -2, n // 2 + 1], device=device)
+    for dtype in (torch.float32, torch.float64):
+        conf = confidence.to(dtype)
+        chosen = torch.ops.dllm_fast.select_transfer(conf, candidates, counts, threshold)
+        assert torch.equal(chosen.cpu(), nan_last_ranks_expected(conf.cpu(), candidates.cpu(), counts.cpu(), threshold))
+        twin = reference.select_transfer(conf, candidates, counts, threshold if threshold >= 0 else None)
+        assert torch.equal(chosen, twin)
+
+
+@pytest.mark.parametrize("vocab", [1, 33, 257])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_of_1_33_and_257_columns_match_the_reference(device, vocab, temperature):
+    """One chunk of V columns: the CUDA kernel's partial warps and blocks (V not a multiple of 4 or 32)."""
+    hidden, weight = head(5, 8, vocab, device)
+    kwargs = dict(temperature=temperature, seed=12, row_ids=torch.arange(100, 105, device=device))
+    tokens, confidence = ops.sample_tokens(hidden, weight, chunk_size=vocab, **kwargs)
+    ref_tokens, ref_confidence = ops.sample_tokens(hidden, weight, backend="reference", **kwargs)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(confidence, ref_confidence, rtol=1e-5, atol=1e-7)

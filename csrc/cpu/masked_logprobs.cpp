@@ -30,14 +30,6 @@ using cpu::row_scaled_exp_sum;
 // Rows per parallel task: enough that a task touches ~64K logits.
 int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(cols, 1)); }
 
-void check_targets_in_vocab(const Tensor& targets, int64_t vocab) {
-  const int64_t* t = targets.data_ptr<int64_t>();
-  for (int64_t i = 0; i < targets.numel(); ++i) {
-    TORCH_CHECK(t[i] >= 0 && t[i] < vocab, "masked_logprobs: targets[", i, "] = ", t[i],
-                " is outside the vocabulary [0, ", vocab, "); targets must be token ids of the scored rows.");
-  }
-}
-
 template <typename acc_t>
 std::tuple<Tensor, Tensor> forward_impl(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
                                         int64_t chunk_size) {
@@ -48,13 +40,14 @@ std::tuple<Tensor, Tensor> forward_impl(const Tensor& hidden, const Tensor& weig
   if (M == 0) return {logp, lse};
 
   const Tensor tgt = targets.contiguous();
-  check_targets_in_vocab(tgt, V);
   const Tensor h = hidden.to(acc).contiguous();
   const Tensor w_all = weight.contiguous();
   const int64_t C = std::min(chunk_size, V);
   Tensor buffer = at::empty({M * C}, opts);
 
-  std::vector<acc_t> run_max(M, -std::numeric_limits<acc_t>::infinity()), run_sum(M, 0), target_logit(M, 0);
+  // A target outside [0, V) is never found: its log-prob stays NaN, as on CUDA (checking costs a sync there).
+  std::vector<acc_t> run_max(M, -std::numeric_limits<acc_t>::infinity()), run_sum(M, 0),
+      target_logit(M, std::numeric_limits<acc_t>::quiet_NaN());
   const int64_t* t = tgt.data_ptr<int64_t>();
   for (int64_t v0 = 0; v0 < V; v0 += C) {
     const int64_t c = std::min(C, V - v0);
@@ -100,7 +93,9 @@ std::tuple<Tensor, Tensor> backward_impl(const std::optional<Tensor>& grad_logp,
   const Tensor tgt = targets.contiguous();
   const Tensor h = hidden.to(acc).contiguous();
   const Tensor w_all = weight.contiguous();
-  const Tensor glp = has_glp ? grad_logp->to(acc).contiguous() : at::zeros({M}, opts);
+  // The log-prob of a target outside [0, V) is a constant NaN: nothing flows back through it (as on CUDA).
+  const Tensor outside = (tgt < 0).logical_or_(tgt >= V);
+  const Tensor glp = has_glp ? grad_logp->to(acc).masked_fill(outside, 0).contiguous() : at::zeros({M}, opts);
   const Tensor glse = has_glse ? grad_lse->to(acc).contiguous() : at::zeros({M}, opts);
   const Tensor lse_c = lse.to(acc).contiguous();
   const int64_t C = std::min(chunk_size, V);
@@ -157,17 +152,18 @@ std::tuple<Tensor, Tensor> grad_impl(const Tensor& hidden, const Tensor& weight,
   if (M == 0) return {logp, grad_h.to(hidden.scalar_type())};
 
   const Tensor tgt = targets.contiguous();
-  check_targets_in_vocab(tgt, V);
+  // A target outside [0, V) is never found (logp stays NaN) and passes no gradient back, as in forward/backward.
+  const Tensor outside = (tgt < 0).logical_or_(tgt >= V);
   const bool has_lse = lse_in.has_value() && lse_in->defined();
   const Tensor lse = has_lse ? lse_in->to(acc).contiguous()
                              : std::get<1>(forward_impl<acc_t>(hidden, weight, targets, chunk_size));
   const Tensor h = hidden.to(acc).contiguous();
   const Tensor w_all = weight.contiguous();
-  const Tensor g_all = grad_logp.to(acc).contiguous();
+  const Tensor g_all = grad_logp.to(acc).masked_fill(outside, 0).contiguous();
   const int64_t C = std::min(chunk_size, V);
   Tensor buffer = at::empty({M * C}, opts);
 
-  std::vector<acc_t> sum_e(M, 0), target_logit(M, 0);
+  std::vector<acc_t> sum_e(M, 0), target_logit(M, std::numeric_limits<acc_t>::quiet_NaN());
   const int64_t* t = tgt.data_ptr<int64_t>();
   const acc_t* g = g_all.data_ptr<acc_t>();
   const acc_t* ls = lse.data_ptr<acc_t>();
@@ -199,7 +195,7 @@ std::tuple<Tensor, Tensor> grad_impl(const Tensor& hidden, const Tensor& weight,
     }
   }
   // grad_h was accumulated with e instead of e / S: rescale its softmax part, g W[t] - grad_h'.
-  const Tensor target_rows = w_all.index_select(0, tgt).to(acc).contiguous();
+  const Tensor target_rows = w_all.index_select(0, tgt.clamp(0, V - 1)).to(acc).contiguous();  // g = 0 outside
   const acc_t* wt = target_rows.data_ptr<acc_t>();
   acc_t* lp = logp.data_ptr<acc_t>();
   acc_t* gh = grad_h.data_ptr<acc_t>();
@@ -218,7 +214,6 @@ std::tuple<Tensor, Tensor> grad_impl(const Tensor& hidden, const Tensor& weight,
 
 std::tuple<Tensor, Tensor> masked_logprobs_cpu(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
                                                int64_t chunk_size) {
-  check_masked_logprobs_args(hidden, weight, targets, chunk_size);
   return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
     return forward_impl<decltype(acc)>(hidden, weight, targets, chunk_size);
   });
@@ -228,7 +223,6 @@ std::tuple<Tensor, Tensor> masked_logprobs_backward_cpu(const std::optional<Tens
                                                         const std::optional<Tensor>& grad_lse, const Tensor& hidden,
                                                         const Tensor& weight, const Tensor& targets, const Tensor& lse,
                                                         int64_t chunk_size, std::array<bool, 2> output_mask) {
-  check_masked_logprobs_args(hidden, weight, targets, chunk_size);
   return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
     return backward_impl<decltype(acc)>(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask);
   });
@@ -241,7 +235,6 @@ namespace dllm_fast {
 std::tuple<Tensor, Tensor> masked_logprobs_grad_cpu(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
                                                     const Tensor& grad_logp, const std::optional<Tensor>& lse,
                                                     const std::optional<Tensor>& grad_weight, int64_t chunk_size) {
-  check_masked_logprobs_grad_args(hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size);
   return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
     return grad_impl<decltype(acc)>(hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size);
   });

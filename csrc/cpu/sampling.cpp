@@ -14,6 +14,7 @@
 #include <numeric>
 #include <vector>
 
+#include "dllm_fast/gumbel_max.h"
 #include "dllm_fast/ops.h"
 #include "dllm_fast/philox.h"
 #include "vec_math.h"
@@ -38,20 +39,21 @@ DLLM_FAST_MULTIVERSION
   }
 }
 
-// scores[j] = logits[j] / T + Gumbel(words[j]).
+// scores[j] = logits[j] * logit_scale + noise_scale * Gumbel(words[j]) (gumbel_max.h).
 DLLM_FAST_MULTIVERSION
 [[maybe_unused]] static void gumbel_scores(float* scores, const float* logits, const uint32_t* words, int64_t n,
-                                           float inv_temperature) {
+                                           float logit_scale, float noise_scale) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
-    scores[j] = logits[j] * inv_temperature + gumbel_from_uniform(uniform_open(words[j]));
+    scores[j] = logits[j] * logit_scale + noise_scale * gumbel_from_uniform(uniform_open(words[j]));
   }
 }
 
 [[maybe_unused]] static void gumbel_scores(double* scores, const double* logits, const uint32_t* words, int64_t n,
-                                           double inv_temperature) {
+                                           double logit_scale, double noise_scale) {
   for (int64_t j = 0; j < n; ++j) {
-    scores[j] = logits[j] * inv_temperature + static_cast<double>(gumbel_from_uniform(uniform_open(words[j])));
+    scores[j] = logits[j] * logit_scale +
+                noise_scale * static_cast<double>(gumbel_from_uniform(uniform_open(words[j])));
   }
 }
 
@@ -90,7 +92,7 @@ std::tuple<Tensor, Tensor> sample_impl(const Tensor& hidden, const Tensor& weigh
   const std::vector<int64_t> suppressed(suppress_ids.begin(), suppress_ids.end());
   const std::vector<int64_t> excluded(exclude_ids.begin(), exclude_ids.end());
   const bool greedy = temperature == 0.0;
-  const acc_t inv_temperature = greedy ? acc_t(1) : static_cast<acc_t>(1.0 / temperature);
+  const SampleScales<acc_t> scales = sample_scales<acc_t>(temperature);
   // Chunks start at multiples of 4 so each Philox call fills one whole quad of columns.
   const int64_t C = std::min((chunk_size + 3) / 4 * 4, (V + 3) / 4 * 4);
   Tensor buffer = at::empty({N * C}, opts);
@@ -114,7 +116,7 @@ std::tuple<Tensor, Tensor> sample_impl(const Tensor& hidden, const Tensor& weigh
         if (!greedy) {
           philox_words(words.data(), (c + 3) / 4, static_cast<uint64_t>(seed), static_cast<uint32_t>(offset),
                        static_cast<uint64_t>(row_id[i]), static_cast<uint32_t>(v0 / 4));
-          gumbel_scores(scores.data(), row, words.data(), c, inv_temperature);
+          gumbel_scores(scores.data(), row, words.data(), c, scales.logit, scales.noise);
           score = scores.data();
         }
         RowState<acc_t>& s = state[i];
@@ -137,11 +139,11 @@ std::tuple<Tensor, Tensor> sample_impl(const Tensor& hidden, const Tensor& weigh
   acc_t* conf = confidence.data_ptr<acc_t>();
   for (int64_t i = 0; i < N; ++i) {
     const RowState<acc_t>& s = state[i];
-    TORCH_CHECK(s.best_token >= 0, "sample_tokens: row ", i, " has no finite logit to sample from (NaN hidden "
-                "states, or every token suppressed).");
-    tok[i] = s.best_token;
+    tok[i] = s.best_token;  // -1 when no score was finite (NaN hidden states), as on CUDA
     const bool is_excluded = std::find(excluded.begin(), excluded.end(), s.best_token) != excluded.end();
-    conf[i] = is_excluded ? acc_t(0) : std::exp(s.best_logit - (s.max + std::log(s.sum)));
+    conf[i] = s.best_token < 0 ? std::numeric_limits<acc_t>::quiet_NaN()
+              : is_excluded    ? acc_t(0)
+                               : std::exp(s.best_logit - (s.max + std::log(s.sum)));
   }
   return {tokens, confidence};
 }
@@ -152,7 +154,6 @@ std::tuple<Tensor, Tensor> sample_tokens_cpu(const Tensor& hidden, const Tensor&
                                              double temperature, int64_t seed, int64_t offset,
                                              at::IntArrayRef suppress_ids, at::IntArrayRef confidence_exclude_ids,
                                              int64_t chunk_size) {
-  check_sample_tokens_args(hidden, weight, row_ids, temperature, suppress_ids, confidence_exclude_ids, chunk_size);
   return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
     return sample_impl<decltype(acc)>(hidden, weight, row_ids, temperature, seed, offset, suppress_ids,
                                       confidence_exclude_ids, chunk_size);
@@ -161,9 +162,10 @@ std::tuple<Tensor, Tensor> sample_tokens_cpu(const Tensor& hidden, const Tensor&
 
 Tensor select_transfer_cpu(const Tensor& confidence, const Tensor& candidates, const Tensor& counts,
                            double threshold) {
-  check_select_transfer_args(confidence, candidates, counts, threshold);
   const int64_t B = confidence.size(0), n = confidence.size(1);
-  const Tensor conf = confidence.to(at::kDouble).contiguous();
+  // The ranking key: NaN as -inf (below every number, tied with -inf by position) and -0 as +0, as on CUDA.
+  Tensor conf = confidence.to(at::kDouble);
+  conf = conf.masked_fill(conf.isnan(), -std::numeric_limits<double>::infinity()).add(0.0).contiguous();
   const Tensor cand = candidates.contiguous();
   const Tensor k = counts.contiguous();
   Tensor transfer = at::zeros({B, n}, confidence.options().dtype(at::kBool));

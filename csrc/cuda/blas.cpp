@@ -32,11 +32,12 @@ int to_int(int64_t v, const char* what, const char* op) {
 
 void gemm(const char* op, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* A,
           at::ScalarType a_type, int64_t lda, const void* B, at::ScalarType b_type, int64_t ldb, void* C,
-          at::ScalarType c_type, int64_t ldc, double alpha, double beta) {
+          at::ScalarType c_type, int64_t ldc, double alpha, double beta, Precision precision) {
   // cuBLAS is column-major, where a row-major X reads as X^T, so it computes C^T = op(B)^T @ op(A)^T.
   cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
   const bool wide = c_type == at::kDouble;
-  const cublasComputeType_t compute = wide ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F;
+  const cublasComputeType_t compute =
+      wide ? CUBLAS_COMPUTE_64F : (precision == Precision::kTF32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F);
   const float alpha_f = static_cast<float>(alpha), beta_f = static_cast<float>(beta);
   const void* alpha_p = wide ? static_cast<const void*>(&alpha) : static_cast<const void*>(&alpha_f);
   const void* beta_p = wide ? static_cast<const void*>(&beta) : static_cast<const void*>(&beta_f);

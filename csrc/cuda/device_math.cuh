@@ -1,12 +1,15 @@
-// Device helpers shared by the CUDA kernels: precision-generic exp/log and the online logsumexp, written once.
+// Device helpers shared by the CUDA kernels: precision-generic exp/log, the online logsumexp, and block-wide
+// reductions that work for any block size, written once.
 #pragma once
 
 #include <cmath>
+#include <type_traits>
+
+#include "launch.cuh"
 
 namespace dllm_fast::cuda {
 
-constexpr int kThreads = 256;  // every row kernel runs one block of kThreads threads per row
-constexpr int kWarps = kThreads / 32;
+constexpr int kThreads = 256;  // the row kernels' block size
 
 __device__ __forceinline__ float exp_acc(float x) { return expf(x); }
 __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
@@ -41,29 +44,61 @@ __device__ __forceinline__ void logsumexp_merge(acc_t& m, acc_t& s, acc_t other_
   m = new_m;
 }
 
-// Merge the pairs of all kThreads threads of the block; thread 0 ends with the block's pair. Every thread of
-// the block must call it (it synchronises the block).
-template <typename acc_t>
-__device__ __forceinline__ void block_logsumexp(acc_t& m, acc_t& s) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    logsumexp_merge(m, s, __shfl_down_sync(0xffffffffu, m, offset), __shfl_down_sync(0xffffffffu, s, offset));
-  }
-  __shared__ acc_t warp_m[kWarps], warp_s[kWarps];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) {
-    warp_m[warp] = m;
-    warp_s[warp] = s;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w) logsumexp_merge(m, s, warp_m[w], warp_s[w]);
-  }
-}
-
 // The value of a pair: -inf for an empty one.
 template <typename acc_t>
 __device__ __forceinline__ acc_t logsumexp_value(acc_t m, acc_t s) {
   return m + log_acc(s);
+}
+
+template <typename acc_t>
+struct LogSumExp {
+  acc_t m, s;
+};
+
+// shuffle_down(mask, value, offset): __shfl_down_sync for a scalar or, field by field, for the reduction's own
+// types (an overload next to each type; block_reduce finds it by argument-dependent lookup).
+template <typename T>
+__device__ __forceinline__ std::enable_if_t<std::is_arithmetic_v<T>, T> shuffle_down(unsigned mask, T value,
+                                                                                       unsigned offset) {
+  return __shfl_down_sync(mask, value, offset);
+}
+
+template <typename acc_t>
+__device__ __forceinline__ LogSumExp<acc_t> shuffle_down(unsigned mask, LogSumExp<acc_t> value, unsigned offset) {
+  return LogSumExp<acc_t>{__shfl_down_sync(mask, value.m, offset), __shfl_down_sync(mask, value.s, offset)};
+}
+
+// Combines one value per thread of a 1-D block with `combine` (associative) and returns the result to every
+// thread. Works for any blockDim.x: lanes past the end of a partial last warp are neither named in a shuffle
+// mask nor combined. Every thread must call it; it ends with a barrier, so it may be called again at once.
+template <typename T, typename Combine>
+__device__ __forceinline__ T block_reduce(T value, Combine combine) {
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
+  const unsigned lanes = min(32u, blockDim.x - warp * 32);
+  const unsigned mask = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
+  for (unsigned offset = 16; offset > 0; offset >>= 1) {
+    const T other = shuffle_down(mask, value, offset);
+    if (lane + offset < lanes) value = combine(value, other);
+  }
+  __shared__ SharedArray<T, 32> partial;
+  if (lane == 0) partial[warp] = value;
+  __syncthreads();
+  T total = partial[0];
+  for (unsigned w = 1; w < warps; ++w) total = combine(total, static_cast<T>(partial[w]));
+  __syncthreads();  // before a next call overwrites partial
+  return total;
+}
+
+// Merges the pairs (m, s) of all threads of the block: every thread ends with the block's pair. Every thread
+// must call it; any block size.
+template <typename acc_t>
+__device__ __forceinline__ void block_logsumexp(acc_t& m, acc_t& s) {
+  const LogSumExp<acc_t> total = block_reduce(LogSumExp<acc_t>{m, s}, [](LogSumExp<acc_t> a, LogSumExp<acc_t> b) {
+    logsumexp_merge(a.m, a.s, b.m, b.s);
+    return a;
+  });
+  m = total.m;
+  s = total.s;
 }
 
 }  // namespace dllm_fast::cuda

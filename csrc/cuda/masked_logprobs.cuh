@@ -12,9 +12,6 @@
 
 namespace dllm_fast::cuda {
 
-// Element type of the tensor a kernel writes for the backward GEMMs (the model's dtype).
-enum class ScalarKind { kFloat32, kFloat64, kBFloat16, kFloat16 };
-
 // Merge one chunk into the running logsumexp of every row and pick up the target logits that fall in it.
 // Initialise run_max to -inf, run_sum to 0 and target_logit to NaN before the first chunk.
 template <typename acc_t>
@@ -27,13 +24,12 @@ template <typename acc_t>
 cudaError_t launch_finalize_logprobs(int64_t rows, const acc_t* run_max, const acc_t* run_sum,
                                      const acc_t* target_logit, acc_t* lse, acc_t* logp, cudaStream_t stream);
 
-// dlogits = (g_lse - g_logp) * exp(logits - lse) + g_logp * onehot(target): the gradient of
-// sum(g_logp * logp + g_lse * lse) with respect to one chunk of logits. Either gradient may be null (zero).
-// `dlogits` has element type `out_kind` and may alias `logits` when that type is acc_t.
+// logits <- (g_lse - g_logp) * exp(logits - lse) + g_logp * onehot(target), in place: the gradient of
+// sum(g_logp * logp + g_lse * lse) with respect to one chunk of logits, kept in the accumulator type (in fp16
+// the small terms would underflow). Either gradient may be null (zero).
 template <typename acc_t>
-cudaError_t launch_chunk_softmax_grad(const acc_t* logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
+cudaError_t launch_chunk_softmax_grad(acc_t* logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
                                       const int64_t* targets, const acc_t* lse, const acc_t* grad_logp,
-                                      const acc_t* grad_lse, void* dlogits, ScalarKind out_kind, int64_t ld_out,
-                                      cudaStream_t stream);
+                                      const acc_t* grad_lse, cudaStream_t stream);
 
 }  // namespace dllm_fast::cuda

@@ -1,5 +1,5 @@
-// Torch glue of dllm_fast::masked_logprobs on CUDA (compiled only in CUDA builds): argument checks, device
-// guard and stream, the per-chunk cuBLAS GEMMs, and the torch-free kernels of masked_logprobs.cu.
+// Torch glue of dllm_fast::masked_logprobs on CUDA (compiled only in CUDA builds): device guard
+// and stream, the per-chunk cuBLAS GEMMs, and the torch-free kernels of masked_logprobs.cu.
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -17,16 +17,6 @@ namespace dllm_fast {
 namespace {
 
 constexpr const char* kOp = "masked_logprobs";
-
-cuda::ScalarKind scalar_kind(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return cuda::ScalarKind::kFloat32;
-    case at::kDouble: return cuda::ScalarKind::kFloat64;
-    case at::kBFloat16: return cuda::ScalarKind::kBFloat16;
-    case at::kHalf: return cuda::ScalarKind::kFloat16;
-    default: TORCH_CHECK(false, kOp, ": unsupported dtype ", t, "; use float32, float64, bfloat16 or float16.");
-  }
-}
 
 template <typename acc_t>
 std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& hidden_in, const at::Tensor& weight_in,
@@ -77,30 +67,39 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const std::optional<at::Tensor>
     return {need_h ? grad_h.to(dtype) : at::Tensor(), need_w ? at::zeros_like(weight) : at::Tensor()};
   }
   at::Tensor grad_w = need_w ? at::empty_like(weight) : at::Tensor();  // every chunk writes its rows
-  const at::Tensor glp = has_glp ? grad_logp->to(acc).contiguous() : at::Tensor();
+  // The log-prob of a target outside [0, V) is a constant NaN: nothing flows back through it (as on CPU).
+  const at::Tensor glp =
+      has_glp ? grad_logp->to(acc).masked_fill(targets.lt(0).logical_or_(targets.ge(V)), 0).contiguous() : at::Tensor();
   const at::Tensor glse = has_glse ? grad_lse->to(acc).contiguous() : at::Tensor();
   const at::Tensor lse = lse_in.to(acc).contiguous();
   const int64_t C = std::min(chunk_size, V);
-  at::Tensor logits = at::empty({M * C}, opts);
-  // The backward GEMMs read d(logits) in the model's dtype (tensor cores for bf16/fp16); fp32/fp64 reuse logits.
-  at::Tensor dlogits = dtype == acc ? logits : at::empty({M * C}, hidden.options());
+  at::Tensor logits = at::empty({M * C}, opts);  // the chunk's logits, then in place its d(logits)
+  // d(logits) stays in the accumulator type: in fp16 its small terms would underflow (below 6e-8). For bf16 and
+  // fp16 models the backward GEMMs take acc-typed copies of the weight chunk and of hidden, in TF32, which holds
+  // their values exactly; grad_w's chunk is computed in acc and rounded to the model's dtype once.
+  const bool low_precision = dtype != acc;
+  const auto precision = low_precision ? blas::Precision::kTF32 : blas::Precision::kExact;
+  const at::Tensor hidden_acc = low_precision && need_w ? hidden.to(acc) : hidden;
+  at::Tensor grad_w_chunk = low_precision && need_w ? at::empty({C, d}, opts) : at::Tensor();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for (int64_t v0 = 0; v0 < V; v0 += C) {
     const int64_t c = std::min(C, V - v0);
-    const void* w_chunk = blas::element_address(weight, v0 * d);
-    blas::gemm(kOp, false, true, M, c, d, hidden.data_ptr(), dtype, d, w_chunk, dtype, d, logits.data_ptr(), acc, c,
-               1.0, 0.0);
+    const at::Tensor w_chunk = weight.narrow(0, v0, c);
+    blas::gemm(kOp, false, true, M, c, d, hidden.data_ptr(), dtype, d, w_chunk.data_ptr(), dtype, d, logits.data_ptr(),
+               acc, c, 1.0, 0.0);
     C10_CUDA_CHECK(cuda::launch_chunk_softmax_grad<acc_t>(
         logits.data_ptr<acc_t>(), M, c, c, v0, targets.data_ptr<int64_t>(), lse.data_ptr<acc_t>(),
-        has_glp ? glp.data_ptr<acc_t>() : nullptr, has_glse ? glse.data_ptr<acc_t>() : nullptr,
-        dlogits.data_ptr(), scalar_kind(dtype), c, stream));
+        has_glp ? glp.data_ptr<acc_t>() : nullptr, has_glse ? glse.data_ptr<acc_t>() : nullptr, stream));
+    const at::Tensor w_acc = low_precision && need_h ? w_chunk.to(acc) : w_chunk;
     if (need_h) {  // grad_h[M, d] += dlogits[M, c] @ weight[v0:v0+c, d]
-      blas::gemm(kOp, false, false, M, d, c, dlogits.data_ptr(), dtype, c, w_chunk, dtype, d, grad_h.data_ptr(), acc,
-                 d, 1.0, 1.0);
+      blas::gemm(kOp, false, false, M, d, c, logits.data_ptr(), acc, c, w_acc.data_ptr(), acc, d, grad_h.data_ptr(),
+                 acc, d, 1.0, 1.0, precision);
     }
     if (need_w) {  // grad_w[v0:v0+c, d] = dlogits[M, c]^T @ hidden[M, d]
-      blas::gemm(kOp, true, false, c, d, M, dlogits.data_ptr(), dtype, c, hidden.data_ptr(), dtype, d,
-                 blas::element_address(grad_w, v0 * d), dtype, d, 1.0, 0.0);
+      void* out = low_precision ? grad_w_chunk.data_ptr() : blas::element_address(grad_w, v0 * d);
+      blas::gemm(kOp, true, false, c, d, M, logits.data_ptr(), acc, c, hidden_acc.data_ptr(), acc, d, out, acc, d,
+                 1.0, 0.0, precision);
+      if (low_precision) grad_w.narrow(0, v0, c).copy_(grad_w_chunk.narrow(0, 0, c));
     }
   }
   return {need_h ? grad_h.to(dtype) : at::Tensor(), grad_w};
@@ -110,7 +109,6 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const std::optional<at::Tensor>
 
 std::tuple<at::Tensor, at::Tensor> masked_logprobs_cuda(const at::Tensor& hidden, const at::Tensor& weight,
                                                         const at::Tensor& targets, int64_t chunk_size) {
-  check_masked_logprobs_args(hidden, weight, targets, chunk_size);
   const c10::cuda::CUDAGuard guard(hidden.device());
   return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
     return forward_impl<decltype(acc)>(hidden, weight, targets, chunk_size);
@@ -121,7 +119,6 @@ std::tuple<at::Tensor, at::Tensor> masked_logprobs_backward_cuda(
     const std::optional<at::Tensor>& grad_logp, const std::optional<at::Tensor>& grad_lse, const at::Tensor& hidden,
     const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse, int64_t chunk_size,
     std::array<bool, 2> output_mask) {
-  check_masked_logprobs_args(hidden, weight, targets, chunk_size);
   const c10::cuda::CUDAGuard guard(hidden.device());
   return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
     return backward_impl<decltype(acc)>(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask);

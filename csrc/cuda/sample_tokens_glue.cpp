@@ -1,4 +1,4 @@
-// Torch glue of dllm_fast::sample_tokens on CUDA (compiled only in CUDA builds): argument checks, device guard
+// Torch glue of dllm_fast::sample_tokens on CUDA (compiled only in CUDA builds): device guard
 // and stream, the per-chunk cuBLAS GEMMs, and the torch-free kernels of sampling.cu.
 
 #include <ATen/ATen.h>
@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "blas.h"
+#include "dllm_fast/gumbel_max.h"
 #include "dllm_fast/ops.h"
 #include "sampling.cuh"
 
@@ -18,9 +19,10 @@ namespace {
 
 constexpr const char* kOp = "sample_tokens";
 
+// The face refuses longer lists on every device; this only guards the fixed array of a direct call.
 cuda::TokenList token_list(at::IntArrayRef ids, const char* what) {
   TORCH_CHECK(static_cast<int64_t>(ids.size()) <= cuda::TokenList::kCapacity, kOp, ": at most ",
-              cuda::TokenList::kCapacity, " ", what, " on CUDA, got ", ids.size(), ".");
+              cuda::TokenList::kCapacity, " ", what, ", got ", ids.size(), ".");
   cuda::TokenList list{};
   list.count = static_cast<int>(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) list.ids[i] = ids[i];
@@ -52,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor> sample_impl(const at::Tensor& hidden_in, cons
                                        best_logit.data_ptr<acc_t>(), run_max.data_ptr<acc_t>(),
                                        run_sum.data_ptr<acc_t>()};
   const bool greedy = temperature == 0.0;
-  const acc_t inv_temperature = greedy ? acc_t(1) : static_cast<acc_t>(1.0 / temperature);
+  const SampleScales<acc_t> scales = sample_scales<acc_t>(temperature);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for (int64_t v0 = 0; v0 < V; v0 += C) {
     const int64_t c = std::min(C, V - v0);
@@ -60,7 +62,7 @@ std::tuple<at::Tensor, at::Tensor> sample_impl(const at::Tensor& hidden_in, cons
     blas::gemm(kOp, false, true, N, c, d, hidden.data_ptr(), hidden.scalar_type(), d,
                blas::element_address(weight, v0 * d), weight.scalar_type(), d, logits.data_ptr(), acc, c, 1.0, 0.0);
     C10_CUDA_CHECK(cuda::launch_sample_chunk<acc_t>(logits.data_ptr<acc_t>(), N, c, c, v0, row_ids.data_ptr<int64_t>(),
-                                                    greedy, inv_temperature, static_cast<uint64_t>(seed),
+                                                    greedy, scales.logit, scales.noise, static_cast<uint64_t>(seed),
                                                     static_cast<uint32_t>(offset), suppress, exclude, state, stream));
   }
   C10_CUDA_CHECK(cuda::launch_sample_finalize<acc_t>(N, exclude, state, tokens.data_ptr<int64_t>(),
@@ -74,7 +76,6 @@ std::tuple<at::Tensor, at::Tensor> sample_tokens_cuda(const at::Tensor& hidden, 
                                                       const at::Tensor& row_ids, double temperature, int64_t seed,
                                                       int64_t offset, at::IntArrayRef suppress_ids,
                                                       at::IntArrayRef confidence_exclude_ids, int64_t chunk_size) {
-  check_sample_tokens_args(hidden, weight, row_ids, temperature, suppress_ids, confidence_exclude_ids, chunk_size);
   const c10::cuda::CUDAGuard guard(hidden.device());
   return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
     return sample_impl<decltype(acc)>(hidden, weight, row_ids, temperature, seed, offset, suppress_ids,

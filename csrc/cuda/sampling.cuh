@@ -28,13 +28,14 @@ struct SampleState {
   acc_t* run_sum;
 };
 
-// Fold one chunk into the state: Gumbel-max over logits * inv_temperature + noise (argmax when greedy), ties
-// to the lowest id; logsumexp of the unscaled logits without the excluded ids. Suppressed ids count as -inf.
+// Fold one chunk into the state: Gumbel-max over logits * logit_scale + noise_scale * noise (argmax when
+// greedy), ties to the lowest id; logsumexp of the unscaled logits without the excluded ids. Suppressed ids
+// count as -inf. (logit_scale, noise_scale) is (1, T) for T < 1 and (1 / T, 1) otherwise: never overflows.
 template <typename acc_t>
 cudaError_t launch_sample_chunk(const acc_t* logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
-                                const int64_t* row_ids, bool greedy, acc_t inv_temperature, uint64_t seed,
-                                uint32_t offset, TokenList suppress, TokenList exclude, SampleState<acc_t> state,
-                                cudaStream_t stream);
+                                const int64_t* row_ids, bool greedy, acc_t logit_scale, acc_t noise_scale,
+                                uint64_t seed, uint32_t offset, TokenList suppress, TokenList exclude,
+                                SampleState<acc_t> state, cudaStream_t stream);
 
 // tokens = best_token; confidence = exp(best_logit - logsumexp), 0 for an excluded token, NaN (token -1) for
 // a row with no finite logit.
@@ -43,7 +44,7 @@ cudaError_t launch_sample_finalize(int64_t rows, TokenList exclude, SampleState<
                                    acc_t* confidence, cudaStream_t stream);
 
 // transfer[b, i] for candidates: rank among the row's candidates by descending confidence (ties to the lowest
-// position) below counts[b] (threshold < 0), or rank 0 or confidence >= threshold.
+// position; NaN ranks as -inf, -0 as +0) below counts[b] (threshold < 0), or rank 0 or confidence >= threshold.
 template <typename conf_t>
 cudaError_t launch_select_transfer(const conf_t* confidence, const bool* candidates, const int64_t* counts,
                                    int64_t rows, int64_t n, double threshold, bool* transfer, cudaStream_t stream);

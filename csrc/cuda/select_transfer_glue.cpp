@@ -1,4 +1,4 @@
-// Torch glue of dllm_fast::select_transfer on CUDA (compiled only in CUDA builds): argument checks, device guard
+// Torch glue of dllm_fast::select_transfer on CUDA (compiled only in CUDA builds): device guard
 // and stream, and the torch-free kernel of sampling.cu.
 
 #include <ATen/ATen.h>
@@ -13,7 +13,6 @@ namespace dllm_fast {
 
 at::Tensor select_transfer_cuda(const at::Tensor& confidence_in, const at::Tensor& candidates_in,
                                 const at::Tensor& counts_in, double threshold) {
-  check_select_transfer_args(confidence_in, candidates_in, counts_in, threshold);
   const c10::cuda::CUDAGuard guard(confidence_in.device());
   const at::Tensor confidence = confidence_in.contiguous(), candidates = candidates_in.contiguous();
   const at::Tensor counts = counts_in.contiguous();

@@ -50,7 +50,8 @@ def masked_logprobs(
     Returns:
         logp: [M], ``log_softmax(hidden @ lm_head_weight.T)[i, targets[i]]`` in fp32 (fp64 for fp64 inputs).
         Differentiable with respect to `hidden` and `lm_head_weight`; backward recomputes the logits chunk by
-        chunk. On CUDA, an out-of-range target yields NaN (checking it would cost a host sync); on CPU it raises.
+        chunk. A target outside [0, V) yields NaN on every device and backend (checking would cost a host sync
+        on CUDA), and no gradient flows back through it.
         The compiled backend has no second derivative (create_graph=True through it raises); the reference
         backend has.
     """
@@ -93,7 +94,8 @@ def masked_logprobs_grad(
             the weight's gradient is added into it in place. None: not computed.
 
     Returns:
-        (logp [M], grad_hidden [M, d]): logp in fp32 (fp64 for fp64 inputs), grad_hidden in hidden's dtype.
+        (logp [M], grad_hidden [M, d]): logp in fp32 (fp64 for fp64 inputs), grad_hidden in hidden's dtype. A
+        target outside [0, V) gives logp NaN and passes no gradient back, as `masked_logprobs` does.
 
     On CUDA, until csrc/cuda holds this kernel, the compiled path is the composite of the masked_logprobs forward
     and backward kernels (exact lse, four GEMMs per chunk, and one [V, d] temporary added into grad_weight).
@@ -112,6 +114,9 @@ def masked_logprobs_grad(
                                     or grad_weight.dtype != lm_head_weight.dtype):
         raise ValueError(f"masked_logprobs_grad: grad_weight must match lm_head_weight ({lm_head_weight.dtype} "
                          f"{tuple(lm_head_weight.shape)}), got {grad_weight.dtype} {tuple(grad_weight.shape)}.")
+    if grad_weight is not None and not grad_weight.is_contiguous():
+        raise ValueError("masked_logprobs_grad: grad_weight must be contiguous (its rows are updated in place chunk "
+                         "by chunk); pass the .grad of a contiguous parameter, or None.")
     hidden, weight = hidden.detach(), lm_head_weight.detach()
     targets, grad_logp = targets.long(), grad_logp.detach().to(acc)
     if choose_backend("masked_logprobs", hidden.device, backend) == "reference":
@@ -261,6 +266,9 @@ def _check_masked_logprobs(hidden, weight, targets, chunk_size) -> int:
             f"masked_logprobs: lm_head_weight must be [V, d] with d = {hidden.shape[1]} (hidden's width), "
             f"got shape {tuple(weight.shape)}."
         )
+    if hidden.shape[1] == 0 or weight.shape[0] == 0:
+        raise ValueError(f"masked_logprobs: the hidden width d and the vocabulary V must be positive, got "
+                         f"d = {hidden.shape[1]} and V = {weight.shape[0]}.")
     if targets.shape != (hidden.shape[0],):
         raise ValueError(
             f"masked_logprobs: targets must be [M] = [{hidden.shape[0]}] (one id per row of hidden), "

@@ -11,6 +11,8 @@ from dllm_fast.contracts import accumulate_dtype
 from dllm_fast.ops.backend import FLOAT_DTYPES, choose_backend, resolve_chunk_size
 from dllm_fast.validation import check_bool, check_int, check_same_device, check_temperature, check_threshold
 
+MAX_TOKEN_IDS = 8  # per id list of sample_tokens: csrc/cuda/sampling.cuh's TokenList::kCapacity
+
 
 def sample_tokens(
     hidden: torch.Tensor,
@@ -30,20 +32,22 @@ def sample_tokens(
 
     Args:
         hidden: [N, d] hidden states of the positions to decode; lm_head_weight: [V, d], same dtype/device.
-        temperature: 0 means argmax (ties to the lowest id); T > 0 is Gumbel-max, an exact sample. T below
-            validation.GREEDY_BELOW_TEMPERATURE (1e-30) is greedy (logits / T would overflow fp32); T must be
-            finite (a large T samples near-uniformly among the tokens not suppressed).
+        temperature: 0 means argmax (ties to the lowest id); T > 0 is Gumbel-max, an exact sample, scored as
+            logit + T * noise (T < 1) or logit / T + noise (T >= 1), which no temperature overflows. T below
+            validation.GREEDY_BELOW_TEMPERATURE (1e-30) is greedy; T must be finite (a large T samples
+            near-uniformly among the tokens not suppressed).
         seed, offset, row_ids: the noise of row i and token j is Philox4x32-10 keyed by (seed, offset,
             row_ids[i], j) (row_ids default 0..N-1; offset in [0, 2^32)), so results are reproducible and
             independent of batching.
         suppress_ids: token ids removed from sampling and from the confidence softmax (e.g. EOS).
         confidence_exclude_ids: token ids removed from the confidence softmax only; a row that samples one of
-            them gets confidence 0. On CUDA each list holds at most 8 ids.
+            them gets confidence 0. Each list holds at most 8 distinct ids, on every device (the CUDA kernel
+            takes them by value).
         chunk_size: vocabulary columns per chunk (default: sized for the device; more than V means V).
         check_finite: raise ValueError naming the first row whose hidden state or logits hold NaN or inf
             (a NaN logit is never sampled but makes the confidence NaN). On CUDA this costs a host sync; with
-            False such rows come back with confidence NaN, or token -1 when no logit is finite (the CPU kernel
-            still raises for those), for the caller to check (generate does so once per block).
+            False such rows come back, on every device, with confidence NaN, or token -1 when no score is
+            finite, for the caller to check (generate does so once per block).
 
     Returns:
         tokens [N] int64, and confidence [N] fp32 (fp64 for fp64 inputs): softmax(hidden @ W.T)[token] under the
@@ -57,8 +61,12 @@ def sample_tokens(
     N, V = hidden.shape[0], lm_head_weight.shape[0]
     suppress_ids = _token_ids("sample_tokens: suppress_ids", suppress_ids, V)
     confidence_exclude_ids = _token_ids("sample_tokens: confidence_exclude_ids", confidence_exclude_ids, V)
-    if len(set(suppress_ids)) >= V:
+    if len(suppress_ids) >= V:
         raise ValueError("sample_tokens: every token is suppressed; nothing is left to sample.")
+    for name, ids in (("suppress_ids", suppress_ids), ("confidence_exclude_ids", confidence_exclude_ids)):
+        if len(ids) > MAX_TOKEN_IDS:
+            raise ValueError(f"sample_tokens: {name} holds {len(ids)} distinct ids; at most {MAX_TOKEN_IDS} on every "
+                             "device (the CUDA kernel takes them by value).")
     if row_ids is None:
         row_ids = torch.arange(N, device=hidden.device)
     if check_finite:
@@ -78,11 +86,12 @@ def sample_tokens(
 
 
 def _token_ids(name: str, ids, vocab: int) -> list[int]:
+    """The distinct ids, in order of first appearance, each checked against the vocabulary."""
     ids = [token.item() if isinstance(token, torch.Tensor) and token.numel() == 1 else token for token in ids]
     for i, token in enumerate(ids):
         check_int(f"{name}[{i}]", token, minimum=0, maximum=vocab - 1,
                   hint=f"a token id of the vocabulary [0, {vocab})")
-    return [int(token) for token in ids]
+    return list(dict.fromkeys(int(token) for token in ids))
 
 
 def _check_finite_rows(hidden: torch.Tensor) -> None:
@@ -129,7 +138,7 @@ def select_transfer(
         threshold: instead of counts, Fast-dLLM's rule: the most confident candidate plus every candidate with
             confidence >= threshold, in (0, 1].
         check_finite: raise ValueError naming the first candidate whose confidence is NaN (costs a host sync on
-            CUDA). With False, a NaN confidence ranks below every number.
+            CUDA). With False, a NaN confidence ranks below every number (as -inf, by position among equals).
 
     Returns: [B, n] bool.
     """
@@ -150,15 +159,12 @@ def select_transfer(
                          f"{counts.dtype} {tuple(counts.shape)}.")
     if confidence.dtype not in (torch.float32, torch.float64):
         confidence = confidence.float()
-    not_a_number = confidence.isnan()
     if check_finite:
-        bad = not_a_number & candidates
+        bad = confidence.isnan() & candidates
         if bad.any():
             row, position = (int(v) for v in bad.nonzero()[0])
             raise ValueError(f"select_transfer: confidence[{row}, {position}] is NaN; confidences must be numbers "
                              "(pass check_finite=False to rank NaN last).")
-    else:
-        confidence = confidence.masked_fill(not_a_number, float("-inf"))
     if choose_backend("select_transfer", confidence.device, backend) == "reference":
         return reference.select_transfer(confidence, candidates, counts.long(), threshold)
     return torch.ops.dllm_fast.select_transfer(
@@ -170,6 +176,9 @@ def _check_rows_and_head(op: str, hidden, weight, **others) -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"{op}: hidden must be [N, d] and lm_head_weight [V, d] with the same d, got "
                          f"{tuple(hidden.shape)} and {tuple(weight.shape)}.")
+    if hidden.shape[1] == 0 or weight.shape[0] == 0:
+        raise ValueError(f"{op}: the hidden width d and the vocabulary V must be positive, got d = {hidden.shape[1]} "
+                         f"and V = {weight.shape[0]}.")
     if hidden.dtype not in FLOAT_DTYPES or weight.dtype != hidden.dtype:
         raise TypeError(f"{op}: hidden and lm_head_weight must share one of {FLOAT_DTYPES}, got {hidden.dtype} "
                         f"and {weight.dtype}.")

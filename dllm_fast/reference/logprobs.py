@@ -8,10 +8,14 @@ from dllm_fast.contracts import accumulate_dtype
 
 
 def masked_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """logp[i] = log_softmax(hidden[i] @ lm_head_weight.T)[targets[i]], computed in fp32 (fp64 for fp64)."""
+    """logp[i] = log_softmax(hidden[i] @ lm_head_weight.T)[targets[i]], computed in fp32 (fp64 for fp64); NaN for
+    a target outside [0, V), as in the kernels."""
     acc = accumulate_dtype(hidden.dtype)
     logits = hidden.to(acc) @ lm_head_weight.to(acc).T
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.long()[:, None]).squeeze(-1)
+    targets = targets.long()
+    inside = (targets >= 0) & (targets < logits.shape[-1])
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, torch.where(inside, targets, 0)[:, None]).squeeze(-1)
+    return logp.masked_fill(~inside, float("nan"))
 
 
 def masked_logprobs_grad(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,

@@ -32,34 +32,43 @@ def philox4x32_10(counter: list[torch.Tensor], key: tuple[int, int]) -> list[tor
     return [c0, c1, c2, c3]
 
 
+def gumbel_from_words(words: torch.Tensor) -> torch.Tensor:
+    """fp32 standard Gumbel noise of uint32 Philox words (int64 tensor): v = (w + 1/2) / 2^32 in fp32, capped at
+    the largest float below 1 (the words from 0xFFFFFF80 round to 1.0, whose noise would be -inf), then
+    -log(-log1p(-v))."""
+    uniform = words.to(torch.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10
+    uniform = uniform.clamp(max=1.0 - 2.0**-24)
+    return -torch.log(-torch.log1p(-uniform))
+
+
 def gumbel_noise(seed: int, offset: int, row_ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """[N, V] fp32 standard Gumbel noise of the compiled sampler: for row r and token j, Philox word j % 4 of
-    counter (j // 4, r low, r high, offset) under key (seed low, seed high), mapped to v = (w + 1/2) / 2^32 and
-    then to -log(-log1p(-v))."""
+    counter (j // 4, r low, r high, offset) under key (seed low, seed high), through gumbel_from_words."""
     device = row_ids.device
     quads = torch.arange((vocab + 3) // 4, device=device, dtype=torch.int64)
     rows = row_ids.to(torch.int64)[:, None]
     counter = [quads[None, :].expand(len(rows), -1), (rows & _MASK32).expand(-1, len(quads)),
                (rows >> 32).expand(-1, len(quads)), torch.full_like(rows, offset & _MASK32).expand(-1, len(quads))]
     words = torch.stack(philox4x32_10(counter, (seed & _MASK32, (seed >> 32) & _MASK32)), dim=-1)
-    words = words.reshape(len(rows), -1)[:, :vocab]
-    uniform = words.to(torch.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10
-    return -torch.log(-torch.log1p(-uniform))
+    return gumbel_from_words(words.reshape(len(rows), -1)[:, :vocab])
 
 
 def sample_tokens(hidden, weight, row_ids, temperature, seed, offset, suppress_ids=(), confidence_exclude_ids=()):
     """Twin of the compiled sample op: (tokens [N] int64, confidence [N] fp32/fp64).
 
-    As in the kernels: scores are logits * (1 / T) (1 / T rounded to the accumulation dtype) plus Gumbel noise;
-    suppressed ids, NaN and -inf scores never win; a row with nothing to win gets token -1 and confidence NaN;
-    a sampled excluded id gets confidence 0; a NaN logit makes the row's confidence NaN.
+    As in the kernels (csrc/include/dllm_fast/gumbel_max.h): scores are logits * a + b * Gumbel noise with
+    (a, b) = (1, T) for T < 1 and (1 / T, 1) otherwise, rounded to the accumulation dtype; suppressed ids, NaN
+    and -inf scores never win; a row with nothing to win gets token -1 and confidence NaN; a sampled excluded id
+    gets confidence 0; a NaN logit makes the row's confidence NaN.
     """
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     logits = hidden.to(acc) @ weight.to(acc).T
     scores = logits
     if temperature != 0:
-        inverse_temperature = torch.tensor(1.0 / temperature, dtype=acc, device=logits.device)
-        scores = logits * inverse_temperature + gumbel_noise(seed, offset, row_ids, logits.shape[1])
+        logit_scale, noise_scale = (1.0, temperature) if temperature < 1 else (1.0 / temperature, 1.0)
+        logit_scale, noise_scale = (torch.tensor(v, dtype=acc, device=logits.device)
+                                    for v in (logit_scale, noise_scale))
+        scores = logits * logit_scale + noise_scale * gumbel_noise(seed, offset, row_ids, logits.shape[1])
     scores = scores.masked_fill(scores.isnan(), float("-inf"))
     scores[:, list(suppress_ids)] = float("-inf")
     best, tokens = scores.max(dim=-1)  # ties: the first (lowest) id
@@ -72,18 +81,23 @@ def sample_tokens(hidden, weight, row_ids, temperature, seed, offset, suppress_i
     return tokens, confidence
 
 
-def transfer_ranks(confidence: torch.Tensor) -> torch.Tensor:
-    """Rank of every position in its row by descending confidence, ties to the lowest position."""
+def transfer_ranks(confidence: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Rank of every candidate in its row by descending confidence, ties to the lowest position; the positions
+    that are not candidates rank after all candidates."""
     order = torch.sort(confidence, dim=-1, descending=True, stable=True).indices
+    first = torch.sort(candidates.gather(-1, order).to(torch.int8), dim=-1, descending=True, stable=True).indices
+    order = order.gather(-1, first)
     ranks = torch.empty_like(order)
     ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
     return ranks
 
 
 def select_transfer(confidence, candidates, counts, threshold):
-    """Twin of the compiled transfer selection: [B, n] bool, the positions to unmask this step."""
-    confidence = confidence.to(torch.float64).masked_fill(~candidates, float("-inf"))
-    ranks = transfer_ranks(confidence)
+    """Twin of the compiled transfer selection: [B, n] bool, the positions to unmask this step. A NaN confidence
+    ranks as -inf (by position among equals), -0 as +0."""
+    confidence = confidence.to(torch.float64)
+    confidence = confidence.masked_fill(confidence.isnan(), float("-inf")).add(0.0)
+    ranks = transfer_ranks(confidence, candidates)
     if threshold is not None and threshold >= 0:
         return candidates & ((ranks == 0) | (confidence >= threshold))
     return candidates & (ranks < counts[:, None])

@@ -1,5 +1,5 @@
 // Declarations of every backend implementation that csrc/registration.cpp registers.
-// The schemas themselves (and their documentation) live in registration.cpp.
+// The schemas themselves (and their documentation) live in dllm_fast/schemas.h.
 #pragma once
 
 #include <array>
@@ -12,24 +12,11 @@ namespace dllm_fast {
 
 using at::Tensor;
 
-// Argument checks shared by every backend of masked_logprobs; they throw c10::Error with a full sentence.
-void check_masked_logprobs_args(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
-                                int64_t chunk_size);
-
-// ... and of masked_logprobs_grad: the above plus grad_logp [M], lse [M] when given, and grad_weight (mutated)
-// of weight's shape, dtype and device, contiguous.
-void check_masked_logprobs_grad_args(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
-                                     const Tensor& grad_logp, const std::optional<Tensor>& lse,
-                                     const std::optional<Tensor>& grad_weight, int64_t chunk_size);
-
-void check_sample_tokens_args(const Tensor& hidden, const Tensor& weight, const Tensor& row_ids, double temperature,
-                              at::IntArrayRef suppress_ids, at::IntArrayRef confidence_exclude_ids,
-                              int64_t chunk_size);
-void check_select_transfer_args(const Tensor& confidence, const Tensor& candidates, const Tensor& counts,
-                                double threshold);
+// The ops trust their arguments: dllm_fast/ops/ (the Python faces) checks shapes, dtypes, devices and values
+// once, for every backend, and names the offending value. A direct torch.ops.dllm_fast call skips those checks.
 
 // dtype of logp / lse / the fp32-or-fp64 accumulators for a given input dtype.
-at::ScalarType accumulate_type(at::ScalarType input);
+inline at::ScalarType accumulate_type(at::ScalarType input) { return input == at::kDouble ? at::kDouble : at::kFloat; }
 
 // The one float/double dispatch of every backend: calls fn with a value of the accumulator type of `input`
 // (double for float64, float for float32, bfloat16 and float16) and returns what it returns:

@@ -53,9 +53,12 @@ DLLM_FAST_HOST_DEVICE PhiloxWords philox_for_quad(uint64_t seed, uint32_t offset
                        static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 }
 
-// (w + 1/2) / 2^32 in float: never 0, so the Gumbel transform below never sees log(0) from below.
+// (w + 1/2) / 2^32 in float, capped at the largest float below 1: in (0, 1), so the Gumbel transform sees
+// neither log(0) nor log1p(-1). Without the cap the 128 words from 0xFFFFFF80 round to exactly 1.0 (float keeps
+// 24 bits), whose noise is -inf: a token that could never win its draw.
 DLLM_FAST_HOST_DEVICE float uniform_open(uint32_t word) {
-  return static_cast<float>(word) * 2.3283064365386963e-10f + 1.1641532182693481e-10f;
+  const float v = static_cast<float>(word) * 2.3283064365386963e-10f + 1.1641532182693481e-10f;
+  return v < 0x1.fffffep-1f ? v : 0x1.fffffep-1f;
 }
 
 }  // namespace dllm_fast

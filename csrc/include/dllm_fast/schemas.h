@@ -1,0 +1,45 @@
+// The schema of every op, listed once: csrc/registration.cpp declares them in the dllm_fast namespace and the
+// emulated CUDA build (csrc/emulation/registration.cpp) in dllm_fast_emulated. X(name, schema) per op. The ops
+// trust their arguments; dllm_fast/ops/ checks them (see ops.h).
+#pragma once
+
+#define DLLM_FAST_OP_SCHEMAS(X)                                                                                \
+  /* logp[i] = log_softmax(hidden[i] @ weight.T)[targets[i]], plus lse[i] = logsumexp(hidden[i] @ weight.T),  \
+     chunked over the vocabulary with an online logsumexp: never more than [M, chunk_size] logits. Outputs   \
+     are fp32 (fp64 for fp64 inputs); a target outside [0, V) gives logp NaN (on every device). */           \
+  X(masked_logprobs,                                                                                           \
+    "masked_logprobs(Tensor hidden, Tensor weight, Tensor targets, int chunk_size) -> (Tensor, Tensor)")      \
+  /* Gradients of sum(grad_logp * logp + grad_lse * lse) with respect to hidden and weight, recomputing the    \
+     logits chunk by chunk. output_mask selects which are computed; an unselected one comes back empty. */     \
+  X(masked_logprobs_backward,                                                                                  \
+    "masked_logprobs_backward(Tensor? grad_logp, Tensor? grad_lse, Tensor hidden, Tensor weight, "            \
+    "Tensor targets, Tensor lse, int chunk_size, bool[2] output_mask) -> (Tensor, Tensor)")                    \
+  /* For an upstream gradient grad_logp known before the forward: (logp, grad_hidden) of sum(grad_logp * logp) \
+     in one walk over the vocabulary (three GEMMs per chunk), adding d/d weight into grad_weight in place when  \
+     it is given (e.g. the parameter's .grad; never a new [V, d] tensor). lse: the rows' logsumexp when known;  \
+     logp and grad_hidden come out exact even when it is off by a little (the walk measures the true           \
+     normaliser), grad_weight to first order. None: computed first. A target outside [0, V) gives logp NaN and \
+     no gradient. */                                                                                           \
+  X(masked_logprobs_grad,                                                                                      \
+    "masked_logprobs_grad(Tensor hidden, Tensor weight, Tensor targets, Tensor grad_logp, Tensor? lse, "       \
+    "Tensor(a!)? grad_weight, int chunk_size) -> (Tensor, Tensor)")                                            \
+  /* One token per row of hidden, drawn from softmax(logits / temperature) by Gumbel-max with Philox noise     \
+     keyed by (seed, offset, row_ids[i], token id); temperature 0 is argmax, ties to the lowest id. Also       \
+     returns the softmax probability of that token under the unscaled logits. suppress_ids are removed from    \
+     both; confidence_exclude_ids only from the confidence softmax (their confidence is 0). A row with no      \
+     finite score gets token -1 and confidence NaN. */                                                        \
+  X(sample_tokens,                                                                                             \
+    "sample_tokens(Tensor hidden, Tensor weight, Tensor row_ids, float temperature, int seed, int offset, "   \
+    "int[] suppress_ids, int[] confidence_exclude_ids, int chunk_size) -> (Tensor, Tensor)")                   \
+  /* Per row, the candidate positions to unmask: the counts[b] most confident (ties to the lowest position)    \
+     when threshold < 0, else the most confident one plus every candidate whose confidence >= threshold. A     \
+     NaN confidence ranks as -inf. */                                                                          \
+  X(select_transfer,                                                                                           \
+    "select_transfer(Tensor confidence, Tensor candidates, Tensor counts, float threshold) -> Tensor")
+
+// The CUDA implementation of each op that has one: X(name, function). The emulated build runs these on CPU.
+#define DLLM_FAST_CUDA_KERNELS(X)                               \
+  X(masked_logprobs, masked_logprobs_cuda)                      \
+  X(masked_logprobs_backward, masked_logprobs_backward_cuda)    \
+  X(sample_tokens, sample_tokens_cuda)                          \
+  X(select_transfer, select_transfer_cuda)

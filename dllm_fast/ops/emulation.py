@@ -1,0 +1,127 @@
+"""The CUDA kernels and glue of csrc/cuda, run on the CPU by a host emulator: test infrastructure, so that the CUDA
+code executes in CI without a GPU (csrc/emulation/README.md describes the emulator).
+
+    python -m dllm_fast.ops.emulation [--sanitize]   # build (incrementally) into build/dllm_fast_emulated_cuda[_asan]
+
+The emulated build is a separate extension module compiled from a source checkout (never by pip) that registers
+the CUDA implementations for CPU tensors as ``torch.ops.dllm_fast_emulated.*``. Inside ``emulated_cuda()`` (or
+for the whole process with ``DLLM_FAST_BACKEND=emulated_cuda``) the CPU kernels of ``torch.ops.dllm_fast.*`` are
+replaced by them, so whole ``generate`` and ``score`` calls, autograd and torch.compile included, run the CUDA
+sources. ``DLLM_FAST_EMULATED_CUDA=1`` enables the emulated tests (``pytest -m emulated_cuda``); ``=asan`` runs them
+against the AddressSanitizer build, in a process started with libasan preloaded (.ci/emulated_cuda does that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import glob
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD_CONFIG = ROOT / "csrc" / "build.json"
+ENABLE_VARIABLE = "DLLM_FAST_EMULATED_CUDA"
+
+
+def enabled() -> str | None:
+    """The emulated build the tests should use: "plain", "asan", or None when the emulated tests are off."""
+    value = os.environ.get(ENABLE_VARIABLE, "").strip().lower()
+    if value in ("", "0"):
+        return None
+    if value not in ("1", "asan"):
+        raise ValueError(f"{ENABLE_VARIABLE}={value!r} is not one of 0, 1, asan.")
+    return "asan" if value == "asan" else "plain"
+
+
+def build(sanitize: bool = False, verbose: bool = False):
+    """Compile (incrementally, with ninja) and import the emulated module; returns it."""
+    from torch.utils import cpp_extension
+
+    if not BUILD_CONFIG.exists():
+        raise RuntimeError(f"the emulated CUDA build needs a source checkout with {BUILD_CONFIG}; it is not part of "
+                           "an installed package.")
+    config = json.loads(BUILD_CONFIG.read_text())
+    emulated = config["emulated_cuda"]
+    name = "dllm_fast_emulated_cuda" + ("_asan" if sanitize else "")
+    directory = ROOT / "build" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    sources = [_host_source(Path(path), directory) for pattern in emulated["sources"]
+               for path in sorted(glob.glob(str(ROOT / pattern)))]
+    flags = [f"-std=c++{config['cxx_standard']}", *emulated["cxx_flags"]]
+    link = []
+    if sanitize:
+        flags += emulated["sanitize_flags"]
+        link += emulated["sanitize_flags"]
+    return cpp_extension.load(
+        name=name, sources=[str(s) for s in sources], extra_cflags=flags, extra_ldflags=link,
+        extra_include_paths=[str(ROOT / d) for d in emulated["include_dirs"]], build_directory=str(directory),
+        verbose=verbose)
+
+
+def _host_source(path: Path, directory: Path) -> Path:
+    """A .cu file is compiled as C++ through a one-line wrapper (the compiler picks the language by suffix)."""
+    if path.suffix != ".cu":
+        return path
+    wrapper = directory / "host_sources" / f"{path.parent.name}_{path.stem}.cpp"
+    text = f'#include "{path}"\n'
+    if not wrapper.exists() or wrapper.read_text() != text:  # rewriting it would make ninja rebuild it
+        wrapper.parent.mkdir(exist_ok=True)
+        wrapper.write_text(text)
+    return wrapper
+
+
+@functools.cache
+def load():
+    """The emulated module of this process (the AddressSanitizer build when DLLM_FAST_EMULATED_CUDA=asan)."""
+    return build(sanitize=enabled() == "asan")
+
+
+@contextlib.contextmanager
+def emulated_cuda():
+    """Within this block, the CPU kernels of every dllm_fast op that has a CUDA implementation are that CUDA
+    implementation, run by the emulator; on exit the CPU kernels are back."""
+    from dllm_fast._extension import HAS_EXTENSION, missing_extension_message
+
+    if not HAS_EXTENSION:  # the ops to reroute are registered by dllm_fast._C
+        raise RuntimeError(missing_extension_message())
+    module = load()
+    library = torch.library.Library("dllm_fast", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+            for op in module.ops:
+                library.impl(op, getattr(torch.ops.dllm_fast_emulated, op).default, "CPU")
+        yield module
+    finally:
+        library._destroy()
+
+
+_process_wide: contextlib.ExitStack | None = None
+
+
+def install_for_process() -> None:
+    """DLLM_FAST_BACKEND=emulated_cuda: the emulated CUDA kernels replace the CPU ones until the process ends."""
+    global _process_wide
+    if _process_wide is None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(emulated_cuda())
+        _process_wide = stack
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dllm_fast.ops.emulation", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sanitize", action="store_true", help="the AddressSanitizer build")
+    parser.add_argument("--verbose", action="store_true", help="show the compiler's commands")
+    args = parser.parse_args(argv)
+    module = build(sanitize=args.sanitize, verbose=args.verbose)
+    print(f"{module.__file__}: ops {', '.join(module.ops)}")
+
+
+if __name__ == "__main__":
+    main()
