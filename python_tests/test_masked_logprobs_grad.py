@@ -230,8 +230,26 @@ def test_bad_input_names_the_value(change, message):
                              grad_weight=values["buffer"])
 
 
-def test_the_kernel_names_a_non_contiguous_buffer():
+def test_a_non_contiguous_buffer_is_named():
+    """The kernel trusts its arguments (ops.h): the face refuses a buffer it could not update row by row."""
     hidden, weight, targets, upstream = make_inputs(10, 8, 50)
     buffer = torch.zeros(8, 50).T
-    with pytest.raises(RuntimeError, match="grad_weight must be contiguous"):
-        torch.ops.dllm_fast.masked_logprobs_grad(hidden, weight, targets, upstream, None, buffer, 16)
+    with pytest.raises(ValueError, match="grad_weight must be contiguous"):
+        masked_logprobs_grad(hidden, weight, targets, upstream, grad_weight=buffer)
+
+
+def test_an_out_of_range_target_gives_nan_and_no_gradient():
+    """As masked_logprobs (forward and backward) on every device: logp NaN, its row passes nothing back."""
+    hidden, weight, targets, upstream = make_inputs(10, 8, 50)
+    targets[3], targets[7] = -1, 50
+    buffer = torch.zeros_like(weight)
+    logp, grad_hidden = masked_logprobs_grad(hidden, weight, targets, upstream, grad_weight=buffer)
+    inside = torch.ones(10, dtype=torch.bool)
+    inside[[3, 7]] = False
+    assert logp[~inside].isnan().all() and logp[inside].isfinite().all()
+    assert (grad_hidden[~inside] == 0).all()
+    want_logp, want_hidden, want_weight = reference.masked_logprobs_grad(hidden[inside], weight, targets[inside],
+                                                                         upstream[inside])
+    torch.testing.assert_close(logp[inside], want_logp)
+    torch.testing.assert_close(grad_hidden[inside], want_hidden)
+    torch.testing.assert_close(buffer, want_weight)
