@@ -32,6 +32,7 @@ from typing import Callable, ContextManager
 import torch
 
 from dllm_fast.contracts import accumulate_dtype, data_parallel, unwrap_model
+from dllm_fast.likelihood.compiled import known_gradient_compiled, score_pairs_compiled
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.likelihood.gradients import all_or_nothing, embedding_grads_in_place
 from dllm_fast.likelihood.scoring import (
@@ -106,6 +107,7 @@ def streaming_backward(
     """
     batching, hooks = MicroBatching.of(micro_batch), hooks if hooks is not None else BackwardHooks()
     micro_batch, score_micro_batch, chunk_size = batching.micro_batch, batching.score_micro_batch, batching.chunk_size
+    compile = batching.compile
     check_inputs(model, sequences, masks, attention_mask=attention_mask)
     if not callable(objective):
         raise TypeError(f"objective must be callable, got {type(objective).__name__}.")
@@ -117,6 +119,10 @@ def streaming_backward(
         raise ValueError(f"score_micro_batch={score_micro_batch} differs from micro_batch={micro_batch}, but the "
                          "model has active dropout, so pass 2 must replay pass 1's micro-batches; drop "
                          "score_micro_batch, or call model.eval() / set the dropout to 0.")
+    if replay and compile and not separable:
+        raise ValueError("MicroBatching(compile=True) with active dropout: pass 2 must replay the random numbers "
+                         "pass 1 drew, which a compiled graph draws differently; call model.eval() / set the "
+                         "dropout to 0, or use compile=False.")
     if lp is not None:
         if replay:
             raise ValueError("lp= was given but the model has active dropout: pass 2 cannot replay the dropout "
@@ -127,10 +133,10 @@ def streaming_backward(
     with all_or_nothing(model):
         if separable:
             value, lp = _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size,
-                                   backward_pass)
+                                   backward_pass, compile)
         else:
             value, lp = _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch or micro_batch,
-                                  attention_mask, chunk_size, replay, lp, backward_pass)
+                                  attention_mask, chunk_size, replay, lp, backward_pass, compile)
     return (value, lp) if return_lp else value
 
 
@@ -190,10 +196,18 @@ def has_active_dropout(model) -> bool:
 
 
 def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch, attention_mask, chunk_size,
-              replay, lp, backward_pass):
+              replay, lp, backward_pass, compile):
     device = sequences.device
     N, n_t, L = masks.num_sequences, masks.n_t, masks.completion_length
-    batches = active_pairs(masks).split(micro_batch if replay else score_micro_batch)
+    scoring_batch = micro_batch if replay else score_micro_batch
+    batches = active_pairs(masks).split(scoring_batch)
+
+    def score_batch(batch):
+        if compile:
+            return score_pairs_compiled(model, sequences, masks, batch, capacity=scoring_batch,
+                                        attention_mask=attention_mask, chunk_size=chunk_size)
+        return score_pairs(model, sequences, masks, batch, attention_mask=attention_mask, chunk_size=chunk_size)
+
     rng_states = []
     if lp is None:
         with torch.no_grad():  # pass 1
@@ -202,10 +216,9 @@ def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch
             for batch in batches:
                 if replay:
                     rng_states.append(_rng_state(device))
-                lp[batch] = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
-                                        chunk_size=chunk_size)
+                lp[batch] = score_batch(batch)
             for _ in range(backward_pass.aligned(len(batches), device) - len(batches)):  # other ranks' calls
-                score_pairs(model, sequences, masks, batches[-1], attention_mask=attention_mask, chunk_size=chunk_size)
+                score_batch(batches[-1])
     lp = lp.reshape(N, n_t, L).clone().requires_grad_(True)
     with torch.enable_grad():
         loss = _scalar(objective(lp), "objective(lp)")
@@ -242,13 +255,17 @@ def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch
             if state is not None:
                 _set_rng_state(state, device)
             with backward_pass.step(last=index == len(pass_2) - 1):
-                if backward_pass.unit_upstream:
+                if backward_pass.unit_upstream and compile:
+                    loss = known_gradient_compiled(model, sequences, masks, batch, coef_rows[batch] * weight,
+                                                   lp_rows[batch], capacity=micro_batch,
+                                                   attention_mask=attention_mask, chunk_size=chunk_size)
+                elif backward_pass.unit_upstream:
                     loss, _ = score_pairs_with_known_gradient(model, sequences, masks, batch, coef_rows[batch] * weight,
                                                               lp_rows[batch], attention_mask=attention_mask,
                                                               chunk_size=chunk_size)
                 else:
-                    lp_batch = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
-                                           chunk_size=chunk_size, grad_into_weight=True)
+                    lp_batch = _score_with_grad(model, sequences, masks, batch, micro_batch, attention_mask,
+                                                chunk_size, compile)
                     loss = (coef_rows[batch] * lp_batch).sum() * weight
                 if loss.requires_grad:
                     backward_pass(loss)
@@ -270,7 +287,17 @@ def _set_rng_state(states: list[torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(states[1], device)
 
 
-def _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size, backward_pass):
+def _score_with_grad(model, sequences, masks, batch, micro_batch, attention_mask, chunk_size, compile):
+    """A micro-batch's lp rows with their graph, the LM head's gradient going straight into its .grad."""
+    if compile:
+        return score_pairs_compiled(model, sequences, masks, batch, capacity=micro_batch,
+                                    attention_mask=attention_mask, chunk_size=chunk_size, grad_into_weight=True)
+    return score_pairs(model, sequences, masks, batch, attention_mask=attention_mask, chunk_size=chunk_size,
+                       grad_into_weight=True)
+
+
+def _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size, backward_pass,
+               compile):
     n_t, L = masks.n_t, masks.completion_length
     dtype = accumulate_dtype(unwrap_model(model).lm_head_weight.dtype)
     device = sequences.device
@@ -284,8 +311,8 @@ def _separable(model, sequences, masks, objective, micro_batch, attention_mask, 
             padding = index >= len(batches)  # keeps this rank in step with ranks that have more micro-batches
             batch = batches[-1] if padding else batches[index]
             with backward_pass.step(last=index == total - 1):
-                lp_batch = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
-                                       chunk_size=chunk_size, grad_into_weight=True)
+                lp_batch = _score_with_grad(model, sequences, masks, batch, micro_batch, attention_mask, chunk_size,
+                                            compile)
                 if padding:
                     loss = (lp_batch * 0).sum()
                 else:

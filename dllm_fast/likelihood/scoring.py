@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from dllm_fast.contracts import accumulate_dtype, data_parallel, logit_shift, unwrap_model
+from dllm_fast.likelihood.compiled import score_pairs_compiled
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.ops import logprobs_with_known_gradient, masked_logprobs
-from dllm_fast.validation import check_int
+from dllm_fast.validation import check_bool, check_int
 
 
 def score(
@@ -24,6 +25,7 @@ def score(
     micro_batch: int,
     attention_mask: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    compile: bool = False,
 ) -> torch.Tensor:
     """Log-probs of every completion token at every masked position, for all N * n_t pairs.
 
@@ -36,6 +38,8 @@ def score(
         micro_batch: pairs per model call. Pairs with nothing to score are skipped.
         attention_mask: optional [N, S] (1 = token, 0 = left padding), passed to the model.
         chunk_size: vocabulary chunk of the fused LM head (default: sized for the device).
+        compile: score each micro-batch through one torch.compile(fullgraph=True) graph, its pairs and scored
+            rows padded to buckets (see `MicroBatching.compile`, likelihood/compiled.py).
 
     Under a data-parallel wrapper (DDP, FSDP2) and no_grad, every rank makes the same number of model calls.
 
@@ -46,20 +50,26 @@ def score(
         to differentiate through it.
     """
     check_inputs(model, sequences, masks, attention_mask=attention_mask, micro_batch=micro_batch)
+    check_bool("compile", compile)
     N, n_t, L = masks.num_sequences, masks.n_t, masks.completion_length
     dtype = accumulate_dtype(unwrap_model(model).lm_head_weight.dtype)
     pairs = active_pairs(masks)
+
+    def score_batch(batch):
+        if compile:
+            return score_pairs_compiled(model, sequences, masks, batch, capacity=micro_batch,
+                                        attention_mask=attention_mask, chunk_size=chunk_size)
+        return score_pairs(model, sequences, masks, batch, attention_mask=attention_mask, chunk_size=chunk_size)
+
     if not torch.is_grad_enabled():
         lp = torch.zeros(N * n_t, L, dtype=dtype, device=sequences.device)
         batches = pairs.split(micro_batch)
         for batch in batches:
-            lp[batch] = score_pairs(model, sequences, masks, batch, attention_mask=attention_mask,
-                                    chunk_size=chunk_size)
+            lp[batch] = score_batch(batch)
         for _ in range(aligned_call_count(len(batches), sequences.device, data_parallel(model)) - len(batches)):
-            score_pairs(model, sequences, masks, batches[-1], attention_mask=attention_mask, chunk_size=chunk_size)
+            score_batch(batches[-1])
         return lp.view(N, n_t, L)
-    rows = [score_pairs(model, sequences, masks, batch, attention_mask=attention_mask, chunk_size=chunk_size)
-            for batch in pairs.split(micro_batch)]
+    rows = [score_batch(batch) for batch in pairs.split(micro_batch)]
     if not rows:
         return torch.zeros(N, n_t, L, dtype=dtype, device=sequences.device)
     lp = torch.zeros(N * n_t, L, dtype=dtype, device=sequences.device).index_put((pairs,), torch.cat(rows))

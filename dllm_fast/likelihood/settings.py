@@ -22,11 +22,16 @@ class MicroBatching:
         reference policies); None: micro_batch. Under active dropout pass 1 must replay pass 2's micro-batches,
         so it must then equal micro_batch.
     chunk_size: vocabulary chunk of the fused LM head (None: sized for the device).
+    compile: run each micro-batch's forward (model, scored rows, fused LM head), and pass 2's backward, as
+        torch.compile(fullgraph=True) graphs, its pairs and scored rows padded to a few buckets
+        (likelihood/compiled.py); the first micro-batch of each bucket compiles. Not with active dropout in the
+        two-pass engine (its pass 2 replays pass 1's random numbers, which a compiled graph draws differently).
     """
 
     micro_batch: int
     score_micro_batch: int | None = None
     chunk_size: int | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         check_int("micro_batch", self.micro_batch, minimum=1, hint="(sequence, sample) pairs per backward graph")
@@ -35,6 +40,7 @@ class MicroBatching:
                       hint="(sequence, sample) pairs per model call")
         if self.chunk_size is not None:
             check_int("chunk_size", self.chunk_size, minimum=1, hint="vocabulary rows per chunk of the LM head")
+        check_bool("compile", self.compile)
 
     @classmethod
     def of(cls, value: "int | MicroBatching") -> "MicroBatching":

@@ -392,7 +392,7 @@ class Objective:
 def _score(model, batch: RolloutBatch, masks: MonteCarloMasks, batching: MicroBatching) -> torch.Tensor:
     """A policy's lp on the batch's masks without a graph, in the no-grad scoring calls' micro-batches."""
     return score(model, batch.sequences, masks, micro_batch=batching.scoring, attention_mask=batch.attention_mask,
-                 chunk_size=batching.chunk_size)
+                 chunk_size=batching.chunk_size, compile=batching.compile)
 
 
 def _check_batch(batch) -> None:

@@ -233,7 +233,6 @@ class _WeightGradInPlace(torch.autograd.Function):
         logp, lse = torch.ops.dllm_fast.masked_logprobs(hidden, weight, targets, chunk_size)
         ctx.save_for_backward(hidden, targets, lse)
         ctx.weight, ctx.chunk_size = weight, chunk_size  # the parameter itself, whose .grad receives the gradient
-        ctx.mark_non_differentiable(lse)
         return logp
 
     @staticmethod

@@ -74,8 +74,8 @@ class TrainConfig:
     remasking: str = option("low_confidence", help="which positions a step unmasks", choices="remasking")
     cache: str = option("none", help="KV-cache mode of the rollouts (Fast-dLLM)", choices="caches")
     threshold: float | None = option(None, help="confidence threshold of parallel decoding, in (0, 1]")
-    compile: bool = option(False, help="compile each denoising step of the rollouts whole (torch.compile; CUDA "
-                                       "graphs on GPU); the first rollout compiles")
+    compile: bool = option(False, help="compile each denoising step of the rollouts (torch.compile; CUDA "
+                                       "graphs on GPU) and each scoring micro-batch whole; the first ones compile")
 
     # Optimisation.
     lr: float = option(1e-4, help="AdamW learning rate")

@@ -69,7 +69,8 @@ class Run:
         seed_everything(config.seed + ranks.rank)
         self.bf16 = config.bf16 if config.bf16 is not None else self.device.type == "cuda"
         # The trainer's flags for the engine's micro-batching, in one place.
-        self.batching = MicroBatching(config.micro_batch, config.score_micro_batch, config.chunk_size)
+        self.batching = MicroBatching(config.micro_batch, config.score_micro_batch, config.chunk_size,
+                                      compile=config.compile)
         self.task = get_task(config.task, **task_options(config))
         self.objective = objectives.get(config.objective, **config.objective_options)
         check_rollout_records(self.objective, config.objective)
