@@ -121,18 +121,25 @@ def test_compile_must_be_a_bool():
         dllm_fast.generate(model, ids, mask, gen_length=4, block_length=4, steps=2, compile="yes")
 
 
-def test_train_with_compile_true_compiles_its_rollouts(tmp_path, fresh_dynamo, monkeypatch):
-    """--compile true reaches the trainer's rollouts: they compile, and the run is the run without it."""
+def test_train_with_compile_true_compiles_its_rollouts_and_scoring(tmp_path, fresh_dynamo, monkeypatch):
+    """--compile true reaches the trainer's rollouts and its scoring micro-batches (the engine's passes): both
+    compile, and the run is the run without it."""
     from test_trainer import quick_config
 
+    from dllm_fast.likelihood import compiled as scoring_module
     from dllm_fast.train import train
 
     counter = CompileCounterWithBackend("aot_eager")
     step = torch.compile(denoise_step, fullgraph=True, dynamic=False, backend=counter)
     monkeypatch.setattr(generate_module, "compiled_step", lambda device_type: step)
+    scoring_counter = CompileCounterWithBackend("aot_eager")
+    graphs = {name: torch.compile(getattr(scoring_module, name), fullgraph=True, dynamic=False,
+                                  backend=scoring_counter) for name in ("score_padded", "known_gradient_padded")}
+    monkeypatch.setattr(scoring_module, "compiled", lambda name, backend="inductor": graphs[name])
     runs = [train(quick_config(tmp_path / str(compile), compile=compile, steps=2, eval_every=10,
                                checkpoint_every=10, plot=False)) for compile in (True, False)]
     assert counter.frame_count == 1  # the trainer's default cache="none": one kind of step
+    assert scoring_counter.frame_count >= 1
     keys = ("reward_mean", "loss", "completion_length")
     trained = [[[row[k] for k in keys] for row in run.history if "loss" in row] for run in runs]
     assert len(trained[0]) == 2 and trained[0] == trained[1]
