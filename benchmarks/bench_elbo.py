@@ -5,6 +5,8 @@
     python benchmarks/bench_elbo.py --device cuda --lora     #      random bf16 weights, full fine-tune or LoRA
     python benchmarks/bench_elbo.py --sequences 4 --micro-batch 2 --nt 1 2 32 --providers two_pass separable \
         --before /tmp/engine_before                         # memory flat in n_t, before and after a change
+    python benchmarks/bench_elbo.py --interleaved 5 --sequences 2 --nt 8 --micro-batch 8 --prompt 32 \
+        --completion 64                                     # two_pass eager vs compiled, alternating calls
 
 --sequences sequences (default 1), n_t stratified_l masks over each completion (every position counts),
 on-policy objectives (the old policy's ELBO is the current one, detached, so no extra scoring pass is needed).
@@ -18,6 +20,10 @@ all-or-nothing guarantee then keeps one copy). Providers, side by side:
                 an honest baseline for the streaming paths, which use the same scoring;
     two_pass    dllm_fast.likelihood.streaming_backward on the same objective, `--micro-batch` pairs per graph;
     separable   streaming_backward(separable=True) on BGPO's per-sample linear bound (BGPO Eq. 13);
+    compiled    two_pass with MicroBatching(compile=True): each micro-batch's forward and pass 2's backward as
+                torch.compile(fullgraph=True) graphs (inductor), pairs and scored rows padded to power-of-two
+                buckets; its warm-up also runs the point's own masks, so that every bucket is compiled before
+                timing (the compile time is not in the timed runs; --interleaved reports it);
     <p>@before  with --before TREE: provider p (two_pass, separable) of this benchmark with dllm_fast imported
                 from another checkout, built in place (`git archive 5649a7b | tar -x -C /tmp/engine_before`,
                 then `python setup.py build_ext --inplace` there), timed and measured in a fresh process.
@@ -42,8 +48,11 @@ provider.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import importlib
+import statistics
 import sys
 from pathlib import Path
 
@@ -55,6 +64,7 @@ from dllm_fast.models import LLaDAConfig, LLaDAModel
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
+from bench_rollout import _launches  # noqa: E402
 from common import (  # noqa: E402
     Provider, add_ratio, add_results_dir_argument, measure_in_tree, print_table, run_sweep, time_call, training_memory,
     write_results,
@@ -171,6 +181,12 @@ def separable(case: Case, masks) -> None:
                        separable=True)
 
 
+def compiled(case: Case, masks) -> None:
+    streaming_backward(case.model, case.sequences, masks, vrpo_ol(masks),
+                       micro_batch=MicroBatching(case.micro_batch, score_micro_batch=case.score_micro_batch,
+                                                 compile=True))
+
+
 def run(backward, state) -> None:
     case, masks, existing = state
     case.model.zero_grad(set_to_none=not existing)  # None, or allocated and part of the baseline
@@ -185,11 +201,84 @@ def warm_up(backward, state) -> None:
     case.model.zero_grad(set_to_none=not existing)
 
 
+def warm_up_compiled(state) -> None:
+    """warm_up, then one run on the point's own masks: every (pairs, rows) bucket it needs is compiled."""
+    warm_up(compiled, state)
+    run(compiled, state)
+
+
 PROVIDERS = {
     backward.__name__: Provider(backward.__name__, setup=setup, run=functools.partial(run, backward),
                                 warm_up=functools.partial(warm_up, backward))
     for backward in (naive, all_graphs, two_pass, separable)
-}
+} | {"compiled": Provider("compiled", setup=setup, run=functools.partial(run, compiled), warm_up=warm_up_compiled)}
+
+
+def compile_seconds() -> float:
+    """Wall seconds this process has spent in torch.compile (dynamo and inductor, every frame)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(compilation_time_metrics.get("_compile.compile_inner", []))
+
+
+def interleaved_compiled(point: dict, rounds: int) -> dict:
+    """two_pass eager against compiled in one process, calls alternating (ABBA order) so that a machine whose
+    load drifts slows both alike: median seconds of each, their ratio, the compile time (torch.compile's own,
+    in the first compiled call), the kernels per pass-2 micro-batch of each (profiler CPU trace), and the
+    largest gradient difference relative to the largest gradient."""
+    state = setup(point)
+    case, masks, _ = state
+    grads = {}
+    compiling = compile_seconds()
+    for backward in (compiled, two_pass):  # the first compiled call compiles every bucket of these masks
+        run(backward, state)
+        grads[backward.__name__] = [p.grad.clone() for p in case.parameters() if p.grad is not None]
+    compiling = compile_seconds() - compiling
+    scale = max(float(g.abs().max()) for g in grads["two_pass"])
+    difference = max(float((a - b).abs().max()) for a, b in zip(grads["compiled"], grads["two_pass"])) / scale
+    seconds = {"two_pass": [], "compiled": []}
+    for round_ in range(rounds):
+        for backward in (two_pass, compiled) if round_ % 2 == 0 else (compiled, two_pass):
+            timing = time_call(lambda: run(backward, state), point["device"], warmup=0, repeats=1)
+            seconds[backward.__name__].append(timing.median_s)
+    eager_s, compiled_s = (statistics.median(seconds[name]) for name in ("two_pass", "compiled"))
+    return dict(n_t=point["n_t"], status="ok", eager_s=eager_s, compiled_s=compiled_s, speedup=eager_s / compiled_s,
+                compile_s=compiling, grad_rel_diff=difference, rounds=rounds,
+                kernels_per_micro_batch_eager=count_micro_batch_kernels(lambda: run(two_pass, state)),
+                kernels_per_micro_batch_compiled=count_micro_batch_kernels(lambda: run(compiled, state)))
+
+
+MICRO_BATCH_RANGE = "dllm_fast.pass_2_micro_batch"
+
+
+def count_micro_batch_kernels(call) -> float:
+    """Kernels a pass-2 micro-batch (forward and backward) launches, on average over the micro-batches of
+    `call()`, counted on the profiler's CPU trace as bench_rollout counts a denoising step's: the ops inside
+    each micro-batch's range (the forward in the engine's thread, the backward in autograd's), with inductor's
+    kernels named by cpp.enable_kernel_profile."""
+    from torch._inductor import config as inductor_config
+
+    engine = importlib.import_module("dllm_fast.likelihood.engine")
+    with contextlib.ExitStack() as restore:
+        for name in ("score_pairs_with_known_gradient", "known_gradient_compiled"):
+            original = getattr(engine, name)
+            restore.callback(setattr, engine, name, original)
+            setattr(engine, name, _traced(original))
+        restore.enter_context(inductor_config.patch({"cpp.enable_kernel_profile": True}))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            call()
+    events = profile.events()
+    ranges = [event for event in events if event.name == MICRO_BATCH_RANGE]
+    backward = [event for event in events if event.name.startswith("autograd::engine::evaluate_function")]
+    forward = sum(_launches(child) for event in ranges for child in event.cpu_children)
+    return (forward + sum(_launches(event) for event in backward)) / max(len(ranges), 1)
+
+
+def _traced(function):
+    def traced(*args, **kwargs):
+        with torch.profiler.record_function(MICRO_BATCH_RANGE):
+            return function(*args, **kwargs)
+    return traced
 
 
 def naive_logits_bytes(pairs: int, length: int, vocab: int) -> int:
@@ -255,6 +344,9 @@ def main():
                         help="CPU: measure RSS with glibc's dynamic mmap threshold (counts allocator retention)")
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's default)")
     parser.add_argument("--name", help="results file name (default: elbo_<device>[_lora][_ckpt])")
+    parser.add_argument("--interleaved", type=int, metavar="ROUNDS", default=0,
+                        help="instead of the providers: two_pass eager vs compiled in one process, ROUNDS "
+                             "alternating pairs of calls (robust to a shared machine's drifting load)")
     add_results_dir_argument(parser)
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -272,6 +364,14 @@ def main():
                          micro_batch=args.micro_batch, score_micro_batch=args.score_micro_batch,
                          sequences=args.sequences, grads=args.grads)
     points = [dict(case_settings, n_t=n_t) for n_t in args.nt]
+    if args.interleaved:
+        rows = [interleaved_compiled(point, args.interleaved) for point in points]
+        print_table(rows, ["n_t", "eager_s", "compiled_s", "speedup", "compile_s", "grad_rel_diff",
+                           "kernels_per_micro_batch_eager", "kernels_per_micro_batch_compiled"])
+        name = args.name or f"elbo_interleaved_{args.device}"
+        config = {k: v for k, v in vars(args).items() if k not in ("name", "results_dir")} | dict(dtype=dtype)
+        print(f"wrote {write_results(name, config, rows, args.results_dir)}")
+        return
     providers = [PROVIDERS[name] for name in args.providers]
     if args.before:
         providers += [dataclasses.replace(PROVIDERS[name], name=name + BEFORE) for name in args.providers

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm_fast.contracts import logit_shift, unwrap_model
-from dllm_fast.likelihood.gradients import _in_place_capable
+from dllm_fast.likelihood.gradients import in_place_embeddings
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.ops import logprobs_with_known_gradient, masked_logprobs
 from dllm_fast.ops.backend import resolve_chunk_size
@@ -155,7 +155,7 @@ def ensure_grad_buffers(model) -> None:
     """Create the `.grad` buffers the compiled graphs add into in place (a graph cannot create them): the LM
     head's and the in-place embeddings' (see gradients.embedding_grads_in_place), when trainable leaves."""
     core = unwrap_model(model)
-    weights = [core.lm_head_weight] + [module.weight for module in model.modules() if _in_place_capable(module)]
+    weights = [core.lm_head_weight] + [module.weight for module in in_place_embeddings(model)]
     for weight in weights:
         if trainable_leaf(weight):
             weight_grad_buffer(weight)

@@ -68,6 +68,11 @@ def embedding_grads_in_place(model) -> Iterator[None]:
             handle.remove()
 
 
+def in_place_embeddings(model) -> list[torch.nn.Embedding]:
+    """The embeddings of `model` that `embedding_grads_in_place` makes accumulate into `.grad` in place."""
+    return [module for module in model.modules() if _in_place_capable(module)]
+
+
 def _in_place_capable(module: torch.nn.Module) -> bool:
     return (isinstance(module, torch.nn.Embedding) and module.weight.requires_grad and module.max_norm is None
             and not module.scale_grad_by_freq and not module.sparse)
