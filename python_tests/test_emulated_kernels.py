@@ -49,9 +49,11 @@ def test_every_kernel_strides_over_rows_beyond_the_grid_limit(emulated):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         logp = ops.masked_logprobs(h, w, targets, chunk_size=16)
         grads = torch.autograd.grad(logp.sum(), (h, w))
+        buffer = torch.zeros_like(weight)
+        known = ops.masked_logprobs_grad(hidden, weight, targets, torch.ones(10), grad_weight=buffer, chunk_size=16)
         sample = ops.sample_tokens(hidden, weight, temperature=0.8, seed=4, chunk_size=16)
         chosen = ops.select_transfer(confidence, candidates, counts=counts)
-        return [logp, *grads, *sample, chosen]
+        return [logp, *grads, *known, buffer, *sample, chosen]
 
     expected = run()  # the CPU kernels
     emulated.set_grid_limit_x(3)
@@ -65,7 +67,8 @@ def test_every_kernel_strides_over_rows_beyond_the_grid_limit(emulated):
 
 
 def test_the_emulated_module_holds_every_op(emulated):
-    assert sorted(emulated.ops) == ["masked_logprobs", "masked_logprobs_backward", "sample_tokens", "select_transfer"]
+    assert sorted(emulated.ops) == ["masked_logprobs", "masked_logprobs_backward", "masked_logprobs_grad",
+                                   "sample_tokens", "select_transfer"]
 
 
 def test_every_kernel_source_launches_and_shares_memory_the_emulatable_way():

@@ -1,7 +1,8 @@
 """The LM head's gradient for a known upstream gradient (masked_logprobs_grad) and the two ways the engine adds
 the weight's gradient straight into `.grad` (grad_into_weight in the backward, logprobs_with_known_gradient in
 the forward): values and gradients against the plain-PyTorch twin, in-place accumulation, the AccumulateGrad
-hook, opcheck, torch.compile, bad input."""
+hook, opcheck, torch.compile, bad input. The `device` cases run the CPU kernel, a GPU's, and the CUDA kernel in
+the host emulator (emulated_cuda); the emulated kernel is also compared with the CPU kernel directly."""
 
 import pytest
 import torch
@@ -10,9 +11,14 @@ from torch.library import opcheck
 import dllm_fast
 from dllm_fast import reference
 from dllm_fast.ops import logprobs_with_known_gradient, masked_logprobs_grad
+from dllm_fast.memory import track_allocations
+from dllm_fast.ops import emulation
 from dllm_fast.ops.logprobs import _composite_grad
 
-SHAPES = [(37, 24, 1000, 128), (5, 8, 77, 1000), (1, 4, 1, 16), (64, 32, 4099, 1)]
+# (M, d, V, chunk): a chunk that does not divide V, one larger than V, a single row and column, a single column
+# per chunk (4099 chunks: too many launches to emulate; the smaller one covers that case there).
+SHAPES = [(37, 24, 1000, 128), (5, 8, 77, 1000), (1, 4, 1, 16),
+          pytest.param(64, 32, 4099, 1, marks=pytest.mark.slow_to_emulate), (9, 8, 67, 1)]
 
 
 def make_inputs(M, d, V, device="cpu", dtype=torch.float32, seed=0):
@@ -40,20 +46,21 @@ def test_values_and_gradients_match_the_twin(device, M, d, V, chunk, dtype, know
     want_logp, want_hidden, want_weight = reference.masked_logprobs_grad(hidden, weight, targets, upstream)
     start = torch.randn(V, d, dtype=dtype, device=device)  # gradients accumulated earlier: added to, not replaced
     buffer = start.clone()
+    storage = buffer.data_ptr()
     logp, grad_hidden = masked_logprobs_grad(hidden, weight, targets, upstream, grad_weight=buffer, chunk_size=chunk,
                                              lse=exact_lse(hidden, weight) if known_lse else None)
-    assert logp.dtype == dtype and grad_hidden.dtype == dtype
+    assert logp.dtype == dtype and grad_hidden.dtype == dtype and buffer.data_ptr() == storage
     torch.testing.assert_close(logp, want_logp, **tolerance(dtype))
     torch.testing.assert_close(grad_hidden, want_hidden, **tolerance(dtype))
     torch.testing.assert_close(buffer - start, want_weight, **tolerance(dtype))
 
 
-def test_a_normaliser_that_is_a_little_off_leaves_logp_and_grad_hidden_exact():
+def test_a_normaliser_that_is_a_little_off_leaves_logp_and_grad_hidden_exact(device):
     """The walk measures the true normaliser S: logp and grad_hidden are corrected exactly, grad_weight's softmax
     part is off by a relative S - 1 (its rows sum over rows of different S before S is known)."""
-    hidden, weight, targets, upstream = make_inputs(40, 16, 3000, dtype=torch.float64)
+    hidden, weight, targets, upstream = make_inputs(40, 16, 3000, device, dtype=torch.float64)
     want_logp, want_hidden, want_weight = reference.masked_logprobs_grad(hidden, weight, targets, upstream)
-    offset = 1e-3 * torch.linspace(-1, 1, 40, dtype=torch.float64)
+    offset = 1e-3 * torch.linspace(-1, 1, 40, dtype=torch.float64, device=device)
     buffer = torch.zeros_like(weight)
     logp, grad_hidden = masked_logprobs_grad(hidden, weight, targets, upstream, lse=exact_lse(hidden, weight) + offset,
                                              grad_weight=buffer, chunk_size=256)
@@ -74,11 +81,12 @@ def test_the_composite_of_the_forward_and_backward_kernels_gives_the_same():
     assert _composite_grad(hidden, weight, targets, upstream, None, 64)[1].shape == hidden.shape
 
 
-def test_a_device_without_the_kernel_takes_the_composite(monkeypatch):
-    """CUDA builds until csrc/cuda registers masked_logprobs_grad: the face must route there, not fail."""
+def test_a_device_without_the_kernel_takes_the_composite(device, monkeypatch):
+    """A build whose device lacks masked_logprobs_grad (one compiled before the CUDA kernel existed): the face
+    must route to the forward and backward kernels, not fail."""
     import dllm_fast.ops.logprobs as faces
 
-    hidden, weight, targets, upstream = make_inputs(20, 8, 300, dtype=torch.float64)
+    hidden, weight, targets, upstream = make_inputs(20, 8, 300, device, dtype=torch.float64)
     want = masked_logprobs_grad(hidden, weight, targets, upstream, lse=exact_lse(hidden, weight))
     calls = []
     monkeypatch.setattr(faces, "has_kernel", lambda op, device: op != "masked_logprobs_grad")
@@ -89,26 +97,92 @@ def test_a_device_without_the_kernel_takes_the_composite(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_accumulates_in_fp32_into_a_low_precision_gradient(dtype):
-    hidden, weight, targets, upstream = make_inputs(24, 16, 500, dtype=dtype)
+def test_a_device_with_the_kernel_never_takes_the_composite_nor_allocates_a_gradient(device, monkeypatch):
+    """Issue 16: with its kernel (CPU, CUDA, emulated CUDA) the op adds into the buffer chunk by chunk; the
+    composite's [V, d] temporary (1 MB here) would show in what torch allocates during the call."""
+    import dllm_fast.ops.logprobs as faces
+
+    monkeypatch.setattr(faces, "_composite_grad", lambda *args: pytest.fail("took the composite"))
+    hidden, weight, targets, upstream = make_inputs(8, 64, 4000, device)
     buffer = torch.zeros_like(weight)
+    for lse in (exact_lse(hidden, weight), None):
+        with track_allocations(device) as allocated:
+            masked_logprobs_grad(hidden, weight, targets, upstream, lse=lse, grad_weight=buffer, chunk_size=256)
+        assert 0 < allocated.peak < weight.numel() * weight.element_size() // 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_accumulates_in_fp32_into_a_low_precision_gradient(device, dtype):
+    hidden, weight, targets, upstream = make_inputs(24, 16, 500, device, dtype=dtype)
+    start = torch.randn(500, 16, device=device).to(dtype)
+    buffer = start.clone()
     logp, grad_hidden = masked_logprobs_grad(hidden, weight, targets, upstream, grad_weight=buffer, chunk_size=128)
     want_logp, want_hidden, want_weight = reference.masked_logprobs_grad(hidden, weight, targets, upstream)
     assert logp.dtype == torch.float32 and grad_hidden.dtype == dtype and buffer.dtype == dtype
     torch.testing.assert_close(logp, want_logp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad_hidden, want_hidden, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(buffer, want_weight, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(buffer, (start.float() + want_weight.float()).to(dtype), rtol=2e-2, atol=2e-2)
 
 
-def test_empty_batch_and_frozen_weight():
-    hidden, weight, targets, upstream = make_inputs(0, 8, 50)
+def test_empty_batch_and_frozen_weight(device):
+    hidden, weight, targets, upstream = make_inputs(0, 8, 50, device)
     buffer = torch.ones_like(weight)
     logp, grad_hidden = masked_logprobs_grad(hidden, weight, targets, upstream, grad_weight=buffer)
     assert logp.shape == (0,) and grad_hidden.shape == (0, 8) and torch.equal(buffer, torch.ones_like(weight))
-    hidden, weight, targets, upstream = make_inputs(6, 8, 50)
+    hidden, weight, targets, upstream = make_inputs(6, 8, 50, device)
     _, grad_hidden = masked_logprobs_grad(hidden, weight, targets, upstream)  # no grad_weight: not computed
     torch.testing.assert_close(grad_hidden, reference.masked_logprobs_grad(hidden, weight, targets, upstream)[1])
+
+
+@pytest.mark.parametrize("vocab, width", [(1, 8), (33, 33), (257, 300)])
+def test_rows_of_1_33_and_257_columns_match_the_twin(device, vocab, width):
+    """One chunk of V columns and hidden rows of `width`: the CUDA kernels' partial warps and blocks, in the walk
+    over the chunk's columns and in the final correction over the hidden width."""
+    hidden, weight, targets, upstream = make_inputs(5, width, vocab, device, dtype=torch.float64)
+    start = torch.randn(vocab, width, dtype=torch.float64, device=device)
+    buffer = start.clone()
+    lse = exact_lse(hidden, weight) + 1e-4  # a little off: S differs from 1
+    logp, grad_hidden = masked_logprobs_grad(hidden, weight, targets, upstream, lse=lse, grad_weight=buffer,
+                                             chunk_size=vocab)
+    want_logp, want_hidden, want_weight = reference.masked_logprobs_grad(hidden, weight, targets, upstream)
+    torch.testing.assert_close(logp, want_logp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_hidden, want_hidden, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(buffer - start, want_weight, rtol=1e-3, atol=5e-4)  # off by about S - 1 = 1e-4
+
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lse_kind", ["exact", "off", "none"])
+def test_the_emulated_cuda_kernel_gives_the_cpu_kernels_results(dtype, lse_kind):
+    """The CUDA kernel and glue, run by the emulator, against the CPU kernel on the same inputs, every argument
+    variant: out-of-range targets (NaN, no gradient), a partial last chunk, a buffer added to in place."""
+    hidden, weight, targets, upstream = make_inputs(19, 40, 301, dtype=dtype)
+    targets[4], targets[11] = -3, 301
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    lse = {"exact": exact_lse(hidden.to(acc), weight.to(acc)), "none": None,
+           "off": exact_lse(hidden.to(acc), weight.to(acc)) - 1e-3}[lse_kind]
+    start = torch.randn(301, 40).to(dtype)
+
+    def run():
+        buffer = start.clone()
+        logp, grad_hidden = torch.ops.dllm_fast.masked_logprobs_grad(hidden, weight, targets, upstream.to(acc), lse,
+                                                                     buffer, 64)
+        return logp, grad_hidden, buffer
+
+    want = run()
+    module = emulation.load()
+    launches = module.launch_count()
+    with emulation.emulated_cuda():
+        got = run()
+    assert module.launch_count() > launches
+    assert got[0][[4, 11]].isnan().all() and got[0].isnan().sum() == 2
+    assert (got[1][[4, 11]] == 0).all()
+    # bf16/fp16: the CUDA gradient GEMMs round d(logits) to TF32 (cuBLAS, and the emulator, do); the CPU's do not.
+    close = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-5)}.get(
+        dtype, dict(rtol=1e-2, atol=1e-3))
+    torch.testing.assert_close(got[0], want[0], equal_nan=True, **close)
+    for g, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g, w, **close)
 
 
 def test_opcheck(device):
@@ -238,13 +312,13 @@ def test_a_non_contiguous_buffer_is_named():
         masked_logprobs_grad(hidden, weight, targets, upstream, grad_weight=buffer)
 
 
-def test_an_out_of_range_target_gives_nan_and_no_gradient():
+def test_an_out_of_range_target_gives_nan_and_no_gradient(device):
     """As masked_logprobs (forward and backward) on every device: logp NaN, its row passes nothing back."""
-    hidden, weight, targets, upstream = make_inputs(10, 8, 50)
+    hidden, weight, targets, upstream = make_inputs(10, 8, 50, device)
     targets[3], targets[7] = -1, 50
     buffer = torch.zeros_like(weight)
     logp, grad_hidden = masked_logprobs_grad(hidden, weight, targets, upstream, grad_weight=buffer)
-    inside = torch.ones(10, dtype=torch.bool)
+    inside = torch.ones(10, dtype=torch.bool, device=device)
     inside[[3, 7]] = False
     assert logp[~inside].isnan().all() and logp[inside].isfinite().all()
     assert (grad_hidden[~inside] == 0).all()

@@ -1,6 +1,7 @@
 // CUDA kernels of dllm_fast::masked_logprobs (CUDA headers only; see masked_logprobs.cuh for the contract).
 // The GEMMs that produce each logits chunk run in cuBLAS from masked_logprobs_glue.cpp; these kernels are the
-// memory-bound parts: an online logsumexp over the chunk, and the in-place softmax gradient for backward.
+// memory-bound parts: an online logsumexp over the chunk, the in-place softmax gradient for backward, and
+// masked_logprobs_grad's chunk step (gradient and measured normaliser in one pass) and its final correction.
 
 #include "device_math.cuh"
 #include "launch.cuh"
@@ -60,6 +61,53 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// A block per row: each thread turns its strided columns into g (onehot - e) and sums their e, the block adds
+// the sums, and thread 0 adds the chunk's sum to the row's. The one thread that owns the target column reads
+// the target logit before overwriting it.
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads)
+    known_grad_kernel(acc_t* __restrict__ logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
+                      const int64_t* __restrict__ targets, const acc_t* __restrict__ lse,
+                      const acc_t* __restrict__ grad_logp, acc_t* __restrict__ sum_e,
+                      acc_t* __restrict__ target_logit) {
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const acc_t g = grad_logp[row], shift = lse[row];
+    const int64_t target_col = targets[row] - v0;
+    acc_t* x = logits + row * ld;
+    acc_t s = 0;
+    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+      const acc_t logit = x[j], e = exp_acc(logit - shift);
+      s += e;
+      acc_t v = -g * e;
+      if (j == target_col) {
+        target_logit[row] = logit;
+        v += g;
+      }
+      x[j] = v;
+    }
+    s = block_reduce(s, [](acc_t a, acc_t b) { return a + b; });
+    if (threadIdx.x == 0) sum_e[row] += s;
+  }
+}
+
+// A block per row, threads striding over the hidden width; thread 0 writes the row's logp.
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads)
+    finalize_known_grad_kernel(int64_t rows, int64_t width, const acc_t* __restrict__ sum_e,
+                               const acc_t* __restrict__ target_logit, const acc_t* __restrict__ lse,
+                               const acc_t* __restrict__ grad_logp, const acc_t* __restrict__ target_rows,
+                               acc_t* __restrict__ grad_h, acc_t* __restrict__ logp) {
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const acc_t S = sum_e[row], inverse = acc_t(1) / S, g = grad_logp[row];
+    if (threadIdx.x == 0) logp[row] = target_logit[row] - lse[row] - log_acc(S);  // NaN for a target outside
+    const acc_t* w = target_rows + row * width;
+    acc_t* out = grad_h + row * width;
+    for (int64_t k = threadIdx.x; k < width; k += blockDim.x) {
+      out[k] = out[k] * inverse + g * w[k] * (acc_t(1) - inverse);
+    }
+  }
+}
+
 }  // namespace
 
 template <typename acc_t>
@@ -91,6 +139,26 @@ cudaError_t launch_chunk_softmax_grad(acc_t* logits, int64_t rows, int64_t cols,
   return cudaGetLastError();
 }
 
+template <typename acc_t>
+cudaError_t launch_chunk_known_grad(acc_t* logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
+                                    const int64_t* targets, const acc_t* lse, const acc_t* grad_logp, acc_t* sum_e,
+                                    acc_t* target_logit, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  DLLM_FAST_LAUNCH(row_grid(rows), kThreads, 0, stream, known_grad_kernel<acc_t>)(
+      logits, rows, cols, ld, v0, targets, lse, grad_logp, sum_e, target_logit);
+  return cudaGetLastError();
+}
+
+template <typename acc_t>
+cudaError_t launch_finalize_known_grad(int64_t rows, int64_t width, const acc_t* sum_e, const acc_t* target_logit,
+                                       const acc_t* lse, const acc_t* grad_logp, const acc_t* target_rows,
+                                       acc_t* grad_h, acc_t* logp, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  DLLM_FAST_LAUNCH(row_grid(rows), kThreads, 0, stream, finalize_known_grad_kernel<acc_t>)(
+      rows, width, sum_e, target_logit, lse, grad_logp, target_rows, grad_h, logp);
+  return cudaGetLastError();
+}
+
 template cudaError_t launch_chunk_logsumexp<float>(const float*, int64_t, int64_t, int64_t, int64_t, const int64_t*,
                                                    float*, float*, float*, cudaStream_t);
 template cudaError_t launch_chunk_logsumexp<double>(const double*, int64_t, int64_t, int64_t, int64_t,
@@ -103,5 +171,14 @@ template cudaError_t launch_chunk_softmax_grad<float>(float*, int64_t, int64_t, 
                                                       const float*, const float*, const float*, cudaStream_t);
 template cudaError_t launch_chunk_softmax_grad<double>(double*, int64_t, int64_t, int64_t, int64_t, const int64_t*,
                                                        const double*, const double*, const double*, cudaStream_t);
+template cudaError_t launch_chunk_known_grad<float>(float*, int64_t, int64_t, int64_t, int64_t, const int64_t*,
+                                                    const float*, const float*, float*, float*, cudaStream_t);
+template cudaError_t launch_chunk_known_grad<double>(double*, int64_t, int64_t, int64_t, int64_t, const int64_t*,
+                                                     const double*, const double*, double*, double*, cudaStream_t);
+template cudaError_t launch_finalize_known_grad<float>(int64_t, int64_t, const float*, const float*, const float*,
+                                                       const float*, const float*, float*, float*, cudaStream_t);
+template cudaError_t launch_finalize_known_grad<double>(int64_t, int64_t, const double*, const double*,
+                                                        const double*, const double*, const double*, double*,
+                                                        double*, cudaStream_t);
 
 }  // namespace dllm_fast::cuda

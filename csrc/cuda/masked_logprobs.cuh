@@ -32,4 +32,21 @@ cudaError_t launch_chunk_softmax_grad(acc_t* logits, int64_t rows, int64_t cols,
                                       const int64_t* targets, const acc_t* lse, const acc_t* grad_logp,
                                       const acc_t* grad_lse, cudaStream_t stream);
 
+// masked_logprobs_grad's chunk step, for an upstream gradient g known up front and a logsumexp `lse` that may be
+// a little off: e = exp(logits - lse); sum_e += sum of e over the chunk (the measured normaliser S, 1 for an
+// exact lse); target_logit picks up the target's logit; then logits <- g * (onehot(target) - e) in place.
+// Initialise sum_e to 0 and target_logit to NaN before the first chunk. g must be 0 for an out-of-range target.
+template <typename acc_t>
+cudaError_t launch_chunk_known_grad(acc_t* logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
+                                    const int64_t* targets, const acc_t* lse, const acc_t* grad_logp, acc_t* sum_e,
+                                    acc_t* target_logit, cudaStream_t stream);
+
+// masked_logprobs_grad's last step, once every chunk is walked: logp = target_logit - lse - log(S), and grad_h
+// [rows, width] (accumulated with e in place of the true softmax e / S) corrected in place to
+// grad_h / S + g * target_rows * (1 - 1 / S). target_rows [rows, width]: the weight's row of each target.
+template <typename acc_t>
+cudaError_t launch_finalize_known_grad(int64_t rows, int64_t width, const acc_t* sum_e, const acc_t* target_logit,
+                                       const acc_t* lse, const acc_t* grad_logp, const acc_t* target_rows,
+                                       acc_t* grad_h, acc_t* logp, cudaStream_t stream);
+
 }  // namespace dllm_fast::cuda

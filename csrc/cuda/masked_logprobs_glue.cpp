@@ -1,5 +1,5 @@
-// Torch glue of dllm_fast::masked_logprobs on CUDA (compiled only in CUDA builds): device guard
-// and stream, the per-chunk cuBLAS GEMMs, and the torch-free kernels of masked_logprobs.cu.
+// Torch glue of dllm_fast::masked_logprobs, its backward and masked_logprobs_grad on CUDA (compiled only in CUDA
+// builds): device guard and stream, the per-chunk cuBLAS GEMMs, and the torch-free kernels of masked_logprobs.cu.
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -105,6 +105,75 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const std::optional<at::Tensor>
   return {need_h ? grad_h.to(dtype) : at::Tensor(), grad_w};
 }
 
+// The gradients of sum_i g_i * logp_i for a known g, as the CPU kernel computes them (csrc/cpu/masked_logprobs.cpp
+// grad_impl): one walk, three GEMMs per chunk, grad_weight's rows added straight into the caller's buffer
+// (beta = 1) when it holds the accumulator type; a bf16/fp16 buffer gets each chunk's fp32 sum, rounded once,
+// through one chunk-sized temporary. Never a [V, d] temporary.
+template <typename acc_t>
+std::tuple<at::Tensor, at::Tensor> grad_impl(const at::Tensor& hidden_in, const at::Tensor& weight_in,
+                                             const at::Tensor& targets_in, const at::Tensor& grad_logp,
+                                             const std::optional<at::Tensor>& lse_in,
+                                             const std::optional<at::Tensor>& grad_weight_in, int64_t chunk_size) {
+  const at::Tensor hidden = hidden_in.contiguous(), weight = weight_in.contiguous(), targets = targets_in.contiguous();
+  const int64_t M = hidden.size(0), d = hidden.size(1), V = weight.size(0);
+  const auto acc = c10::CppTypeToScalarType<acc_t>::value;
+  const auto dtype = hidden.scalar_type();
+  const auto opts = hidden.options().dtype(acc);
+  at::Tensor logp = at::empty({M}, opts);
+  if (M == 0) return {logp, at::zeros({M, d}, hidden.options())};
+  const bool need_w = grad_weight_in.has_value() && grad_weight_in->defined();
+  at::Tensor grad_weight = need_w ? *grad_weight_in : at::Tensor();  // the caller's buffer, contiguous (face)
+  // A target outside [0, V) is never found (logp stays NaN) and passes no gradient back, as on CPU.
+  const at::Tensor g = grad_logp.to(acc).masked_fill(targets.lt(0).logical_or_(targets.ge(V)), 0).contiguous();
+  const bool has_lse = lse_in.has_value() && lse_in->defined();
+  const at::Tensor lse = has_lse ? lse_in->to(acc).contiguous()
+                                 : std::get<1>(forward_impl<acc_t>(hidden, weight, targets, chunk_size));
+  const int64_t C = std::min(chunk_size, V);
+  at::Tensor logits = at::empty({M * C}, opts);  // the chunk's logits, then in place its d(logits)
+  at::Tensor grad_h = at::zeros({M, d}, opts);
+  at::Tensor sum_e = at::zeros({M}, opts);
+  at::Tensor target_logit = at::full({M}, std::numeric_limits<acc_t>::quiet_NaN(), opts);
+  // As in backward_impl: d(logits) stays in acc_t; bf16/fp16 models give the gradient GEMMs acc-typed copies of
+  // hidden and of the weight chunk, in TF32, which holds their values exactly.
+  const bool low_precision = dtype != acc;
+  const auto precision = low_precision ? blas::Precision::kTF32 : blas::Precision::kExact;
+  const at::Tensor hidden_acc = low_precision ? hidden.to(acc) : hidden;
+  const bool accumulate_in_place = need_w && grad_weight.scalar_type() == acc;
+  at::Tensor grad_w_chunk = need_w && !accumulate_in_place ? at::empty({C, d}, opts) : at::Tensor();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  for (int64_t v0 = 0; v0 < V; v0 += C) {
+    const int64_t c = std::min(C, V - v0);
+    const at::Tensor w_chunk = weight.narrow(0, v0, c);
+    blas::gemm(kOp, false, true, M, c, d, hidden.data_ptr(), dtype, d, w_chunk.data_ptr(), dtype, d, logits.data_ptr(),
+               acc, c, 1.0, 0.0);
+    C10_CUDA_CHECK(cuda::launch_chunk_known_grad<acc_t>(logits.data_ptr<acc_t>(), M, c, c, v0,
+                                                        targets.data_ptr<int64_t>(), lse.data_ptr<acc_t>(),
+                                                        g.data_ptr<acc_t>(), sum_e.data_ptr<acc_t>(),
+                                                        target_logit.data_ptr<acc_t>(), stream));
+    const at::Tensor w_acc = low_precision ? w_chunk.to(acc) : w_chunk;
+    // grad_h[M, d] += dlogits[M, c] @ weight[v0:v0+c, d]
+    blas::gemm(kOp, false, false, M, d, c, logits.data_ptr(), acc, c, w_acc.data_ptr(), acc, d, grad_h.data_ptr(), acc,
+               d, 1.0, 1.0, precision);
+    if (need_w) {  // grad_weight[v0:v0+c, d] += dlogits[M, c]^T @ hidden[M, d]
+      if (accumulate_in_place) {
+        blas::gemm(kOp, true, false, c, d, M, logits.data_ptr(), acc, c, hidden_acc.data_ptr(), acc, d,
+                   blas::element_address(grad_weight, v0 * d), acc, d, 1.0, 1.0, precision);
+      } else {
+        blas::gemm(kOp, true, false, c, d, M, logits.data_ptr(), acc, c, hidden_acc.data_ptr(), acc, d,
+                   grad_w_chunk.data_ptr(), acc, d, 1.0, 0.0, precision);
+        grad_weight.narrow(0, v0, c).add_(grad_w_chunk.narrow(0, 0, c));
+      }
+    }
+  }
+  // g = 0 for a target outside [0, V): its clamped row is multiplied by 0.
+  const at::Tensor target_rows = weight.index_select(0, targets.clamp(0, V - 1)).to(acc).contiguous();
+  C10_CUDA_CHECK(cuda::launch_finalize_known_grad<acc_t>(M, d, sum_e.data_ptr<acc_t>(), target_logit.data_ptr<acc_t>(),
+                                                         lse.data_ptr<acc_t>(), g.data_ptr<acc_t>(),
+                                                         target_rows.data_ptr<acc_t>(), grad_h.data_ptr<acc_t>(),
+                                                         logp.data_ptr<acc_t>(), stream));
+  return {logp, grad_h.to(dtype)};
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> masked_logprobs_cuda(const at::Tensor& hidden, const at::Tensor& weight,
@@ -122,6 +191,17 @@ std::tuple<at::Tensor, at::Tensor> masked_logprobs_backward_cuda(
   const c10::cuda::CUDAGuard guard(hidden.device());
   return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
     return backward_impl<decltype(acc)>(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> masked_logprobs_grad_cuda(const at::Tensor& hidden, const at::Tensor& weight,
+                                                             const at::Tensor& targets, const at::Tensor& grad_logp,
+                                                             const std::optional<at::Tensor>& lse,
+                                                             const std::optional<at::Tensor>& grad_weight,
+                                                             int64_t chunk_size) {
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  return dispatch_accumulate(hidden.scalar_type(), [&](auto acc) {
+    return grad_impl<decltype(acc)>(hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size);
   });
 }
 

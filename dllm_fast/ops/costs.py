@@ -99,25 +99,19 @@ def _masked_logprobs_backward(device_type, grad_logp, grad_lse, hidden, weight, 
 @declare_workspace("masked_logprobs_grad")
 def _masked_logprobs_grad(device_type, hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size) -> Workspace:
     """Both gradients for an upstream gradient known before the forward, in one walk over the vocabulary
-    (grad_weight accumulated in place). A device without its kernel runs the forward and backward kernels."""
+    (grad_weight accumulated in place). The CUDA glue holds the same buffers as the CPU kernel."""
     M, d = hidden.shape
     V = weight.shape[0]
-    if device_type == "cuda":  # the composite: forward, then backward, one after the other
-        forward = _masked_logprobs(device_type, hidden, weight, targets, chunk_size)
-        mask = (True, grad_weight is not None)
-        backward = _masked_logprobs_backward(device_type, grad_logp, None, hidden, weight, targets, None, chunk_size,
-                                             mask)
-        return Workspace(max(forward.bytes, backward.bytes), forward.traffic + backward.traffic)
     acc, size = _size(accumulate_dtype(hidden.dtype)), _size(hidden.dtype)
     C, chunks = _chunks(V, chunk_size)
     upcast = size != acc
+    traffic = (2 * M * V * acc * (2 if lse is None else 1) + V * d * size
+               + (chunks * M * d * acc + V * d * size if grad_weight is not None else 0))
     lse_pass = _masked_logprobs(device_type, hidden, weight, targets, chunk_size).bytes if lse is None else 0
     grad_hidden_accumulator = M * d * acc if upcast else 0  # else it is the output itself
     copies = (M * d * acc + C * d * acc if upcast else 0) + M * d * acc  # hidden, a weight chunk, target rows
     chunk_product = C * d * acc if grad_weight is not None and grad_weight.dtype != accumulate_dtype(hidden.dtype) else 0
     held = grad_hidden_accumulator + M * C * acc + copies + chunk_product + 4 * M * acc
-    traffic = (2 * M * V * acc * (2 if lse is None else 1) + V * d * size
-               + (chunks * M * d * acc + V * d * size if grad_weight is not None else 0))
     return Workspace(max(held, lse_pass), traffic)
 
 

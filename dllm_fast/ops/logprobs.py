@@ -97,8 +97,9 @@ def masked_logprobs_grad(
         (logp [M], grad_hidden [M, d]): logp in fp32 (fp64 for fp64 inputs), grad_hidden in hidden's dtype. A
         target outside [0, V) gives logp NaN and passes no gradient back, as `masked_logprobs` does.
 
-    On CUDA, until csrc/cuda holds this kernel, the compiled path is the composite of the masked_logprobs forward
-    and backward kernels (exact lse, four GEMMs per chunk, and one [V, d] temporary added into grad_weight).
+    The compiled path runs the op's own kernel on CPU and CUDA (never a [V, d] temporary). A device whose build
+    lacks it takes the composite of the masked_logprobs forward and backward kernels instead (exact lse, four
+    GEMMs per chunk, and one [V, d] temporary added into grad_weight).
     """
     chunk_size = _check_masked_logprobs(hidden, lm_head_weight, targets, chunk_size)
     acc = accumulate_dtype(hidden.dtype)
@@ -133,7 +134,7 @@ def masked_logprobs_grad(
 
 
 def _composite_grad(hidden, weight, targets, grad_logp, grad_weight, chunk_size):
-    """masked_logprobs_grad from the forward and backward kernels, for a device without its own kernel yet."""
+    """masked_logprobs_grad from the forward and backward kernels, for a device whose build lacks its kernel."""
     logp, lse = torch.ops.dllm_fast.masked_logprobs(hidden, weight, targets, chunk_size)
     grad_hidden, weight_grad = torch.ops.dllm_fast.masked_logprobs_backward(
         grad_logp, None, hidden, weight, targets, lse, chunk_size, [True, grad_weight is not None])

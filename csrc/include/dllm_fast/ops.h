@@ -56,6 +56,9 @@ std::tuple<Tensor, Tensor> sample_tokens_cuda(const Tensor& hidden, const Tensor
                                               double temperature, int64_t seed, int64_t offset,
                                               at::IntArrayRef suppress_ids, at::IntArrayRef confidence_exclude_ids,
                                               int64_t chunk_size);
+std::tuple<Tensor, Tensor> masked_logprobs_grad_cuda(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+                                                     const Tensor& grad_logp, const std::optional<Tensor>& lse,
+                                                     const std::optional<Tensor>& grad_weight, int64_t chunk_size);
 Tensor select_transfer_cuda(const Tensor& confidence, const Tensor& candidates, const Tensor& counts,
                             double threshold);
 #endif

@@ -41,5 +41,6 @@
 #define DLLM_FAST_CUDA_KERNELS(X)                               \
   X(masked_logprobs, masked_logprobs_cuda)                      \
   X(masked_logprobs_backward, masked_logprobs_backward_cuda)    \
+  X(masked_logprobs_grad, masked_logprobs_grad_cuda)            \
   X(sample_tokens, sample_tokens_cuda)                          \
   X(select_transfer, select_transfer_cuda)
