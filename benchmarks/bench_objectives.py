@@ -121,9 +121,12 @@ def rollouts(config: LLaDAConfig, point: dict, device: torch.device) -> RolloutB
     sequences[N // 2, P + L // 4:] = config.eos_token_id
     rewards = (torch.rand(N, generator=generator) > 0.5).float()
     rewards[::GROUP] = 1.0 - rewards[1::GROUP]  # no group without a learning signal
+    # The decoding order trajectory objectives (TraceRL) replay: two positions unmasked per forward, in a random
+    # order per sequence, as generate(record_unmask_step=True) records it.
+    unmask_step = torch.stack([torch.randperm(L, generator=generator) // 2 for _ in range(N)])
     sequences = sequences.to(device)
     return RolloutBatch(sequences, None, P, completion_mask(sequences[:, P:], config.eos_token_id),
-                        rewards.to(device), GROUP)
+                        rewards.to(device), GROUP, unmask_step=unmask_step.to(device))
 
 
 @functools.lru_cache(maxsize=1)
@@ -230,8 +233,8 @@ def main():
     parser.add_argument("--objectives", nargs="+", default=list(objectives.available()),
                         choices=objectives.available())
     parser.add_argument("--nt", type=int, nargs="+", default=[1, 8, 32],
-                        help="MC samples per sequence, besides each objective's default (odd values are rounded up "
-                             "to even for complementary masks)")
+                        help="MC samples per sequence, besides each objective's default (each rounded up to the "
+                             "nearest the objective accepts: even for complementary pairs, odd for coupled masks)")
     parser.add_argument("--no-default-nt", action="store_true", help="only the --nt values, not each default")
     parser.add_argument("--updates", nargs="+", default=["first", "later"], choices=["first", "later"],
                         help="which inner update (see the docstring)")
@@ -271,7 +274,10 @@ def main():
     for name in args.objectives:
         default = objectives.get(name).config
         values = sorted(set(args.nt) | (set() if args.no_default_nt else {default.n_t}))
-        for n_t in dict.fromkeys(n + n % 2 if default.sampler == "complementary" else n for n in values):
+        accepted = {n: objectives.nearest_valid_n_t(name, n, limit=max(values) * 4) for n in values}
+        for asked in [n for n, found in accepted.items() if found is None]:  # e.g. tracerl: n_t follows shrink
+            print(f"{name}: no n_t >= {asked} applies (its samples are set otherwise); skipped")
+        for n_t in dict.fromkeys(n for n in accepted.values() if n is not None):
             for update in args.updates:
                 point = dict(device=args.device, preset=preset, dtype=dtype, objective=name, n_t=n_t,
                              default_nt=n_t == default.n_t, update=update, sequences=args.sequences, prompt=prompt,

@@ -289,3 +289,15 @@ def test_tracerl_by_hand():
     ratio = math.exp(-0.1)
     want = (-1 - 1 + ratio * 1 + 0.5 * 2 * k3) / 3  # row 1: ratio e^-.1 with A = -1 is unclipped
     assert value_and_coef(with_kl, inputs, lp)[0] == pytest.approx(want, abs=1e-12)
+
+
+@pytest.mark.parametrize("name, options, asked, up, down", [
+    ("espo", {}, 3, 4, 2),                          # complementary pairs: even
+    ("coupled_grpo", {}, 2, 3, 1),                  # a full mask plus pairs: odd
+    ("gdpo", {"quadrature_points": 3}, 4, 6, 3),    # a multiple of its Gauss-Legendre nodes
+    ("vrpo_ol", {}, 5, 5, 5),                       # any n_t
+])
+def test_nearest_valid_n_t_asks_the_objective(name, options, asked, up, down):
+    assert objectives.nearest_valid_n_t(name, asked, **options) == up
+    assert objectives.nearest_valid_n_t(name, asked, down=True, **options) == down
+    objectives.get(name, n_t=up, **options)  # accepted as found

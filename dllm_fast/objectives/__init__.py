@@ -69,6 +69,20 @@ def get(name: str, *, preset: str | None = None, **overrides: Any) -> Objective:
     return _REGISTRY[name](preset=preset, **overrides)
 
 
+def nearest_valid_n_t(name: str, n_t: int, *, down: bool = False, limit: int = 1 << 16, **options: Any) -> int | None:
+    """The n_t nearest `n_t` (at or above it; at or below with down=True) that objective `name` accepts with
+    `options` (complementary pairs need an even n_t, a full mask plus pairs an odd one, quadrature a multiple of
+    its nodes); None when there is none within [1, limit]."""
+    step = -1 if down else 1
+    for candidate in range(max(1, n_t), 0 if down else limit + 1, step):
+        try:
+            get(name, **{**options, "n_t": candidate})
+        except ValueError:
+            continue
+        return candidate
+    return None
+
+
 def presets(name: str) -> dict[str, dict[str, Any]]:
     """The named settings objective `name` offers, each the options it sets."""
     if name not in _REGISTRY:
@@ -80,5 +94,5 @@ __all__ = [
     "BGPO", "BGPOConfig", "CoupledGRPO", "CoupledGRPOConfig", "DiffuGRPO", "DiffuGRPOConfig", "ESPO", "ESPOConfig",
     "GDPO", "GDPOConfig", "InnerUpdate", "LossInputs", "Objective", "ObjectiveConfig", "ObjectiveOutput", "RSPO",
     "RSPOConfig", "SPG", "SPGConfig", "TraceRL", "TraceRLConfig", "VRPOOL", "VRPOOLConfig", "WD1", "WD1Config",
-    "available", "get", "group_advantages", "presets", "register", "zero_std_fraction",
+    "available", "get", "group_advantages", "nearest_valid_n_t", "presets", "register", "zero_std_fraction",
 ]

@@ -245,17 +245,8 @@ class Session:
 
 
 def valid_n_t(config: TrainConfig, n_t: int, *, down: bool = False, limit: int = 1 << 16) -> int | None:
-    """The n_t nearest `n_t` (at or above it; at or below with down=True) that the objective accepts (pairs
-    need an even n_t, a full mask plus pairs an odd one, quadrature a multiple of its points); None when there
-    is none within [1, limit]."""
-    step = -1 if down else 1
-    for candidate in range(max(1, n_t), 0 if down else limit + 1, step):
-        try:
-            objectives.get(config.objective, **{**config.objective_options, "n_t": candidate})
-        except ValueError:
-            continue
-        return candidate
-    return None
+    """The n_t nearest `n_t` that the configured objective accepts (`objectives.nearest_valid_n_t`)."""
+    return objectives.nearest_valid_n_t(config.objective, n_t, down=down, limit=limit, **config.objective_options)
 
 
 def smallest_n_t(config: TrainConfig) -> int:
