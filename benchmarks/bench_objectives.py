@@ -6,7 +6,8 @@
         --nt 4 16 --providers full_logits streaming --threads 1 --no-rss      # issue 23: streaming vs full logits
 
 N sequences (groups of 4, random tokens, rewards 0/1, two rows ending early with EOS padding), each objective
-with its own sampler at its default n_t and at --nt. The measured operation is one objective update's gradient,
+with its own sampler at its default n_t and at --nt (default 1, 2 and 32, each rounded up to the nearest n_t the
+objective accepts; the micro-batch of 8 pairs is below N * n_t, so every point accumulates). The measured operation is one objective update's gradient,
 the reference policy a perturbed copy (lp_ref scored beforehand), at one of two inner updates (--updates):
 
     first   the first inner update of a step: on-policy (old = current), and the current lp is known (the
@@ -232,7 +233,7 @@ def main():
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--objectives", nargs="+", default=list(objectives.available()),
                         choices=objectives.available())
-    parser.add_argument("--nt", type=int, nargs="+", default=[1, 8, 32],
+    parser.add_argument("--nt", type=int, nargs="+", default=[1, 2, 32],
                         help="MC samples per sequence, besides each objective's default (each rounded up to the "
                              "nearest the objective accepts: even for complementary pairs, odd for coupled masks)")
     parser.add_argument("--no-default-nt", action="store_true", help="only the --nt values, not each default")
