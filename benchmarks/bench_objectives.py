@@ -7,7 +7,8 @@
 
 N sequences (groups of 4, random tokens, rewards 0/1, two rows ending early with EOS padding), each objective
 with its own sampler at its default n_t and at --nt (default 1, 2 and 32, each rounded up to the nearest n_t the
-objective accepts; the micro-batch of 8 pairs is below N * n_t, so every point accumulates). The measured operation is one objective update's gradient,
+objective accepts; from n_t = 2 on, the default micro-batch of 8 pairs is below N * n_t, so gradients
+accumulate over micro-batches). The measured operation is one objective update's gradient,
 the reference policy a perturbed copy (lp_ref scored beforehand), at one of two inner updates (--updates):
 
     first   the first inner update of a step: on-policy (old = current), and the current lp is known (the
