@@ -347,3 +347,10 @@ def test_with_random_weights_is_seeded_and_built_in_place(n_layers):
         assert torch.equal(a, b)
     other = LLaDAModel.with_random_weights(config, dtype=torch.bfloat16, seed=4)
     assert not torch.equal(other.lm_head_weight, model.lm_head_weight)
+
+
+def test_with_random_weights_on_meta_names_the_skeleton_recipe():
+    """Meta tensors hold no values to draw: one sentence with the way to a skeleton, not torch's "META device
+    type not an accelerator"."""
+    with pytest.raises(ValueError, match=r"with_random_weights\(device='meta'\).*with torch.device\('meta'\)"):
+        LLaDAModel.with_random_weights(LLaDAConfig.preset("tiny"), device="meta")

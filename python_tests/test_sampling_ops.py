@@ -135,6 +135,10 @@ def test_bad_input_is_named():
     hidden, weight = head(4, 8, 20, "cpu")
     with pytest.raises(ValueError, match=r"suppress_ids\[0\]=20 must be an int in \[0, 19\]"):
         ops.sample_tokens(hidden, weight, suppress_ids=[20])
+    with pytest.raises(TypeError, match=r"suppress_ids takes a list of token ids \(e.g. \[3\] for one id\), got int 3"):
+        ops.sample_tokens(hidden, weight, suppress_ids=3)
+    assert torch.equal(ops.sample_tokens(hidden, weight, suppress_ids=torch.tensor([1, 2]))[0],
+                       ops.sample_tokens(hidden, weight, suppress_ids=[1, 2])[0])  # a tensor of ids is a list
     with pytest.raises(ValueError, match="temperature=-1.0 must be >= 0"):
         ops.sample_tokens(hidden, weight, temperature=-1.0)
     with pytest.raises(ValueError, match="every token is suppressed"):

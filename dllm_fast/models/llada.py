@@ -357,6 +357,9 @@ class LLaDAModel(nn.Module):
         """`init_weights`' random weights from `seed`, allocated directly in `dtype` on `device` (an 8B model
         never exists in fp32 on the host). Under a FakeTensorMode (the planner) the model is built in place:
         fake tensors take no memory, and a meta skeleton could not be moved onto them."""
+        if torch.device(device).type == "meta":
+            raise ValueError("with_random_weights(device='meta'): meta tensors hold no values to draw; build the "
+                             "skeleton with `with torch.device('meta'): LLaDAModel(config)`, or pick a real device.")
         if detect_fake_mode() is not None:
             with torch.device(device), _default_dtype(dtype):
                 model = cls(config)

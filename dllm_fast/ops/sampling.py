@@ -87,6 +87,11 @@ def sample_tokens(
 
 def _token_ids(name: str, ids, vocab: int) -> list[int]:
     """The distinct ids, in order of first appearance, each checked against the vocabulary."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.reshape(-1).tolist()
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"{name} takes a list of token ids (e.g. [{ids!r}] for one id), got {type(ids).__name__} "
+                        f"{ids!r}.")
     ids = [token.item() if isinstance(token, torch.Tensor) and token.numel() == 1 else token for token in ids]
     for i, token in enumerate(ids):
         check_int(f"{name}[{i}]", token, minimum=0, maximum=vocab - 1,
