@@ -552,6 +552,13 @@ def test_bad_input_names_the_value():
         lp_other = score(model, batch.sequences, other, micro_batch=8, attention_mask=batch.attention_mask)
     with pytest.raises(ValueError, match="lp_old was scored on other masks"):
         bgpo.backward(model, batch, InnerUpdate(masks, lp_old=lp_other), micro_batch=2)
+    with torch.no_grad():
+        lp_nan = score(model, batch.sequences, masks, micro_batch=8, attention_mask=batch.attention_mask)
+    n, j, i = (int(v) for v in (~masks.scored).nonzero()[0])
+    lp_nan[n, j, i] = float("nan")  # a NaN where nothing is scored: a scoring bug, not other masks
+    with pytest.raises(ValueError, match=rf"lp_old\[{n}, {j}, {i}\] = nan where these masks score nothing .* "
+                                         "holds a non-finite value"):
+        bgpo.backward(model, batch, InnerUpdate(masks, lp_old=lp_nan), micro_batch=2)
     with pytest.raises(ValueError, match="rspo needs a reference policy"):
         make("rspo").backward(model, batch, micro_batch=2, generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="pass generator="):

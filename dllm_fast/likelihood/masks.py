@@ -68,6 +68,8 @@ is never masked.
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import weakref
 from dataclasses import dataclass
@@ -220,12 +222,17 @@ class MonteCarloMasks:
         stray = (lp != 0) & ~self.scored.to(lp.device)
         if stray.any():
             n, j, i = (int(v) for v in stray.nonzero()[0])
-            raise ValueError(f"{name}[{n}, {j}, {i}] = {float(lp[n, j, i])} but these masks score nothing there: "
+            value = float(lp[n, j, i].detach())
+            if not math.isfinite(value):  # a non-finite value says nothing about which masks scored it
+                raise ValueError(f"{name}[{n}, {j}, {i}] = {value} where these masks score nothing (lp is 0 "
+                                 f"there); {name} holds a non-finite value: check the scoring that produced it, "
+                                 "and leave unscored positions at 0.")
+            raise ValueError(f"{name}[{n}, {j}, {i}] = {value} but these masks score nothing there: "
                              f"{name} was scored on other masks. Score every policy on the same MonteCarloMasks.")
         bad = ~torch.isfinite(lp) | (lp > 0)
         if bad.any():
             n, j, i = (int(v) for v in bad.nonzero()[0])
-            raise ValueError(f"{name}[{n}, {j}, {i}] = {float(lp[n, j, i])} is not a log-probability (finite, "
+            raise ValueError(f"{name}[{n}, {j}, {i}] = {float(lp[n, j, i].detach())} is not a log-probability (finite, "
                              "<= 0).")
 
 
