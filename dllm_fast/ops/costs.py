@@ -167,9 +167,7 @@ _FLOPS = {"masked_logprobs": _masked_logprobs_flops, "masked_logprobs_backward":
 if HAS_EXTENSION:
     from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-    _registered = {name.split("::")[1].split(".")[0] for name in torch._C._dispatch_get_all_op_names()
-                   if name.startswith("dllm_fast::")}
     for _name, _formula in _FLOPS.items():
-        _op = getattr(torch.ops.dllm_fast, _name) if _name in _registered else None
-        if _op is not None and _op not in flop_registry:  # a module reload must not register twice
+        _op = getattr(torch.ops.dllm_fast, _name)
+        if _op not in flop_registry:  # a module reload must not register twice
             register_flop_formula(_op)(_formula)

@@ -143,10 +143,8 @@ def _assumed_outputs() -> dict:
         return mode.filled(logp.shape, logp.dtype, mode.assumptions.logprob), grad_hidden
 
     ops = torch.ops.dllm_fast
-    assumed = {ops.sample_tokens: sample_tokens, ops.masked_logprobs: masked_logprobs}
-    if "dllm_fast::masked_logprobs_grad" in torch._C._dispatch_get_all_op_names():
-        assumed[ops.masked_logprobs_grad] = masked_logprobs_grad
-    return assumed
+    return {ops.sample_tokens: sample_tokens, ops.masked_logprobs: masked_logprobs,
+            ops.masked_logprobs_grad: masked_logprobs_grad}
 
 
 class FiniteValues(TorchFunctionMode):
