@@ -12,7 +12,9 @@ negligible, which depends on the model's distributions. This script measures it 
   --cache-dir; nothing here touches the repository but the results file.
 
 For each scored row (a masked position), d(logits) = g (onehot(target) - softmax(logits)) (g = 1: the criteria
-are scale-free). A block of R rows x C vocabulary columns is below precision when
+are scale-free). What a skip would cost is measured too: the relative error of grad_hidden and grad_weight (in
+fp64) when the entries of the skippable 128 x 128 blocks (token-id order) are dropped, to be read against the
+bf16 path's own error (about 2e-3, benchmarks/measure_lm_head_precision.py). A block of R rows x C vocabulary columns is below precision when
 
 - ``relative``: every entry is below 2**-8 (bf16's unit roundoff) times its row's largest |d(logits)|: adding it
   to the row's largest would not change a bf16 value;
@@ -25,7 +27,7 @@ sorted by frequency in the training data, and a random permutation. The skippabl
 of the two gradient GEMMs' work a block skip could remove (the logits GEMM always runs).
 
     python benchmarks/measure_dlogits_blocks.py --model sudoku4
-    python benchmarks/measure_dlogits_blocks.py --model small --train-steps 300
+    python benchmarks/measure_dlogits_blocks.py --model small --train-steps 300 --measure-every 50
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ RELATIVE = 2.0**-8  # bf16's unit roundoff
 CCE_EPS = torch.finfo(torch.bfloat16).eps / 32  # 2**-12
 # (rows, columns) per block: Cut Cross-Entropy's tile sizes, and row blocks as large as a cuBLAS GEMM's (every
 # scored row of a chunk: "all"), the granularity a skip between cuBLAS calls could have.
-BLOCKS = [(128, 128), (128, 256), (256, 128), (256, 256), (1024, 128), ("all", 128)]
+BLOCKS = [(128, 128), (128, 256), (256, 128), (256, 256), (512, 128), ("all", 128)]
 SMALL_TEXT_VOCAB = 126336  # below LLaDA's mask token id: every text id is an ordinary row of the head
 
 
@@ -124,10 +126,11 @@ def bpe_tokenizer(text: str, cache: Path):
     return tokenizer
 
 
-def small_rows(train_steps: int, batch: int, length: int, lr: float, cache: Path, corpus_chars: int,
-               eval_sequences: int, seed: int, threads: int):
-    """The `small` preset trained with masked-diffusion SFT on the docstring corpus (cached), scored on held-out
-    windows of it."""
+def small_checkpoints(train_steps: int, measure_every: int, batch: int, length: int, lr: float, cache: Path,
+                      corpus_chars: int, eval_sequences: int, seed: int):
+    """The `small` preset trained with masked-diffusion SFT on the docstring corpus (tokenizer and token ids
+    cached), yielding (hidden rows, targets, head, token counts, description) of held-out windows scored at
+    step 0 and every `measure_every` steps up to `train_steps`."""
     from dllm_fast.models import LLaDAConfig, LLaDAModel
 
     cache.mkdir(parents=True, exist_ok=True)
@@ -145,35 +148,30 @@ def small_rows(train_steps: int, batch: int, length: int, lr: float, cache: Path
     order = torch.randperm(windows.shape[0], generator=generator)
     held_out, train = windows[order[:eval_sequences]], windows[order[eval_sequences:]]
     config = LLaDAConfig.preset("small")
-    checkpoint = cache / f"small_{train_steps}steps_b{batch}_l{length}.pt"
-    model = LLaDAModel(config)
-    log = []
-    if checkpoint.exists():
-        state = torch.load(checkpoint)
-        model.load_state_dict(state["model"])
-        log = state["log"]
-    else:
-        torch.manual_seed(seed)
-        model = LLaDAModel(config)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-        for step in range(train_steps):
-            sequences = train[torch.randint(0, train.shape[0], (batch,), generator=generator)]
-            masks = draw_sft_masks(sequences, prompt_length=0, generator=generator)
-            loss = sft_loss(model, sequences, masks)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            if step % 25 == 0 or step == train_steps - 1:
-                log.append((step, float(loss)))
-                print(f"step {step}: loss {float(loss):.3f} ({time.time() - started:.0f} s)", flush=True)
-        torch.save({"model": model.state_dict(), "log": log}, checkpoint)
-    model.eval()
     counts = torch.bincount(train.reshape(-1), minlength=config.vocab_size).double()
-    hidden, targets = scored_rows(model, held_out, 0, None, seed + 1)
-    return hidden, targets, model.lm_head_weight.detach(), counts, {
-        "model": "small preset, masked-diffusion SFT on docstrings", "train_steps": train_steps, "batch": batch,
-        "length": length, "lr": lr, "corpus_tokens": int(ids.numel()), "loss_log": log,
-        "held_out_sequences": eval_sequences, "threads": threads}
+    torch.manual_seed(seed)
+    model = LLaDAModel(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    log = []
+    for step in range(train_steps + 1):
+        if step % measure_every == 0 or step == train_steps:
+            model.eval()
+            hidden, targets = scored_rows(model, held_out, 0, None, seed + 1)
+            model.train()
+            yield hidden, targets, model.lm_head_weight.detach().clone(), counts, {
+                "model": "small preset, masked-diffusion SFT on docstrings", "train_steps": step, "batch": batch,
+                "length": length, "lr": lr, "corpus_tokens": int(ids.numel()), "loss_log": list(log),
+                "held_out_sequences": eval_sequences, "seconds": round(time.time() - started)}
+        if step == train_steps:
+            return
+        sequences = train[torch.randint(0, train.shape[0], (batch,), generator=generator)]
+        masks = draw_sft_masks(sequences, prompt_length=0, generator=generator)
+        loss = sft_loss(model, sequences, masks)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        log.append((step, round(loss.item(), 4)))
+        print(f"step {step}: loss {loss.item():.3f} ({time.time() - started:.0f} s)", flush=True)
 
 
 # -- the measurement ---------------------------------------------------------------------------------------------
@@ -191,6 +189,11 @@ def block_shares(hidden, targets, weight, counts, row_chunk: int = 256) -> tuple
     # Per row and column block: the largest relative |d(logits)| and the largest softmax off the target, and
     # whether the block holds the target; then rows are grouped into row blocks.
     per_order = {name: {c: {"relative": [], "cce": []} for c in widths} for name in orders}
+    # What skipping costs: the gradients with the skipped (128 x 128, token-id order) blocks' entries dropped,
+    # against the full ones, in fp64: sum over rows of |dropped part|^2 and of |full|^2.
+    dropped = {criterion: {"hidden": 0.0, "weight": torch.zeros(V, hidden.shape[1], dtype=torch.float64)}
+               for criterion in ("relative", "cce")}
+    full = {"hidden": 0.0, "weight": torch.zeros(V, hidden.shape[1], dtype=torch.float64)}
     entries_below, entropy, max_p, target_p = 0, 0.0, 0.0, 0.0
     for start in range(0, M, row_chunk):
         h, t = hidden[start:start + row_chunk], targets[start:start + row_chunk]
@@ -203,6 +206,14 @@ def block_shares(hidden, targets, weight, counts, row_chunk: int = 256) -> tuple
         relative = d / d.amax(dim=1, keepdim=True)
         entries_below += int((relative < RELATIVE).sum())
         off_target = p.masked_fill(onehot.bool(), 1.0)  # the target's column never counts as negligible for CCE
+        signed = (onehot - p).double()
+        full["hidden"] += float((signed @ weight.double()).square().sum())
+        full["weight"] += signed.T @ h.double()
+        for criterion, values, threshold in (("relative", relative, RELATIVE), ("cce", off_target, CCE_EPS)):
+            skip = skipped_entries(values, threshold, 128, 128)
+            part = signed * skip
+            dropped[criterion]["hidden"] += float((part @ weight.double()).square().sum())
+            dropped[criterion]["weight"] += part.T @ h.double()
         for name, order in orders.items():
             rel, cce = relative[:, order], off_target[:, order]
             for c in widths:
@@ -223,9 +234,23 @@ def block_shares(hidden, targets, weight, counts, row_chunk: int = 256) -> tuple
                 grouped = per_row[:usable].view(-1, r, per_row.shape[1]).amax(1)  # [row blocks, blocks]
                 entry[f"{criterion}_skippable"] = float((grouped < threshold).double().mean())
             rows.append(entry)
-    summary = {"rows_scored": M, "vocab": V, "entries_below_relative": entries_below / (M * V),
+    errors = {f"skip_error_{criterion}_{part}": (
+        math.sqrt(dropped[criterion]["hidden"] / full["hidden"]) if part == "grad_hidden"
+        else float(dropped[criterion]["weight"].norm() / full["weight"].norm()))
+        for criterion in ("relative", "cce") for part in ("grad_hidden", "grad_weight")}
+    summary = {"rows_scored": M, "vocab": V, "entries_below_relative": entries_below / (M * V), **errors,
                "mean_entropy_nats": entropy / M, "mean_max_prob": max_p / M, "mean_target_prob": target_p / M}
     return rows, summary
+
+
+def skipped_entries(values, threshold, rows, cols) -> torch.Tensor:
+    """[M, V] bool: the entries of the (rows x cols) blocks, rows grouped as they come within this batch of rows
+    (a partial last group counts as a block), whose every value is below the threshold."""
+    M, V = values.shape
+    pad_rows, pad_cols = -(-M // rows) * rows - M, -(-V // cols) * cols - V
+    padded = torch.nn.functional.pad(values, (0, pad_cols, 0, pad_rows))
+    blocks = padded.view(-1, rows, padded.shape[1] // cols, cols).amax(dim=(1, 3)) < threshold
+    return blocks.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:M, :V]
 
 
 def main(argv=None):
@@ -233,11 +258,12 @@ def main(argv=None):
     parser.add_argument("--model", choices=["sudoku4", "small"], required=True)
     parser.add_argument("--examples", type=int, default=512, help="sudoku4: training puzzles scored")
     parser.add_argument("--train-steps", type=int, default=300, help="small: SFT steps")
+    parser.add_argument("--measure-every", type=int, default=50, help="small: measure (and write) every N steps")
     parser.add_argument("--batch", type=int, default=4, help="small: sequences per step")
     parser.add_argument("--length", type=int, default=64, help="small: tokens per sequence")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--corpus-chars", type=int, default=15_000_000)
-    parser.add_argument("--eval-sequences", type=int, default=64, help="small: held-out sequences scored")
+    parser.add_argument("--eval-sequences", type=int, default=32, help="small: held-out sequences scored")
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/dllm_fast_dlogits_blocks"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's default)")
@@ -246,16 +272,20 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model == "sudoku4":
-        hidden, targets, weight, counts, about = sudoku4_rows(args.examples, args.seed)
+        points = [sudoku4_rows(args.examples, args.seed)]
     else:
-        hidden, targets, weight, counts, about = small_rows(
-            args.train_steps, args.batch, args.length, args.lr, args.cache_dir, args.corpus_chars,
-            args.eval_sequences, args.seed, torch.get_num_threads())
-    rows, summary = block_shares(hidden, targets, weight, counts)
-    print(json.dumps({k: v for k, v in {**about, **summary}.items() if k != "loss_log"}))
-    print_table(rows, ["vocab order", "rows", "cols", "relative_skippable", "cce_skippable"])
-    config = {**about, **summary, "relative_threshold": RELATIVE, "cce_threshold": CCE_EPS}
-    print(f"wrote {write_results(f'dlogits_blocks_{args.model}', config, rows, args.results_dir)}")
+        points = small_checkpoints(args.train_steps, args.measure_every, args.batch, args.length, args.lr,
+                                   args.cache_dir, args.corpus_chars, args.eval_sequences, args.seed)
+    rows = []
+    for hidden, targets, weight, counts, about in points:  # the small model's rows, step by step: all kept
+        point_rows, summary = block_shares(hidden, targets, weight, counts)
+        step = {"train_steps": about["train_steps"]} if "train_steps" in about else {}
+        rows += [{**step, **row} for row in point_rows]
+        print(json.dumps({k: v for k, v in {**about, **summary}.items() if k != "loss_log"}), flush=True)
+        print_table(point_rows, ["vocab order", "rows", "cols", "relative_skippable", "cce_skippable"])
+        config = {**about, **summary, "relative_threshold": RELATIVE, "cce_threshold": CCE_EPS,
+                  "threads": torch.get_num_threads()}
+        print(f"wrote {write_results(f'dlogits_blocks_{args.model}', config, rows, args.results_dir)}", flush=True)
 
 
 if __name__ == "__main__":
