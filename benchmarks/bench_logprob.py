@@ -4,9 +4,15 @@
     python benchmarks/bench_logprob.py --device cuda   # GPU: d=4096, V=126464, M in {2048, 8192}, bf16
     python benchmarks/bench_logprob.py --roofline --threads 1      # GEMM efficiency against torch.mm, by chunk
 
+Results go to benchmarks/results/<name>.new.json (untracked, beside the recorded <name>.json), so an exploratory
+run leaves the repository clean; --record writes the recorded <name>.json itself (and --name picks the name).
+
 Providers, side by side in one run:
     naive      log_softmax((hidden @ W.T).float()).gather(targets): the [M, V] logits live through backward;
-    dllm_fast  dllm_fast.masked_logprobs: chunked over V, backward recomputes the chunks.
+    dllm_fast  dllm_fast.masked_logprobs: chunked over V, backward recomputes the chunks (bf16: its gradient
+               GEMMs in bf16 with fp32 accumulation);
+    dllm_fast_tf32  the same with tf32_grad_gemms=True, the gradient GEMMs in TF32 on fp32 copies (the path
+               before issue 28; --device cuda only: on CPU it computes what dllm_fast does).
 Time is the median (and the minimum) of --repeats calls after a warm-up. Memory is the peak above baseline
 during forward + backward: resident memory of a fresh subprocess on CPU, torch.cuda.max_memory_allocated on
 GPU; both include the gradients themselves (grad_W is [V, d]). "saved" is what autograd keeps for backward.
@@ -51,6 +57,10 @@ def fused(hidden, weight, targets):
     return dllm_fast.masked_logprobs(hidden, weight, targets)
 
 
+def fused_tf32(hidden, weight, targets):
+    return dllm_fast.masked_logprobs(hidden, weight, targets, tf32_grad_gemms=True)
+
+
 def make_inputs(point: dict) -> dict:
     """hidden [M, d] and weight [V, d] (requiring grad), targets [M] and the upstream gradient, seeded."""
     M, d, V, device = point["M"], point["d"], point["V"], torch.device(point["device"])
@@ -86,7 +96,8 @@ def logprob_provider(name: str, logprobs) -> Provider:
                     warm_up=functools.partial(warm_up, logprobs), modes={"fwd": functools.partial(forward, logprobs)})
 
 
-PROVIDERS = {p.name: p for p in (logprob_provider("naive", naive), logprob_provider("dllm_fast", fused))}
+PROVIDERS = {p.name: p for p in (logprob_provider("naive", naive), logprob_provider("dllm_fast", fused),
+                                  logprob_provider("dllm_fast_tf32", fused_tf32))}
 
 
 def measure(provider: Provider, point: dict, repeats: int) -> dict:
@@ -123,12 +134,15 @@ def roofline(args, sizes, d, dtype) -> None:
             runs[("backward", chunk)] = functools.partial(
                 torch.ops.dllm_fast.masked_logprobs_backward, upstream, None, hidden, weight, targets, lse, chunk,
                 [True, True])
+        if args.device == "cuda":  # the gradient GEMMs in TF32, as before issue 28, at the default chunk
+            runs[("grad_tf32", default)] = functools.partial(torch.ops.dllm_fast.masked_logprobs_grad, hidden,
+                                                             weight, targets, upstream, lse, buffer, default, True)
         for run in runs.values():
             run()  # warm-up
         timings = time_interleaved(runs, device, repeats=args.repeats)
         gemm = 2 * M * d * VOCAB
         flops = {"torch.mm": gemm, "torch.mm_block": 2 * M * d * MM_BLOCK, "grad": 3 * gemm, "forward": gemm,
-                 "backward": 3 * gemm}
+                 "backward": 3 * gemm, "grad_tf32": 3 * gemm}
         mm_rate = gemm / timings[("torch.mm", 0)].min_s
         block_rate = flops["torch.mm_block"] / timings[("torch.mm_block", MM_BLOCK)].min_s
         for (op, chunk), timing in timings.items():
@@ -141,10 +155,18 @@ def roofline(args, sizes, d, dtype) -> None:
     print_table(rows, ["M", "op", "chunk", "default", "ms", "gflops", "vs_mm", "vs_mm_block"])
     config = dict(sizes=sizes, d=d, V=VOCAB, dtype=f"torch.{dtype}", repeats=args.repeats, chunks=args.chunks,
                   threads=torch.get_num_threads())
-    print(f"wrote {write_results(args.name or f'logprob_roofline_{args.device}', config, rows, args.results_dir)}")
+    name = results_name(args, f"logprob_roofline_{args.device}")
+    print(f"wrote {write_results(name, config, rows, args.results_dir)}")
 
 
-def main():
+def results_name(args, default: str) -> str:
+    """The results file's name: --name, else the recorded `default` under --record, else `default`.new, written
+    beside the recorded results (git ignores benchmarks/results/*.new.json)."""
+    name = args.name or default
+    return name if args.record else f"{name}.new"
+
+
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--m", type=int, nargs="+", help="rows to score (default: by device)")
@@ -153,9 +175,11 @@ def main():
     parser.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768],
                         help="--roofline: vocabulary chunks to try (the device's default is added)")
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's default)")
-    parser.add_argument("--name", help="results file name")
+    parser.add_argument("--name", help="results file name (default: logprob[_roofline]_<device>)")
+    parser.add_argument("--record", action="store_true",
+                        help="write the recorded results file <name>.json (default: <name>.new.json beside it)")
     add_results_dir_argument(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda":
@@ -165,14 +189,16 @@ def main():
     if args.roofline:
         return roofline(args, sizes, d, dtype)
     points = [dict(device=args.device, M=M, d=d, V=VOCAB, dtype=dtype) for M in sizes]
-    rows = run_sweep(points, list(PROVIDERS.values()), functools.partial(measure, repeats=args.repeats),
+    providers = [PROVIDERS[name] for name in ("naive", "dllm_fast", "dllm_fast_tf32")
+                 if name != "dllm_fast_tf32" or args.device == "cuda"]
+    rows = run_sweep(points, providers, functools.partial(measure, repeats=args.repeats),
                      row_keys=("M", "d", "V", "dtype"))
     for name, metric in (("speedup_fwd_bwd", "fwd_bwd_ms"), ("memory_ratio", "peak_mb")):
         add_ratio(rows, name, metric, baseline={"provider": "naive"}, match=("M",), invert=True)
     print_table(rows, ["M", "d", "dtype", "provider", "status", "fwd_ms", "fwd_bwd_ms", "peak_mb", "saved_mb",
                        "speedup_fwd_bwd", "memory_ratio"])
     config = dict(sizes=sizes, d=d, V=VOCAB, dtype=f"torch.{dtype}", repeats=args.repeats)
-    print(f"wrote {write_results(args.name or f'logprob_{args.device}', config, rows, args.results_dir)}")
+    print(f"wrote {write_results(results_name(args, f'logprob_{args.device}'), config, rows, args.results_dir)}")
 
 
 if __name__ == "__main__":

@@ -101,6 +101,29 @@ def test_logprob_providers_agree_on_a_small_point(one_thread):
     torch.testing.assert_close(naive, fused)
 
 
+def test_bench_logprob_writes_beside_the_recorded_results_unless_asked(monkeypatch, tmp_path):
+    """Issue 32 item 14: an exploratory run writes logprob_cpu.new.json, which git ignores, beside the tracked
+    logprob_cpu.json; --record (or --name) writes the named file."""
+    import subprocess
+
+    import bench_logprob
+
+    written = []
+    monkeypatch.setattr(bench_logprob, "run_sweep", lambda *args, **kwargs: [])
+    monkeypatch.setattr(bench_logprob, "add_ratio", lambda *args, **kwargs: None)
+    monkeypatch.setattr(bench_logprob, "print_table", lambda *args, **kwargs: None)
+    monkeypatch.setattr(bench_logprob, "write_results", lambda name, *args: written.append(name) or name)
+    for argv in ([], ["--record"], ["--name", "mine"], ["--name", "mine", "--record"]):
+        bench_logprob.main(["--m", "4", "--repeats", "1", "--results-dir", str(tmp_path), *argv])
+    assert written == ["logprob_cpu.new", "logprob_cpu", "mine.new", "mine"]
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout: nothing is tracked")
+    ignored = subprocess.run(["git", "check-ignore", "-q", "benchmarks/results/logprob_cpu.new.json"], cwd=root)
+    tracked = subprocess.run(["git", "check-ignore", "-q", "benchmarks/results/logprob_cpu.json"], cwd=root)
+    assert ignored.returncode == 0 and tracked.returncode == 1
+
+
 def test_rollout_roofline_follows_the_cache_policy_plan():
     """The roofline counts the tokens each cache policy feeds (the fed span of every step), so a bandwidth-free,
     compute-bound roofline orders the modes none > prefix > dual, and the FLOPs match the fed spans."""

@@ -105,11 +105,13 @@ def test_empty_batch(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_error_at_most_twice_torch(device, dtype):
-    """flash-attention's rule: our error against an fp64 oracle is at most 2x PyTorch's own in that dtype."""
+@pytest.mark.parametrize("tf32_grad_gemms", [False, True])
+def test_low_precision_error_at_most_twice_torch(device, dtype, tf32_grad_gemms):
+    """flash-attention's rule: our error against an fp64 oracle is at most 2x PyTorch's own in that dtype, with
+    d(logits) rounded to the model's dtype for the gradient GEMMs (issue 28) and with the TF32 option's fp32."""
     M, d, V = 96, 64, 3000
     hidden, weight, targets = make_inputs(M, d, V, device, dtype, requires_grad=True)
-    upstream = torch.randn(M, device=device)
+    upstream = torch.randn(M, device=device).to(dtype).float()  # representable in dtype: no part of either error
 
     oracle_inputs = [t.detach().double().requires_grad_() for t in (hidden, weight)]
     oracle = reference.masked_logprobs(*oracle_inputs, targets)
@@ -118,7 +120,7 @@ def test_low_precision_error_at_most_twice_torch(device, dtype):
     torch_lp = torch.log_softmax(hidden @ weight.T, dim=-1).gather(1, targets[:, None]).squeeze(1)
     torch_grads = torch.autograd.grad(torch_lp, (hidden, weight), upstream.to(dtype))
 
-    ours = dllm_fast.masked_logprobs(hidden, weight, targets, chunk_size=512)
+    ours = dllm_fast.masked_logprobs(hidden, weight, targets, chunk_size=512, tf32_grad_gemms=tf32_grad_gemms)
     our_grads = torch.autograd.grad(ours, (hidden, weight), upstream)
     assert ours.dtype == torch.float32 and our_grads[0].dtype == dtype
 

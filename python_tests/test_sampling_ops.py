@@ -131,6 +131,21 @@ def test_opcheck(device):
     opcheck(torch.ops.dllm_fast.select_transfer.default, (confidence, candidates, counts, 0.4))
 
 
+def test_a_negative_count_is_refused_where_values_are_read(device):
+    """Issue 32: the kernels take counts[b] < 0 as 0 (nothing unmasked, silently); the face names it. Where
+    values are not read (values_checked(), torch.compile), the count is trusted and selects nothing."""
+    from dllm_fast.validation import values_checked
+
+    confidence = torch.rand(3, 6, device=device)
+    candidates = torch.ones(3, 6, dtype=torch.bool, device=device)
+    counts = torch.tensor([2, -1, 7], device=device)
+    with pytest.raises(ValueError, match=r"counts\[1\] = -1 is negative"):
+        ops.select_transfer(confidence, candidates, counts=counts)
+    with values_checked():
+        chosen = ops.select_transfer(confidence, candidates, counts=counts)
+    assert chosen.sum(1).tolist() == [2, 0, 6]  # a count above the candidates unmasks them all
+
+
 def test_bad_input_is_named():
     hidden, weight = head(4, 8, 20, "cpu")
     with pytest.raises(ValueError, match=r"suppress_ids\[0\]=20 must be an int in \[0, 19\]"):

@@ -2,6 +2,9 @@
 // reductions that work for any block size, written once.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cmath>
 #include <type_traits>
 
@@ -15,6 +18,12 @@ __device__ __forceinline__ float exp_acc(float x) { return expf(x); }
 __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }
 __device__ __forceinline__ double log_acc(double x) { return log(x); }
+
+// Stores an accumulator value as the output's type: as it is, or rounded to nearest even to bf16/fp16.
+__device__ __forceinline__ void store_rounded(float* out, float v) { *out = v; }
+__device__ __forceinline__ void store_rounded(double* out, double v) { *out = v; }
+__device__ __forceinline__ void store_rounded(__nv_bfloat16* out, float v) { *out = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store_rounded(__half* out, float v) { *out = __float2half_rn(v); }
 
 // The online logsumexp. A pair (m, s) stands for logsumexp = m + log(s) of the values folded into it, with
 // s = sum of exp(x - m); it starts empty at (-inf, 0). A -inf value adds nothing, so a thread, warp or whole

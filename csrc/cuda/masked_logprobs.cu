@@ -1,7 +1,10 @@
 // CUDA kernels of dllm_fast::masked_logprobs (CUDA headers only; see masked_logprobs.cuh for the contract).
 // The GEMMs that produce each logits chunk run in cuBLAS from masked_logprobs_glue.cpp; these kernels are the
-// memory-bound parts: an online logsumexp over the chunk, the in-place softmax gradient for backward, and
+// memory-bound parts: an online logsumexp over the chunk, the chunk's softmax gradient for backward, and
 // masked_logprobs_grad's chunk step (gradient and measured normaliser in one pass) and its final correction.
+// The two gradient kernels write d(logits) in the accumulator type or rounded once to the model's 16-bit type.
+
+#include <type_traits>
 
 #include "device_math.cuh"
 #include "launch.cuh"
@@ -41,39 +44,45 @@ __global__ void finalize_kernel(int64_t rows, const acc_t* __restrict__ run_max,
   }
 }
 
-// A block per row, threads striding over the chunk's columns, the gradient written over the logits.
-template <typename acc_t>
+// A block per row, threads striding over the chunk's columns. `grad` may be `logits` itself (grad_t = acc_t):
+// each thread reads a column before it writes it.
+template <typename acc_t, typename grad_t>
 __global__ void __launch_bounds__(kThreads)
-    softmax_grad_kernel(acc_t* __restrict__ logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
-                        const int64_t* __restrict__ targets, const acc_t* __restrict__ lse,
-                        const acc_t* __restrict__ grad_logp, const acc_t* __restrict__ grad_lse) {
+    softmax_grad_kernel(const acc_t* logits, grad_t* grad, const float* __restrict__ grad_scale, int64_t rows,
+                        int64_t cols, int64_t ld, int64_t v0, const int64_t* __restrict__ targets,
+                        const acc_t* __restrict__ lse, const acc_t* __restrict__ grad_logp,
+                        const acc_t* __restrict__ grad_lse) {
+  const acc_t output_scale = grad_scale ? acc_t(*grad_scale) : acc_t(1);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const acc_t g_lp = grad_logp ? grad_logp[row] : acc_t(0);
     const acc_t g_lse = grad_lse ? grad_lse[row] : acc_t(0);
     const acc_t scale = g_lse - g_lp, shift = lse[row];
     const int64_t target_col = targets[row] - v0;
-    acc_t* x = logits + row * ld;
+    const acc_t* x = logits + row * ld;
+    grad_t* out = grad + row * ld;
     for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
       acc_t v = scale * exp_acc(x[j] - shift);
       if (j == target_col) v += g_lp;
-      x[j] = v;
+      store_rounded(out + j, v * output_scale);
     }
   }
 }
 
 // A block per row: each thread turns its strided columns into g (onehot - e) and sums their e, the block adds
 // the sums, and thread 0 adds the chunk's sum to the row's. The one thread that owns the target column reads
-// the target logit before overwriting it.
-template <typename acc_t>
+// the target logit. `grad` may be `logits` itself, as above.
+template <typename acc_t, typename grad_t>
 __global__ void __launch_bounds__(kThreads)
-    known_grad_kernel(acc_t* __restrict__ logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
-                      const int64_t* __restrict__ targets, const acc_t* __restrict__ lse,
-                      const acc_t* __restrict__ grad_logp, acc_t* __restrict__ sum_e,
+    known_grad_kernel(const acc_t* logits, grad_t* grad, const float* __restrict__ grad_scale, int64_t rows,
+                      int64_t cols, int64_t ld, int64_t v0, const int64_t* __restrict__ targets,
+                      const acc_t* __restrict__ lse, const acc_t* __restrict__ grad_logp, acc_t* __restrict__ sum_e,
                       acc_t* __restrict__ target_logit) {
+  const acc_t output_scale = grad_scale ? acc_t(*grad_scale) : acc_t(1);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const acc_t g = grad_logp[row], shift = lse[row];
     const int64_t target_col = targets[row] - v0;
-    acc_t* x = logits + row * ld;
+    const acc_t* x = logits + row * ld;
+    grad_t* out = grad + row * ld;
     acc_t s = 0;
     for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
       const acc_t logit = x[j], e = exp_acc(logit - shift);
@@ -83,11 +92,27 @@ __global__ void __launch_bounds__(kThreads)
         target_logit[row] = logit;
         v += g;
       }
-      x[j] = v;
+      store_rounded(out + j, v * output_scale);
     }
     s = block_reduce(s, [](acc_t a, acc_t b) { return a + b; });
     if (threadIdx.x == 0) sum_e[row] += s;
   }
+}
+
+// Calls launch(the output's data as a typed pointer) for its element type; a 16-bit type takes a float
+// accumulator only.
+template <typename acc_t, typename Launch>
+cudaError_t with_grad_type(GradOutput grad, Launch&& launch) {
+  switch (grad.type) {
+    case GradType::kAccumulate: return launch(static_cast<acc_t*>(grad.data));
+    case GradType::kBFloat16:
+      if constexpr (std::is_same_v<acc_t, float>) return launch(static_cast<__nv_bfloat16*>(grad.data));
+      break;
+    case GradType::kHalf:
+      if constexpr (std::is_same_v<acc_t, float>) return launch(static_cast<__half*>(grad.data));
+      break;
+  }
+  return cudaErrorInvalidValue;
 }
 
 // A block per row, threads striding over the hidden width; thread 0 writes the row's logp.
@@ -130,23 +155,29 @@ cudaError_t launch_finalize_logprobs(int64_t rows, const acc_t* run_max, const a
 }
 
 template <typename acc_t>
-cudaError_t launch_chunk_softmax_grad(acc_t* logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
-                                      const int64_t* targets, const acc_t* lse, const acc_t* grad_logp,
+cudaError_t launch_chunk_softmax_grad(const acc_t* logits, GradOutput grad, int64_t rows, int64_t cols, int64_t ld,
+                                      int64_t v0, const int64_t* targets, const acc_t* lse, const acc_t* grad_logp,
                                       const acc_t* grad_lse, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  DLLM_FAST_LAUNCH(row_grid(rows), kThreads, 0, stream, softmax_grad_kernel<acc_t>)(
-      logits, rows, cols, ld, v0, targets, lse, grad_logp, grad_lse);
-  return cudaGetLastError();
+  return with_grad_type<acc_t>(grad, [&](auto* out) {
+    using grad_t = std::remove_pointer_t<decltype(out)>;
+    DLLM_FAST_LAUNCH(row_grid(rows), kThreads, 0, stream, softmax_grad_kernel<acc_t, grad_t>)(
+        logits, out, grad.scale, rows, cols, ld, v0, targets, lse, grad_logp, grad_lse);
+    return cudaGetLastError();
+  });
 }
 
 template <typename acc_t>
-cudaError_t launch_chunk_known_grad(acc_t* logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
-                                    const int64_t* targets, const acc_t* lse, const acc_t* grad_logp, acc_t* sum_e,
-                                    acc_t* target_logit, cudaStream_t stream) {
+cudaError_t launch_chunk_known_grad(const acc_t* logits, GradOutput grad, int64_t rows, int64_t cols, int64_t ld,
+                                    int64_t v0, const int64_t* targets, const acc_t* lse, const acc_t* grad_logp,
+                                    acc_t* sum_e, acc_t* target_logit, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  DLLM_FAST_LAUNCH(row_grid(rows), kThreads, 0, stream, known_grad_kernel<acc_t>)(
-      logits, rows, cols, ld, v0, targets, lse, grad_logp, sum_e, target_logit);
-  return cudaGetLastError();
+  return with_grad_type<acc_t>(grad, [&](auto* out) {
+    using grad_t = std::remove_pointer_t<decltype(out)>;
+    DLLM_FAST_LAUNCH(row_grid(rows), kThreads, 0, stream, known_grad_kernel<acc_t, grad_t>)(
+        logits, out, grad.scale, rows, cols, ld, v0, targets, lse, grad_logp, sum_e, target_logit);
+    return cudaGetLastError();
+  });
 }
 
 template <typename acc_t>
@@ -167,14 +198,18 @@ template cudaError_t launch_finalize_logprobs<float>(int64_t, const float*, cons
                                                      float*, cudaStream_t);
 template cudaError_t launch_finalize_logprobs<double>(int64_t, const double*, const double*, const double*, double*,
                                                       double*, cudaStream_t);
-template cudaError_t launch_chunk_softmax_grad<float>(float*, int64_t, int64_t, int64_t, int64_t, const int64_t*,
-                                                      const float*, const float*, const float*, cudaStream_t);
-template cudaError_t launch_chunk_softmax_grad<double>(double*, int64_t, int64_t, int64_t, int64_t, const int64_t*,
-                                                       const double*, const double*, const double*, cudaStream_t);
-template cudaError_t launch_chunk_known_grad<float>(float*, int64_t, int64_t, int64_t, int64_t, const int64_t*,
-                                                    const float*, const float*, float*, float*, cudaStream_t);
-template cudaError_t launch_chunk_known_grad<double>(double*, int64_t, int64_t, int64_t, int64_t, const int64_t*,
-                                                     const double*, const double*, double*, double*, cudaStream_t);
+template cudaError_t launch_chunk_softmax_grad<float>(const float*, GradOutput, int64_t, int64_t, int64_t, int64_t,
+                                                      const int64_t*, const float*, const float*, const float*,
+                                                      cudaStream_t);
+template cudaError_t launch_chunk_softmax_grad<double>(const double*, GradOutput, int64_t, int64_t, int64_t, int64_t,
+                                                       const int64_t*, const double*, const double*, const double*,
+                                                       cudaStream_t);
+template cudaError_t launch_chunk_known_grad<float>(const float*, GradOutput, int64_t, int64_t, int64_t, int64_t,
+                                                    const int64_t*, const float*, const float*, float*, float*,
+                                                    cudaStream_t);
+template cudaError_t launch_chunk_known_grad<double>(const double*, GradOutput, int64_t, int64_t, int64_t, int64_t,
+                                                     const int64_t*, const double*, const double*, double*, double*,
+                                                     cudaStream_t);
 template cudaError_t launch_finalize_known_grad<float>(int64_t, int64_t, const float*, const float*, const float*,
                                                        const float*, const float*, float*, float*, cudaStream_t);
 template cudaError_t launch_finalize_known_grad<double>(int64_t, int64_t, const double*, const double*,

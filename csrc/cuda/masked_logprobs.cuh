@@ -2,8 +2,8 @@
 // and the kernels compile with nvcc alone; masked_logprobs_glue.cpp connects them to tensors and runs the GEMMs.
 //
 // Row-major layouts. `logits` is one vocabulary chunk: [rows, cols] with leading dimension `ld`, holding the
-// columns v0 .. v0 + cols - 1 of the full logits. Accumulators (run_max, run_sum, target_logit, lse, logp) are
-// float for fp32/bf16/fp16 inputs and double for fp64 inputs.
+// columns v0 .. v0 + cols - 1 of the full logits, in the accumulator type: float for fp32/bf16/fp16 inputs and
+// double for fp64 inputs, as are run_max, run_sum, target_logit, lse and logp.
 #pragma once
 
 #include <cstdint>
@@ -24,22 +24,36 @@ template <typename acc_t>
 cudaError_t launch_finalize_logprobs(int64_t rows, const acc_t* run_max, const acc_t* run_sum,
                                      const acc_t* target_logit, acc_t* lse, acc_t* logp, cudaStream_t stream);
 
-// logits <- (g_lse - g_logp) * exp(logits - lse) + g_logp * onehot(target), in place: the gradient of
-// sum(g_logp * logp + g_lse * lse) with respect to one chunk of logits, kept in the accumulator type (in fp16
-// the small terms would underflow). Either gradient may be null (zero).
+// The element type of the d(logits) that the two gradient kernels below write: the accumulator type (then the
+// output may be `logits` itself, updated in place), or the model's 16-bit type, each value computed in the
+// accumulator type and rounded once, to nearest even, for model-dtype gradient GEMMs.
+enum class GradType { kAccumulate, kBFloat16, kHalf };
+
+// Where a gradient kernel writes d(logits): `data`, with the logits' layout, as `type`, each value multiplied by
+// *scale before it is rounded (null: by 1). The scale is a power of two that lifts an fp16 softmax's tail out of
+// fp16's subnormals; the glue divides the GEMMs' fp32 results by it again (both exact).
+struct GradOutput {
+  void* data;
+  GradType type;
+  const float* scale;
+};
+
+// grad <- (g_lse - g_logp) * exp(logits - lse) + g_logp * onehot(target): the gradient of
+// sum(g_logp * logp + g_lse * lse) with respect to one chunk of logits. Either upstream gradient may be null
+// (zero).
 template <typename acc_t>
-cudaError_t launch_chunk_softmax_grad(acc_t* logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
-                                      const int64_t* targets, const acc_t* lse, const acc_t* grad_logp,
+cudaError_t launch_chunk_softmax_grad(const acc_t* logits, GradOutput grad, int64_t rows, int64_t cols, int64_t ld,
+                                      int64_t v0, const int64_t* targets, const acc_t* lse, const acc_t* grad_logp,
                                       const acc_t* grad_lse, cudaStream_t stream);
 
 // masked_logprobs_grad's chunk step, for an upstream gradient g known up front and a logsumexp `lse` that may be
 // a little off: e = exp(logits - lse); sum_e += sum of e over the chunk (the measured normaliser S, 1 for an
-// exact lse); target_logit picks up the target's logit; then logits <- g * (onehot(target) - e) in place.
-// Initialise sum_e to 0 and target_logit to NaN before the first chunk. g must be 0 for an out-of-range target.
+// exact lse); target_logit picks up the target's logit; then grad <- g * (onehot(target) - e). Initialise sum_e
+// to 0 and target_logit to NaN before the first chunk. g must be 0 for an out-of-range target.
 template <typename acc_t>
-cudaError_t launch_chunk_known_grad(acc_t* logits, int64_t rows, int64_t cols, int64_t ld, int64_t v0,
-                                    const int64_t* targets, const acc_t* lse, const acc_t* grad_logp, acc_t* sum_e,
-                                    acc_t* target_logit, cudaStream_t stream);
+cudaError_t launch_chunk_known_grad(const acc_t* logits, GradOutput grad, int64_t rows, int64_t cols, int64_t ld,
+                                    int64_t v0, const int64_t* targets, const acc_t* lse, const acc_t* grad_logp,
+                                    acc_t* sum_e, acc_t* target_logit, cudaStream_t stream);
 
 // masked_logprobs_grad's last step, once every chunk is walked: logp = target_logit - lse - log(S), and grad_h
 // [rows, width] (accumulated with e in place of the true softmax e / S) corrected in place to

@@ -1,11 +1,15 @@
 // cuBLAS's cublasGemmEx on the host, for the emulated build: the same column-major contract, argument checks,
 // type combinations and status codes, so csrc/cuda/blas.cpp runs unchanged. Products accumulate in fp32 (fp64
 // for CUBLAS_COMPUTE_64F); CUBLAS_COMPUTE_32F_FAST_TF32 rounds both inputs to TF32 first, as tensor cores do.
+// While a recording is open (dllm_fast_emulation/gemm_log.h) every GEMM it runs is logged.
 
 #include <ATen/ATen.h>
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <mutex>
+
+#include "dllm_fast_emulation/gemm_log.h"
 
 namespace {
 
@@ -52,7 +56,56 @@ at::Tensor round_to_tf32(const at::Tensor& x) {
   return ((bits + 0x1000).bitwise_and(~0x1FFF)).view(at::kFloat).view(x.sizes());
 }
 
+std::mutex log_mutex;
+int recordings = 0;  // open recordings; GEMMs are logged while it is positive
+std::vector<dllm_fast::emulation::GemmRecord> log_records;
+
+// A compute type that supported() accepted, by name.
+const char* compute_name(cublasComputeType_t compute) {
+  return compute == CUBLAS_COMPUTE_64F ? "fp64" : compute == CUBLAS_COMPUTE_32F_FAST_TF32 ? "tf32" : "fp32";
+}
+
+std::string dtype_name(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    default: return c10::toString(type);
+  }
+}
+
+void log_gemm(at::ScalarType a, at::ScalarType b, at::ScalarType c, cublasComputeType_t compute, int m, int n, int k,
+              bool transa, bool transb) {
+  const std::lock_guard<std::mutex> lock(log_mutex);
+  if (recordings > 0) {
+    log_records.push_back({dtype_name(a), dtype_name(b), dtype_name(c), compute_name(compute), m, n, k, transa,
+                           transb});
+  }
+}
+
 }  // namespace
+
+namespace dllm_fast::emulation {
+
+int64_t gemm_log_begin() {
+  const std::lock_guard<std::mutex> lock(log_mutex);
+  ++recordings;
+  return static_cast<int64_t>(log_records.size());
+}
+
+std::vector<GemmRecord> gemm_log_records(int64_t start) {
+  const std::lock_guard<std::mutex> lock(log_mutex);
+  const auto first = log_records.begin() + std::clamp<int64_t>(start, 0, log_records.size());
+  return std::vector<GemmRecord>(first, log_records.end());
+}
+
+void gemm_log_end() {
+  const std::lock_guard<std::mutex> lock(log_mutex);
+  if (recordings > 0 && --recordings == 0) log_records.clear();
+}
+
+}  // namespace dllm_fast::emulation
 
 cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t transa, cublasOperation_t transb, int m, int n, int k,
                             const void* alpha, const void* A, cudaDataType_t Atype, int lda, const void* B,
@@ -69,6 +122,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t transa, cublasOper
       !supported(computeType, Atype, Btype, Ctype)) {
     return CUBLAS_STATUS_NOT_SUPPORTED;
   }
+  log_gemm(a_type, b_type, c_type, computeType, m, n, k, !a_plain, !b_plain);
   if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
   const int64_t a_rows = a_plain ? m : k, a_cols = a_plain ? k : m;
   const int64_t b_rows = b_plain ? k : n, b_cols = b_plain ? n : k;

@@ -9,6 +9,7 @@
 
 #include "dllm_fast/ops.h"
 #include "dllm_fast/schemas.h"
+#include "dllm_fast_emulation/gemm_log.h"
 #include "dllm_fast_emulation/runtime.h"
 #include "launch.cuh"
 #include "selftest.h"
@@ -75,6 +76,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("sanitized") = false;
 #endif
   m.def("launch_count", &dllm_fast::emulation::launch_count, "kernel launches the emulator has run");
+  m.def("gemm_log_begin", &dllm_fast::emulation::gemm_log_begin,
+        "open a recording of the host cuBLAS's GEMMs; returns the index its records start at");
+  m.def("gemm_log_records",
+        [](int64_t start) {
+          std::vector<py::tuple> records;
+          for (const auto& r : dllm_fast::emulation::gemm_log_records(start)) {
+            records.push_back(py::make_tuple(r.a_type, r.b_type, r.c_type, r.compute, r.m, r.n, r.k, r.transa,
+                                             r.transb));
+          }
+          return records;
+        },
+        "the recorded GEMMs from index `start` on: (a, b, c dtype names, compute, m, n, k, transa, transb)");
+  m.def("gemm_log_end", &dllm_fast::emulation::gemm_log_end, "close a recording (the outermost drops the records)");
   m.def("grid_limit_x", &dllm_fast::emulation::grid_limit_x, "gridDim.x's limit on the emulated device");
   m.def("set_grid_limit_x", &dllm_fast::emulation::set_grid_limit_x,
         "lower gridDim.x's limit (tests of the grid-stride loops); 2**31 - 1 restores it");

@@ -60,7 +60,7 @@ def _chunks(vocab: int, chunk: int) -> tuple[int, int]:
 
 
 @declare_workspace("masked_logprobs")
-def _masked_logprobs(device_type, hidden, weight, targets, chunk_size) -> Workspace:
+def _masked_logprobs(device_type, hidden, weight, targets, chunk_size, tf32_grad_gemms=False) -> Workspace:
     M, d = hidden.shape
     V = weight.shape[0]
     acc, size = _size(accumulate_dtype(hidden.dtype)), _size(hidden.dtype)
@@ -75,7 +75,7 @@ def _masked_logprobs(device_type, hidden, weight, targets, chunk_size) -> Worksp
 
 @declare_workspace("masked_logprobs_backward")
 def _masked_logprobs_backward(device_type, grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size,
-                              output_mask) -> Workspace:
+                              output_mask, tf32_grad_gemms=False) -> Workspace:
     M, d = hidden.shape
     V = weight.shape[0]
     acc, size = _size(accumulate_dtype(hidden.dtype)), _size(hidden.dtype)
@@ -89,17 +89,20 @@ def _masked_logprobs_backward(device_type, grad_logp, grad_lse, hidden, weight, 
     traffic = 2 * M * V * acc + M * V * size * (1 + need_hidden + need_weight)
     traffic += (V * d * size if need_hidden else 0) + (chunks * M * d * size if need_weight else 0)
     if device_type == "cuda":
-        d_logits = M * C * size if upcast else 0  # bf16/fp16 d(logits) for the tensor-core GEMMs
-        return Workspace(grad_hidden_accumulator + logits + d_logits + 4 * M * acc, traffic)
+        return Workspace(grad_hidden_accumulator + logits + _cuda_gradient_operands(
+            M, d, C, acc, size, upcast, tf32_grad_gemms, need_hidden, need_weight,
+            C * d * acc if need_weight and upcast else 0)
+            + 4 * M * acc, traffic)
     upcast_copies = (M * d * acc + C * d * acc) if upcast else 0  # hidden and each weight chunk in fp32
     chunk_product = C * d * acc if (upcast and need_weight) else 0  # grad_weight rows before their cast
     return Workspace(grad_hidden_accumulator + logits + upcast_copies + chunk_product + 4 * M * acc, traffic)
 
 
 @declare_workspace("masked_logprobs_grad")
-def _masked_logprobs_grad(device_type, hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size) -> Workspace:
+def _masked_logprobs_grad(device_type, hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size,
+                          tf32_grad_gemms=False) -> Workspace:
     """Both gradients for an upstream gradient known before the forward, in one walk over the vocabulary
-    (grad_weight accumulated in place). The CUDA glue holds the same buffers as the CPU kernel."""
+    (grad_weight accumulated in place)."""
     M, d = hidden.shape
     V = weight.shape[0]
     acc, size = _size(accumulate_dtype(hidden.dtype)), _size(hidden.dtype)
@@ -109,10 +112,26 @@ def _masked_logprobs_grad(device_type, hidden, weight, targets, grad_logp, lse, 
                + (chunks * M * d * acc + V * d * size if grad_weight is not None else 0))
     lse_pass = _masked_logprobs(device_type, hidden, weight, targets, chunk_size).bytes if lse is None else 0
     grad_hidden_accumulator = M * d * acc if upcast else 0  # else it is the output itself
-    copies = (M * d * acc + C * d * acc if upcast else 0) + M * d * acc  # hidden, a weight chunk, target rows
-    chunk_product = C * d * acc if grad_weight is not None and grad_weight.dtype != accumulate_dtype(hidden.dtype) else 0
-    held = grad_hidden_accumulator + M * C * acc + copies + chunk_product + 4 * M * acc
+    low_precision_grad = grad_weight is not None and grad_weight.dtype != accumulate_dtype(hidden.dtype)
+    chunk_product = C * d * acc if low_precision_grad else 0  # its rows in fp32 before they are added
+    if device_type == "cuda":
+        copies = M * d * acc + _cuda_gradient_operands(M, d, C, acc, size, upcast, tf32_grad_gemms, True,
+                                                       grad_weight is not None, chunk_product)  # + target rows
+    else:
+        copies = (M * d * acc + C * d * acc if upcast else 0) + M * d * acc + chunk_product  # + target rows
+    held = grad_hidden_accumulator + M * C * acc + copies + 4 * M * acc
     return Workspace(max(held, lse_pass), traffic)
+
+
+def _cuda_gradient_operands(M, d, C, acc, size, upcast, tf32, need_hidden, need_weight, chunk_product) -> int:
+    """What the CUDA walk (csrc/cuda/masked_logprobs_glue.cpp) allocates for its gradient GEMMs: a bf16/fp16
+    model's d(logits) in its own dtype; under tf32_grad_gemms fp32 copies of hidden and of a weight chunk
+    instead; the fp32 rows of a chunk's grad_weight when the gradient is not fp32 (chunk_product bytes)."""
+    if not upcast:
+        return chunk_product
+    if tf32:
+        return (M * d * acc if need_weight else 0) + (C * d * acc if need_hidden else 0) + chunk_product
+    return M * C * size + chunk_product
 
 
 @declare_workspace("sample_tokens")

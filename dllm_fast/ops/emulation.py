@@ -7,8 +7,10 @@ The emulated build is a separate extension module compiled from a source checkou
 the CUDA implementations for CPU tensors as ``torch.ops.dllm_fast_emulated.*``. Inside ``emulated_cuda()`` (or
 for the whole process with ``DLLM_FAST_BACKEND=emulated_cuda``) the CPU kernels of ``torch.ops.dllm_fast.*`` are
 replaced by them, so whole ``generate`` and ``score`` calls, autograd and torch.compile included, run the CUDA
-sources. ``DLLM_FAST_EMULATED_CUDA=1`` enables the emulated tests (``pytest -m emulated_cuda``); ``=asan`` runs them
-against the AddressSanitizer build, in a process started with libasan preloaded (.ci/emulated_cuda does that).
+sources. ``gemm_log()`` records the GEMMs the emulated cuBLAS runs meanwhile (types, compute type, sizes), so a
+test can check which GEMMs an op makes without a GPU. ``DLLM_FAST_EMULATED_CUDA=1`` enables the emulated tests
+(``pytest -m emulated_cuda``); ``=asan`` runs them against the AddressSanitizer build, in a process started with
+libasan preloaded (.ci/emulated_cuda does that).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import glob
 import json
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -100,6 +103,51 @@ def emulated_cuda():
         yield module
     finally:
         library._destroy()
+
+
+@dataclass(frozen=True)
+class GemmRecord:
+    """One GEMM the emulated cuBLAS ran: the cublasGemmEx call as given (column-major m, n, k; C[m, n] =
+    op(A)[m, k] @ op(B)[k, n]). The glue's row-major GEMMs reach cuBLAS with their operands swapped
+    (csrc/cuda/blas.cpp), so a row-major [M, c] = [M, d] @ [d, c] product is recorded as m = c, n = M, k = d with
+    A the weight chunk; the types, compute type and FLOPs are the same either way.
+
+    a_dtype, b_dtype, c_dtype: the torch dtypes of A, B and C. compute: "fp32" (fp32 products and sums, whatever
+    the operand type), "tf32" (fp32 operands rounded to TF32 for tensor cores) or "fp64".
+    """
+
+    a_dtype: torch.dtype
+    b_dtype: torch.dtype
+    c_dtype: torch.dtype
+    compute: str
+    m: int
+    n: int
+    k: int
+    transa: bool
+    transb: bool
+
+    @property
+    def flops(self) -> int:
+        """Multiply-adds counted as two floating-point operations: 2 m n k."""
+        return 2 * self.m * self.n * self.k
+
+
+@contextlib.contextmanager
+def gemm_log():
+    """Records every GEMM that the emulated cuBLAS runs within the block, on any thread; yields a list that is
+    filled with their `GemmRecord`s, in call order, when the block exits. Only emulated CUDA code reaches that
+    cuBLAS: route the ops with ``emulated_cuda()`` (or DLLM_FAST_BACKEND=emulated_cuda); the CPU kernels' GEMMs
+    are not recorded. Blocks may nest (each gets the GEMMs run within it)."""
+    module = load()
+    records: list[GemmRecord] = []
+    start = module.gemm_log_begin()
+    try:
+        yield records
+    finally:
+        raw = module.gemm_log_records(start)
+        module.gemm_log_end()
+        records.extend(GemmRecord(getattr(torch, a), getattr(torch, b), getattr(torch, c), compute, m, n, k, ta, tb)
+                       for a, b, c, compute, m, n, k, ta, tb in raw)
 
 
 _process_wide: contextlib.ExitStack | None = None

@@ -10,17 +10,34 @@
 Accumulating into `.grad` in place (never a second [V, d] tensor) keeps the streaming engine's memory flat when
 gradients accumulate over micro-batches. The weight still gets an autograd edge: its AccumulateGrad node runs
 (with no gradient) in every backward, so DDP's and FSDP2's hooks see the complete `.grad`.
+
+Precision (every backend, CPU and CUDA alike): products accumulate in fp32 (fp64 for fp64 inputs). For bf16/fp16
+inputs the backward's two gradient GEMMs take each chunk's d(logits), computed in fp32 and rounded once to the
+model's dtype, with hidden and the weight as they are: bf16 tensor-core GEMMs on a GPU, as Liger's and Cut
+Cross-Entropy's fused heads run them. Measured against an fp64 oracle (python_tests/test_masked_logprobs.py,
+test_low_precision_error_at_most_twice_torch and its masked_logprobs_grad twin) the log-probs stay near fp32's
+error and the gradients within 2x the naive bf16 path's error (its logits, softmax and gradient GEMMs all in
+bf16). In fp16, d(logits) entries below fp16's smallest subnormal (6e-8 of the upstream gradient's scale) flush
+to zero, as in the naive fp16 path: scale the loss (torch.amp.GradScaler) as for the rest of an fp16 model.
+``tf32_grad_gemms=True`` keeps d(logits) in fp32 and runs the gradient GEMMs on fp32 operands in TF32 on CUDA
+(fp32 copies of a bf16/fp16 hidden and of each weight chunk): the path before issue 28, at half bf16's
+tensor-core rate and twice its bytes, for a caller that wants d(logits) unrounded. On CPU, which has no TF32, it
+keeps d(logits) in fp32 and the GEMMs exact fp32. fp32 inputs run exact fp32 GEMMs (TF32 under the option, on
+CUDA), fp64 inputs fp64 GEMMs.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+from torch._guards import detect_fake_mode
 
 from dllm_fast import reference
 from dllm_fast._extension import HAS_EXTENSION, has_kernel
 from dllm_fast.contracts import accumulate_dtype
 from dllm_fast.ops.backend import FLOAT_DTYPES, choose_backend, resolve_chunk_size
-from dllm_fast.validation import check_bool, check_same_device
+from dllm_fast.validation import check_bool, check_same_device, data_checks_enabled
 
 
 def masked_logprobs(
@@ -31,6 +48,7 @@ def masked_logprobs(
     chunk_size: int | None = None,
     backend: str | None = None,
     grad_into_weight: bool = False,
+    tf32_grad_gemms: bool = False,
 ) -> torch.Tensor:
     """Log-probabilities of `targets` under the LM head, without materialising the [M, V] logits.
 
@@ -46,6 +64,12 @@ def masked_logprobs(
             tensor for autograd to add: no gradient-sized temporary when gradients accumulate over several
             backwards. The upstream gradient's scale is honoured (a host's scaled loss); AccumulateGrad still
             runs, so DDP/FSDP2 hooks fire. Ignored for the reference backend and a non-leaf or frozen weight.
+            A backward that does not accumulate into the weight's `.grad` is honoured: `torch.autograd.grad`
+            gets the weight's gradient as a new tensor (`.grad` untouched), and `backward(inputs=...)` without
+            the weight leaves `.grad` alone.
+        tf32_grad_gemms: the backward's gradient GEMMs on fp32 d(logits) and fp32 operands in TF32 (CUDA; exact
+            fp32 on CPU) instead of d(logits) rounded to the model's dtype (see the module docstring: the
+            accuracy and cost of each). Not for fp64 inputs.
 
     Returns:
         logp: [M], ``log_softmax(hidden @ lm_head_weight.T)[i, targets[i]]`` in fp32 (fp64 for fp64 inputs).
@@ -58,12 +82,14 @@ def masked_logprobs(
     chunk_size = _check_masked_logprobs(hidden, lm_head_weight, targets, chunk_size)
     targets = targets.long()
     check_bool("grad_into_weight", grad_into_weight)
+    _check_tf32_grad_gemms("masked_logprobs", tf32_grad_gemms, hidden.dtype)
     if choose_backend("masked_logprobs", hidden.device, backend) == "reference":
         return reference.masked_logprobs(hidden, lm_head_weight, targets)
     if grad_into_weight and trainable_leaf(lm_head_weight) and torch.is_grad_enabled():
-        return _WeightGradInPlace.apply(hidden.contiguous(), lm_head_weight, targets.contiguous(), chunk_size)
+        return _WeightGradInPlace.apply(hidden.contiguous(), lm_head_weight, targets.contiguous(), chunk_size,
+                                        tf32_grad_gemms)
     logp, _ = torch.ops.dllm_fast.masked_logprobs(
-        hidden.contiguous(), lm_head_weight.contiguous(), targets.contiguous(), chunk_size
+        hidden.contiguous(), lm_head_weight.contiguous(), targets.contiguous(), chunk_size, tf32_grad_gemms
     )
     return logp
 
@@ -78,20 +104,30 @@ def masked_logprobs_grad(
     grad_weight: torch.Tensor | None = None,
     chunk_size: int | None = None,
     backend: str | None = None,
+    tf32_grad_gemms: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of ``sum(grad_logp * logp)`` for an upstream gradient known before the forward, in one walk
     over the vocabulary (three GEMMs per chunk: the logits, grad_hidden, grad_weight's rows); not differentiable.
 
     Args:
-        hidden, lm_head_weight, targets, chunk_size, backend: as for `masked_logprobs` (no graph is recorded).
+        hidden, lm_head_weight, targets, chunk_size, backend, tf32_grad_gemms: as for `masked_logprobs` (no graph
+            is recorded).
         grad_logp: [M], d loss / d logp.
         lse: [M] the rows' logsumexp when it is known (fp32, fp64 for fp64 inputs), e.g. ``hidden . W[target] -
-            logp`` for a logp scored earlier; None computes it first (one more GEMM per chunk). The walk measures
-            the true normaliser S as it goes, so logp and grad_hidden come out exact even when lse is off by a
-            little; grad_weight's softmax part is then off by a relative S - 1 (about 1e-6 in fp32 when lse
-            comes from the same hidden states).
-        grad_weight: a [V, d] buffer of lm_head_weight's shape, dtype and device (contiguous), e.g. its `.grad`:
-            the weight's gradient is added into it in place. None: not computed.
+            logp`` for a logp scored earlier; None computes it first (one more GEMM per chunk). It is verified
+            wherever values may be read (not under torch.compile, fake tensors or ``values_checked()``, where it
+            is trusted): before the walk, every row's must be finite and at least its target's logit (a
+            logsumexp is at least each of its terms), else ValueError and nothing is written; after it, the walk's
+            measured normaliser S (1 for an exact lse) says how far each row's lse was off, and a row off by more
+            than the inputs' rounding (LSE_TOLERANCE: 1e-4 for fp32, 1e-10 fp64, 2**-8 bf16, 2**-11 fp16) is
+            recomputed with its exact logsumexp, grad_weight corrected (an lse too low first adds that row's
+            softmax part S times too large, whose rounding, about the dtype's eps times S, stays; fp16 overflows
+            for S above 16). Within the tolerance logp and grad_hidden are exact and grad_weight's softmax part is
+            off by a relative S - 1.
+        grad_weight: a [V, d] tensor of lm_head_weight's shape, dtype and device (contiguous, not requiring grad),
+            e.g. its `.grad`: the weight's gradient is added into it in place. None: not computed. An input that
+            shares memory with it (hidden, targets, grad_logp or lse viewing its storage) is copied first; the
+            weight itself may not share it.
 
     Returns:
         (logp [M], grad_hidden [M, d]): logp in fp32 (fp64 for fp64 inputs), grad_hidden in hidden's dtype. A
@@ -101,7 +137,9 @@ def masked_logprobs_grad(
     lacks it takes the composite of the masked_logprobs forward and backward kernels instead (exact lse, four
     GEMMs per chunk, and one [V, d] temporary added into grad_weight).
     """
+    _check_grad_weight_type(grad_weight)
     chunk_size = _check_masked_logprobs(hidden, lm_head_weight, targets, chunk_size)
+    _check_tf32_grad_gemms("masked_logprobs_grad", tf32_grad_gemms, hidden.dtype)
     acc = accumulate_dtype(hidden.dtype)
     rows = hidden.shape[0]
     check_same_device("masked_logprobs_grad", hidden=hidden, grad_logp=grad_logp, lse=lse, grad_weight=grad_weight)
@@ -111,13 +149,10 @@ def masked_logprobs_grad(
     if lse is not None and (lse.shape != (rows,) or lse.dtype != acc):
         raise ValueError(f"masked_logprobs_grad: lse must be a {acc} [M] = [{rows}] tensor, got {lse.dtype} "
                          f"{tuple(lse.shape)}; pass None to compute it.")
-    if grad_weight is not None and (grad_weight.shape != lm_head_weight.shape
-                                    or grad_weight.dtype != lm_head_weight.dtype):
-        raise ValueError(f"masked_logprobs_grad: grad_weight must match lm_head_weight ({lm_head_weight.dtype} "
-                         f"{tuple(lm_head_weight.shape)}), got {grad_weight.dtype} {tuple(grad_weight.shape)}.")
-    if grad_weight is not None and not grad_weight.is_contiguous():
-        raise ValueError("masked_logprobs_grad: grad_weight must be contiguous (its rows are updated in place chunk "
-                         "by chunk); pass the .grad of a contiguous parameter, or None.")
+    if grad_weight is not None:
+        _check_grad_weight(grad_weight, lm_head_weight)
+        hidden, targets, grad_logp, lse = _unshared_with(grad_weight, lm_head_weight, hidden=hidden,
+                                                         targets=targets, grad_logp=grad_logp, lse=lse)
     hidden, weight = hidden.detach(), lm_head_weight.detach()
     targets, grad_logp = targets.long(), grad_logp.detach().to(acc)
     if choose_backend("masked_logprobs", hidden.device, backend) == "reference":
@@ -125,19 +160,147 @@ def masked_logprobs_grad(
         if grad_weight is not None:
             grad_weight.add_(weight_grad)
         return logp, grad_hidden
-    if has_kernel("masked_logprobs_grad", hidden.device.type):
-        return torch.ops.dllm_fast.masked_logprobs_grad(
-            hidden.contiguous(), weight.contiguous(), targets.contiguous(), grad_logp.contiguous(),
-            None if lse is None else lse.contiguous(), grad_weight, chunk_size)
-    return _composite_grad(hidden.contiguous(), weight.contiguous(), targets.contiguous(), grad_logp, grad_weight,
-                           chunk_size)
+    hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
+    if not has_kernel("masked_logprobs_grad", hidden.device.type):
+        return _composite_grad(hidden, weight, targets, grad_logp, grad_weight, chunk_size, tf32_grad_gemms)
+    verify = lse is not None and data_checks_enabled(hidden, weight, lse)
+    if verify:
+        target_logit, rounding = _target_logits(hidden, weight, targets)
+        slack = rounding + LSE_TOLERANCE[hidden.dtype]  # per row: how far lse may be off and pass
+        _check_lse_bounds(lse, target_logit, slack, targets, weight.shape[0])
+    logp, grad_hidden = torch.ops.dllm_fast.masked_logprobs_grad(
+        hidden, weight, targets, grad_logp.contiguous(), None if lse is None else lse.contiguous(), grad_weight,
+        chunk_size, tf32_grad_gemms)
+    if verify:
+        rows = _rows_off(lse, target_logit, slack, targets, logp, weight.shape[0])
+        if rows.numel():
+            _recompute_rows(rows, hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size, tf32_grad_gemms,
+                            logp, grad_hidden)
+    return logp, grad_hidden
 
 
-def _composite_grad(hidden, weight, targets, grad_logp, grad_weight, chunk_size):
+# A row whose given lse was off by more than this (|log S| for the walk's measured normaliser S), by the inputs'
+# dtype, is recomputed: its grad_weight part would be off by a relative S - 1. For fp32 and fp64 well above the
+# rounding of an lse computed from the same hidden states (about 1e-6 in fp32); for bf16 and fp16 their unit
+# roundoff, the rounding d(logits) gets anyway: a logp scored in another micro-batch, whose bf16 hidden states
+# differ in their last bits, is not walked twice.
+LSE_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def _target_logits(hidden, weight, targets) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's target logit in the accumulator type (that of the clamped id for a target outside [0, V)), and
+    a bound on how far the kernel's own GEMM may round it differently: a few ulps of sum |h_k W_tk|."""
+    acc = accumulate_dtype(hidden.dtype)
+    rows = weight[targets.clamp(0, weight.shape[0] - 1)].to(acc)
+    products = hidden.to(acc) * rows
+    eps = torch.finfo(acc).eps
+    return products.sum(-1), 4 * hidden.shape[1] ** 0.5 * eps * products.abs().sum(-1)
+
+
+def _check_lse_bounds(lse, target_logit, slack, targets, vocab) -> None:
+    """Before the walk (nothing written yet): a finite lse at least the target's logit in every row."""
+    inside = (targets >= 0) & (targets < vocab)
+    bad = ~torch.isfinite(lse) | (inside & (lse < target_logit - slack))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        value, logit = float(lse[row]), float(target_logit[row])
+        reason = ("is not finite" if not math.isfinite(value) else
+                  f"is below that row's target logit {logit:.6g}, but a logsumexp is at least each of its logits")
+        raise ValueError(f"masked_logprobs_grad: lse[{row}] = {value!r} {reason}: it is not the logsumexp of "
+                         f"hidden[{row}] @ lm_head_weight.T. Pass the lse of these hidden states (e.g. "
+                         f"hidden . W[target] - logp for a logp scored on them), or lse=None to compute it.")
+
+
+def _rows_off(lse, target_logit, slack, targets, logp, vocab) -> torch.Tensor:
+    """After the walk: the rows whose measured normaliser S (the walk's logp = target logit - lse - log S) says
+    their lse was off by more than the tolerance (one host sync)."""
+    inside = (targets >= 0) & (targets < vocab)
+    log_s = target_logit - lse - logp
+    return (inside & ~(log_s.abs() <= slack)).nonzero().squeeze(1)
+
+
+def _recompute_rows(rows, hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size, tf32, logp,
+                    grad_hidden) -> None:
+    """Rows whose lse was off get exact logp and grad_hidden, and grad_weight the difference between their true
+    and their added gradient, in place.
+
+    The walk added g (onehot - S p) for such a row (p its softmax) where g (onehot - p) was due: the difference
+    g (S - 1) p is added by a walk with upstream -g (S - 1) and the exact logsumexp, which adds
+    -g (S - 1) (onehot - p), plus g (S - 1) h into the target's row."""
+    h, t, g = hidden[rows], targets[rows], grad_logp[rows]
+    exact_lse = torch.ops.dllm_fast.masked_logprobs(h, weight, t, chunk_size)[1]
+    logp[rows], grad_hidden[rows] = torch.ops.dllm_fast.masked_logprobs_grad(h, weight, t, g, exact_lse, None,
+                                                                             chunk_size, tf32)
+    if grad_weight is not None:
+        excess = g * (torch.exp(exact_lse - lse[rows]) - 1)  # g (S - 1)
+        torch.ops.dllm_fast.masked_logprobs_grad(h, weight, t, -excess, exact_lse, grad_weight, chunk_size, tf32)
+        grad_weight.index_add_(0, t, (excess[:, None] * h.to(excess.dtype)).to(grad_weight.dtype))
+
+
+def _check_tf32_grad_gemms(op: str, value, dtype: torch.dtype) -> None:
+    check_bool(f"{op}: tf32_grad_gemms", value)
+    if value and dtype == torch.float64:
+        raise ValueError(f"{op}: tf32_grad_gemms=True asks for TF32 gradient GEMMs, but the inputs are float64, whose "
+                         "GEMMs run in fp64; pass tf32_grad_gemms=False (or fp32 inputs).")
+
+
+def _check_grad_weight_type(grad_weight) -> None:
+    if grad_weight is not None and not isinstance(grad_weight, torch.Tensor):
+        raise TypeError(f"masked_logprobs_grad: grad_weight must be a torch.Tensor (e.g. lm_head_weight.grad), got "
+                        f"{type(grad_weight).__module__}.{type(grad_weight).__name__}; its memory is added into in "
+                        "place, so wrap an array with torch.from_numpy(array) (sharing its memory), or pass None.")
+
+
+def _check_grad_weight(grad_weight: torch.Tensor, weight: torch.Tensor) -> None:
+    if grad_weight.shape != weight.shape or grad_weight.dtype != weight.dtype:
+        raise ValueError(f"masked_logprobs_grad: grad_weight must match lm_head_weight ({weight.dtype} "
+                         f"{tuple(weight.shape)}), got {grad_weight.dtype} {tuple(grad_weight.shape)}.")
+    if not grad_weight.is_contiguous():
+        raise ValueError("masked_logprobs_grad: grad_weight must be contiguous (its rows are updated in place chunk "
+                         "by chunk); pass the .grad of a contiguous parameter, or None.")
+    if grad_weight.requires_grad:
+        raise ValueError("masked_logprobs_grad: grad_weight requires grad, but the op adds into it in place outside "
+                         "autograd; pass a buffer that does not, e.g. lm_head_weight.grad (or grad_weight.detach(), "
+                         "which shares its memory), or None.")
+    if _has_memory(grad_weight) and shares_memory(grad_weight, weight):
+        raise ValueError("masked_logprobs_grad: grad_weight shares memory with lm_head_weight, which the walk reads "
+                         "while it adds into grad_weight; pass a separate buffer such as lm_head_weight.grad.")
+
+
+def _unshared_with(buffer: torch.Tensor, weight: torch.Tensor, **inputs):
+    """The inputs, each copied when it shares memory with `buffer` (the walk writes the buffer while it reads
+    them): their values at the call. A compiled graph or fake tensors have no addresses to compare: as given."""
+    if not _has_memory(buffer):
+        return tuple(inputs.values())
+    return tuple(None if t is None else (t.clone() if shares_memory(t, buffer) else t) for t in inputs.values())
+
+
+def _has_memory(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s addresses can be read here: not while torch.compile traces, not for fake or meta ones."""
+    return not torch.compiler.is_compiling() and not tensor.is_meta and detect_fake_mode([tensor]) is None
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes two tensors span (from their first to their last element) overlap."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        start = t.data_ptr()
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+        return start, start + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _composite_grad(hidden, weight, targets, grad_logp, grad_weight, chunk_size, tf32_grad_gemms=False):
     """masked_logprobs_grad from the forward and backward kernels, for a device whose build lacks its kernel."""
     logp, lse = torch.ops.dllm_fast.masked_logprobs(hidden, weight, targets, chunk_size)
     grad_hidden, weight_grad = torch.ops.dllm_fast.masked_logprobs_backward(
-        grad_logp, None, hidden, weight, targets, lse, chunk_size, [True, grad_weight is not None])
+        grad_logp, None, hidden, weight, targets, lse, chunk_size, [True, grad_weight is not None], tf32_grad_gemms)
     if grad_weight is not None:
         grad_weight.add_(weight_grad)
     return logp, grad_hidden
@@ -152,6 +315,7 @@ def logprobs_with_known_gradient(
     logp: torch.Tensor | None = None,
     chunk_size: int | None = None,
     backend: str | None = None,
+    tf32_grad_gemms: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The LM head's part of a backward whose upstream gradient d loss / d logp is known before the forward (the
     streaming engine's pass 2), computed during the forward.
@@ -165,11 +329,12 @@ def logprobs_with_known_gradient(
 
     Args:
         hidden: [M, d] rows to score, typically part of the body's graph.
-        lm_head_weight, targets, chunk_size, backend: as for `masked_logprobs`.
+        lm_head_weight, targets, chunk_size, backend, tf32_grad_gemms: as for `masked_logprobs`.
         grad_logp: [M] d loss / d logp of each row.
         logp: [M] the rows' log-probs when already known (scored earlier on the same hidden states): their
             logsumexp follows from one dot product per row, and the walk needs three GEMMs per chunk instead of
-            four. None: computed.
+            four. None: computed. Verified as masked_logprobs_grad verifies its lse (a logp above 0 is refused;
+            rows scored on other hidden states are recomputed).
 
     Returns:
         (logp [M] detached, surrogate): the rows' log-probs under this forward and a 0-dim tensor whose value is
@@ -188,7 +353,8 @@ def logprobs_with_known_gradient(
     buffer = weight_grad_buffer(lm_head_weight) if in_place else (
         torch.zeros_like(lm_head_weight) if weight_trains else None)
     logp_now, grad_hidden = masked_logprobs_grad(hidden, lm_head_weight, targets, grad_logp, lse=lse,
-                                                 grad_weight=buffer, chunk_size=chunk_size, backend=backend)
+                                                 grad_weight=buffer, chunk_size=chunk_size, backend=backend,
+                                                 tf32_grad_gemms=tf32_grad_gemms)
     held = None if in_place else buffer
     surrogate = _KnownGradientSurrogate.apply(hidden, lm_head_weight, grad_hidden, held,
                                               (grad_logp.detach().to(acc) * logp_now).sum())
@@ -227,13 +393,17 @@ class _KnownGradientSurrogate(torch.autograd.Function):
 
 
 class _WeightGradInPlace(torch.autograd.Function):
-    """masked_logprobs whose backward adds the weight's gradient into `weight.grad` and returns none for it."""
+    """masked_logprobs whose backward adds the weight's gradient into `weight.grad` and returns none for it, when
+    the backward accumulates into `.grad` (`.backward()`): `torch.autograd.grad` gets it as a tensor instead."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size):
-        logp, lse = torch.ops.dllm_fast.masked_logprobs(hidden, weight, targets, chunk_size)
+    def forward(ctx, hidden, weight, targets, chunk_size, tf32_grad_gemms):
+        logp, lse = torch.ops.dllm_fast.masked_logprobs(hidden, weight, targets, chunk_size, tf32_grad_gemms)
         ctx.save_for_backward(hidden, targets, lse)
-        ctx.weight, ctx.chunk_size = weight, chunk_size  # the parameter itself, whose .grad receives the gradient
+        ctx.weight, ctx.chunk_size, ctx.tf32 = weight, chunk_size, tf32_grad_gemms  # the parameter itself
+        # Held (autograd keeps it weakly) to ask the backward whether it accumulates into .grad. A compiled graph
+        # (likelihood/compiled.py) runs under .backward() only, and cannot trace the question: None.
+        ctx.accumulate_grad = None if torch.compiler.is_compiling() else accumulate_grad_node(weight)
         return logp
 
     @staticmethod
@@ -241,10 +411,34 @@ class _WeightGradInPlace(torch.autograd.Function):
         hidden, targets, lse = ctx.saved_tensors
         if torch.is_grad_enabled():
             raise RuntimeError(_NO_DOUBLE_BACKWARD)
-        buffer = weight_grad_buffer(ctx.weight) if ctx.needs_input_grad[1] else None
-        _, grad_hidden = masked_logprobs_grad(hidden, ctx.weight, targets, grad_logp, lse=lse, grad_weight=buffer,
-                                              chunk_size=ctx.chunk_size, backend="compiled")
-        return (grad_hidden if ctx.needs_input_grad[0] else None), None, None, None
+        weight, chunk_size = ctx.weight.detach(), ctx.chunk_size
+        into_grad = ctx.needs_input_grad[1] and (ctx.accumulate_grad is None
+                                                 or _backward_accumulates(ctx.accumulate_grad))
+        if ctx.needs_input_grad[1] and into_grad is None:  # torch.autograd.grad: return it, leave .grad alone
+            grad_hidden, grad_weight = torch.ops.dllm_fast.masked_logprobs_backward(
+                grad_logp, None, hidden, weight, targets, lse, chunk_size, [ctx.needs_input_grad[0], True], ctx.tf32)
+            return grad_hidden, grad_weight, None, None, None
+        buffer = weight_grad_buffer(ctx.weight) if into_grad else None
+        # lse comes from this op's own forward on the same tensors: exact, nothing to verify.
+        _, grad_hidden = torch.ops.dllm_fast.masked_logprobs_grad(
+            hidden, weight, targets, grad_logp.to(lse.dtype).contiguous(), lse, buffer, chunk_size, ctx.tf32)
+        return (grad_hidden if ctx.needs_input_grad[0] else None), None, None, None, None
+
+
+def accumulate_grad_node(parameter: torch.Tensor):
+    """The AccumulateGrad node of a leaf that requires grad (the node DDP hooks), found through a view of it."""
+    with torch.enable_grad():
+        return parameter.view_as(parameter).grad_fn.next_functions[0][0]
+
+
+def _backward_accumulates(node) -> bool | None:
+    """Whether the running backward executes the weight's AccumulateGrad node (True: `.backward()` adds into its
+    `.grad`; False: `backward(inputs=...)` without the weight), or None under `torch.autograd.grad`, which returns
+    gradients instead of accumulating them (autograd cannot say there which inputs it captures)."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return None
 
 
 _NO_DOUBLE_BACKWARD = (
@@ -288,22 +482,23 @@ def _check_masked_logprobs(hidden, weight, targets, chunk_size) -> int:
 if HAS_EXTENSION:
 
     @torch.library.register_fake("dllm_fast::masked_logprobs")
-    def _masked_logprobs_fake(hidden, weight, targets, chunk_size):
+    def _masked_logprobs_fake(hidden, weight, targets, chunk_size, tf32_grad_gemms=False):
         acc = accumulate_dtype(hidden.dtype)
         rows = hidden.shape[0]
         return hidden.new_empty(rows, dtype=acc), hidden.new_empty(rows, dtype=acc)
 
     @torch.library.register_fake("dllm_fast::masked_logprobs_backward")
-    def _masked_logprobs_backward_fake(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask):
+    def _masked_logprobs_backward_fake(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask,
+                                       tf32_grad_gemms=False):
         grad_hidden = torch.empty_like(hidden) if output_mask[0] else None
         grad_weight = torch.empty_like(weight) if output_mask[1] else None
         return grad_hidden, grad_weight
 
     def _masked_logprobs_setup_context(ctx, inputs, output):
-        hidden, weight, targets, chunk_size = inputs
+        hidden, weight, targets, chunk_size, *option = inputs
         _, lse = output
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.tf32 = chunk_size, bool(option and option[0])
 
     def _masked_logprobs_backward(ctx, grad_logp, grad_lse):
         hidden, weight, targets, lse = ctx.saved_tensors
@@ -312,14 +507,15 @@ if HAS_EXTENSION:
             raise RuntimeError(_NO_DOUBLE_BACKWARD)
         grad_hidden, grad_weight = torch.ops.dllm_fast.masked_logprobs_backward(
             grad_logp, grad_lse, hidden, weight, targets, lse, ctx.chunk_size,
-            [ctx.needs_input_grad[0], ctx.needs_input_grad[1]],
+            [ctx.needs_input_grad[0], ctx.needs_input_grad[1]], ctx.tf32,
         )
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
     torch.library.register_autograd(
         "dllm_fast::masked_logprobs", _masked_logprobs_backward, setup_context=_masked_logprobs_setup_context
     )
 
     @torch.library.register_fake("dllm_fast::masked_logprobs_grad")
-    def _masked_logprobs_grad_fake(hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size):
+    def _masked_logprobs_grad_fake(hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size,
+                                   tf32_grad_gemms=False):
         return hidden.new_empty(hidden.shape[0], dtype=accumulate_dtype(hidden.dtype)), torch.empty_like(hidden)

@@ -9,7 +9,9 @@ from dllm_fast import reference
 from dllm_fast._extension import HAS_EXTENSION
 from dllm_fast.contracts import accumulate_dtype
 from dllm_fast.ops.backend import FLOAT_DTYPES, choose_backend, resolve_chunk_size
-from dllm_fast.validation import check_bool, check_int, check_same_device, check_temperature, check_threshold
+from dllm_fast.validation import (
+    check_bool, check_int, check_same_device, check_temperature, check_threshold, data_checks_enabled,
+)
 
 MAX_TOKEN_IDS = 8  # per id list of sample_tokens: csrc/cuda/sampling.cuh's TokenList::kCapacity
 
@@ -139,7 +141,10 @@ def select_transfer(
     Args:
         confidence: [B, n] fp32/fp64 confidence of each position's sampled token.
         candidates: [B, n] bool, the still-masked positions of the current block.
-        counts: [B] integer, unmask the counts[b] most confident candidates (ties to the lowest position).
+        counts: [B] integer >= 0, unmask the counts[b] most confident candidates (ties to the lowest position);
+            a count above a row's number of candidates unmasks them all. Verified non-negative where values may
+            be read (not under torch.compile, fake tensors or `values_checked()`, where the kernels take a
+            negative count as 0).
         threshold: instead of counts, Fast-dLLM's rule: the most confident candidate plus every candidate with
             confidence >= threshold, in (0, 1].
         check_finite: raise ValueError naming the first candidate whose confidence is NaN (costs a host sync on
@@ -162,6 +167,10 @@ def select_transfer(
     elif counts.shape != (confidence.shape[0],) or counts.is_floating_point() or counts.dtype == torch.bool:
         raise ValueError(f"select_transfer: counts must be an integer [B] = [{confidence.shape[0]}] tensor, got "
                          f"{counts.dtype} {tuple(counts.shape)}.")
+    elif data_checks_enabled(counts) and bool((counts < 0).any()):
+        row = int((counts < 0).nonzero()[0])
+        raise ValueError(f"select_transfer: counts[{row}] = {int(counts[row])} is negative; each row unmasks counts[b] "
+                         ">= 0 candidates (0 unmasks none).")
     if confidence.dtype not in (torch.float32, torch.float64):
         confidence = confidence.float()
     if check_finite:

@@ -27,40 +27,30 @@ auto dispatch_accumulate(at::ScalarType input, Fn&& fn) {
   return fn(float{});
 }
 
-std::tuple<Tensor, Tensor> masked_logprobs_cpu(const Tensor& hidden, const Tensor& weight,
-                                               const Tensor& targets, int64_t chunk_size);
-std::tuple<Tensor, Tensor> masked_logprobs_backward_cpu(
-    const std::optional<Tensor>& grad_logp, const std::optional<Tensor>& grad_lse, const Tensor& hidden,
-    const Tensor& weight, const Tensor& targets, const Tensor& lse, int64_t chunk_size,
-    std::array<bool, 2> output_mask);
+// Every backend implements the same signatures, those of the schemas (dllm_fast/schemas.h), named
+// <op>_<backend>: declared once here for each backend.
+#define DLLM_FAST_DECLARE_KERNELS(backend)                                                                         \
+  std::tuple<Tensor, Tensor> masked_logprobs_##backend(const Tensor& hidden, const Tensor& weight,                 \
+                                                       const Tensor& targets, int64_t chunk_size,                  \
+                                                       bool tf32_grad_gemms);                                      \
+  std::tuple<Tensor, Tensor> masked_logprobs_backward_##backend(                                                   \
+      const std::optional<Tensor>& grad_logp, const std::optional<Tensor>& grad_lse, const Tensor& hidden,         \
+      const Tensor& weight, const Tensor& targets, const Tensor& lse, int64_t chunk_size,                          \
+      std::array<bool, 2> output_mask, bool tf32_grad_gemms);                                                      \
+  std::tuple<Tensor, Tensor> masked_logprobs_grad_##backend(                                                       \
+      const Tensor& hidden, const Tensor& weight, const Tensor& targets, const Tensor& grad_logp,                  \
+      const std::optional<Tensor>& lse, const std::optional<Tensor>& grad_weight, int64_t chunk_size,              \
+      bool tf32_grad_gemms);                                                                                       \
+  std::tuple<Tensor, Tensor> sample_tokens_##backend(                                                              \
+      const Tensor& hidden, const Tensor& weight, const Tensor& row_ids, double temperature, int64_t seed,         \
+      int64_t offset, at::IntArrayRef suppress_ids, at::IntArrayRef confidence_exclude_ids, int64_t chunk_size);   \
+  Tensor select_transfer_##backend(const Tensor& confidence, const Tensor& candidates, const Tensor& counts,        \
+                                   double threshold);
 
-std::tuple<Tensor, Tensor> masked_logprobs_grad_cpu(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
-                                                    const Tensor& grad_logp, const std::optional<Tensor>& lse,
-                                                    const std::optional<Tensor>& grad_weight, int64_t chunk_size);
-
-std::tuple<Tensor, Tensor> sample_tokens_cpu(const Tensor& hidden, const Tensor& weight, const Tensor& row_ids,
-                                             double temperature, int64_t seed, int64_t offset,
-                                             at::IntArrayRef suppress_ids, at::IntArrayRef confidence_exclude_ids,
-                                             int64_t chunk_size);
-Tensor select_transfer_cpu(const Tensor& confidence, const Tensor& candidates, const Tensor& counts,
-                           double threshold);
-
+DLLM_FAST_DECLARE_KERNELS(cpu)
 #ifdef DLLM_FAST_WITH_CUDA
-std::tuple<Tensor, Tensor> masked_logprobs_cuda(const Tensor& hidden, const Tensor& weight,
-                                                const Tensor& targets, int64_t chunk_size);
-std::tuple<Tensor, Tensor> masked_logprobs_backward_cuda(
-    const std::optional<Tensor>& grad_logp, const std::optional<Tensor>& grad_lse, const Tensor& hidden,
-    const Tensor& weight, const Tensor& targets, const Tensor& lse, int64_t chunk_size,
-    std::array<bool, 2> output_mask);
-std::tuple<Tensor, Tensor> sample_tokens_cuda(const Tensor& hidden, const Tensor& weight, const Tensor& row_ids,
-                                              double temperature, int64_t seed, int64_t offset,
-                                              at::IntArrayRef suppress_ids, at::IntArrayRef confidence_exclude_ids,
-                                              int64_t chunk_size);
-std::tuple<Tensor, Tensor> masked_logprobs_grad_cuda(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
-                                                     const Tensor& grad_logp, const std::optional<Tensor>& lse,
-                                                     const std::optional<Tensor>& grad_weight, int64_t chunk_size);
-Tensor select_transfer_cuda(const Tensor& confidence, const Tensor& candidates, const Tensor& counts,
-                            double threshold);
+DLLM_FAST_DECLARE_KERNELS(cuda)
 #endif
+#undef DLLM_FAST_DECLARE_KERNELS
 
 }  // namespace dllm_fast
