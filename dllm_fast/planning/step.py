@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,7 @@ from dllm_fast.planning.fake import Assumptions, PlanningFakeMode, fake_module, 
 from dllm_fast.planning.replay import Replayer
 from dllm_fast.rollout import generate
 from dllm_fast.train.config import TrainConfig, model_source
+from dllm_fast.train.precision import ModelPrecision, model_precision
 
 ENGINES = ("streaming", "all_graphs")
 UPDATE_PHASES = ("old-policy scoring", "reference scoring", "inner update", "optimizer step")
@@ -89,14 +91,20 @@ class Session:
     """The fake world of one configuration: models, optimizer (its state allocated), ledger and replayer.
     Enter it (`with session:`) to run phases; tensors made inside belong to it."""
 
-    def __init__(self, config: TrainConfig, *, target: Target, weights_dtype: torch.dtype = torch.float32,
+    def __init__(self, config: TrainConfig, *, target: Target, weights_dtype: torch.dtype | None = None,
                  engine: str = "streaming", assumptions: Assumptions | None = None, optimizer: bool = True):
-        """optimizer: allocate the AdamW state a training step holds (False for a rollout on its own)."""
+        """weights_dtype: every model's weights in this dtype (None: what train loads for the target's device,
+        dllm_fast.train.precision). optimizer: allocate the AdamW state a training step holds (False for a
+        rollout on its own)."""
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is not one of {', '.join(ENGINES)}.")
         self.config, self.target, self.engine = config, target, engine
         self.objective = objectives.get(config.objective, **config.objective_options)
-        self.policy, self.reference, self.base = _build_models(config, self.objective, weights_dtype)
+        precision = model_precision(config, target.device_type)
+        if weights_dtype is not None:
+            precision = dataclasses.replace(precision, policy=weights_dtype, reference=weights_dtype)
+        self.precision = precision
+        self.policy, self.reference, self.base = _build_models(config, self.objective, precision)
         base = self.base
         if assumptions is None:
             special = (base.mask_token_id, base.eos_token_id, getattr(base, "eot_token_id", None))
@@ -106,7 +114,7 @@ class Session:
                                       avoid_ids=frozenset(i for i in special if i is not None))
         self.mode = PlanningFakeMode(assumptions)
         self.accountant = Accountant(target)
-        self.bf16 = config.bf16 if config.bf16 is not None else target.device_type == "cuda"
+        self.bf16 = precision.autocast
         self.compile = compiles(config, target.device_type)
         self._models = [m for m in (self.policy, self.reference) if m is not None]
         for module in self._models:
@@ -286,8 +294,9 @@ def probe_n_t(config: TrainConfig, rollouts: int, micro_batch: int) -> tuple[int
 # building the fake models
 
 
-def _build_models(config: TrainConfig, objective, weights_dtype: torch.dtype):
-    """(policy, reference copy or None, the base model), on the meta device, as train/run.py builds them."""
+def _build_models(config: TrainConfig, objective, precision: ModelPrecision):
+    """(policy, reference copy or None, the base model), on the meta device, as train/run.py builds them, in the
+    dtypes `precision` gives (train.precision.model_precision: the trainer's own choice)."""
     from dllm_fast.models.loading import PRESETS
 
     source, family, _ = model_source(config)
@@ -296,11 +305,11 @@ def _build_models(config: TrainConfig, objective, weights_dtype: torch.dtype):
             base = family(family.preset_config(PRESETS[str(source)][1]))
         else:
             base = family.from_pretrained(source, device="meta")
-    base = base.to(weights_dtype).train()
+    base = base.to(precision.policy).train()
     base.set_gradient_checkpointing(config.gradient_checkpointing)
     reference = None
     if objective.needs_reference and not config.lora:
-        reference = copy.deepcopy(base).eval().requires_grad_(False)
+        reference = copy.deepcopy(base).to(precision.reference).eval().requires_grad_(False)
     policy = base
     if config.lora:
         from dllm_fast.train.run import add_lora
