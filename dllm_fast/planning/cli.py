@@ -88,6 +88,12 @@ def main(argv: typing.Sequence[str] = ()) -> None:
     try:
         plan = plan_step(config, gpu=args.gpu, prompt_length=args.prompt_length, engine=args.engine,
                          weights_dtype=args.weights_dtype, search=args.search)
+    except ImportError as error:  # a package the configuration needs (LoRA: peft) is not installed
+        if debug:
+            raise
+        need = " (--lora true plans PEFT adapters, as train does: pip install peft)" if error.name == "peft" else ""
+        print(f"{PROG}: {error}{need}; install it and plan again.", file=sys.stderr)
+        raise SystemExit(1) from None
     except (ValueError, TypeError, OSError, RuntimeError) as error:
         if debug:
             raise

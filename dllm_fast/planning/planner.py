@@ -134,7 +134,7 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
 
 # Bounds on what one plan runs, so that every configuration gets an answer or a refusal in bounded time (a
 # replayed micro-batch or denoising step costs tens of milliseconds of CPU on fake tensors).
-MAX_PLANNED_FORWARDS = 4096  # denoising steps of the rollout
+MAX_PLANNED_FORWARDS = 1024  # denoising steps of the rollout (an 8B step: about a minute of CPU)
 MAX_PLANNED_CALLS = 1024  # scoring and update micro-batches, over the inner updates, at the larger probe n_t
 UNBOUNDED_POSITIONS = 1 << 16  # for a model that states no max_sequence_length
 

@@ -197,6 +197,8 @@ class Session:
             self.policy.eval()
             # as train does: trajectory objectives (TraceRL) ask generate to record the decoding order
             record = {"record_unmask_step": True} if getattr(self.objective, "needs_unmask_step", False) else {}
+            if c.threshold is not None:  # confidences below the threshold: one token a step (see Assumptions)
+                record["assumed_steps_per_block"] = c.block_length
             with torch.no_grad(), self.autocast():
                 result = generate(self.policy, input_ids, attention_mask, gen_length=c.gen_length,
                                   block_length=c.block_length, steps=c.diffusion_steps, temperature=c.temperature,
