@@ -43,33 +43,38 @@ def explicit_n_t(name: str) -> int:
     return objectives.nearest_valid_n_t(name, 3) or 1
 
 
-@pytest.mark.parametrize("name", objectives.available())
-def test_every_objective_plans_with_an_explicit_n_t(capsys, name):
+CACHES = ("none", "prefix", "dual")
+
+
+@pytest.mark.parametrize("index, name", list(enumerate(objectives.available())))
+def test_every_objective_and_cache_mode_plans_with_an_explicit_n_t(capsys, index, name):
     """--objective-options '{"n_t": N}' used to fail for every objective ("nearest_valid_n_t() got multiple values
-    for argument 'n_t'"), and tracerl failed without one (a fixed n_t has no second probe)."""
+    for argument 'n_t'"), and tracerl failed without one (a fixed n_t has no second probe). The objectives take
+    the cache modes in turn, eager and compiled, so that every cache mode plans both ways."""
     n_t = explicit_n_t(name)
-    search = ["--search", "true"] if name in ("tracerl", "vrpo_ol") else ["--search", "false"]
-    result = plan(capsys, "--objective", name, "--objective-options", json.dumps({"n_t": n_t}), *search)
+    cache, compile = CACHES[index % 3], ("false", "true")[index // 3 % 2]
+    search = "true" if name in ("tracerl", "vrpo_ol") else "false"
+    result = plan(capsys, "--objective", name, "--objective-options", json.dumps({"n_t": n_t}), "--cache", cache,
+                  "--compile", compile, "--search", search)
     assert result["shapes"]["n_t"] == n_t
     assert result["phases"]["inner update"]["flops"] > 0 and result["fits"] is True
-    if name == "tracerl":
-        assert "n_t" not in result["largest"] and "decoding states" in " ".join(result["notes"])
-    elif search[1] == "true":
-        assert result["largest"]["n_t"] >= n_t
-
-
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
-@pytest.mark.parametrize("compile", ["false", "true"])
-def test_every_cache_mode_plans_eager_and_compiled(capsys, cache, compile):
-    result = plan(capsys, "--cache", cache, "--compile", compile, "--search", "false")
     rollout = result["phases"]["rollout"]
     assert result["compiled"] is (compile == "true") and rollout["seconds"] > 0
     assert (rollout["memory_bytes"]["kv_cache"] > 0) is (cache != "none")
+    if name == "tracerl":
+        assert "n_t" not in result["largest"] and "decoding states" in " ".join(result["notes"])
+    elif search == "true":
+        assert result["largest"]["n_t"] >= n_t
 
 
-@pytest.mark.parametrize("flags", [["--threshold", "0.9", "--diffusion-steps", "none"], ["--engine", "all_graphs"],
-                                   ["--weights-dtype", "bfloat16"], ["--lora", "true", "--lora-rank", "4"],
-                                   ["--inner-updates", "2"], ["--gpu", "l40s", "--bf16", "false"]])
+def test_the_objectives_cover_every_cache_mode_eager_and_compiled():
+    covered = {(CACHES[i % 3], i // 3 % 2) for i in range(len(objectives.available()))}
+    assert covered == {(cache, compile) for cache in CACHES for compile in (0, 1)}
+
+
+@pytest.mark.parametrize("flags", [["--threshold", "0.9", "--diffusion-steps", "none", "--engine", "all_graphs"],
+                                   ["--weights-dtype", "bfloat16", "--inner-updates", "2"],
+                                   ["--lora", "true", "--lora-rank", "4", "--gpu", "l40s", "--bf16", "false"]])
 def test_other_options_plan(capsys, flags):
     result = plan(capsys, *flags, "--search", "false")
     assert result["peak_bytes"] > 0 and result["step_seconds"] > 0
