@@ -111,20 +111,21 @@ def readme_plan_commands() -> list[str]:
     return commands
 
 
-def readme_table() -> dict[str, list[float]]:
-    """The README's planning table: setup -> its streaming peaks (GB) at n_t 1 / 16 / 64 / 256."""
+def readme_table() -> dict[str, tuple[list[float], list[float]]]:
+    """The README's planning table: setup -> (its streaming peaks in GB, its step seconds) at n_t 1 / 16 / 64 /
+    256."""
     section = (ROOT / "README.md").read_text().split("## Planning a GPU run", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 5 and cells[1] == "1 / 16 / 64 / 256":
-            rows[cells[0]] = [float(v) for v in cells[2].split(" / ")]
+            rows[cells[0]] = tuple([float(v) for v in cells[i].split(" / ")] for i in (2, 4))
     return rows
 
 
 def test_the_readme_plan_commands_run_as_written_and_match_its_table():
     """Each plan command of the README, pasted into a shell as written (no `...`), answers; the headline one
-    reproduces the README table's row for the trainer's own setup at its n_t."""
+    reproduces the README table's row for the trainer's own setup at its n_t (peak and step time)."""
     commands = readme_plan_commands()
     assert commands and not any("..." in c for c in commands)
     table = readme_table()
@@ -136,9 +137,10 @@ def test_the_readme_plan_commands_run_as_written_and_match_its_table():
         result = json.loads(out.stdout)
         if "--weights-dtype" in argv or "--engine" in argv:
             continue
-        n_t = result["shapes"]["n_t"]
-        row = next(v for k, v in table.items() if k.startswith("LoRA") and "train" in k)
-        assert round(result["peak_bytes"] / 1e9, 1) == row[(1, 16, 64, 256).index(n_t)], (command, result["peak_bytes"])
+        column = (1, 16, 64, 256).index(result["shapes"]["n_t"])
+        peaks, seconds = next(v for k, v in table.items() if k.startswith("LoRA") and "train" in k)
+        assert round(result["peak_bytes"] / 1e9, 1) == peaks[column], (command, result["peak_bytes"])
+        assert result["step_seconds"] == pytest.approx(seconds[column], rel=0.005), (command, result["step_seconds"])
 
 
 def test_the_plan_command_with_an_explicit_n_t_runs_in_a_fresh_process():
