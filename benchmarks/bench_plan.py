@@ -1,5 +1,7 @@
-"""The planner against measurement, on CPU at small shapes: what `python -m dllm_fast plan` predicts for a call,
-next to what the benchmarks measure for the same call.
+"""The planner against measurement: what `python -m dllm_fast plan` predicts for a call, next to what the
+benchmarks measure for the same call. Two modes.
+
+On CPU, at small shapes, planned memory and FLOPs against measured ones:
 
     python benchmarks/bench_plan.py                       # small preset, fp32, the cases below
     python benchmarks/bench_plan.py --cases scoring update
@@ -15,12 +17,26 @@ process above its baseline after a warm-up run, with MALLOC_MMAP_THRESHOLD_=64 K
 the heap; and for the update the most saved-for-backward bytes alive at once (parameters excluded). Planned: the
 phase's peak above the memory alive when it started, and its largest activations. FLOPs: the planner's count of a
 forward and backward of the model (with the fused LM head on the masked rows) against an analytic count.
+
+On a GPU (no GPU needed: every number is a PLANNER ESTIMATE made on fake tensors), time:
+
+    python benchmarks/bench_plan.py --gpu h200            # each recorded H200 point: recorded, predicted, ratio;
+                                                          # then the estimates nothing has measured yet
+    python benchmarks/bench_plan.py --gpu h200 --fit      # fit the calibration again and print how
+    python benchmarks/bench_plan.py --gpu h200 --preset llada-8b --lora --prompt 200 --completion 512 --nt 16 \
+        --micro-batch 8 --provider naive two_pass [--json]   # bench_elbo's case: predicted ms per sample
+
+The recorded points (dllm_fast.planning.calibration.RECORDED) are the first GPU run's; the calls are
+dllm_fast.planning.predict's, each the benchmark's own call run on fake tensors. The estimates: the fused head
+with bf16 gradient GEMMs (issue 28) against naive and the known-gradient walk; LLaDA-8B rollouts at batch 8,
+eager and compiled (CUDA graphs); the engine's two_pass against naive at equal pairs per graph.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,18 +190,189 @@ POINTS = {
 }
 
 
+def gpu_points(gpu: str, names: list[str] | None = None) -> list[dict]:
+    """Each recorded point (or those named) with the planner's prediction and their ratio."""
+    from dllm_fast.planning import predict
+    from dllm_fast.planning.calibration import RECORDED
+
+    rows = []
+    for point in RECORDED:
+        if names and point.name not in names:
+            continue
+        predicted = predict.recorded(point, gpu)
+        unit = "x naive" if point.kind == "engine" else "s"
+        row = dict(point=point.name, recorded=point.value, predicted=predicted.pop("predicted"), unit=unit,
+                   **predicted)
+        row["ratio"] = row["predicted"] / row["recorded"]
+        if point.kernels_per_step is not None:
+            row["recorded_kernels_per_step"] = point.kernels_per_step
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def gpu_estimates(gpu: str) -> list[dict]:
+    """The PLANNER ESTIMATES nothing has measured yet (see the module docstring)."""
+    from dllm_fast.planning import predict
+
+    rows = []
+
+    def add(name, value, unit, **parts):
+        rows.append(dict(estimate=name, value=value, unit=unit, **parts))
+        print(json.dumps(rows[-1]), flush=True)
+
+    for M in (2048, 8192):
+        naive = predict.head(gpu, M=M, provider="naive", backward=True).seconds
+        for provider in ("dllm_fast", "dllm_grad", "dllm_grad_lse"):
+            for tf32 in ((False, True) if provider == "dllm_fast" else (False,)):
+                fused = predict.head(gpu, M=M, provider=provider, backward=True, tf32_grad_gemms=tf32).seconds
+                label = {"dllm_fast": "masked_logprobs fwd+bwd", "dllm_grad": "masked_logprobs_grad",
+                         "dllm_grad_lse": "masked_logprobs_grad, logsumexp known"}[provider]
+                add(f"head {label}{' (TF32 gradients)' if tf32 else ''} M={M}, bf16", 1e3 * fused, "ms",
+                    naive_ms=1e3 * naive, speedup_vs_naive=naive / fused)
+    for compile in (False, True):
+        costs, nfe = predict.rollout(gpu, cache="dual", compile=compile)
+        add(f"rollout 8B dual, batch 8, {'compiled' if compile else 'eager'}", 8 * 256 / costs.seconds, "tokens/s",
+            seconds=costs.seconds, device_s=costs.device_seconds, host_s=costs.host_seconds,
+            kernels_per_step=costs.kernels / nfe, roofline_s=costs.roofline_seconds)
+    for n_t in (16,):
+        naive = predict.engine(gpu, provider="naive", n_t=n_t, micro_batch=n_t).seconds / n_t
+        two_pass = predict.engine(gpu, provider="two_pass", n_t=n_t, micro_batch=n_t).seconds / n_t
+        add(f"engine two_pass / naive per sample, n_t={n_t}, micro-batch {n_t} (equal pairs per graph)",
+            two_pass / naive, "x naive", naive_ms_per_sample=1e3 * naive, two_pass_ms_per_sample=1e3 * two_pass)
+    return rows
+
+
+def fit(gpu: str) -> None:
+    """Fit the calibration's factors, each from the points it dominates (calibration.py's docstring), and print
+    the derivation: the GEMM and bandwidth efficiencies by least squares over the fused head's and naive's points
+    (their device time split by what bounds each kernel, at the datasheet peaks); then, one at a time on the full
+    model, eager_launch on the host-bound 8B dual rollout, fp32 on the small preset's compiled none rollout
+    (device-bound, fp32 GEMMs) and graph_launch on its compiled dual rollout."""
+    import dataclasses as dc
+
+    import numpy
+
+    from dllm_fast.planning import predict
+    from dllm_fast.planning.calibration import DEFAULT, RECORDED, ROOFLINE
+
+    heads = [p for p in RECORDED if p.kind == "head"]
+    factors = ("tensor_core", "tf32", "bandwidth")
+    matrix, target = [], []
+    for point in heads:
+        split = {}
+        predict.head(gpu, calibration=ROOFLINE, split=split, **point.options)
+        matrix.append([split.get(name, 0.0) / point.value for name in factors])
+        target.append(1.0)
+        print(f"{point.name}: {point.value * 1e3:.2f} ms = " + " + ".join(
+            f"{split.get(name, 0.0) * 1e3:.2f} ms / {name}" for name in factors))
+    inverse, *_ = numpy.linalg.lstsq(numpy.array(matrix), numpy.array(target), rcond=None)
+    calibration = dc.replace(DEFAULT, name="fit", **{name: float(1 / x) for name, x in zip(factors, inverse)})
+    print("least squares (relative): " + ", ".join(f"{name} {getattr(calibration, name):.3f}" for name in factors))
+
+    def solve(name: str, point_name: str, *, grows: bool, rounds: int = 4):
+        """Scale one factor until the point's prediction meets its recording (time grows with the factor when
+        `grows`, e.g. a launch cost, and shrinks with it otherwise, e.g. an efficiency)."""
+        nonlocal calibration
+        point = next(p for p in RECORDED if p.name == point_name)
+        for _ in range(rounds):
+            predicted = predict.recorded(point, gpu, calibration)["predicted"]
+            ratio = point.value / predicted
+            print(f"  {name} = {getattr(calibration, name):.4g}: {point_name} predicted {predicted:.4g} s, "
+                  f"recorded {point.value:.4g} s")
+            if abs(ratio - 1) < 0.005:
+                break
+            value = getattr(calibration, name) * (ratio if grows else 1 / ratio)
+            calibration = dc.replace(calibration, **{name: value})
+        print(f"{name}: {getattr(calibration, name):.4g}")
+
+    solve("eager_launch", "rollout 8B dual, eager", grows=True)
+    for _ in range(2):  # graph_launch and fp32 share the small preset's compiled points
+        solve("fp32", "rollout small none, compiled", grows=False)
+        solve("graph_launch", "rollout small dual, compiled", grows=True)
+    print(f"fitted: {calibration}")
+
+
+def engine_case(args) -> list[dict]:
+    """bench_elbo's case flags: the planner's ms per sample for each provider and n_t."""
+    from dllm_fast.planning import predict
+
+    rows = []
+    for n_t in args.nt:
+        for provider in args.provider:
+            costs = predict.engine(args.gpu, provider=provider, n_t=n_t, micro_batch=args.micro_batch,
+                                   preset=args.preset or "llada-8b", prompt=args.prompt, completion=args.completion,
+                                   lora=args.lora, lora_rank=args.lora_rank, sequences=args.sequences)
+            rows.append(dict(n_t=n_t, provider=provider, micro_batch=args.micro_batch,
+                             ms_per_sample=1e3 * costs.seconds / n_t, device_ms=1e3 * costs.device_seconds,
+                             host_ms=1e3 * costs.host_seconds, kernels=costs.kernels, host_syncs=costs.syncs))
+    for row in rows:
+        naive = next((r for r in rows if r["provider"] == "naive" and r["n_t"] == row["n_t"]), None)
+        row["time_vs_naive"] = row["ms_per_sample"] / naive["ms_per_sample"] if naive else None
+    return rows
+
+
+def gpu_main(args) -> None:
+    from dllm_fast.planning.calibration import DEFAULT, H200_RUN
+
+    label = "PLANNER ESTIMATE (fake tensors, calibration " + DEFAULT.name + ")"
+    if args.fit:
+        fit(args.gpu)
+        return
+    if args.provider:
+        rows = engine_case(args)
+        if args.json:
+            print(json.dumps(dict(label=label, gpu=args.gpu, rows=rows), indent=2))
+        else:
+            print(label)
+            print_table(rows, ["n_t", "provider", "micro_batch", "ms_per_sample", "time_vs_naive", "device_ms",
+                               "host_ms", "kernels", "host_syncs"])
+        return
+    points = gpu_points(args.gpu, args.points)
+    estimates = [] if args.points else gpu_estimates(args.gpu)
+    if args.json:
+        print(json.dumps(dict(label=label, recorded_on=H200_RUN, points=points, estimates=estimates), indent=2))
+        return
+    print(f"{label}; recorded: {H200_RUN}")
+    print_table(points, ["point", "unit", "recorded", "predicted", "ratio", "device_s", "host_s", "kernels_per_step",
+                         "recorded_kernels_per_step"])
+    if estimates:
+        print_table(estimates, ["estimate", "value", "unit", "naive_ms", "speedup_vs_naive", "seconds",
+                                "kernels_per_step", "naive_ms_per_sample", "two_pass_ms_per_sample"])
+    config = dict(gpu=args.gpu, calibration=DEFAULT.name, recorded_on=H200_RUN, label=label)
+    print(f"wrote {write_results(f'plan_{args.gpu}', config, points + estimates, args.results_dir)}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(POINTS), choices=list(POINTS))
-    parser.add_argument("--preset", default="small")
+    parser.add_argument("--preset", help="model preset (default: small on CPU, llada-8b for --gpu's engine case)")
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
+    gpu = parser.add_argument_group("time on a GPU (planner estimates, no GPU needed)")
+    gpu.add_argument("--gpu", help="plan for this GPU (dllm_fast.planning.GPUS), e.g. h200")
+    gpu.add_argument("--fit", action="store_true", help="fit the calibration on the recorded points")
+    gpu.add_argument("--points", nargs="+", metavar="NAME", help="only these recorded points")
+    gpu.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    engine = parser.add_argument_group("bench_elbo's case (with --gpu): the engine's predicted ms per sample")
+    engine.add_argument("--provider", "--providers", nargs="+", choices=["naive", "two_pass"],
+                        help="naive and/or two_pass (bench_elbo's providers)")
+    engine.add_argument("--nt", type=int, nargs="+", default=[16], help="MC samples per sequence (default 16)")
+    engine.add_argument("--micro-batch", type=int, default=1, help="(sequence, sample) pairs per streamed graph")
+    engine.add_argument("--prompt", type=int, default=200, help="prompt length (default 200)")
+    engine.add_argument("--completion", type=int, default=512, help="completion length (default 512)")
+    engine.add_argument("--sequences", type=int, default=1, help="sequences N (default 1)")
+    engine.add_argument("--lora", action="store_true", help="train LoRA adapters (q,k,v,up) instead of all weights")
+    engine.add_argument("--lora-rank", type=int, default=128)
     add_results_dir_argument(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.gpu:
+        gpu_main(args)
+        return
     rows = []
     for case in args.cases:
-        point = dict(POINTS[case], case=case, preset=args.preset, device="cpu", seed=0)
+        point = dict(POINTS[case], case=case, preset=args.preset or "small", device="cpu", seed=0)
         row = dict(case=case) | planned(point) | measured(point)
         row["peak_ratio"] = row["planned_peak_mib"] / row["measured_peak_mib"]
         if "measured_saved_mib" in row:
@@ -196,7 +383,7 @@ def main():
         rows.append(row)
     print_table(rows, ["case", "planned_peak_mib", "measured_peak_mib", "peak_ratio", "planned_saved_mib",
                        "measured_saved_mib", "saved_ratio", "planned_flops", "analytic_flops", "flops_ratio"])
-    config = dict(preset=args.preset, dtype="float32", points=POINTS, malloc=MALLOC)
+    config = dict(preset=args.preset or "small", dtype="float32", points=POINTS, malloc=MALLOC)
     print(f"wrote {write_results('plan_cpu', config, rows, args.results_dir)}")
 
 

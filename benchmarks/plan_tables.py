@@ -7,12 +7,14 @@ Training step (table "step"): LLaDA-8B, one prompt group of G = 8 per step, prom
 128 steps, dual cache), VRPO-OL (the ELBO, stratified masks, two passes) at n_t in {1, 16, 64, 256}, micro-batch
 8 pairs, gradient checkpointing; LoRA (r 16) and the full fine-tune; the streaming engine against all-graphs
 (every pair's graph kept until one backward), with the n_t where all-graphs stops fitting. Weights in bf16
-(weights, gradients and AdamW state); the trainer's own default, fp32 weights with bf16 autocast, as a row of its
-own.
+(weights, gradients and AdamW state); the trainer's own choice (dllm_fast/train/precision.py: fp32 weights with
+bf16 autocast today) as a row of its own. Time: the calibrated estimate (dllm_fast/planning/calibration.py:
+eager kernels, each at its fitted rate, with the host's launch costs) and its datasheet floor.
 
 Rollouts (table "rollout"): the same model and lengths in bf16, inference only (no optimizer state), batch 1 and
-8, caches none / prefix / dual: peak memory, KV cache, the roofline time of generate (eager kernels, each at max(FLOPs / peak, bytes / bandwidth)) and the
-weight-streaming floor (each forward reads the weights once).
+8, caches none / prefix / dual, eager and compiled (each denoising step one CUDA graph): peak memory, KV cache,
+the estimated time of generate and its datasheet floor, and the weight-streaming floor (each forward reads the
+weights once).
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ def step_rows(gpu, setups) -> list[dict]:
                 peak = max(p.peak for p in phases.values() if p.runs)
                 worst = max((p for p in phases.values() if p.runs), key=lambda p: p.peak).name
                 rows.append(dict(setup=label, engine=engine, n_t=n_t, peak_gb=peak / 1e9, fits=peak <= gpu.memory,
-                                 worst_phase=worst, step_roofline_s=sum(p.costs.seconds for p in phases.values()
-                                                                        if p.runs),
+                                 worst_phase=worst, step_s=sum(p.costs.seconds for p in phases.values() if p.runs),
+                                 step_roofline_s=sum(p.costs.roofline_seconds for p in phases.values() if p.runs),
                                  update_gb=phases["inner update"].peak / 1e9))
             for name in UPDATE_PHASES:
                 if high[name].runs:
@@ -80,17 +82,21 @@ def rollout_rows(gpu) -> list[dict]:
     rows = []
     for batch in (1, 8):
         for cache in ("none", "prefix", "dual"):
-            config = TrainConfig(**{**BASE, "cache": cache}, lora=False)
-            with Session(config, target=Target("cuda", gpu), weights_dtype=torch.bfloat16, optimizer=False) as session:
-                rollout = session.rollout(prompts=batch, group_size=1, prompt_length=PROMPT)
-                phase, weight_bytes = rollout.phase, session.weight_bytes
-            seconds = phase.costs.seconds
-            rows.append(dict(batch=batch, cache=cache, nfe=rollout.nfe, peak_gb=phase.peak / 1e9,
-                             kv_cache_gb=phase.category_peaks["kv_cache"] / 1e9, tflop=phase.costs.flops / 1e12,
-                             gb_moved=phase.costs.bytes / 1e9, roofline_s=seconds,
-                             floor_s=rollout.nfe * weight_bytes / gpu.bandwidth,
-                             tokens_per_s=batch * BASE["gen_length"] / seconds))
-            print(json.dumps(rows[-1]), flush=True)
+            for compile in (False, True):
+                config = TrainConfig(**{**BASE, "cache": cache}, lora=False, compile=compile)
+                with Session(config, target=Target("cuda", gpu), weights_dtype=torch.bfloat16,
+                             optimizer=False) as session:
+                    rollout = session.rollout(prompts=batch, group_size=1, prompt_length=PROMPT)
+                    phase, weight_bytes = rollout.phase, session.weight_bytes
+                seconds = phase.costs.seconds
+                rows.append(dict(batch=batch, cache=cache, compiled=compile, nfe=rollout.nfe, peak_gb=phase.peak / 1e9,
+                                 kv_cache_gb=phase.category_peaks["kv_cache"] / 1e9, tflop=phase.costs.flops / 1e12,
+                                 gb_moved=phase.costs.bytes / 1e9, seconds=seconds,
+                                 roofline_s=phase.costs.roofline_seconds,
+                                 floor_s=rollout.nfe * weight_bytes / gpu.bandwidth,
+                                 kernels_per_step=phase.costs.kernels / rollout.nfe,
+                                 tokens_per_s=batch * BASE["gen_length"] / seconds))
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -117,15 +123,19 @@ def main():
     results = {}
     if "step" in args.tables:
         setups = [("LoRA, bf16 weights", True, torch.bfloat16), ("full, bf16 weights", False, torch.bfloat16),
-                  ("LoRA, fp32 weights + autocast (train's default)", True, torch.float32)]
+                  ("LoRA, as train loads it (train/precision.py)", True, None)]
         results["step"] = step_rows(gpu, setups)
         print(markdown(results["step"], ["setup", "engine", "n_t", "peak_gb", "fits", "worst_phase", "update_gb",
-                                          "step_roofline_s", "largest_n_t"]))
+                                          "step_s", "step_roofline_s", "largest_n_t"]))
     if "rollout" in args.tables:
         results["rollout"] = rollout_rows(gpu)
-        print(markdown(results["rollout"], ["batch", "cache", "nfe", "peak_gb", "kv_cache_gb", "tflop", "gb_moved",
-                                             "roofline_s", "floor_s", "tokens_per_s"]))
-    config = dict(gpu=args.gpu, prompt_length=PROMPT, n_t=N_T, **BASE, label="planner estimate")
+        print(markdown(results["rollout"], ["batch", "cache", "compiled", "nfe", "peak_gb", "kv_cache_gb", "tflop",
+                                             "gb_moved", "seconds", "roofline_s", "floor_s", "kernels_per_step",
+                                             "tokens_per_s"]))
+    from dllm_fast.planning.calibration import DEFAULT
+
+    config = dict(gpu=args.gpu, prompt_length=PROMPT, n_t=N_T, **BASE, label="planner estimate",
+                  calibration=DEFAULT.name)
     for name, rows in results.items():
         print(f"wrote {write_results(f'plan_{name}_{args.gpu}', config, rows, args.results_dir)}")
 

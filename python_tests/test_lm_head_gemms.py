@@ -134,3 +134,26 @@ def test_the_tf32_option_runs_the_gradient_gemms_in_tf32(dtype):
         assert [kinds([g]).pop() for g in gemms] == [logits_gemm, gradient_gemm, gradient_gemm] * CHUNKS
         assert sum(g.flops for g in gemms) == 6 * M * D * V
     assert kinds(forward) == {logits_gemm}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("tf32", [False, True])
+def test_the_cost_models_gemms_by_type_are_the_logs(dtype, tf32):
+    """The planner prices each GEMM at the peak of its operand type (dllm_fast.ops.costs.gemm_flops_by_type): its
+    FLOPs by (operand dtype, compute) must be what the CUDA glue gives cuBLAS, for every op and option."""
+    from dllm_fast.ops import costs
+
+    if tf32 and dtype == torch.float64:
+        pytest.skip("tf32_grad_gemms is refused for fp64 inputs")
+    hidden, weight, targets, upstream = make_inputs(dtype)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    g, lse, buffer = upstream.to(acc), exact_lse(hidden, weight), torch.zeros_like(weight)
+    calls = [("masked_logprobs", (hidden, weight, targets, CHUNK, tf32)),
+             ("masked_logprobs_backward", (g, None, hidden, weight, targets, lse, CHUNK, [True, True], tf32)),
+             ("masked_logprobs_backward", (g, None, hidden, weight, targets, lse, CHUNK, [True, False], tf32)),
+             ("masked_logprobs_grad", (hidden, weight, targets, g, lse, buffer, CHUNK, tf32)),
+             ("masked_logprobs_grad", (hidden, weight, targets, g, None, None, CHUNK, tf32))]
+    for op, args in calls:
+        with emulation.emulated_cuda(), emulation.gemm_log() as gemms:
+            getattr(torch.ops.dllm_fast, op)(*args)
+        assert costs.gemm_flops_by_type(op, "cuda", args) == costs.gemm_flops_in_log(gemms), (op, dtype, tf32)

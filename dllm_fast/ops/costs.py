@@ -3,6 +3,9 @@
 
 - FLOPs: one formula per op, registered with `torch.utils.flop_counter`, so FlopCounterMode counts the fused
   LM-head GEMMs too (it sees only the op, not the GEMMs inside it).
+- GEMMs by operand type: `gemm_flops_by_type(op, device_type, args)` splits those FLOPs by (operand dtype,
+  compute), as the kernels hand them to cuBLAS (CUDA) or MKL (CPU), so that the planner prices each GEMM at the
+  peak of its type, and a test can hold the declaration against the emulator's GEMM log (`gemm_flops_in_log`).
 - Workspace: the fake kernels (ops/logprobs.py, ops/sampling.py) allocate only the outputs; the real kernels also
   allocate chunk buffers, upcast copies and per-row state while they run, and move the chunk logits through
   memory. `workspace(op, device_type, args)` says how much, for the CPU kernel (csrc/cpu) or the CUDA one
@@ -102,14 +105,24 @@ def _masked_logprobs_backward(device_type, grad_logp, grad_lse, hidden, weight, 
 def _masked_logprobs_grad(device_type, hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size,
                           tf32_grad_gemms=False) -> Workspace:
     """Both gradients for an upstream gradient known before the forward, in one walk over the vocabulary
-    (grad_weight accumulated in place)."""
+    (grad_weight accumulated in place). CPU: fp32 copies of hidden and of each weight chunk, d(logits) in place in
+    the fp32 logits. CUDA, bf16/fp16 inputs (issue 28): hidden and the weight used as they are, each chunk's
+    d(logits) rounded once to the model's dtype for the two gradient GEMMs."""
     M, d = hidden.shape
     V = weight.shape[0]
     acc, size = _size(accumulate_dtype(hidden.dtype)), _size(hidden.dtype)
     C, chunks = _chunks(V, chunk_size)
     upcast = size != acc
-    traffic = (2 * M * V * acc * (2 if lse is None else 1) + V * d * size
-               + (chunks * M * d * acc + V * d * size if grad_weight is not None else 0))
+    rounded = device_type == "cuda" and upcast  # d(logits) in the model's dtype, operands uncopied
+    gradient_operand = size if rounded else acc
+    gemms_reading = 1 + (grad_weight is not None)
+    # Each chunk's logits written and read (twice over with the logsumexp pass); d(logits) written (when rounded)
+    # and read by each gradient GEMM; the weight read again for grad_hidden; hidden read per chunk for grad_weight,
+    # whose rows are read and written once.
+    traffic = 2 * M * V * acc * (2 if lse is None else 1) + M * V * gradient_operand * (rounded + gemms_reading)
+    traffic += V * d * size
+    if grad_weight is not None:
+        traffic += chunks * M * d * gradient_operand + V * d * grad_weight.element_size()
     lse_pass = _masked_logprobs(device_type, hidden, weight, targets, chunk_size).bytes if lse is None else 0
     grad_hidden_accumulator = M * d * acc if upcast else 0  # else it is the output itself
     low_precision_grad = grad_weight is not None and grad_weight.dtype != accumulate_dtype(hidden.dtype)
@@ -165,6 +178,8 @@ def _masked_logprobs_flops(hidden_shape, weight_shape, targets_shape, chunk_size
 
 def _masked_logprobs_backward_flops(grad_logp_shape, grad_lse_shape, hidden_shape, weight_shape, targets_shape,
                                     lse_shape, chunk_size, output_mask, *args, out_shape=None, **kwargs):
+    if (grad_logp_shape is None and grad_lse_shape is None) or not any(output_mask):
+        return 0  # no upstream gradient or no gradient asked: the kernels return zeros at once
     gemm = 2 * hidden_shape[0] * weight_shape[0] * hidden_shape[1]
     return gemm * (1 + bool(output_mask[0]) + bool(output_mask[1]))  # recompute, then one GEMM per gradient
 
@@ -179,6 +194,97 @@ def _masked_logprobs_grad_flops(hidden_shape, weight_shape, targets_shape, grad_
     # the logits, grad_hidden and (when asked) grad_weight per chunk; a forward pass first when lse is not given
     return gemm * (2 + (grad_weight_shape is not None) + (lse_shape is None))
 
+
+# -- GEMMs by operand type -------------------------------------------------------------------------------------
+# Compute kinds: "fp32" (products accumulated in fp32: tensor cores for bf16/fp16 operands, CUDA cores for fp32
+# ones), "tf32" (fp32 operands rounded to TF32 for the tensor cores), "fp64".
+COMPUTES = ("fp32", "tf32", "fp64")
+GemmFlops = dict[tuple[torch.dtype, str], float]
+
+
+def gemm_flops_by_type(op: str, device_type: str, args, *, tf32_grad_gemms: bool = False) -> GemmFlops:
+    """FLOPs (2 per multiply-add) of the GEMMs one call of dllm_fast::<op> runs, by (operand dtype, compute), on a
+    device of `device_type` ("cuda" or "cpu"); `args`: the op's schema arguments in order (tensors, real or fake).
+
+    CUDA (csrc/cuda/*_glue.cpp, cuBLAS): every GEMM takes its operands in the model's dtype (bf16, fp16, fp32 or
+    fp64) and accumulates in fp32 (fp64 for fp64): the logits GEMM of each vocabulary chunk, and in the backward
+    and the known-gradient walk the two gradient GEMMs too. The ops' own `tf32_grad_gemms` argument (or
+    tf32_grad_gemms=True here, for every call: how the kernels ran before issue 28) prices the TF32 path the CUDA
+    kernels keep behind that option: the two gradient GEMMs on fp32 operands rounded to TF32 (copies of hidden and of
+    the weight chunk for bf16/fp16 inputs, fp32 inputs as they are). CPU (csrc/cpu, MKL):
+    operands upcast to fp32 (fp64 for fp64), products in that type. An op without GEMMs gives {}."""
+    if op not in _GEMMS:
+        return {}
+    dtype, shares, tf32_option = _GEMMS[op](*args)  # hidden's dtype: the model's (the op requires it of the weight)
+    if not shares:
+        return {}
+    tf32_grad_gemms = tf32_grad_gemms or bool(tf32_option)
+    acc = accumulate_dtype(dtype)
+    compute = "fp64" if acc == torch.float64 else "fp32"
+    native = (dtype if device_type == "cuda" else acc, compute)
+    gradient = (torch.float32, "tf32") if device_type == "cuda" and tf32_grad_gemms and acc == torch.float32 else native
+    out: GemmFlops = {}
+    for kind, flops in shares:
+        key = gradient if kind == "gradient" else native
+        out[key] = out.get(key, 0) + flops
+    return out
+
+
+def gemm_flops_in_log(records) -> GemmFlops:
+    """The same sums from a GEMM log (`dllm_fast.ops.emulation.gemm_log()`'s records: a_dtype, compute, .flops),
+    so that `gemm_flops_by_type(op, "cuda", args) == gemm_flops_in_log(log)` checks a declaration against what
+    the kernels ran. Dtypes may be torch dtypes or their names ("bfloat16", "torch.bfloat16")."""
+    out: GemmFlops = {}
+    for record in records:
+        key = (_as_dtype(record.a_dtype), str(record.compute).lower())
+        out[key] = out.get(key, 0) + record.flops
+    return out
+
+
+def _as_dtype(value) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{value!r} names no torch dtype.")
+    return dtype
+
+
+def _head_gemm(hidden, weight) -> float:
+    """One pass of the head's GEMM over the vocabulary: [M, d] x [V, d]^T, summed over the chunks."""
+    return 2 * hidden.shape[0] * weight.shape[0] * hidden.shape[1]
+
+
+# op -> fn(*op arguments) -> (hidden's dtype, [(kind, FLOPs)], the call's tf32_grad_gemms): kind "logits" (the
+# chunk's logits, always in the model's dtype) or "gradient" (grad_hidden or grad_weight; TF32 under
+# tf32_grad_gemms). Keep in step with the glue files.
+def _masked_logprobs_gemms(hidden, weight, targets=None, chunk_size=None, tf32_grad_gemms=False):
+    return hidden.dtype, [("logits", _head_gemm(hidden, weight))], False  # the forward has no gradient GEMM
+
+
+def _masked_logprobs_backward_gemms(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask,
+                                    tf32_grad_gemms=False):
+    if (grad_logp is None and grad_lse is None) or not any(output_mask):  # the kernels return zeros at once
+        return hidden.dtype, [], tf32_grad_gemms
+    gemm = _head_gemm(hidden, weight)
+    return hidden.dtype, [("logits", gemm)] + [("gradient", gemm) for needed in output_mask if needed], tf32_grad_gemms
+
+
+def _masked_logprobs_grad_gemms(hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size,
+                                tf32_grad_gemms=False):
+    gemm = _head_gemm(hidden, weight)
+    forward = [("logits", gemm)] if lse is None else []  # the rows' logsumexp first, when not given
+    gradients = [("gradient", gemm)] * (1 + (grad_weight is not None))
+    return hidden.dtype, forward + [("logits", gemm)] + gradients, tf32_grad_gemms
+
+
+def _sample_tokens_gemms(hidden, weight, *_):
+    return hidden.dtype, [("logits", _head_gemm(hidden, weight))], False
+
+
+_GEMMS = {"masked_logprobs": _masked_logprobs_gemms, "masked_logprobs_backward": _masked_logprobs_backward_gemms,
+          "masked_logprobs_grad": _masked_logprobs_grad_gemms, "sample_tokens": _sample_tokens_gemms}
 
 _FLOPS = {"masked_logprobs": _masked_logprobs_flops, "masked_logprobs_backward": _masked_logprobs_backward_flops,
           "masked_logprobs_grad": _masked_logprobs_grad_flops, "sample_tokens": _sample_tokens_flops}

@@ -1,5 +1,5 @@
-"""The planner's ledger: memory by category, and FLOPs, bytes moved, roofline time, kernels and host syncs, op by
-op, while a step runs on fake tensors.
+"""The planner's ledger: memory by category, and FLOPs, bytes moved, time, kernels and host syncs, op by op,
+while a step runs on fake tensors.
 
 `Accountant` is a TorchDispatchMode placed above the fake mode, so it sees every op before the fake kernel runs.
 
@@ -11,11 +11,19 @@ the call. On a CUDA target each storage is rounded up to the caching allocator's
 the largest total alive at once, with its split by category.
 
 Cost. FLOPs come from torch.utils.flop_counter's formulas (the compiled ops register theirs in
-dllm_fast.ops.costs); bytes moved are the distinct bytes an op reads and writes (a view moves none; a compiled op
-adds its declared workspace traffic); the roofline time of an op is max(FLOPs / peak FLOP/s for its dtype,
-bytes / bandwidth) on the target GPU, summed over ops. It counts no launch overhead and no overlap: each op is
-one kernel running at the roofline. A host sync is an op whose result the host must wait for (.item(), a bool
-of a tensor, nonzero).
+dllm_fast.ops.costs, and declare their GEMMs by operand type); bytes moved are the distinct bytes an op reads and
+writes (a view moves none; a compiled op adds its declared workspace traffic). Each op that moves or computes
+something is one kernel. On a GPU target, time has three parts (calibration.py holds the fitted factors):
+
+- device: max(GEMM FLOPs / (the peak of their operand type x its efficiency), bytes / (bandwidth x its
+  efficiency)); a compiled op runs its GEMMs, then its chunk traffic;
+- host: eager PyTorch spends `eager_launch` seconds launching each kernel; inside a CUDA graph
+  (`graph_replay`, a compiled rollout step) kernels cost no host time and the replay costs `graph_launch`;
+- wall (`Costs.seconds`): host and device overlap between host syncs (the launch queue runs ahead of the GPU),
+  so each stretch of work between two syncs takes max(host, device), and the stretches add up.
+
+`roofline_seconds` keeps the datasheet floor: every kernel at its peak, launches free. A host sync is an op whose
+result the host must wait for (.item(), a bool of a tensor, nonzero).
 """
 
 from __future__ import annotations
@@ -23,13 +31,14 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from dllm_fast.ops import costs as op_costs
+from dllm_fast.planning.calibration import DEFAULT as DEFAULT_CALIBRATION, Calibration
 from dllm_fast.planning.gpus import GPU
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "kv_cache", "temporaries")
@@ -41,6 +50,11 @@ HOST_SYNCS = {aten._local_scalar_dense, aten.nonzero, aten.equal, aten.masked_se
               aten.unique_dim, aten.unique_consecutive}
 # Ops that write their first argument without reading it.
 _OVERWRITES = {aten.copy_, aten.fill_, aten.zero_}
+# Ops that read only the rows they gather from their first argument (a table): as many bytes as they write.
+_GATHERS = {aten.embedding, aten.index_select}
+# In-place ops that write only the indexed rows of their first argument: they read the index and the values and
+# write as many bytes as the values hold (a KV-cache write moves the new rows, not the cache).
+_INDEXED_WRITES = {aten.index_copy_, aten.index_put_, aten._index_put_impl_, aten.index_fill_}
 _METADATA = {torch.ops.prim.device.default, aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
              aten.sym_storage_offset.default, aten.is_contiguous.default}
 _FACTORIES = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided}
@@ -59,29 +73,97 @@ def _cpu_flash_attention_backward_flops(grad_out_shape, query_shape, key_shape, 
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
+# Fields of Costs that add up; the rest describe the ends of its timeline (see Costs).
+ADDITIVE = ("flops", "bytes", "kernels", "syncs", "device_seconds", "host_seconds", "roofline_seconds")
+
+
 @dataclass
 class Costs:
-    """What some ops cost: FLOPs, bytes moved, roofline seconds on the target GPU, kernels, host syncs."""
+    """What some ops cost: FLOPs, bytes moved, kernels, host syncs, and time on the target GPU.
+
+    device_seconds / host_seconds: the GPU's busy time and the host's launch time, summed. roofline_seconds: the
+    datasheet floor. `seconds`: the wall-time estimate, host and device overlapping between syncs. To compose a
+    stretch of work with the next, Costs keep the ends of their timeline open: the host and device time before
+    their first sync (head_*, when `synced`) and after their last (open_*); `closed` are the stretches between,
+    already settled. `a + b` is a then b."""
 
     flops: float = 0.0
     bytes: float = 0.0
-    seconds: float = 0.0
     kernels: int = 0
     syncs: int = 0
+    device_seconds: float = 0.0
+    host_seconds: float = 0.0
+    roofline_seconds: float = 0.0
+    closed: float = 0.0
+    head_host: float = 0.0
+    head_device: float = 0.0
+    open_host: float = 0.0
+    open_device: float = 0.0
+    synced: bool = False
+
+    @property
+    def seconds(self) -> float:
+        """Wall seconds of this work on its own, between two syncs."""
+        head = max(self.head_host, self.head_device) if self.synced else 0.0
+        return self.closed + head + max(self.open_host, self.open_device)
+
+    def add_(self, other: "Costs") -> "Costs":
+        """In place: this work, then `other`."""
+        for name in ADDITIVE:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        if other.synced:
+            if self.synced:
+                self.closed += max(self.open_host + other.head_host, self.open_device + other.head_device)
+                self.closed += other.closed
+            else:
+                self.head_host, self.head_device = self.open_host + other.head_host, self.open_device + other.head_device
+                self.closed, self.synced = other.closed, True
+            self.open_host, self.open_device = other.open_host, other.open_device
+        else:
+            self.open_host += other.open_host
+            self.open_device += other.open_device
+        return self
+
+    def add_kernel(self, flops: float, moved: float, device: float, host: float, roofline: float) -> None:
+        """In place: one kernel more (hot path: no object made)."""
+        self.flops += flops
+        self.bytes += moved
+        self.kernels += 1
+        self.device_seconds += device
+        self.host_seconds += host
+        self.roofline_seconds += roofline
+        self.open_host += host
+        self.open_device += device
+
+    def add_launch(self, host: float) -> None:
+        """In place: host time that launches no kernel of its own (a CUDA graph's replay)."""
+        self.host_seconds += host
+        self.open_host += host
+
+    def sync(self) -> None:
+        """In place: the host waits for the device here."""
+        self.syncs += 1
+        if self.synced:
+            self.closed += max(self.open_host, self.open_device)
+        else:
+            self.head_host, self.head_device, self.synced = self.open_host, self.open_device, True
+        self.open_host = self.open_device = 0.0
 
     def __add__(self, other: "Costs") -> "Costs":
-        return Costs(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+        return replace(self).add_(other)
 
-    def __sub__(self, other: "Costs") -> "Costs":
-        return Costs(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
-
-    def scaled(self, factor: float) -> "Costs":
-        return Costs(*(type(getattr(self, f.name))(getattr(self, f.name) * factor) for f in fields(self)))
+    def settled(self) -> "Costs":
+        """This work as a whole between two syncs: `seconds` fixed, nothing left open (a phase: the trainer's
+        phases are separated by host syncs)."""
+        out = Costs(**{name: getattr(self, name) for name in ADDITIVE})
+        out.closed, out.synced = self.seconds, True
+        return out
 
 
 @dataclass
 class Mark:
-    """A point to measure from: the costs and the memory at that point, and the peak since (by category)."""
+    """A point to measure from: the costs since (accumulated as ops run), the memory at that point, and the peak
+    since (by category)."""
 
     costs: Costs
     memory: dict[str, int]
@@ -100,12 +182,16 @@ class Mark:
 
 @dataclass
 class Target:
-    """What a plan is for: the device type whose kernels' workspaces count ("cuda" or "cpu"), and the GPU whose
-    peaks give the roofline (None on CPU: no time)."""
+    """What a plan is for: the device type whose kernels' workspaces count ("cuda" or "cpu"), the GPU whose peaks
+    give the time (None on CPU: no time), with `calibration`'s efficiencies and launch costs. allow_tf32:
+    PyTorch's fp32 matmuls in TF32. tf32_grad_gemms: the fused head's TF32 path for its gradient GEMMs
+    (dllm_fast.ops.costs.gemm_flops_by_type)."""
 
     device_type: str
     gpu: GPU | None = None
     allow_tf32: bool = False
+    calibration: Calibration = DEFAULT_CALIBRATION
+    tf32_grad_gemms: bool = False
 
 
 class Accountant(TorchDispatchMode):
@@ -126,6 +212,8 @@ class Accountant(TorchDispatchMode):
         self.before_op = None  # called before each op (the replayer attributes backward ops to recorded calls)
         self.cached_casts: set[int] = set()  # storages of trainable weights cast by autocast, which caches them
         self._host: dict[int, weakref.ref] = {}  # storages on the host: no device memory, no kernels
+        self._graphs = 0  # > 0 inside a CUDA graph's replay (graph_replay)
+        self.split: dict[str, float] | None = None  # when a dict: device seconds by what bounds them (see _count)
 
     # -- memory -------------------------------------------------------------------------------------------
     def _bytes(self, storage) -> int:
@@ -249,8 +337,8 @@ class Accountant(TorchDispatchMode):
 
     # -- marks --------------------------------------------------------------------------------------------
     def mark(self) -> Mark:
-        """Start measuring: close it with `release`."""
-        mark = Mark(Costs() + self.costs, dict(self.memory), self.total, dict(self.memory))
+        """Start measuring: `mark.costs` gathers the costs of every op from now until `release`."""
+        mark = Mark(Costs(), dict(self.memory), self.total, dict(self.memory))
         self._marks.append(mark)
         return mark
 
@@ -259,7 +347,22 @@ class Accountant(TorchDispatchMode):
         return mark
 
     def add_costs(self, costs: Costs) -> None:
-        self.costs = self.costs + costs
+        """Costs of work not run op by op (a replayed call), as if its ops ran now."""
+        for ledger in (self.costs, *(mark.costs for mark in self._marks)):
+            ledger.add_(costs)
+
+    @contextlib.contextmanager
+    def graph_replay(self):
+        """The ops inside run as one CUDA graph replay (a compiled rollout step): one launch of the graph, no host
+        time per kernel. The device time stays eager's, kernel for kernel (no credit for inductor's fusion)."""
+        if self._graphs == 0 and self.target.gpu is not None:
+            for ledger in (self.costs, *(mark.costs for mark in self._marks)):
+                ledger.add_launch(self.target.calibration.graph_launch)
+        self._graphs += 1
+        try:
+            yield
+        finally:
+            self._graphs -= 1
 
     # -- ops ----------------------------------------------------------------------------------------------
     def __enter__(self):
@@ -298,8 +401,6 @@ class Accountant(TorchDispatchMode):
                 raise KeyError(f"dllm_fast::{op} declares no workspace in dllm_fast/ops/costs.py; declare what its "
                                "kernels allocate so that plans count it.")
             extra = op_costs.workspace(op, self.target.device_type, args)
-        if packet in HOST_SYNCS:
-            self.costs.syncs += 1
         out = func(*args, **kwargs)
         outputs = _tensors(out)
         self._count(func, packet, args, kwargs, outputs, extra)
@@ -314,23 +415,58 @@ class Accountant(TorchDispatchMode):
         return out
 
     def _count(self, func, packet, args, kwargs, outputs, extra) -> None:
-        if not outputs and packet not in HOST_SYNCS:  # a metadata query (device, size): no kernel
+        sync = packet in HOST_SYNCS
+        if not outputs and not sync:  # a metadata query (device, size): no kernel
             return
         flop_formula = flop_registry.get(packet)
         flops = flop_formula(*args, **kwargs, out_val=outputs[0] if len(outputs) == 1 else tuple(outputs)) \
             if flop_formula is not None else 0
         moved = 0 if (func.is_view or packet in _FACTORIES) else _moved_bytes(packet, args, kwargs, outputs)
-        if extra is not None:
-            moved += extra.traffic
-        if not flops and not moved:
-            return
-        self.costs.flops += flops
-        self.costs.bytes += moved
-        self.costs.kernels += 1
-        gpu = self.target.gpu
-        if gpu is not None:
-            compute = flops / gpu.peak_flops(_compute_dtype(args), allow_tf32=self.target.allow_tf32) if flops else 0.0
-            self.costs.seconds += max(compute, moved / gpu.bandwidth)
+        traffic = extra.traffic if extra is not None else 0
+        if flops or moved or traffic:
+            device = host = roofline = 0.0
+            if self.target.gpu is not None:
+                device, roofline = self._device_seconds(packet, args, flops, moved, traffic)
+                host = 0.0 if self._graphs else self.target.calibration.eager_launch
+            for ledger in (self.costs, *(mark.costs for mark in self._marks)):
+                ledger.add_kernel(flops, moved + traffic, device, host, roofline)
+        if sync:
+            for ledger in (self.costs, *(mark.costs for mark in self._marks)):
+                ledger.sync()
+
+    def _device_seconds(self, packet, args, flops: float, moved: float, traffic: float) -> tuple[float, float]:
+        """(calibrated, datasheet) seconds the kernel keeps the GPU busy: its GEMMs at the peak of their operand
+        type or its bytes at the bandwidth, whichever takes longer; a compiled op's chunk traffic after its GEMMs
+        (its kernels run one after another)."""
+        gpu, calibration = self.target.gpu, self.target.calibration
+        by_type = {}
+        if flops:
+            namespace, _, op = packet._qualified_op_name.partition("::")
+            if namespace == "dllm_fast":
+                by_type = op_costs.gemm_flops_by_type(op, self.target.device_type, args,
+                                                      tf32_grad_gemms=self.target.tf32_grad_gemms)
+            else:
+                dtype = _compute_dtype(args)
+                compute = "fp64" if dtype == torch.float64 else (
+                    "tf32" if dtype == torch.float32 and self.target.allow_tf32 else "fp32")
+                by_type = {(dtype, compute): flops}
+        compute_floor = sum(f / gpu.peak_flops(dtype, compute) for (dtype, compute), f in by_type.items())
+        compute = sum(f / (gpu.peak_flops(dtype, compute) * calibration.gemm_efficiency(dtype, compute))
+                      for (dtype, compute), f in by_type.items())
+        memory = moved / (gpu.bandwidth * calibration.bandwidth)
+        traffic_seconds = traffic / (gpu.bandwidth * calibration.bandwidth)
+        if self.split is not None:  # what bounds the kernel, for fitting the calibration (bench_plan.py --fit)
+            if compute >= memory:
+                for (dtype, kind), f in by_type.items():
+                    key = "tensor_core" if dtype in (torch.bfloat16, torch.float16) else (
+                        "tf32" if kind == "tf32" else "fp32")
+                    self.split[key] = self.split.get(key, 0.0) + f / (gpu.peak_flops(dtype, kind) *
+                                                                        calibration.gemm_efficiency(dtype, kind))
+            else:
+                self.split["bandwidth"] = self.split.get("bandwidth", 0.0) + memory
+            self.split["bandwidth"] = self.split.get("bandwidth", 0.0) + traffic_seconds
+        roofline = max(compute_floor, moved / gpu.bandwidth) + traffic / gpu.bandwidth
+        return max(compute, memory) + traffic_seconds, roofline
 
 
 def flat_values(tree):
@@ -361,8 +497,15 @@ def _distinct_bytes(t: torch.Tensor) -> int:
 
 
 def _moved_bytes(packet, args, kwargs, outputs) -> int:
-    inputs = _tensors((args[1:], kwargs) if packet in _OVERWRITES else (args, kwargs))
-    return sum(_distinct_bytes(t) for t in inputs) + sum(_distinct_bytes(t) for t in outputs)
+    if packet in _INDEXED_WRITES:
+        return 2 * sum(_distinct_bytes(t) for t in _tensors((args[1:], kwargs)))
+    read = sum(_distinct_bytes(t) for t in _tensors((args[1:], kwargs)))
+    written = sum(_distinct_bytes(t) for t in outputs)
+    if packet in _GATHERS:
+        return read + 2 * written
+    if packet not in _OVERWRITES and args:
+        read += sum(_distinct_bytes(t) for t in _tensors(args[0]))
+    return read + written
 
 
 def _compute_dtype(args) -> torch.dtype:

@@ -1,13 +1,17 @@
 """The `plan` command: one trainer step of a training configuration, planned on fake tensors for a GPU.
 
-    python -m dllm_fast plan --model llada-8b --lora true --group-size 8 --gen-length 256 --block-length 32 \\
-        --diffusion-steps 128 --objective-options '{"n_t": 256}' --gpu h100
+    python -m dllm_fast plan --model llada-8b --lora true --objective vrpo_ol --objective-options '{"n_t": 256}' \\
+        --prompts-per-step 1 --group-size 8 --prompt-length 200 --gen-length 256 --block-length 32 \\
+        --diffusion-steps 128 --cache dual --micro-batch 8 --gradient-checkpointing true --gpu h100
     python -m dllm_fast plan --config run.yaml --gpu a100-80gb --json      # the same flags as train, plus these
 
 It takes every flag of `train` (python -m dllm_fast train --help), plus --gpu, --json, --prompt-length,
 --weights-dtype, --engine and --search. It prints per phase (rollout, old-policy and reference scoring, inner
-updates, optimizer steps) the peak memory by category, FLOPs, bytes moved and a roofline time on the GPU, then
-the verdict and the largest n_t, micro-batch and group size that fit. Every number is a planner estimate.
+updates, optimizer steps) the peak memory by category, FLOPs, bytes moved and the time on the GPU (a roofline
+calibrated on a measured H200, with the host's launch costs: dllm_fast/planning/calibration.py), then
+the verdict and the largest n_t, micro-batch and group size that fit. Every number is a planner estimate. A
+step that cannot run (prompt and completion beyond the model's positions) or that a plan cannot replay in bounded
+time is refused with the flags to change (planner.check_plannable).
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from dllm_fast.train.cli import add_config_arguments, config_from_arguments, new
 PROG = "python -m dllm_fast plan"
 DESCRIPTION = """Plan one RL training step before renting a GPU: the trainer's step (rollout, old and reference
 scoring, the inner updates through the objective's engine, the optimizer step) runs on fake tensors at the
-configured shapes and dtypes. Per phase: peak memory by category, FLOPs, bytes moved and a roofline time on the
-GPU; then the verdict and the largest n_t, micro-batch and group size that fit. Planner estimates, not
+configured shapes and dtypes. Per phase: peak memory by category, FLOPs, bytes moved and a calibrated time on
+the GPU; then the verdict and the largest n_t, micro-batch and group size that fit. Planner estimates, not
 measurements. Takes every option of `train`, plus those below; the options that do not shape one step (steps,
 evaluation, checkpoints, output directory, device) are checked as train checks them and otherwise unused."""
 ENGINES = ("streaming", "all_graphs")
@@ -38,9 +42,9 @@ def add_plan_arguments(parser) -> None:
     group.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     group.add_argument("--prompt-length", type=value_converter("prompt_length", int, True), default=None, metavar="N",
                        help="tokens per prompt (default: the task's longest training prompt, tokenized)")
-    group.add_argument("--weights-dtype", default="float32", choices=WEIGHT_DTYPES, metavar="DTYPE",
-                       help="float32: what train loads, with bf16 autocast on GPU (default); bfloat16: weights, "
-                            "gradients and optimizer state in bf16 (a setting train does not offer yet)")
+    group.add_argument("--weights-dtype", default=None, choices=WEIGHT_DTYPES, metavar="DTYPE",
+                       help="every weight, gradient and optimizer state in float32 or bfloat16 (default: what train "
+                            "loads, dllm_fast/train/precision.py: fp32 with bf16 autocast on GPU)")
     group.add_argument("--engine", default="streaming", choices=ENGINES, metavar="NAME",
                        help="streaming: the objective's engine, as train runs it (default); all_graphs: every "
                             "pair's graph kept until one backward, the naive way, for comparison")
@@ -84,6 +88,12 @@ def main(argv: typing.Sequence[str] = ()) -> None:
     try:
         plan = plan_step(config, gpu=args.gpu, prompt_length=args.prompt_length, engine=args.engine,
                          weights_dtype=args.weights_dtype, search=args.search)
+    except ImportError as error:  # a package the configuration needs (LoRA: peft) is not installed
+        if debug:
+            raise
+        need = " (--lora true plans PEFT adapters, as train does: pip install peft)" if error.name == "peft" else ""
+        print(f"{PROG}: {error}{need}; install it and plan again.", file=sys.stderr)
+        raise SystemExit(1) from None
     except (ValueError, TypeError, OSError, RuntimeError) as error:
         if debug:
             raise

@@ -9,7 +9,7 @@ of that affine regime gives its value at any x.
 
 from __future__ import annotations
 
-from dllm_fast.planning.accounting import CATEGORIES, Costs
+from dllm_fast.planning.accounting import ADDITIVE, CATEGORIES, Costs
 from dllm_fast.planning.step import PhasePlan
 
 
@@ -25,7 +25,7 @@ def extrapolate(first: PhasePlan, second: PhasePlan, x1: float, x2: float, x: fl
     split by category is the run's at x2, with the growth given to the categories that grew (to temporaries when
     none did). `fresh`: the phase's first run at x1, whose real calls hold slightly more at the peak than replays of
     them do (a few tenths of a percent); its excess over `first` is added back."""
-    if not (first.runs and second.runs):
+    if not (first.runs and second.runs) or x1 == x2:  # nothing to fit (a fixed n_t is planned as configured)
         return second
     growth = max(0.0, (second.peak - first.peak) / (x2 - x1)) * (x - x2)
     grew = {c: max(0, second.memory[c] - first.memory[c]) for c in CATEGORIES}
@@ -34,8 +34,8 @@ def extrapolate(first: PhasePlan, second: PhasePlan, x1: float, x2: float, x: fl
     if fresh is not None:
         for c in CATEGORIES:
             memory[c] += max(0, fresh.memory[c] - first.memory[c])
-    costs = Costs(*(affine(x1, getattr(first.costs, f), x2, getattr(second.costs, f), x)
-                    for f in ("flops", "bytes", "seconds", "kernels", "syncs")))
+    costs = Costs(**{f: affine(x1, getattr(first.costs, f), x2, getattr(second.costs, f), x) for f in ADDITIVE},
+                  closed=affine(x1, first.costs.seconds, x2, second.costs.seconds, x), synced=True)
     costs.kernels, costs.syncs = round(costs.kernels), round(costs.syncs)
     category_peaks = {c: max(second.category_peaks[c], memory[c]) for c in CATEGORIES}
     return PhasePlan(second.name, runs=second.runs, peak=sum(memory.values()), memory=memory, costs=costs,

@@ -36,14 +36,19 @@ class GPU:
     bandwidth: float
     memory: int
 
-    def peak_flops(self, dtype: torch.dtype, *, allow_tf32: bool = False) -> float:
-        """The peak a GEMM with inputs of `dtype` can reach. PyTorch runs fp32 matmuls without TF32 unless
-        torch.backends.cuda.matmul.allow_tf32 is set; fp64 runs at about half the fp32 rate on these parts."""
+    def peak_flops(self, dtype: torch.dtype, compute: str | None = None, *, allow_tf32: bool = False) -> float:
+        """The peak a GEMM with operands of `dtype` can reach, with products in `compute` ("fp32": accumulated in
+        fp32, on the tensor cores for bf16/fp16 operands; "tf32": fp32 operands rounded to TF32 for the tensor
+        cores; "fp64"). compute None: what PyTorch's matmul does, TF32 only when allow_tf32
+        (torch.backends.cuda.matmul.allow_tf32, off by default). fp64 runs at about half the fp32 rate on these
+        parts."""
         if dtype in (torch.bfloat16, torch.float16):
             return self.bf16_flops
-        if dtype == torch.float64:
+        if dtype == torch.float64 or compute == "fp64":
             return self.fp32_flops / 2
-        return self.tf32_flops if allow_tf32 else self.fp32_flops
+        if compute is None:
+            compute = "tf32" if allow_tf32 else "fp32"
+        return self.tf32_flops if compute == "tf32" else self.fp32_flops
 
 
 _T, _G = 1e12, 1e9

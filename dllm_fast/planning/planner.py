@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dllm_fast import objectives
 from dllm_fast.likelihood import MicroBatching
 from dllm_fast.planning.accounting import Target
 from dllm_fast.planning.fit import extrapolate
 from dllm_fast.planning.gpus import GPU, gpu as gpu_named
-from dllm_fast.planning.step import PHASES, UPDATE_PHASES, PhasePlan, Session, probe_n_t
+from dllm_fast.planning.step import PHASES, UPDATE_PHASES, PhasePlan, Session, fixed_n_t, probe_n_t
 from dllm_fast.train.config import TrainConfig
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -45,6 +46,8 @@ class Plan:
     shapes: dict
     nfe: int
     weight_bytes: int
+    autocast: bool = False  # bf16 autocast around the forwards
+    compiled: bool = False  # rollouts as CUDA graphs, scoring through torch.compile
     largest: dict[str, int | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -66,39 +69,49 @@ class Plan:
         return sum(p.costs.seconds for p in self.phases.values() if p.runs)
 
     @property
+    def roofline_seconds(self) -> float:
+        """The step's datasheet floor: every kernel at its peak, launches free."""
+        return sum(p.costs.roofline_seconds for p in self.phases.values() if p.runs)
+
+    @property
     def weight_streaming_floor(self) -> float | None:
         """The rollout's lower bound from reading the weights once per forward: nfe * weight bytes / bandwidth."""
         return None if self.gpu is None else self.nfe * self.weight_bytes / self.gpu.bandwidth
 
 
 def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_length: int | None = None,
-              engine: str = "streaming", weights_dtype: str = "float32", search: bool = True,
+              engine: str = "streaming", weights_dtype: str | None = None, search: bool = True,
               allow_tf32: bool = False) -> Plan:
     """Plan one step of `config` on `gpu` (a name from planning.GPUS; None plans for this machine's CPU, without
-    a roofline). prompt_length: tokens per prompt (default: the task's longest training prompt under the
-    configured tokenizer). engine: "streaming" (the trainer's) or "all_graphs" (every pair's graph at once).
-    weights_dtype: "float32" (what train loads; bf16 autocast on GPU) or "bfloat16" (weights, gradients and
-    optimizer state in bf16). search: also find the largest n_t, micro-batch and group size that fit."""
+    a time). prompt_length: tokens per prompt (default: the task's longest training prompt under the configured
+    tokenizer). engine: "streaming" (the trainer's) or "all_graphs" (every pair's graph at once). weights_dtype:
+    None (what train loads: dllm_fast.train.precision), "float32" or "bfloat16" (every weight, gradient and
+    optimizer state in that dtype). search: also find the largest n_t, micro-batch and group size that fit.
+    --compile (true, or auto on a GPU) plans compiled rollouts and scoring (see step.py)."""
     started = time.perf_counter()
-    if getattr(config, "compile", False):
-        raise ValueError("--compile true: the planner plans eager execution (every op one kernel); plan without "
-                         "--compile, and expect a compiled step to hold and move less.")
-    if weights_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"weights_dtype={weights_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}.")
+    if weights_dtype is not None and weights_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weights_dtype={weights_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)} (or None: "
+                         "what train loads).")
     if isinstance(gpu, str):
         gpu = gpu_named(gpu)
     target = Target("cpu") if gpu is None else Target("cuda", gpu, allow_tf32=allow_tf32)
     if prompt_length is None:
         prompt_length = task_prompt_length(config)
-    session = Session(config, target=target, weights_dtype=WEIGHT_DTYPES[weights_dtype], engine=engine)
-    batching = MicroBatching(config.micro_batch, config.score_micro_batch, config.chunk_size)
+    session = Session(config, target=target, engine=engine,
+                      weights_dtype=None if weights_dtype is None else WEIGHT_DTYPES[weights_dtype])
+    weights_dtype = str(session.precision.policy).removeprefix("torch.")
+    batching = MicroBatching(config.micro_batch, config.score_micro_batch, config.chunk_size, compile=session.compile)
     n_t = session.objective.config.n_t
+    check_plannable(config, prompt_length, session.base, batching)
     with _readable_data_errors(), session:
         rollout = session.rollout(prompts=config.prompts_per_step, group_size=config.group_size,
                                   prompt_length=prompt_length)
         probes = probe_n_t(config, rollout.batch.num_rollouts, batching.micro_batch)
         fresh = session.updates(rollout.batch, n_t=probes[0], batching=batching)
-        runs = {x: session.updates(rollout.batch, n_t=x, batching=batching) for x in probes}
+        if probes[0] == probes[1]:  # a fixed n_t: planned as configured, nothing to extrapolate
+            runs = {probes[0]: fresh}
+        else:
+            runs = {x: session.updates(rollout.batch, n_t=x, batching=batching) for x in probes}
         if n_t == probes[0]:
             updates = fresh
         else:
@@ -108,7 +121,7 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
                     dict(rollouts=rollout.batch.num_rollouts, prompt_length=prompt_length,
                          completion_length=config.gen_length, n_t=n_t, pairs=rollout.batch.num_rollouts * n_t,
                          micro_batch=batching.micro_batch, score_micro_batch=batching.scoring),
-                    rollout.nfe, session.weight_bytes)
+                    rollout.nfe, session.weight_bytes, autocast=session.bf16, compiled=session.compile)
         plan.notes += _notes(plan, probes, n_t, session)
         if search and gpu is not None:
             from dllm_fast.planning.search import largest_settings
@@ -117,6 +130,53 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
             plan.notes += search_notes
     plan.seconds = time.perf_counter() - started
     return plan
+
+
+# Bounds on what one plan runs, so that every configuration gets an answer or a refusal in bounded time (a
+# replayed micro-batch or denoising step costs tens of milliseconds of CPU on fake tensors).
+MAX_PLANNED_FORWARDS = 1024  # denoising steps of the rollout (an 8B step: about a minute of CPU)
+MAX_PLANNED_CALLS = 1024  # scoring and update micro-batches, over the inner updates, at the larger probe n_t
+UNBOUNDED_POSITIONS = 1 << 16  # for a model that states no max_sequence_length
+
+
+def check_plannable(config: TrainConfig, prompt_length: int, model, batching: MicroBatching) -> None:
+    """Refuse, naming the flags, a step that cannot run (prompt and completion beyond the model's positions, as
+    train refuses it) or that the planner cannot plan in bounded time and memory (see the bounds above)."""
+    from dllm_fast.planning.fake import DEFAULT_CONSTANT_BYTES
+
+    positions = getattr(model, "max_sequence_length", None) or UNBOUNDED_POSITIONS
+    G = config.gen_length
+    if G >= positions:
+        raise ValueError(f"--gen-length {G} leaves no room for a prompt: the model has {positions} positions "
+                         "(max_sequence_length); lower --gen-length.")
+    if prompt_length + G > positions:
+        raise ValueError(f"--prompt-length {prompt_length} with --gen-length {G} needs {prompt_length + G} "
+                         f"positions; the model has {positions} (max_sequence_length). Lower --prompt-length "
+                         f"(at most {positions - G} with this --gen-length) or --gen-length.")
+    forwards = G if config.threshold is not None else config.diffusion_steps
+    if forwards > MAX_PLANNED_FORWARDS:
+        raise ValueError(f"the rollout runs {forwards} denoising steps (--diffusion-steps, or --gen-length under "
+                         f"--threshold), more than the {MAX_PLANNED_FORWARDS} a plan replays; plan fewer steps "
+                         "(the rollout's time is about linear in them).")
+    rollouts, length = config.prompts_per_step * config.group_size, prompt_length + G
+    if fixed_n_t(config):  # the rollout's decoding states: one per `shrink` steps
+        shrink = max(1, getattr(objectives.get(config.objective, **config.objective_options).config, "shrink", 1))
+        samples = -(-forwards // shrink)
+    else:
+        samples = probe_n_t(config, rollouts, batching.micro_batch)[1]
+    pairs = rollouts * samples
+    if max(rollouts * length * 8, pairs * length) > DEFAULT_CONSTANT_BYTES:
+        raise ValueError(f"{rollouts} rollouts (--prompts-per-step x --group-size) of {length} tokens, with "
+                         f"{pairs} (sequence, sample) pairs to plan the updates at, exceed the token ids and masks "
+                         f"a plan keeps as real data ({DEFAULT_CONSTANT_BYTES >> 20} MiB each); plan fewer "
+                         "rollouts per step (the step's costs grow about linearly with them).")
+    calls = config.inner_updates * (-(-pairs // batching.micro_batch) + 3 * -(-pairs // batching.scoring))
+    if calls > MAX_PLANNED_CALLS:
+        raise ValueError(f"planning this step would run about {calls} scoring and update micro-batches on fake "
+                         f"tensors ({pairs} pairs per update at n_t = {samples}, --micro-batch "
+                         f"{batching.micro_batch}, --inner-updates {config.inner_updates}), more than "
+                         f"{MAX_PLANNED_CALLS}: minutes of CPU. Raise --micro-batch (and --score-micro-batch), or "
+                         "plan fewer rollouts or --inner-updates 1 (each inner update costs the same).")
 
 
 @contextlib.contextmanager
@@ -161,12 +221,18 @@ def _notes(plan: Plan, probes, n_t: int, session: Session) -> list[str]:
                      f"n_t = {n_t}: work affine in the number of pairs; memory grown linearly from the two plans, "
                      "which errs high (part of the growth, the largest micro-batch's masked rows, levels off)")
     if plan.gpu is not None:
-        notes.append("roofline: the sum over ops of max(FLOPs / peak FLOP/s for the op's dtype, bytes moved / "
-                     "bandwidth): eager PyTorch, every op one kernel at its roofline, no launch overhead, no overlap")
+        c = session.target.calibration
+        notes.append(f"time (calibration {c.name}, dllm_fast/planning/calibration.py): each kernel's GEMMs at the "
+                     f"peak of their operand type x its fitted efficiency (bf16 {c.tensor_core:.2f}, TF32 {c.tf32:.2f}, "
+                     f"fp32 {c.fp32:.2f}), or its bytes at {c.bandwidth:.2f} x the bandwidth; the host launches each "
+                     f"eager kernel in {c.eager_launch * 1e6:.0f} us"
+                     + (f", a compiled rollout step's CUDA graph in {c.graph_launch * 1e3:.1f} ms" if plan.compiled
+                        else "")
+                     + "; host and device overlap between host syncs. No credit for fusion under torch.compile")
     notes.append("assumed: sampled tokens are never EOS (completions fill gen_length), every group's rewards differ "
                  "(every pair has a gradient weight), model outputs are finite"
                  + (", threshold decoding unmasks one token per step" if plan.config.threshold is not None else ""))
-    if session.bf16 and plan.weights_dtype == "float32":
+    if plan.autocast and plan.weights_dtype == "float32":
         notes.append("weights in fp32 with bf16 autocast (what train does on GPU); autocast keeps a bf16 copy of "
                      "trainable fp32 weights for the duration of each phase (counted in temporaries)")
     return notes

@@ -173,7 +173,7 @@ class Replayer:
         kept = {c: v for c, v in left.items() if v > 0 and not (graph and c == "temporaries")}
         if cached:
             kept["temporaries"] = kept.get("temporaries", 0) + cached
-        record = CallRecord(forward=accountant.costs - mark.costs, forward_peak=mark.peak_above(),
+        record = CallRecord(forward=mark.costs, forward_peak=mark.peak_above(),
                             output_shape=tuple(out.shape), output_dtype=out.dtype, activations=held, kept=kept)
         if key not in self.records or self.records[key].backward is None:
             self.records[key] = record
@@ -222,7 +222,7 @@ class Replayer:
         accountant, record = self.accountant, entry.record
         self._open.remove(entry)
         accountant.release(entry.mark)
-        costs, peak = accountant.costs - entry.mark.costs, entry.mark.peak_above()
+        costs, peak = entry.mark.costs, entry.mark.peak_above()
         if record.backward is None:
             record.backward, record.backward_peak = costs, peak
         else:  # a later backward of the same call: keep the larger

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dllm_fast.planning.accounting import CATEGORIES
 from dllm_fast.planning.planner import Plan
 
-LABEL = "PLANNER ESTIMATE: fake tensors and a roofline, not a measurement"
+LABEL = "PLANNER ESTIMATE: fake tensors and a calibrated roofline, not a measurement"
 _SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
           "kv_cache": "kv", "temporaries": "temps"}
 
@@ -19,21 +19,22 @@ def summary(plan: Plan) -> str:
     c, shapes = plan.config, plan.shapes
     schedule = (f"threshold {c.threshold}" if c.threshold is not None else f"{c.diffusion_steps} steps")
     lora = f"LoRA r{c.lora_rank}" if c.lora else "full fine-tune"
-    weights = plan.weights_dtype + (" + bf16 autocast" if plan.weights_dtype == "float32" and
-                                    (c.bf16 if c.bf16 is not None else plan.gpu is not None) else "")
+    weights = plan.weights_dtype + (" + bf16 autocast" if plan.autocast and plan.weights_dtype != "bfloat16" else "")
     target = plan.gpu.description if plan.gpu is not None else "this CPU"
+    compiled = ", compiled" if plan.compiled else ""
     return (f"{c.model}, {lora}, weights {weights}, gradient checkpointing {'on' if c.gradient_checkpointing else 'off'}"
             f"; {c.objective} n_t={shapes['n_t']}, mu={c.inner_updates}, {plan.engine} engine, micro-batch "
             f"{shapes['micro_batch']} (scoring {shapes['score_micro_batch']})\n"
             f"{c.prompts_per_step} prompts x G={c.group_size} = {shapes['rollouts']} rollouts, prompt "
-            f"{plan.prompt_length} + gen {c.gen_length} tokens (block {c.block_length}, {schedule}, cache {c.cache})"
+            f"{plan.prompt_length} + gen {c.gen_length} tokens (block {c.block_length}, {schedule}, cache {c.cache}"
+            f"{compiled})"
             f"; on {target}")
 
 
 def text(plan: Plan) -> str:
     """The plan as the `plan` command prints it."""
-    header = ["phase", "runs", "peak GB", *(_SHORT[c] for c in CATEGORIES), "TFLOP", "GB moved", "roofline s",
-              "kernels", "syncs"]
+    header = ["phase", "runs", "peak GB", *(_SHORT[c] for c in CATEGORIES), "TFLOP", "GB moved", "time s", "GPU s",
+              "host s", "kernels", "syncs"]
     rows = []
     for name, phase in plan.phases.items():
         if not phase.runs:
@@ -42,12 +43,13 @@ def text(plan: Plan) -> str:
         mark = "*" if phase.extrapolated_from else ""
         rows.append([name + mark, str(phase.runs), _gb(phase.peak), *(_gb(phase.memory[c]) for c in CATEGORIES),
                      f"{phase.costs.flops / 1e12:.1f}", f"{phase.costs.bytes / 1e9:.1f}",
-                     f"{phase.costs.seconds:.2f}" if plan.gpu is not None else "-", f"{phase.costs.kernels:,}",
-                     str(phase.costs.syncs)])
+                     *((f"{phase.costs.seconds:.2f}", f"{phase.costs.device_seconds:.2f}",
+                        f"{phase.costs.host_seconds:.2f}") if plan.gpu is not None else ("-", "-", "-")),
+                     f"{phase.costs.kernels:,}", str(phase.costs.syncs)])
     flops = sum(p.costs.flops for p in plan.phases.values() if p.runs)
     moved = sum(p.costs.bytes for p in plan.phases.values() if p.runs)
     rows.append(["step", "", _gb(plan.peak), *([""] * len(CATEGORIES)), f"{flops / 1e12:.1f}", f"{moved / 1e9:.1f}",
-                 f"{plan.step_seconds:.2f}" if plan.gpu is not None else "-", "", ""])
+                 f"{plan.step_seconds:.2f}" if plan.gpu is not None else "-", "", "", "", ""])
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = [LABEL, summary(plan), ""]
     for row in [header, *rows]:
@@ -84,7 +86,8 @@ def verdict(plan: Plan) -> str:
     worst = max((p for p in plan.phases.values() if p.runs), key=lambda p: p.peak)
     if plan.fits:
         return (f"verdict: FITS on {plan.gpu.description}: peak {_gb(plan.peak)} GB ({worst.name}) of "
-                f"{_gb(plan.capacity)} GB; roofline {plan.step_seconds:.1f} s per step")
+                f"{_gb(plan.capacity)} GB; about {plan.step_seconds:.1f} s per step (datasheet floor "
+                f"{plan.roofline_seconds:.1f} s)")
     return (f"verdict: DOES NOT FIT on {plan.gpu.description}: peak {_gb(plan.peak)} GB ({worst.name}) > "
             f"{_gb(plan.capacity)} GB")
 
@@ -103,14 +106,19 @@ def as_dict(plan: Plan) -> dict:
         "prompt_length": plan.prompt_length,
         "shapes": plan.shapes,
         "phases": {name: {"runs": p.runs, "peak_bytes": p.peak, "memory_bytes": dict(p.memory),
-                          "flops": p.costs.flops, "bytes_moved": p.costs.bytes, "roofline_seconds": p.costs.seconds,
+                          "flops": p.costs.flops, "bytes_moved": p.costs.bytes, "seconds": p.costs.seconds,
+                          "device_seconds": p.costs.device_seconds, "host_seconds": p.costs.host_seconds,
+                          "roofline_seconds": p.costs.roofline_seconds,
                           "kernels": p.costs.kernels, "host_syncs": p.costs.syncs, "calls_run": p.calls_run,
                           "calls_replayed": p.calls_replayed, "extrapolated_from_n_t": p.extrapolated_from}
                    for name, p in plan.phases.items()},
         "peak_bytes": plan.peak,
         "capacity_bytes": plan.capacity,
         "fits": plan.fits,
-        "step_roofline_seconds": plan.step_seconds if plan.gpu is not None else None,
+        "step_seconds": plan.step_seconds if plan.gpu is not None else None,
+        "step_roofline_seconds": plan.roofline_seconds if plan.gpu is not None else None,
+        "autocast": plan.autocast,
+        "compiled": plan.compiled,
         "rollout_nfe": plan.nfe,
         "weight_bytes_per_forward": plan.weight_bytes,
         "weight_streaming_floor_seconds": plan.weight_streaming_floor,

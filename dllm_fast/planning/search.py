@@ -26,16 +26,19 @@ def largest_settings(session, plan, rollout, runs, probes, batching: MicroBatchi
     A value is None when even the smallest setting does not fit."""
     capacity, config, n_t = plan.capacity, plan.config, plan.shapes["n_t"]
     rollout_peak = plan.phases["rollout"].peak
-    n_slopes = {name: max(0.0, (runs[probes[1]][name].peak - runs[probes[0]][name].peak) / (probes[1] - probes[0]))
-                for name in UPDATE_PHASES}
     active = [name for name in UPDATE_PHASES if plan.phases[name].runs]
-    notes = [f"largest n_t: each phase's peak fit through the plans at n_t = {probes[0]} and {probes[1]}"]
-
-    # n_t
-    lines = {name: ((n_t, plan.phases[name].peak), (n_t + 1, plan.phases[name].peak + n_slopes[name]))
-             for name in active}
-    best = _solve(capacity, rollout_peak, lines, minimum=smallest_n_t(config), maximum=MAX_N_T)
-    largest = {"n_t": None if best is None else valid_n_t(config, best, down=True)}
+    largest = {}
+    if probes[0] == probes[1]:  # a fixed n_t (the rollout's decoding states): not a setting to search
+        n_slopes = dict.fromkeys(UPDATE_PHASES, 0.0)
+        notes = [f"largest n_t: not searched, {config.objective}'s samples are the rollout's decoding states"]
+    else:
+        n_slopes = {name: max(0.0, (runs[probes[1]][name].peak - runs[probes[0]][name].peak) /
+                              (probes[1] - probes[0])) for name in UPDATE_PHASES}
+        notes = [f"largest n_t: each phase's peak fit through the plans at n_t = {probes[0]} and {probes[1]}"]
+        lines = {name: ((n_t, plan.phases[name].peak), (n_t + 1, plan.phases[name].peak + n_slopes[name]))
+                 for name in active}
+        best = _solve(capacity, rollout_peak, lines, minimum=smallest_n_t(config), maximum=MAX_N_T)
+        largest["n_t"] = None if best is None else valid_n_t(config, best, down=True)
 
     # micro-batch: the updates at a second micro-batch (and at the answer), at a small n_t, moved to n_t
     def updates_at(micro_batch: int) -> dict[str, float]:
@@ -70,7 +73,9 @@ def largest_settings(session, plan, rollout, runs, probes, batching: MicroBatchi
     g1 = g0 // 2 if g0 > 1 else 2
     other = session.rollout(prompts=config.prompts_per_step, group_size=g1, prompt_length=plan.prompt_length)
     other_probes = probe_n_t(config, other.batch.num_rollouts, batching.micro_batch)
-    first, second = (session.updates(other.batch, n_t=x, batching=batching) for x in other_probes)
+    first = session.updates(other.batch, n_t=other_probes[0], batching=batching)
+    second = first if other_probes[0] == other_probes[1] else session.updates(other.batch, n_t=other_probes[1],
+                                                                                 batching=batching)
     at_g1 = {"rollout": other.phase.peak}
     for name in active:
         at_g1[name] = extrapolate(first[name], second[name], *other_probes, n_t).peak

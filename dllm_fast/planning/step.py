@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,7 @@ from dllm_fast.planning.fake import Assumptions, PlanningFakeMode, fake_module, 
 from dllm_fast.planning.replay import Replayer
 from dllm_fast.rollout import generate
 from dllm_fast.train.config import TrainConfig, model_source
+from dllm_fast.train.precision import ModelPrecision, model_precision
 
 ENGINES = ("streaming", "all_graphs")
 UPDATE_PHASES = ("old-policy scoring", "reference scoring", "inner update", "optimizer step")
@@ -71,7 +73,7 @@ class PhasePlan:
         self.runs += 1
         if peak >= self.peak:
             self.peak, self.memory = peak, dict(memory)
-        self.costs = self.costs + costs
+        self.costs = self.costs + costs.settled()
         self.calls_run += calls_run
         self.calls_replayed += calls_replayed
 
@@ -89,14 +91,20 @@ class Session:
     """The fake world of one configuration: models, optimizer (its state allocated), ledger and replayer.
     Enter it (`with session:`) to run phases; tensors made inside belong to it."""
 
-    def __init__(self, config: TrainConfig, *, target: Target, weights_dtype: torch.dtype = torch.float32,
+    def __init__(self, config: TrainConfig, *, target: Target, weights_dtype: torch.dtype | None = None,
                  engine: str = "streaming", assumptions: Assumptions | None = None, optimizer: bool = True):
-        """optimizer: allocate the AdamW state a training step holds (False for a rollout on its own)."""
+        """weights_dtype: every model's weights in this dtype (None: what train loads for the target's device,
+        dllm_fast.train.precision). optimizer: allocate the AdamW state a training step holds (False for a
+        rollout on its own)."""
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is not one of {', '.join(ENGINES)}.")
         self.config, self.target, self.engine = config, target, engine
         self.objective = objectives.get(config.objective, **config.objective_options)
-        self.policy, self.reference, self.base = _build_models(config, self.objective, weights_dtype)
+        precision = model_precision(config, target.device_type)
+        if weights_dtype is not None:
+            precision = dataclasses.replace(precision, policy=weights_dtype, reference=weights_dtype)
+        self.precision = precision
+        self.policy, self.reference, self.base = _build_models(config, self.objective, precision)
         base = self.base
         if assumptions is None:
             special = (base.mask_token_id, base.eos_token_id, getattr(base, "eot_token_id", None))
@@ -106,7 +114,8 @@ class Session:
                                       avoid_ids=frozenset(i for i in special if i is not None))
         self.mode = PlanningFakeMode(assumptions)
         self.accountant = Accountant(target)
-        self.bf16 = config.bf16 if config.bf16 is not None else target.device_type == "cuda"
+        self.bf16 = precision.autocast
+        self.compile = compiles(config, target.device_type)
         self._models = [m for m in (self.policy, self.reference) if m is not None]
         for module in self._models:
             fake_module(module, self.mode)
@@ -118,6 +127,7 @@ class Session:
         stack = self._stack
         stack.enter_context(chunks_sized_for(self.target.device_type))
         stack.enter_context(_library_caches_kept())
+        stack.enter_context(_compiled_calls_planned(self.accountant))
         stack.enter_context(fake_world(self.mode))
         stack.enter_context(self.accountant)
         stack.callback(self.accountant.close)
@@ -161,7 +171,7 @@ class Session:
             mark = accountant.mark()
             yield
         accountant.release(mark)
-        plan.add(mark.peak, mark.peak_memory, accountant.costs - mark.costs,
+        plan.add(mark.peak, mark.peak_memory, mark.costs,
                  self.replayer.calls["run"] - calls["run"], self.replayer.calls["replayed"] - calls["replayed"],
                  start=sum(mark.memory.values()), category_peaks=mark.category_peaks)
 
@@ -187,10 +197,12 @@ class Session:
             self.policy.eval()
             # as train does: trajectory objectives (TraceRL) ask generate to record the decoding order
             record = {"record_unmask_step": True} if getattr(self.objective, "needs_unmask_step", False) else {}
+            if c.threshold is not None:  # confidences below the threshold: one token a step (see Assumptions)
+                record["assumed_steps_per_block"] = c.block_length
             with torch.no_grad(), self.autocast():
                 result = generate(self.policy, input_ids, attention_mask, gen_length=c.gen_length,
                                   block_length=c.block_length, steps=c.diffusion_steps, temperature=c.temperature,
-                                  remasking=c.remasking, cache=c.cache, threshold=c.threshold,
+                                  remasking=c.remasking, cache=c.cache, threshold=c.threshold, compile=self.compile,
                                   generator=torch.Generator().manual_seed(c.seed + 1), **record)
             self.policy.train()
         rewards = torch.arange(input_ids.shape[0], dtype=torch.float32) % 2
@@ -227,7 +239,7 @@ class Session:
         """The reference policy's lp as Objective.backward scores it: the reference copy, or the PEFT model with
         its adapters disabled."""
         kwargs = dict(micro_batch=batching.scoring, attention_mask=batch.attention_mask,
-                      chunk_size=batching.chunk_size)
+                      chunk_size=batching.chunk_size, compile=batching.compile)
         if self.reference is not None:
             return score(self.reference, batch.sequences, masks, **kwargs)
         with unwrap_model(self.policy).disable_adapter():
@@ -240,13 +252,22 @@ class Session:
         # all_graphs: every micro-batch's graph kept until one backward of the whole loss
         inputs = objective.prepare(batch, update.masks, lp_old=update.lp_old, lp_ref=lp_ref)
         lp = score(self.policy, batch.sequences, update.masks, micro_batch=batching.micro_batch,
-                   attention_mask=batch.attention_mask, chunk_size=batching.chunk_size)
+                   attention_mask=batch.attention_mask, chunk_size=batching.chunk_size, compile=batching.compile)
         objective.loss(lp, inputs).backward()
 
 
+def compiles(config: TrainConfig, device_type: str) -> bool:
+    """Whether the trainer compiles its rollouts and scoring for a device of `device_type`: --compile true, or
+    "auto" (compiled on CUDA, eager on CPU)."""
+    value = getattr(config, "compile", False)
+    return device_type == "cuda" if value == "auto" else bool(value)
+
+
 def valid_n_t(config: TrainConfig, n_t: int, *, down: bool = False, limit: int = 1 << 16) -> int | None:
-    """The n_t nearest `n_t` that the configured objective accepts (`objectives.nearest_valid_n_t`)."""
-    return objectives.nearest_valid_n_t(config.objective, n_t, down=down, limit=limit, **config.objective_options)
+    """The n_t nearest `n_t` that the configured objective accepts with its other options
+    (`objectives.nearest_valid_n_t`; the configured n_t itself is what is being replaced)."""
+    options = {name: value for name, value in config.objective_options.items() if name != "n_t"}
+    return objectives.nearest_valid_n_t(config.objective, n_t, down=down, limit=limit, **options)
 
 
 def smallest_n_t(config: TrainConfig) -> int:
@@ -254,10 +275,19 @@ def smallest_n_t(config: TrainConfig) -> int:
     return valid_n_t(config, 1)
 
 
+def fixed_n_t(config: TrainConfig) -> bool:
+    """Whether the objective's samples are not n_t masks drawn per sequence but the rollout's own decoding states
+    (TraceRL's trajectory sampler): its n_t stays as configured, and its work follows the rollout instead."""
+    return objectives.get(config.objective, **config.objective_options).config.sampler == "trajectory"
+
+
 def probe_n_t(config: TrainConfig, rollouts: int, micro_batch: int) -> tuple[int, int]:
     """Two small n_t to plan the updates at, from which larger ones are extrapolated (fit.py): the smallest at
     which every kind of micro-batch runs (at least two micro-batches of pairs), and the first valid one from four
-    times it."""
+    times it. An objective with a fixed n_t is planned at it, twice the same."""
+    if fixed_n_t(config):
+        n_t = objectives.get(config.objective, **config.objective_options).config.n_t
+        return n_t, n_t
     low = valid_n_t(config, -(-2 * micro_batch // max(rollouts, 1)))
     return low, valid_n_t(config, 4 * low)
 
@@ -266,8 +296,9 @@ def probe_n_t(config: TrainConfig, rollouts: int, micro_batch: int) -> tuple[int
 # building the fake models
 
 
-def _build_models(config: TrainConfig, objective, weights_dtype: torch.dtype):
-    """(policy, reference copy or None, the base model), on the meta device, as train/run.py builds them."""
+def _build_models(config: TrainConfig, objective, precision: ModelPrecision):
+    """(policy, reference copy or None, the base model), on the meta device, as train/run.py builds them, in the
+    dtypes `precision` gives (train.precision.model_precision: the trainer's own choice)."""
     from dllm_fast.models.loading import PRESETS
 
     source, family, _ = model_source(config)
@@ -276,11 +307,11 @@ def _build_models(config: TrainConfig, objective, weights_dtype: torch.dtype):
             base = family(family.preset_config(PRESETS[str(source)][1]))
         else:
             base = family.from_pretrained(source, device="meta")
-    base = base.to(weights_dtype).train()
+    base = base.to(precision.policy).train()
     base.set_gradient_checkpointing(config.gradient_checkpointing)
     reference = None
     if objective.needs_reference and not config.lora:
-        reference = copy.deepcopy(base).eval().requires_grad_(False)
+        reference = copy.deepcopy(base).to(precision.reference).eval().requires_grad_(False)
     policy = base
     if config.lora:
         from dllm_fast.train.run import add_lora
@@ -308,6 +339,33 @@ def _allocate_kv_cache_as(base, accountant: Accountant) -> None:
             return original(*args, **kwargs)
 
     base.new_cache = new_cache
+
+
+@contextlib.contextmanager
+def _compiled_calls_planned(accountant: Accountant):
+    """The library's compiled calls run eagerly on fake tensors (torch.compile cannot trace them), priced as they
+    run compiled: a compiled denoising step (rollout/step.py, mode="reduce-overhead") as one CUDA graph replay;
+    compiled scoring (likelihood/compiled.py: inductor graphs, no CUDA graphs yet) on its padded shapes, its
+    kernels launched one by one as eager ones are. Device time stays eager's, kernel for kernel: no credit for
+    inductor's fusion."""
+    import importlib
+
+    generate_module = importlib.import_module("dllm_fast.rollout.generate")  # the package exports the function
+    compiled_module = importlib.import_module("dllm_fast.likelihood.compiled")
+
+    def graph_step(*args):
+        with accountant.graph_replay():
+            return generate_module.denoise_step(*args)
+
+    eager = {"score_padded": compiled_module.score_padded,
+             "known_gradient_padded": compiled_module.known_gradient_padded}
+    kept = generate_module.compiled_step, compiled_module.compiled
+    generate_module.compiled_step = lambda device_type, backend="inductor": graph_step
+    compiled_module.compiled = lambda function_name, backend="inductor": eager[function_name]
+    try:
+        yield
+    finally:
+        generate_module.compiled_step, compiled_module.compiled = kept
 
 
 @contextlib.contextmanager

@@ -1,0 +1,110 @@
+"""How far real kernels run below the datasheet, and what the host spends launching them: the few fitted factors
+that turn the planner's roofline (gpus.py) into a time estimate.
+
+A kernel's device time is max(FLOPs / (peak of its type x GEMM efficiency), bytes / (bandwidth x bandwidth
+efficiency)); a fused op (dllm_fast::masked_logprobs and its kin) runs its GEMMs and then its chunk traffic one
+after another. The host launches each kernel of eager PyTorch (Python, the dispatcher, cudaLaunchKernel) for
+`eager_launch` seconds; a CUDA graph (a compiled rollout step) costs `graph_launch` per replay and nothing per
+kernel. Host and device overlap between host syncs (the launch queue runs ahead), so a stretch of work between two
+syncs takes max(host, device) (accounting.py).
+
+`H200_FIT` is fitted on the first GPU run (H200_RUN below; the points in RECORDED), one factor per physical
+cause, each from the points it dominates (`python benchmarks/bench_plan.py --gpu h200 --fit` redoes it and
+prints the derivation):
+
+- tensor_core, tf32, bandwidth: least squares (relative) over the 8 points of the LM head, naive PyTorch and the
+  fused op, forward and forward + backward, each point's device time split by what bounds each kernel: bf16
+  GEMMs, the fused backward's TF32 gradient GEMMs (the CUDA kernels at b7790f6), and memory traffic (naive's fp32
+  logits and log-softmax, the fused op's chunk logits);
+- eager_launch: the 8B dual-cache rollout, host-bound (its planned kernels per step at the measured time);
+- fp32: the `small` preset's compiled rollout without a cache (device-bound; its GEMMs in fp32, TF32 off);
+- graph_launch: the `small` preset's compiled dual-cache rollout (CUDA graphs), host-bound.
+
+The other recorded points (the 8B rollout without a cache, the small preset's eager rollouts, the engine's
+two_pass against naive) check the fit without entering it. The factors are assumed to carry over to the other
+GPUs of gpus.py (Hopper parts alike; an A100 or an L40S may differ), and the host costs to any host of the H200
+run's kind (16 cores); graph_launch, fitted on a 4-layer model, to a 32-layer one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Achieved fractions of the datasheet peaks, and host seconds per launch (see the module docstring)."""
+
+    name: str
+    tensor_core: float  # GEMMs with bf16/fp16 operands (fp32 accumulation), fraction of the dense peak
+    tf32: float  # GEMMs on fp32 operands rounded to TF32
+    fp32: float  # GEMMs in fp32 on the CUDA cores (and fp64)
+    bandwidth: float  # memory-bound kernels, fraction of the HBM bandwidth
+    eager_launch: float  # host seconds per kernel eager PyTorch launches
+    graph_launch: float  # host seconds per CUDA graph replay (a compiled rollout step: guards, replay)
+
+    def gemm_efficiency(self, dtype: torch.dtype, compute: str) -> float:
+        if dtype in (torch.bfloat16, torch.float16):
+            return self.tensor_core
+        return self.tf32 if compute == "tf32" else self.fp32
+
+
+# The datasheet roofline: every kernel at its peak, launches free (the planner before issue 28).
+ROOFLINE = Calibration("roofline", tensor_core=1.0, tf32=1.0, fp32=1.0, bandwidth=1.0, eager_launch=0.0,
+                       graph_launch=0.0)
+
+# Fitted on the H200 run (see the module docstring; bench_plan.py --fit prints how).
+H200_FIT = Calibration("h200-2026-11-26", tensor_core=0.69, tf32=0.55, fp32=0.47, bandwidth=0.86,
+                       eager_launch=19.1e-6, graph_launch=1.72e-3)
+
+DEFAULT = H200_FIT
+
+
+H200_RUN = ("NVIDIA H200 SXM 141GB, driver 580.159.04, CUDA 13.0, torch 2.11.0+cu130, 16 CPU cores, commit b7790f6, "
+            "2026-11-26 (../shared/gpu/measurements-h200-2026-11-26.md)")
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One number the H200 run measured, and the calls that took it (dllm_fast.planning.predict): kind "head" or
+    "rollout", `value` the median seconds of `predict.<kind>(gpu, **options)`; kind "engine", `value` two_pass's
+    time per sample over naive's (bench_elbo --lora, micro-batch 1). kernels_per_step: bench_rollout's count,
+    where it has one."""
+
+    name: str
+    kind: str
+    options: dict = field(hash=False)
+    value: float
+    kernels_per_step: float | None = None
+
+
+def _head(M: int, provider: str, backward: bool, ms: float) -> Recorded:
+    # At b7790f6 the fused backward's two gradient GEMMs ran in TF32 on fp32 copies (tf32_grad_gemms).
+    name = f"head {provider} {'forward + backward' if backward else 'forward'} M={M}"
+    return Recorded(name, "head", dict(M=M, provider=provider, backward=backward,
+                                       tf32_grad_gemms=provider == "dllm_fast"), ms / 1e3)
+
+
+_SMALL = dict(preset="small", batch=8, prompt=64, gen=128, block=32, steps=64, dtype=torch.float32)
+
+RECORDED = (
+    # bench_logprob.py --device cuda: bf16, d = 4096, V = 126464, median of 3
+    _head(2048, "naive", False, 4.48), _head(2048, "naive", True, 11.4),
+    _head(2048, "dllm_fast", False, 3.65), _head(2048, "dllm_fast", True, 23.8),
+    _head(8192, "naive", False, 17.6), _head(8192, "naive", True, 48.1),
+    _head(8192, "dllm_fast", False, 14.5), _head(8192, "dllm_fast", True, 91.5),
+    # bench_rollout.py --device cuda --batch 8: LLaDA-8B shapes, random bf16 weights, prompt 200, gen 256,
+    # block 32, 128 steps, T = 0 (the reference sampler is not planned: it reads the logits it samples from)
+    Recorded("rollout 8B none, eager", "rollout", dict(cache="none"), 14.68, kernels_per_step=1538),
+    Recorded("rollout 8B dual, eager", "rollout", dict(cache="dual"), 4.13, kernels_per_step=1653),
+    # smoke.py generate_compiled: the small preset in fp32 (TF32 off), batch 8, prompt 64, gen 128, 64 steps
+    Recorded("rollout small dual, eager", "rollout", dict(_SMALL, cache="dual"), 0.341),
+    Recorded("rollout small dual, compiled", "rollout", dict(_SMALL, cache="dual", compile=True), 0.111),
+    Recorded("rollout small none, eager", "rollout", dict(_SMALL, cache="none"), 0.241),
+    Recorded("rollout small none, compiled", "rollout", dict(_SMALL, cache="none", compile=True), 0.176),
+    # bench_elbo.py --device cuda --lora (r128 on q, k, v, up; bf16; prompt 200 + completion 512), micro-batch 1
+    Recorded("engine two_pass / naive per sample, n_t=1", "engine", dict(n_t=1, micro_batch=1), 1.85),
+    Recorded("engine two_pass / naive per sample, n_t=16", "engine", dict(n_t=16, micro_batch=1), 2.5),
+)

@@ -1,0 +1,70 @@
+"""benchmarks/gpu_run.sh stays in step with the benchmarks it runs, without a GPU and without running them: every
+flag it passes to a benchmark is one that benchmark's argparse defines, every script it names exists, and the
+places kept for the merge are marked."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_run.sh"
+
+
+def script_commands(script: Path = SCRIPT) -> list[list[str]]:
+    """Each `python3 benchmarks/...` command of the script, continuation lines joined, as its words."""
+    text = re.sub(r"\\\n\s*", " ", script.read_text())
+    commands = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0] if line.lstrip().startswith("#") else line
+        match = re.search(r"python3 (benchmarks/\S+\.py)(.*?)(?:\||;|$)", line)
+        if match:
+            commands.append([match.group(1), *shlex.split(match.group(2).replace("$", ""))])
+    return commands
+
+
+def argparse_flags(path: Path) -> set[str]:
+    """The option strings of every add_argument call in `path` (and in the helpers it imports from common.py)."""
+    flags = set()
+    sources = [path] + ([ROOT / "benchmarks" / "common.py"] if "common" in path.read_text() else [])
+    for source in sources:
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+                flags |= {a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-")}
+    return flags
+
+
+def unknown_flags(script: Path = SCRIPT) -> list[str]:
+    """'benchmark: --flag' for each flag the script passes that the benchmark's argparse does not define."""
+    unknown = []
+    for command in script_commands(script):
+        flags = {word.split("=")[0] for word in command[1:] if word.startswith("--")}
+        unknown += [f"{command[0]}: {flag}" for flag in sorted(flags - argparse_flags(ROOT / command[0]))]
+    return unknown
+
+
+def test_every_benchmark_flag_the_gpu_run_passes_exists():
+    scripts = {c[0] for c in script_commands()}
+    assert {"benchmarks/gpu_smoke.py", "benchmarks/peers_logprob.py", "benchmarks/bench_rollout.py",
+            "benchmarks/bench_elbo.py", "benchmarks/bench_logprob.py"} <= scripts
+    assert all((ROOT / script).is_file() for script in scripts)
+    assert unknown_flags() == []
+
+
+def test_a_flag_the_benchmark_lacks_is_caught(tmp_path):
+    """The check above fails on a flag that a benchmark does not define (the guard of the guard)."""
+    changed = tmp_path / "gpu_run.sh"
+    changed.write_text(SCRIPT.read_text().replace("--roofline", "--roofline --no-such-flag 3"))
+    assert unknown_flags(changed) == ["benchmarks/bench_logprob.py: --no-such-flag"]
+
+
+def test_the_script_parses_and_marks_the_places_for_the_merge():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+    text = SCRIPT.read_text()
+    for marker in ("[BENCH_ELBO GPU PRESET]", "[TRAINER: 8B TRAINING STEPS]"):
+        assert marker in text and "[/" + marker[1:] in text
+    for recorded in ("nvidia-smi", "torch.__version__", "git log -1"):  # the log starts with GPU, torch, commit
+        assert recorded in text.split("t build", 1)[0]
