@@ -24,7 +24,7 @@ from dllm_fast.planning.accounting import Target
 from dllm_fast.planning.fit import extrapolate
 from dllm_fast.planning.gpus import GPU, gpu as gpu_named
 from dllm_fast.planning.step import PHASES, UPDATE_PHASES, PhasePlan, Session, probe_n_t
-from dllm_fast.train.config import TrainConfig
+from dllm_fast.train.config import AUTO, DEFAULT_MICRO_BATCH, TrainConfig
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -80,7 +80,7 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     weights_dtype: "float32" (what train loads; bf16 autocast on GPU) or "bfloat16" (weights, gradients and
     optimizer state in bf16). search: also find the largest n_t, micro-batch and group size that fit."""
     started = time.perf_counter()
-    if getattr(config, "compile", False):
+    if getattr(config, "compile", False) is True:
         raise ValueError("--compile true: the planner plans eager execution (every op one kernel); plan without "
                          "--compile, and expect a compiled step to hold and move less.")
     if weights_dtype not in WEIGHT_DTYPES:
@@ -91,7 +91,9 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     if prompt_length is None:
         prompt_length = task_prompt_length(config)
     session = Session(config, target=target, weights_dtype=WEIGHT_DTYPES[weights_dtype], engine=engine)
-    batching = MicroBatching(config.micro_batch, config.score_micro_batch, config.chunk_size)
+    # --micro-batch auto: planned at the default; the search's largest is what train fits (train/micro_batch.py)
+    micro_batch = DEFAULT_MICRO_BATCH if config.micro_batch == AUTO else config.micro_batch
+    batching = MicroBatching(micro_batch, config.score_micro_batch, config.chunk_size)
     n_t = session.objective.config.n_t
     with _readable_data_errors(), session:
         rollout = session.rollout(prompts=config.prompts_per_step, group_size=config.group_size,
@@ -166,8 +168,14 @@ def _notes(plan: Plan, probes, n_t: int, session: Session) -> list[str]:
     notes.append("assumed: sampled tokens are never EOS (completions fill gen_length), every group's rewards differ "
                  "(every pair has a gradient weight), model outputs are finite"
                  + (", threshold decoding unmasks one token per step" if plan.config.threshold is not None else ""))
+    if plan.config.compile == AUTO and plan.gpu is not None:
+        notes.append("--compile auto: train compiles the rollouts on CUDA (CUDA graphs); planned as eager execution")
+    if plan.config.micro_batch == AUTO:
+        notes.append(f"--micro-batch auto: planned at {plan.shapes['micro_batch']}; on a GPU train takes the largest "
+                     "that fits 90% of the free memory (the search's, dllm_fast/train/micro_batch.py)")
     if session.bf16 and plan.weights_dtype == "float32":
-        notes.append("weights in fp32 with bf16 autocast (what train does on GPU); autocast keeps a bf16 copy of "
+        notes.append("weights as train keeps them on GPU (train/precision.py): trained weights in fp32, frozen ones "
+                     "(a LoRA base, the reference copy) in bf16, bf16 autocast; autocast keeps a bf16 copy of "
                      "trainable fp32 weights for the duration of each phase (counted in temporaries)")
     return notes
 

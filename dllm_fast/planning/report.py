@@ -19,8 +19,10 @@ def summary(plan: Plan) -> str:
     c, shapes = plan.config, plan.shapes
     schedule = (f"threshold {c.threshold}" if c.threshold is not None else f"{c.diffusion_steps} steps")
     lora = f"LoRA r{c.lora_rank}" if c.lora else "full fine-tune"
-    weights = plan.weights_dtype + (" + bf16 autocast" if plan.weights_dtype == "float32" and
-                                    (c.bf16 if c.bf16 is not None else plan.gpu is not None) else "")
+    bf16 = c.bf16 if c.bf16 is not None else plan.gpu is not None
+    # float32 is train's precision (train/precision.py): with bf16 compute, frozen weights are bf16
+    weights = "fp32 trained, bf16 frozen + bf16 autocast" if plan.weights_dtype == "float32" and bf16 else \
+        plan.weights_dtype
     target = plan.gpu.description if plan.gpu is not None else "this CPU"
     return (f"{c.model}, {lora}, weights {weights}, gradient checkpointing {'on' if c.gradient_checkpointing else 'off'}"
             f"; {c.objective} n_t={shapes['n_t']}, mu={c.inner_updates}, {plan.engine} engine, micro-batch "

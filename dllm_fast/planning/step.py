@@ -23,7 +23,6 @@ every pair a nonzero gradient weight (the most work).
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +36,7 @@ from dllm_fast.planning.fake import Assumptions, PlanningFakeMode, fake_module, 
 from dllm_fast.planning.replay import Replayer
 from dllm_fast.rollout import generate
 from dllm_fast.train.config import TrainConfig, model_source
+from dllm_fast.train.precision import training_models, training_precision
 
 ENGINES = ("streaming", "all_graphs")
 UPDATE_PHASES = ("old-policy scoring", "reference scoring", "inner update", "optimizer step")
@@ -96,7 +96,8 @@ class Session:
             raise ValueError(f"engine={engine!r} is not one of {', '.join(ENGINES)}.")
         self.config, self.target, self.engine = config, target, engine
         self.objective = objectives.get(config.objective, **config.objective_options)
-        self.policy, self.reference, self.base = _build_models(config, self.objective, weights_dtype)
+        self.policy, self.reference, self.base = _build_models(config, self.objective, weights_dtype,
+                                                               target.device_type)
         base = self.base
         if assumptions is None:
             special = (base.mask_token_id, base.eos_token_id, getattr(base, "eot_token_id", None))
@@ -246,7 +247,8 @@ class Session:
 
 def valid_n_t(config: TrainConfig, n_t: int, *, down: bool = False, limit: int = 1 << 16) -> int | None:
     """The n_t nearest `n_t` that the configured objective accepts (`objectives.nearest_valid_n_t`)."""
-    return objectives.nearest_valid_n_t(config.objective, n_t, down=down, limit=limit, **config.objective_options)
+    options = {name: value for name, value in config.objective_options.items() if name != "n_t"}  # n_t is searched
+    return objectives.nearest_valid_n_t(config.objective, n_t, down=down, limit=limit, **options)
 
 
 def smallest_n_t(config: TrainConfig) -> int:
@@ -266,8 +268,10 @@ def probe_n_t(config: TrainConfig, rollouts: int, micro_batch: int) -> tuple[int
 # building the fake models
 
 
-def _build_models(config: TrainConfig, objective, weights_dtype: torch.dtype):
-    """(policy, reference copy or None, the base model), on the meta device, as train/run.py builds them."""
+def _build_models(config: TrainConfig, objective, weights_dtype: torch.dtype, device_type: str):
+    """(policy, reference copy or None, the base model), on the meta device, as train/run.py builds them:
+    weights_dtype float32 is train's precision (train/precision.py: fp32 master weights for what trains, bf16 for
+    frozen weights under bf16 compute); another dtype puts every weight in it."""
     from dllm_fast.models.loading import PRESETS
 
     source, family, _ = model_source(config)
@@ -276,17 +280,12 @@ def _build_models(config: TrainConfig, objective, weights_dtype: torch.dtype):
             base = family(family.preset_config(PRESETS[str(source)][1]))
         else:
             base = family.from_pretrained(source, device="meta")
-    base = base.to(weights_dtype).train()
+    precision = training_precision(config, device_type,
+                                   weights=None if weights_dtype == torch.float32 else weights_dtype)
+    base = base.to(precision.base_dtype(config.lora)).train()
     base.set_gradient_checkpointing(config.gradient_checkpointing)
-    reference = None
-    if objective.needs_reference and not config.lora:
-        reference = copy.deepcopy(base).eval().requires_grad_(False)
-    policy = base
-    if config.lora:
-        from dllm_fast.train.run import add_lora
-
-        with torch.device("meta"):  # the adapters' layers too: no initialisation on the host
-            policy = add_lora(base, config)
+    with torch.device("meta"):  # the adapters' layers too: no initialisation on the host
+        policy, reference = training_models(base, config, precision, needs_reference=objective.needs_reference)
     return policy, reference, base
 
 
