@@ -154,6 +154,7 @@ def test_threshold_decoding_sets_its_own_steps():
     assert out["completion_ids"] == [[3, 3, EOS], [3, 3, 3, EOS]]
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
 def test_the_rollout_function_passes_cache_and_compile_to_generate(cache, monkeypatch):
     """cache= and compile= reach generate: the completions are generate's own for that cache; compile=True runs
