@@ -216,3 +216,20 @@ def test_a_whole_step_on_the_synthetic_task_reports_speed_and_each_phases_memory
         peaks = [row[f"peak_memory_{phase}_mib"] for phase in ("rollout", "scoring", "update")]
         assert all(peak > 0 for peak in peaks) and row["peak_memory_mib"] == max(peaks)
         assert row["grad_norm"] > 0
+
+
+def test_micro_batch_auto_resumes_with_the_micro_batch_it_ran_with(tmp_path):
+    """A checkpoint records the micro-batch; --micro-batch auto resumes with it rather than refitting to the free
+    memory of the moment (which would cut the pairs otherwise: no bit-for-bit continuation). Here the checkpoint
+    says 5, as a GPU's fit might have."""
+    config = fit_config(**{**QUICK, "steps": 1, "checkpoint_every": 1}, output_dir=str(tmp_path / "run"))
+    train(config)
+    path = tmp_path / "run" / "checkpoint" / "state.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["micro_batch"] == 64
+    torch.save({**state, "micro_batch": 5}, path)
+    resumed = run_module.Run(dataclasses.replace(config, steps=2, resume=True))
+    assert resumed.batching.micro_batch == 5
+    torch.save({**state, "micro_batch": 0}, path)
+    with pytest.raises(ValueError, match="its micro-batch is 0"):
+        run_module.Run(dataclasses.replace(config, steps=2, resume=True))
