@@ -74,6 +74,7 @@ from dllm_fast import reference
 from dllm_fast.likelihood import MicroBatching, elbo, sample_masks, score, streaming_backward
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 from dllm_fast.syncs import SyncCounter
+from dllm_fast.train.metrics import compile_seconds
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
@@ -223,13 +224,6 @@ PROVIDERS = {
                                 warm_up=functools.partial(warm_up, backward))
     for backward in (naive, all_graphs, two_pass, separable)
 } | {"compiled": Provider("compiled", setup=setup, run=functools.partial(run, compiled), warm_up=warm_up_compiled)}
-
-
-def compile_seconds() -> float:
-    """Wall seconds this process has spent in torch.compile (dynamo and inductor, every frame)."""
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return sum(compilation_time_metrics.get("_compile.compile_inner", []))
 
 
 def interleaved_compiled(point: dict, rounds: int) -> dict:
