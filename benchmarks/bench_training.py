@@ -10,8 +10,8 @@ AdamW lr 1e-4, T = 1.0 rollouts, the objective's paper defaults), in its own pro
 same for every seed; the seeds move the rollouts, masks and data order. Reported per objective: the final
 accuracy's mean and sample std over seeds, the gain over the base model and whether it exceeds 2 std, the
 seconds per step, the rollout tokens per second and the update's (sequence, sample) pairs per second (means over
-every step of every seed). The rows are written after each run, so an interrupted sweep keeps what it finished; a run that fails (a non-finite loss, for
-one) is listed under "failures" and the sweep goes on. --options gives objectives options (JSON: name -> options,
+every step of every seed). The rows are written after each run, so an interrupted sweep keeps what it finished; a
+run that fails (a non-finite loss, for one) is listed under "failures" and the sweep goes on. --options gives objectives options (JSON: name -> options,
 e.g. a preset); they are recorded with the results. tracerl needs a generate that records the decoding order.
 """
 
