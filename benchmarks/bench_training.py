@@ -11,8 +11,9 @@ same for every seed; the seeds move the rollouts, masks and data order. Reported
 accuracy's mean and sample std over seeds, the gain over the base model and whether it exceeds 2 std, the
 seconds per step, the rollout tokens per second and the update's (sequence, sample) pairs per second (means over
 every step of every seed). The rows are written after each run, so an interrupted sweep keeps what it finished; a
-run that fails (a non-finite loss, for one) is listed under "failures" and the sweep goes on. --options gives objectives options (JSON: name -> options,
-e.g. a preset); they are recorded with the results. tracerl needs a generate that records the decoding order.
+run that fails (a non-finite loss, for one) is listed under "failures" and the sweep goes on. --options gives
+objectives options (JSON: name -> options, e.g. a preset); they are recorded with the results. tracerl needs a
+generate that records the decoding order.
 """
 
 from __future__ import annotations
