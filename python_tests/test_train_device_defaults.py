@@ -55,7 +55,7 @@ def test_a_lora_model_of_llada_8b_on_meta_has_a_bf16_base_and_fp32_adapters():
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in frozen)
     assert all(p.dtype == torch.float32 and p.requires_grad for p in adapters)
     assert 15.5e9 < sum(p.numel() * p.element_size() for p in frozen) < 16.5e9
-    with pytest.raises(ValueError, match=r"load it in bfloat16"):
+    with pytest.raises(ValueError, match=r"load it in bf16"):
         with torch.device("meta"):
             training_models(LLaDAModel(LLaDAConfig.preset("tiny")), config, precision, needs_reference=True)
 
@@ -87,6 +87,21 @@ def test_the_planner_counts_the_weights_train_keeps():
         bytes_by_compute[bf16] = session.weight_bytes
     assert bytes_by_compute[None] <= 17e9
     assert bytes_by_compute[None] * 2 == pytest.approx(bytes_by_compute[False], rel=0.01)
+
+
+def test_the_size_check_counts_the_weights_in_the_dtypes_they_are_kept_in(monkeypatch):
+    """LLaDA-8B with LoRA needs its bf16 base (15 GiB), a full fine-tune fp32 weights, gradients and moments and a
+    bf16 reference copy; a device with 10 GiB free is refused naming them."""
+    with torch.device("meta"):
+        skeleton = LLaDAModel(LLaDAConfig.preset("llada-8b"))
+    monkeypatch.setattr(run_module, "free_memory", lambda device: 10 * 2**30)
+    for lora, expected in ((True, r"its weights in bf16 take about 14\.9 GiB"),
+                           (False, r"weights, gradients and AdamW's two moments in fp32 and the reference copy in "
+                                   r"bf16 take about 134\.4 GiB")):
+        config = TrainConfig(model="llada-8b", lora=lora)
+        with pytest.raises(ValueError, match=expected):
+            run_module.check_sizes(config, skeleton, torch.device("cuda"), Ranks(), True,
+                                   training_precision(config, "cuda"))
 
 
 def test_a_bf16_lora_run_keeps_its_base_in_bf16_and_saves_fp32_adapters(tmp_path):

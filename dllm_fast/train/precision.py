@@ -48,11 +48,11 @@ class Precision:
     def describe(self, lora: bool) -> str:
         """One line for the run's log and the plan's summary."""
         if self.compute is None:
-            return f"weights in {_name(self.trainable)}, no autocast"
+            return f"weights in {short_name(self.trainable)}, no autocast"
         trained = "LoRA adapters" if lora else "policy weights"
         frozen = "base model and reference copy" if lora else "reference copy"
-        return (f"{_name(self.compute)} autocast; {trained} train in {_name(self.trainable)} (master weights), "
-                f"{frozen} frozen in {_name(self.frozen)}")
+        return (f"{short_name(self.compute)} autocast; {trained} train in {short_name(self.trainable)} (master "
+                f"weights), {frozen} frozen in {short_name(self.frozen)}")
 
 
 def training_precision(config, device_type: str, *, weights: torch.dtype | None = None) -> Precision:
@@ -75,8 +75,8 @@ def training_models(base, config, precision: Precision, *, needs_reference: bool
     expected = precision.base_dtype(config.lora)
     floating = {p.dtype for p in base.parameters() if p.is_floating_point()}
     if floating != {expected}:
-        raise ValueError(f"the base model holds {sorted(map(_name, floating))} weights; load it in "
-                         f"{_name(expected)} (Precision.base_dtype) before building the run's models.")
+        raise ValueError(f"the base model holds {sorted(map(short_name, floating))} weights; load it in "
+                         f"{short_name(expected)} (Precision.base_dtype) before building the run's models.")
     if config.lora:
         policy = add_lora(base, config)
         for parameter in policy.parameters():
@@ -107,5 +107,6 @@ def add_lora(model, config):
     return peft.get_peft_model(model, lora)
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def short_name(dtype: torch.dtype) -> str:
+    """fp32, bf16, or torch's name without its prefix."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))

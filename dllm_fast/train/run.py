@@ -32,7 +32,7 @@ from dllm_fast.train.data import PromptStream
 from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
 from dllm_fast.train.precision import add_lora  # noqa: F401  (re-exported: the planner and tests import it here)
-from dllm_fast.train.precision import Precision, training_models, training_precision
+from dllm_fast.train.precision import Precision, short_name, training_models, training_precision
 from dllm_fast.train.resume import CONFIG, check_resumable, saved_config
 from dllm_fast.train.run_dir import RunDirectory
 
@@ -80,11 +80,11 @@ class Run:
         source, self.tokenizer, skeleton = model_and_tokenizer_plan(config)
         check_lengths(config, self.task, self.data.examples, self.test_examples, self.tokenizer, skeleton)
         check_sizes(config, skeleton, self.device, ranks, self.objective.needs_reference, self.precision)
+        # What the run decided for its device, said before the first step (on CPU by default: nothing).
+        self.setup_notes = [self.precision.describe(config.lora)] if self.bf16 else []
         # The trainer's flags for the engine's micro-batching, in one place; --micro-batch auto is fitted to the
         # device's free memory before the weights take their share of it.
         micro_batch = config.micro_batch
-        # What the run decided for its device, said before the first step (on CPU by default: nothing).
-        self.setup_notes = [self.precision.describe(config.lora)] if self.bf16 else []
         if micro_batch == AUTO:
             micro_batch, note = auto_micro_batch(config, self.objective, self.device, ranks)
             self.setup_notes += [note] if self.device.type == "cuda" else []
@@ -312,31 +312,23 @@ def check_sizes(config: TrainConfig, model, device: torch.device, ranks: Ranks, 
     if ranks.world > 1 or available is None:
         return
     parameters = sum(p.numel() for p in model.parameters())
-    trained, frozen = (_bytes(precision.trainable), _bytes(precision.frozen))
+    trained, frozen = precision.trainable.itemsize, precision.frozen.itemsize
     reference = needs_reference and not config.lora
     # LoRA: the frozen weights; a full fine-tune: weights, gradients and 2 AdamW moments, and the reference copy
     needed = parameters * (frozen if config.lora else 4 * trained + (frozen if reference else 0))
     if needed > available:
         if config.lora:
-            setup = f"its weights in {_dtype_name(precision.frozen)}"
+            setup = f"its weights in {short_name(precision.frozen)}"
         elif reference and frozen != trained:
-            setup = (f"weights, gradients and AdamW's two moments in {_dtype_name(precision.trainable)} and the "
-                     f"reference copy in {_dtype_name(precision.frozen)}")
+            setup = (f"weights, gradients and AdamW's two moments in {short_name(precision.trainable)} and the "
+                     f"reference copy in {short_name(precision.frozen)}")
         else:
             setup = "weights, gradients, AdamW's two moments" + (" and the reference copy" if reference else "") + (
-                f" in {_dtype_name(precision.trainable)}")
+                f" in {short_name(precision.trainable)}")
         count = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters:,}"
         raise ValueError(f"--model {config.model!r} has {count} parameters: {setup} take about "
                          f"{_size(needed)}, more than the {_size(available)} free on {device}. Use a smaller model"
                          f"{'' if config.lora else ', --lora true'} or a larger device.")
-
-
-def _bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def _size(size: int) -> str:
