@@ -287,11 +287,11 @@ def _traced(function):
     return traced
 
 
-def count_micro_batch_syncs(call) -> float:
-    """Host syncs (dllm_fast.syncs) inside the engine's micro-batches of `call()`, pass 1's and pass 2's
-    (forward, and backward for pass 2), on average per micro-batch; the engine's syncs per call (input checks, the
-    pairs' schedule, the objective's finiteness) are outside them."""
-    engine = importlib.import_module("dllm_fast.likelihood.engine")
+def count_micro_batch_syncs(call, compiled: bool = False) -> float:
+    """Host syncs (dllm_fast.syncs) inside the engine's micro-batches of `call()`, pass 1's and pass 2's (eager:
+    the forward and pass 2's backward; compiled: the eager preparation of each micro-batch, since the counter's
+    dispatch mode cannot stay on around a compiled graph, which holds no host read anyway), on average per
+    micro-batch; the engine's syncs per call (input checks, the pairs' schedule, finiteness) are outside them."""
     counted = {"syncs": 0, "micro_batches": 0}
 
     def counting(function, backward=False):
@@ -303,15 +303,15 @@ def count_micro_batch_syncs(call) -> float:
             return out
         return wrapped
 
+    engine = importlib.import_module("dllm_fast.likelihood.engine")
+    targets = [(importlib.import_module("dllm_fast.likelihood.compiled"), "pad_pairs", False)] if compiled else [
+        (engine, "score_pairs", False), (engine, "score_pairs_with_known_gradient", False),
+        (engine._Backward, "__call__", True)]
     with contextlib.ExitStack() as restore:
-        for name in ("score_pairs", "score_pairs_with_known_gradient", "known_gradient_compiled",
-                     "score_pairs_compiled"):
-            original = getattr(engine, name)
-            restore.callback(setattr, engine, name, original)
-            setattr(engine, name, counting(original))
-        original = engine._Backward.__call__
-        restore.callback(setattr, engine._Backward, "__call__", original)
-        engine._Backward.__call__ = counting(original, backward=True)
+        for owner, name, backward in targets:
+            original = getattr(owner, name)
+            restore.callback(setattr, owner, name, original)
+            setattr(owner, name, counting(original, backward))
         call()
     return counted["syncs"] / max(counted["micro_batches"], 1)
 
@@ -381,7 +381,8 @@ def measure(args, provider: Provider, point: dict) -> dict:
                ms_per_sample=1e3 * timing.median_s / n_t, min_ms_per_sample=1e3 * timing.min_s / n_t)
     if provider.name in STREAMING:
         row["kernels_per_micro_batch"] = count_micro_batch_kernels(lambda: provider.run(state))
-        row["syncs_per_micro_batch"] = count_micro_batch_syncs(lambda: provider.run(state))
+        row["syncs_per_micro_batch"] = count_micro_batch_syncs(lambda: provider.run(state),
+                                                               compiled=provider.name == "compiled")
     return row | training_memory(provider, point, state, exclude=case.parameters(), resident_peak=not args.no_rss,
                                  default_malloc=args.default_malloc)
 

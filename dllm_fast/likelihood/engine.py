@@ -206,7 +206,7 @@ def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch
     def score_batch(batch: PairBatch):
         if compile:
             return score_pairs_compiled(model, sequences, masks, batch.pairs, capacity=scoring_batch,
-                                        attention_mask=attention_mask, chunk_size=chunk_size)
+                                        attention_mask=attention_mask, chunk_size=chunk_size, rows=batch.rows)
         return score_pairs(model, sequences, masks, batch.pairs, attention_mask=attention_mask,
                            chunk_size=chunk_size, rows=batch.rows)
 
@@ -264,7 +264,8 @@ def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch
                 if backward_pass.unit_upstream and compile:
                     loss = known_gradient_compiled(model, sequences, masks, pairs, coef_rows[pairs] * weight,
                                                    lp_rows[pairs], capacity=micro_batch,
-                                                   attention_mask=attention_mask, chunk_size=chunk_size)
+                                                   attention_mask=attention_mask, chunk_size=chunk_size,
+                                                   rows=batch.rows)
                 elif backward_pass.unit_upstream:
                     loss, _ = score_pairs_with_known_gradient(model, sequences, masks, pairs, coef_rows[pairs] * weight,
                                                               lp_rows[pairs], attention_mask=attention_mask,
@@ -297,7 +298,8 @@ def _score_with_grad(model, sequences, masks, batch: PairBatch, micro_batch, att
     """A micro-batch's lp rows with their graph, the LM head's gradient going straight into its .grad."""
     if compile:
         return score_pairs_compiled(model, sequences, masks, batch.pairs, capacity=micro_batch,
-                                    attention_mask=attention_mask, chunk_size=chunk_size, grad_into_weight=True)
+                                    attention_mask=attention_mask, chunk_size=chunk_size, grad_into_weight=True,
+                                    rows=batch.rows)
     return score_pairs(model, sequences, masks, batch.pairs, attention_mask=attention_mask, chunk_size=chunk_size,
                        grad_into_weight=True, rows=batch.rows)
 

@@ -66,7 +66,7 @@ def score(
     def score_batch(batch: PairBatch):
         if compile:
             return score_pairs_compiled(model, sequences, masks, batch.pairs, capacity=micro_batch,
-                                        attention_mask=attention_mask, chunk_size=chunk_size)
+                                        attention_mask=attention_mask, chunk_size=chunk_size, rows=batch.rows)
         return score_pairs(model, sequences, masks, batch.pairs, attention_mask=attention_mask,
                            chunk_size=chunk_size, rows=batch.rows)
 
