@@ -67,6 +67,14 @@ def test_two_training_steps_give_finite_losses_and_nonzero_gradients(tmp_path):
         assert not torch.allclose(trainer.model(ids), initial(ids))
 
 
+def test_a_bf16_trainer_keeps_its_reference_copy_in_bf16(tmp_path):
+    """GRPOConfig(bf16=True): the frozen reference copy is stored in bf16 (the policy's weights are the caller's)."""
+    trainer = trl_example.build_trainer(str(tmp_path), objective="diffu_grpo", steps=1, bf16=True)
+    assert {p.dtype for p in trainer._reference.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert not any(p.requires_grad for p in trainer._reference.parameters())
+
+
 def test_lora_off_policy_iterations_with_a_reference(tmp_path):
     """PEFT adapters train and the base is the reference; the second use of a rollout (num_iterations=2) comes
     after an optimizer step, so the old policy was scored on its masks when it was generated."""

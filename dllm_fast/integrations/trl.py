@@ -59,6 +59,7 @@ from dllm_fast.rollout import generate
 from dllm_fast.rollout.cache import CACHE_POLICIES
 from dllm_fast.tasks.encoding import left_pad
 from dllm_fast.tasks.rewards import MAX_ABS_REWARD, reward_value
+from dllm_fast.train.precision import frozen_copy
 from dllm_fast.validation import check_bool, check_int
 
 __all__ = ["DiffusionGRPOTrainer", "DiffusionPreTrainedModel", "DiffusionPreTrainedConfig", "make_rollout_func"]
@@ -306,11 +307,15 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         reward_funcs = [checked_reward_function(f) for f in (reward_funcs if isinstance(reward_funcs, list)
                                                              else [reward_funcs])]
         # The reference policy: a frozen copy of the initial weights, or for PEFT the model without its adapters.
-        # Copied before GRPOTrainer patches the model's forward (a closure over the original model).
+        # Copied before GRPOTrainer patches the model's forward (a closure over the original model); in bf16 when
+        # the trainer computes in bf16 (frozen weights in the compute dtype: dllm_fast.train.precision).
         reference = None
         if (objective.needs_reference and kwargs.get("peft_config") is None
                 and not hasattr(unwrap_model(model), "disable_adapter")):
-            reference = copy.deepcopy(model).eval().requires_grad_(False)
+            if getattr(args, "bf16", False):
+                reference = frozen_copy(model, torch.bfloat16)
+            else:
+                reference = copy.deepcopy(model).eval().requires_grad_(False)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args,
                          rollout_func=rollout_func if rollout_func is not None else make_rollout_func(), **kwargs)
         check_trl_config(self.args)
