@@ -2,7 +2,8 @@
 
     python benchmarks/bench_elbo.py                          # CPU: `small` preset, prompt 64 + completion 256
     python benchmarks/bench_elbo.py --device cuda            # GPU: llada-8b shapes, prompt 200 + completion 512,
-    python benchmarks/bench_elbo.py --device cuda --lora     #      random bf16 weights, full fine-tune or LoRA
+    python benchmarks/bench_elbo.py --device cuda --lora     #      random bf16 weights, full fine-tune or LoRA;
+                                                             #      streaming at equal pairs per graph and fitted
     python benchmarks/bench_elbo.py --sequences 4 --micro-batch 2 --nt 1 2 32 --providers two_pass separable \
         --before /tmp/engine_before                         # memory flat in n_t, before and after a change
     python benchmarks/bench_elbo.py --interleaved 5 --sequences 2 --nt 8 --micro-batch 8 --prompt 32 \
@@ -27,6 +28,17 @@ all-or-nothing guarantee then keeps one copy). Providers, side by side:
     <p>@before  with --before TREE: provider p (two_pass, separable) of this benchmark with dllm_fast imported
                 from another checkout, built in place (`git archive 5649a7b | tar -x -C /tmp/engine_before`,
                 then `python setup.py build_ext --inplace` there), timed and measured in a fresh process.
+
+--micro-batch takes one or more settings, each a number of (sequence, sample) pairs per streamed graph or
+    equal   the pairs of naive's one graph (sequences x n_t): two_pass against naive at equal pairs per graph;
+    fitted  the largest micro-batch the planner fits in 90% of the device's free memory (what `train --micro-batch
+            auto` picks, dllm_fast/train/micro_batch.py), planned once at the sweep's largest n_t for a LoRA or full
+            fine-tune of --preset at these lengths (vrpo_ol, 2 sequences; a tokenizer of the preset's vocabulary);
+            --fit-gpu NAME plans for one of the planner's GPUs instead of the device (for a CPU dry run).
+The GPU preset's default is `equal fitted`, the CPU's 1. naive and all_graphs do not depend on it and run once per
+n_t. For the streaming providers, kernels_per_micro_batch (pass 2's forward and backward, profiler CPU trace as
+bench_rollout counts them) and syncs_per_micro_batch (host syncs inside pass 1's and pass 2's micro-batches,
+dllm_fast.syncs; the engine's few per call are outside them) come with each row.
 
 Time is the median (and the minimum) of --repeats runs after a warm-up, reported per MC sample. Memory:
   - saved: the peak of the bytes autograd keeps for backward and that are alive at once during one full run
@@ -61,6 +73,8 @@ import torch
 from dllm_fast import reference
 from dllm_fast.likelihood import MicroBatching, elbo, sample_masks, score, streaming_backward
 from dllm_fast.models import LLaDAConfig, LLaDAModel
+from dllm_fast.syncs import SyncCounter
+from dllm_fast.train.metrics import compile_seconds
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
@@ -113,12 +127,11 @@ def bgpo_bound(masks):
 class Case:
     """One model and one sequence, shared by every provider and n_t of a sweep; the masks for each n_t."""
 
-    def __init__(self, *, preset, prompt, completion, device, dtype, lora, lora_rank, checkpointing, micro_batch,
-                 score_micro_batch=None, sequences=1, seed=0):
+    def __init__(self, *, preset, prompt, completion, device, dtype, lora, lora_rank, checkpointing, sequences=1,
+                 seed=0):
         self.device = torch.device(device)
         self.model = build_model(preset, self.device, dtype, lora=lora, lora_rank=lora_rank,
                                  checkpointing=checkpointing, seed=seed)
-        self.micro_batch, self.score_micro_batch = micro_batch, score_micro_batch
         self.prompt = prompt
         config = LLaDAConfig.preset(preset)
         gen = torch.Generator(device=self.device).manual_seed(seed + 1)
@@ -142,8 +155,7 @@ class Case:
         return [p for p in self.model.parameters()]
 
 
-CASE_KEYS = ("preset", "prompt", "completion", "device", "dtype", "lora", "lora_rank", "checkpointing", "micro_batch",
-             "score_micro_batch", "sequences")
+CASE_KEYS = ("preset", "prompt", "completion", "device", "dtype", "lora", "lora_rank", "checkpointing", "sequences")
 
 
 @functools.lru_cache(maxsize=1)
@@ -155,49 +167,49 @@ def cached_case(*values) -> Case:
 
 
 def setup(point: dict):
-    """(case, masks, whether gradients exist when a run starts) for the point."""
+    """(case, masks, whether gradients exist when a run starts, the streaming providers' MicroBatching)."""
     case = cached_case(*(point[key] for key in CASE_KEYS))
-    return case, case.masks(point["n_t"]), point["grads"] == "existing"
+    batching = MicroBatching(point["micro_batch"], score_micro_batch=point["score_micro_batch"])
+    return case, case.masks(point["n_t"]), point["grads"] == "existing", batching
 
 
-# One function per provider: forward + backward of the objective on (case, masks).
+# One function per provider: forward + backward of the objective on (case, masks), the streaming ones cut as
+# `batching` says.
 
 
-def naive(case: Case, masks) -> None:
+def naive(case: Case, masks, batching: MicroBatching) -> None:
     vrpo_ol(masks)(reference.likelihood.score_naive(case.model, case.sequences, masks)).backward()
 
 
-def all_graphs(case: Case, masks) -> None:
+def all_graphs(case: Case, masks, batching: MicroBatching) -> None:
     vrpo_ol(masks)(score(case.model, case.sequences, masks, micro_batch=masks.n_t)).backward()
 
 
-def two_pass(case: Case, masks) -> None:
-    streaming_backward(case.model, case.sequences, masks, vrpo_ol(masks),
-                       micro_batch=MicroBatching(case.micro_batch, score_micro_batch=case.score_micro_batch))
+def two_pass(case: Case, masks, batching: MicroBatching) -> None:
+    streaming_backward(case.model, case.sequences, masks, vrpo_ol(masks), micro_batch=batching)
 
 
-def separable(case: Case, masks) -> None:
-    streaming_backward(case.model, case.sequences, masks, bgpo_bound(masks), micro_batch=case.micro_batch,
+def separable(case: Case, masks, batching: MicroBatching) -> None:
+    streaming_backward(case.model, case.sequences, masks, bgpo_bound(masks), micro_batch=batching.micro_batch,
                        separable=True)
 
 
-def compiled(case: Case, masks) -> None:
+def compiled(case: Case, masks, batching: MicroBatching) -> None:
     streaming_backward(case.model, case.sequences, masks, vrpo_ol(masks),
-                       micro_batch=MicroBatching(case.micro_batch, score_micro_batch=case.score_micro_batch,
-                                                 compile=True))
+                       micro_batch=dataclasses.replace(batching, compile=True))
 
 
 def run(backward, state) -> None:
-    case, masks, existing = state
+    case, masks, existing, batching = state
     case.model.zero_grad(set_to_none=not existing)  # None, or allocated and part of the baseline
-    backward(case, masks)
+    backward(case, masks, batching)
 
 
 def warm_up(backward, state) -> None:
     """One run on a fully masked sample per sequence: touches the largest per-sample buffers, so a later peak
     measures transient memory, not first touches; the gradients it allocates stay only with --grads existing."""
-    case, _, existing = state
-    run(backward, (case, case.fully_masked(), existing))
+    case, _, existing, batching = state
+    run(backward, (case, case.fully_masked(), existing, batching))
     case.model.zero_grad(set_to_none=not existing)
 
 
@@ -214,20 +226,13 @@ PROVIDERS = {
 } | {"compiled": Provider("compiled", setup=setup, run=functools.partial(run, compiled), warm_up=warm_up_compiled)}
 
 
-def compile_seconds() -> float:
-    """Wall seconds this process has spent in torch.compile (dynamo and inductor, every frame)."""
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return sum(compilation_time_metrics.get("_compile.compile_inner", []))
-
-
 def interleaved_compiled(point: dict, rounds: int) -> dict:
     """two_pass eager against compiled in one process, calls alternating (ABBA order) so that a machine whose
     load drifts slows both alike: median seconds of each, their ratio, the compile time (torch.compile's own,
     in the first compiled call), the kernels per pass-2 micro-batch of each (profiler CPU trace), and the
     largest gradient difference relative to the largest gradient."""
     state = setup(point)
-    case, masks, _ = state
+    case = state[0]
     grads = {}
     compiling = compile_seconds()
     for backward in (compiled, two_pass):  # the first compiled call compiles every bucket of these masks
@@ -252,15 +257,16 @@ MICRO_BATCH_RANGE = "dllm_fast.pass_2_micro_batch"
 
 
 def count_micro_batch_kernels(call) -> float:
-    """Kernels a pass-2 micro-batch (forward and backward) launches, on average over the micro-batches of
-    `call()`, counted on the profiler's CPU trace as bench_rollout counts a denoising step's: the ops inside
+    """Kernels a pass-2 micro-batch (forward and backward; the separable path's one pass) launches, on average over
+    the micro-batches of `call()`, counted on the profiler's CPU trace as bench_rollout counts a denoising step's:
+    the ops inside
     each micro-batch's range (the forward in the engine's thread, the backward in autograd's), with inductor's
     kernels named by cpp.enable_kernel_profile."""
     from torch._inductor import config as inductor_config
 
     engine = importlib.import_module("dllm_fast.likelihood.engine")
     with contextlib.ExitStack() as restore:
-        for name in ("score_pairs_with_known_gradient", "known_gradient_compiled"):
+        for name in ("score_pairs_with_known_gradient", "known_gradient_compiled", "_score_with_grad"):
             original = getattr(engine, name)
             restore.callback(setattr, engine, name, original)
             setattr(engine, name, _traced(original))
@@ -281,12 +287,72 @@ def _traced(function):
     return traced
 
 
+def count_micro_batch_syncs(call, compiled: bool = False) -> float:
+    """Host syncs (dllm_fast.syncs) inside the engine's micro-batches of `call()`, pass 1's and pass 2's (eager:
+    the forward and pass 2's backward; compiled: the eager preparation of each micro-batch, since the counter's
+    dispatch mode cannot stay on around a compiled graph, which holds no host read anyway), on average per
+    micro-batch; the engine's syncs per call (input checks, the pairs' schedule, finiteness) are outside them."""
+    counted = {"syncs": 0, "micro_batches": 0}
+
+    def counting(function, backward=False):
+        def wrapped(*args, **kwargs):
+            with SyncCounter() as syncs:
+                out = function(*args, **kwargs)
+            counted["syncs"] += syncs.count
+            counted["micro_batches"] += not backward
+            return out
+        return wrapped
+
+    engine = importlib.import_module("dllm_fast.likelihood.engine")
+    targets = [(importlib.import_module("dllm_fast.likelihood.compiled"), "pad_pairs", False)] if compiled else [
+        (engine, "score_pairs", False), (engine, "score_pairs_with_known_gradient", False),
+        (engine._Backward, "__call__", True)]
+    with contextlib.ExitStack() as restore:
+        for owner, name, backward in targets:
+            original = getattr(owner, name)
+            restore.callback(setattr, owner, name, original)
+            setattr(owner, name, counting(original, backward))
+        call()
+    return counted["syncs"] / max(counted["micro_batches"], 1)
+
+
+def fitted_micro_batch(args, n_t: int, device: torch.device) -> int:
+    """The micro-batch `train --micro-batch auto` would pick for this benchmark's model and lengths (see the module
+    docstring): the planner's largest that fits 90% of the free memory."""
+    import tempfile
+
+    from dllm_fast.assets.char_tokenizer import build_char_tokenizer, save_tokenizer
+    from dllm_fast.planning.gpus import gpu as planner_gpu
+    from dllm_fast.train import TrainConfig
+    from dllm_fast.train.micro_batch import device_gpu, fitted_micro_batch as fit
+
+    vocabulary = tempfile.mkdtemp(prefix="bench_elbo_vocab_")  # the preset's output layer, not the embedded one's
+    save_tokenizer(build_char_tokenizer(vocab_size=LLaDAConfig.preset(args.preset).vocab_size), vocabulary)
+    config = TrainConfig(model=args.preset, tokenizer=vocabulary, lora=args.lora, lora_rank=args.lora_rank,
+                         lora_alpha=max(1, args.lora_rank // 2), lora_targets=LORA_TARGETS,
+                         gradient_checkpointing=args.checkpointing, bf16=device.type == "cuda",
+                         objective="vrpo_ol", objective_options={"n_t": n_t}, prompts_per_step=1,
+                         group_size=max(2, args.sequences), gen_length=args.completion, block_length=args.completion,
+                         diffusion_steps=1, score_micro_batch=args.score_micro_batch, progress=False)
+    gpu = planner_gpu(args.fit_gpu) if args.fit_gpu else device_gpu(device)
+    micro_batch, note = fit(config, gpu=gpu, prompt_length=args.prompt)
+    print(note, flush=True)
+    return micro_batch
+
+
 def naive_logits_bytes(pairs: int, length: int, vocab: int) -> int:
     """Logits, their fp32 log_softmax and its gradient: what the naive path allocates beyond the model."""
     return 3 * pairs * length * vocab * 4
 
 
-def skip_naive_on_cpu(args, provider: Provider, point: dict) -> str | None:
+STREAMING = ("two_pass", "separable", "compiled")
+
+
+def skip(args, provider: Provider, point: dict) -> str | None:
+    """naive and all_graphs run at the first micro-batch setting only (they do not depend on it); naive on CPU is
+    skipped where its logits alone would exceed --naive-max-gib."""
+    if provider.name.removesuffix(BEFORE) not in STREAMING and point["setting"] != str(args.micro_batch[0]):
+        return "skipped: no micro-batch (see the first setting's row)"
     if provider.name != "naive" or point["device"] != "cpu":
         return None
     vocab = LLaDAConfig.preset(point["preset"]).vocab_size
@@ -309,12 +375,36 @@ def measure(args, provider: Provider, point: dict) -> dict:
         return dict(seconds=timing.median_s, ms_per_sample=1e3 * timing.median_s / n_t,
                     min_ms_per_sample=1e3 * timing.min_s / n_t, peak_mib=out["peak_bytes"] / 2**20)
     state = provider.prepare(point)
-    case, masks, _ = state
+    case, masks = state[:2]
     timing = time_call(lambda: provider.run(state), point["device"], warmup=0, repeats=args.repeats)
     row = dict(pairs_scored=int((masks.num_masked > 0).sum()), seconds=timing.median_s,
                ms_per_sample=1e3 * timing.median_s / n_t, min_ms_per_sample=1e3 * timing.min_s / n_t)
+    if provider.name in STREAMING:
+        row["kernels_per_micro_batch"] = count_micro_batch_kernels(lambda: provider.run(state))
+        row["syncs_per_micro_batch"] = count_micro_batch_syncs(lambda: provider.run(state),
+                                                               compiled=provider.name == "compiled")
     return row | training_memory(provider, point, state, exclude=case.parameters(), resident_peak=not args.no_rss,
                                  default_malloc=args.default_malloc)
+
+
+def micro_batch_setting(value: str) -> str:
+    if value in ("equal", "fitted") or (value.isdigit() and int(value) >= 1):
+        return value
+    raise argparse.ArgumentTypeError(f"--micro-batch takes pairs per graph (a number >= 1), equal or fitted; got "
+                                     f"{value!r}.")
+
+
+def sweep_points(args, case_settings: dict) -> list[dict]:
+    """One point per (micro-batch setting, n_t), the setting resolved to a number of pairs per graph."""
+    fitted = None
+    if "fitted" in args.micro_batch:
+        fitted = fitted_micro_batch(args, max(args.nt), torch.device(args.device))
+    points = []
+    for setting in args.micro_batch:
+        for n_t in args.nt:
+            micro_batch = {"equal": args.sequences * n_t, "fitted": fitted}.get(setting) or int(setting)
+            points.append(dict(case_settings, n_t=n_t, setting=setting, micro_batch=micro_batch))
+    return points
 
 
 def main():
@@ -330,7 +420,11 @@ def main():
                         help="gradients when a run starts: none (as the trainer leaves them) or existing")
     parser.add_argument("--before", help="also run two_pass/separable with dllm_fast from this checkout (built in "
                         "place), in fresh processes: e.g. /tmp/engine_before")
-    parser.add_argument("--micro-batch", type=int, default=1, help="(sequence, sample) pairs per streamed graph")
+    parser.add_argument("--micro-batch", type=micro_batch_setting, nargs="+",
+                        help="(sequence, sample) pairs per streamed graph: numbers, equal, fitted (default: equal "
+                             "fitted on CUDA, 1 on CPU; see the module docstring)")
+    parser.add_argument("--fit-gpu", help="with fitted: plan for this GPU of the planner's table instead of the "
+                                          "device (e.g. h200, for a dry run on CPU)")
     parser.add_argument("--score-micro-batch", type=int, help="pairs per no-grad call in pass 1 (default: "
                         "--micro-batch)")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (q,k,v,up) instead of all weights")
@@ -357,13 +451,13 @@ def main():
     args.prompt = args.prompt if args.prompt is not None else (200 if cuda else 64)
     args.completion = args.completion or (512 if cuda else 256)
     args.repeats = args.repeats or (3 if cuda else 1)
+    args.micro_batch = args.micro_batch or (["equal", "fitted"] if cuda else ["1"])
     dtype = "bfloat16" if cuda else "float32"
 
     case_settings = dict(preset=args.preset, prompt=args.prompt, completion=args.completion, device=args.device,
                          dtype=dtype, lora=args.lora, lora_rank=args.lora_rank, checkpointing=args.checkpointing,
-                         micro_batch=args.micro_batch, score_micro_batch=args.score_micro_batch,
-                         sequences=args.sequences, grads=args.grads)
-    points = [dict(case_settings, n_t=n_t) for n_t in args.nt]
+                         score_micro_batch=args.score_micro_batch, sequences=args.sequences, grads=args.grads)
+    points = sweep_points(args, case_settings)
     if args.interleaved:
         rows = [interleaved_compiled(point, args.interleaved) for point in points]
         print_table(rows, ["n_t", "eager_s", "compiled_s", "speedup", "compile_s", "grad_rel_diff",
@@ -376,16 +470,18 @@ def main():
     if args.before:
         providers += [dataclasses.replace(PROVIDERS[name], name=name + BEFORE) for name in args.providers
                       if name in ("two_pass", "separable")]
-    rows = run_sweep(points, providers, functools.partial(measure, args), row_keys=("n_t",),
-                     skip=functools.partial(skip_naive_on_cpu, args))
+    rows = run_sweep(points, providers, functools.partial(measure, args), row_keys=("n_t", "setting", "micro_batch"),
+                     skip=functools.partial(skip, args))
     # Time per sample against naive and all_graphs at the same n_t; peak and saved against the first n_t.
     for baseline in ("naive", "all_graphs"):
         add_ratio(rows, f"time_vs_{baseline}", "ms_per_sample", baseline={"provider": baseline}, match=("n_t",))
     first = min(args.nt)
     for field in ("peak_mib", "saved_mib"):
-        add_ratio(rows, f"{field.split('_')[0]}_vs_nt{first}", field, baseline={"n_t": first}, match=("provider",))
-    columns = ["n_t", "provider", "status", "ms_per_sample", "time_vs_naive", "time_vs_all_graphs", "saved_mib",
-               f"saved_vs_nt{first}", "peak_mib", f"peak_vs_nt{first}"]
+        add_ratio(rows, f"{field.split('_')[0]}_vs_nt{first}", field, baseline={"n_t": first},
+                  match=("provider", "setting"))
+    columns = ["n_t", "setting", "micro_batch", "provider", "status", "ms_per_sample", "time_vs_naive",
+               "time_vs_all_graphs", "saved_mib", f"saved_vs_nt{first}", "peak_mib", f"peak_vs_nt{first}",
+               "kernels_per_micro_batch", "syncs_per_micro_batch"]
     print_table(rows, columns)
     name = args.name or "elbo_" + args.device + ("_lora" if args.lora else "") + ("_ckpt" if args.checkpointing else "")
     config = {k: v for k, v in vars(args).items() if k not in ("name", "results_dir")} | dict(

@@ -9,10 +9,11 @@ AdamW lr 1e-4, T = 1.0 rollouts, the objective's paper defaults), in its own pro
 --jobs runs side by side. The accuracy is greedy on the whole sudoku4 test split, so the base model scores the
 same for every seed; the seeds move the rollouts, masks and data order. Reported per objective: the final
 accuracy's mean and sample std over seeds, the gain over the base model and whether it exceeds 2 std, the
-seconds per step and the rollout tokens per second (means over every step of every seed). The rows are
-written after each run, so an interrupted sweep keeps what it finished; a run that fails (a non-finite loss, for
-one) is listed under "failures" and the sweep goes on. --options gives objectives options (JSON: name -> options,
-e.g. a preset); they are recorded with the results. tracerl needs a generate that records the decoding order.
+seconds per step, the rollout tokens per second and the update's (sequence, sample) pairs per second (means over
+every step of every seed). The rows are written after each run, so an interrupted sweep keeps what it finished; a
+run that fails (a non-finite loss, for one) is listed under "failures" and the sweep goes on. --options gives
+objectives options (JSON: name -> options, e.g. a preset); they are recorded with the results. tracerl needs a
+generate that records the decoding order.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def one_run(objective: str, seed: int, steps: int, output_dir: str, options: dic
                 base_accuracy=result.base_accuracy[length], final_accuracy=result.final_accuracy[length],
                 seconds=result.seconds,
                 seconds_per_step=statistics.fmean(r["step_seconds"] for r in steps_rows),
-                rollout_tokens_per_s=statistics.fmean(r["rollout_tokens_per_s"] for r in steps_rows))
+                rollout_tokens_per_s=statistics.fmean(r["rollout_tokens_per_s"] for r in steps_rows),
+                update_pairs_per_s=statistics.fmean(r["update_pairs_per_s"] for r in steps_rows))
 
 
 def summarize(runs: list[dict], objective_names: list[str]) -> list[dict]:
@@ -66,7 +68,8 @@ def summarize(runs: list[dict], objective_names: list[str]) -> list[dict]:
                          gain_over_2_std=bool(len(finals) > 1 and gain > 2 * std),
                          seeds_above_base=sum(f > r["base_accuracy"] for f, r in zip(finals, mine)),
                          seconds_per_step=statistics.fmean(r["seconds_per_step"] for r in mine),
-                         rollout_tokens_per_s=statistics.fmean(r["rollout_tokens_per_s"] for r in mine)))
+                         rollout_tokens_per_s=statistics.fmean(r["rollout_tokens_per_s"] for r in mine),
+                         update_pairs_per_s=statistics.fmean(r["update_pairs_per_s"] for r in mine)))
     return rows
 
 
@@ -108,7 +111,7 @@ def main() -> None:
             write_results(args.name, partial, summarize(runs, args.objectives), args.results_dir)
     rows = summarize(runs, args.objectives)
     print_table(rows, ["objective", "seeds", "final_mean", "final_std", "gain", "gain_over_2_std", "seeds_above_base",
-                       "seconds_per_step", "rollout_tokens_per_s"])
+                       "seconds_per_step", "rollout_tokens_per_s", "update_pairs_per_s"])
     print(f"wrote {write_results(args.name, config | {'runs': runs, 'failures': failures}, rows, args.results_dir)}")
 
 

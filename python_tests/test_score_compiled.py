@@ -176,3 +176,32 @@ def test_compile_with_active_dropout_in_the_two_pass_engine_is_refused():
         MicroBatching(3, compile="yes")
     with pytest.raises(TypeError, match="compile=1 must be True or False"):
         score(model, sequences, masks, micro_batch=3, compile=1)
+
+
+def test_compiled_micro_batches_read_nothing_back_either(counter, monkeypatch):
+    """The compiled path finds each micro-batch's scored rows (eagerly, before its graph, which holds no host
+    read: fullgraph) with the count the engine read once per call, so preparing a micro-batch syncs nothing, in
+    pass 1 and pass 2. (SyncCounter's dispatch mode cannot stay on around a compiled call: it is entered around
+    each micro-batch's preparation only.)"""
+    from dllm_fast.syncs import SyncCounter
+
+    prepared = []
+    original = compiled_module.pad_pairs
+
+    def counted(*args, **kwargs):
+        with SyncCounter() as syncs:
+            out = original(*args, **kwargs)
+        prepared.append(syncs.count)
+        return out
+
+    monkeypatch.setattr(compiled_module, "pad_pairs", counted)
+    model = tiny_model(torch.float32)
+    sequences, attention_mask = rollouts()
+    masks = stratified(sequences, 0)
+
+    def objective(lp):
+        return -(lp.sum(-1) * torch.tensor([1.0, -1.0, 0.5, 2.0])[:, None]).sum()
+
+    streaming_backward(model, sequences, masks, objective, micro_batch=MicroBatching(2, compile=True),
+                       attention_mask=attention_mask)
+    assert len(prepared) == 2 * 6 and sum(prepared) == 0  # 12 pairs in micro-batches of 2, both passes

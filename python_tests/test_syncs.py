@@ -144,3 +144,51 @@ def test_the_model_checks_token_ids_once_per_call_not_per_step(one_thread):
         with values_checked(), SyncCounter() as trusted:
             model(ids)
     assert checked.by_op() == {"Tensor.tolist": 1} and trusted.count == 0
+
+
+# -- the likelihood engine's syncs, pinned ---------------------------------------------------------------------
+# Per call, whatever the micro-batch: the input checks (one read), the model's token-id check on CPU inputs (one
+# read, once for the call's sequences), one read of the pairs' scored counts per pass that cuts micro-batches
+# (`pair_batches`), and the finiteness of the objective's value and of its coefficients (two-pass) or of the
+# micro-batches' values (separable, which also finds the pairs that score nothing: one nonzero). Per micro-batch,
+# in pass 1 and in pass 2: none.
+ENGINE_BOUNDARY = 2
+PER_PASS = 1
+TWO_PASS_CHECKS, SEPARABLE_CHECKS = 2, 2
+PER_MICRO_BATCH = 0
+
+
+def engine_case():
+    from dllm_fast.likelihood import sample_masks
+
+    model = LLaDAModel.with_random_weights(LLaDAConfig.preset("tiny"), seed=0)
+    sequences = torch.randint(0, 100, (3, 12), generator=torch.Generator().manual_seed(0))
+    masks = sample_masks(sequences, prompt_length=4, n_t=4, sampler="random_t", count="all",
+                         generator=torch.Generator().manual_seed(1))
+    return model, sequences, masks
+
+
+@pytest.mark.parametrize("micro_batch", [1, 5, 64])
+def test_the_engine_syncs_a_fixed_number_of_times_per_call_and_never_per_micro_batch(micro_batch, one_thread):
+    from dllm_fast.likelihood import elbo, score, streaming_backward
+
+    model, sequences, masks = engine_case()
+    batches = -(-int((masks.num_masked > 0).sum()) // micro_batch)
+    assert batches >= (10 if micro_batch == 1 else 1)
+
+    def objective(lp):
+        value = elbo(lp, masks)
+        return -(torch.exp(value - value.detach()) * torch.tensor([1.0, -0.5, 2.0])).sum()
+
+    with SyncCounter() as two_pass:
+        streaming_backward(model, sequences, masks, objective, micro_batch=micro_batch)
+    assert two_pass.count == ENGINE_BOUNDARY + 2 * PER_PASS + TWO_PASS_CHECKS + 2 * batches * PER_MICRO_BATCH, \
+        two_pass.by_site()
+    with SyncCounter() as separable:
+        streaming_backward(model, sequences, masks, lambda lp, n, j: lp.sum(), micro_batch=micro_batch,
+                           separable=True)
+    assert separable.count == ENGINE_BOUNDARY + PER_PASS + SEPARABLE_CHECKS + batches * PER_MICRO_BATCH, \
+        separable.by_site()
+    with torch.no_grad(), SyncCounter() as scoring:
+        score(model, sequences, masks, micro_batch=micro_batch)
+    assert scoring.count == ENGINE_BOUNDARY + PER_PASS + batches * PER_MICRO_BATCH, scoring.by_site()

@@ -17,11 +17,42 @@ DATA = Path(__file__).parent / "data"
 GSM8K_FILE, MATH_FILE = DATA / "gsm8k_sample.jsonl", DATA / "math_sample.jsonl"
 
 
-def test_registry_lists_and_builds_the_four_tasks():
-    assert available_tasks() == ["countdown", "gsm8k", "math", "sudoku4"]
+def test_registry_lists_and_builds_the_tasks():
+    assert available_tasks() == ["countdown", "gsm8k", "math", "sudoku4", "synthetic"]
     assert get_task("sudoku4").name == "sudoku4"
     with pytest.raises(ValueError, match="unknown task 'sudoku'.*sudoku4"):
         get_task("sudoku")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# synthetic
+
+
+def test_synthetic_prompts_are_seeded_and_its_reward_deterministic_and_spread():
+    """The reward is a fixed function of the completion text in [0, 1) (the same in every process: not Python's
+    salted hash()), and distinct completions spread over it, so a group of sampled completions has a nonzero
+    reward std; prompts have prompt_length characters and depend on the seed only."""
+    import subprocess
+    import sys
+
+    from dllm_fast.tasks.synthetic import synthetic_reward
+
+    task = get_task("synthetic", prompt_length=37, num_train=5, num_test=3)
+    train = task.train_examples(seed=1)
+    assert [e.question for e in train] == [e.question for e in task.train_examples(seed=1)]
+    assert train[0].question != task.train_examples(seed=2)[0].question
+    assert all(len(e.question) == 37 for e in train) and len(task.test_examples()) == 3
+    assert {e.question for e in task.test_examples()}.isdisjoint(e.question for e in train)
+    group = [f"completion {i}" for i in range(8)]
+    rewards = [task.reward(train[0], text) for text in group]
+    assert all(0.0 <= r < 1.0 for r in rewards) and len(set(rewards)) == 8
+    assert sum(task.correct(train[0], text) for text in [f"c{i}" for i in range(200)]) in range(70, 131)
+    other = subprocess.run([sys.executable, "-c", "from dllm_fast.tasks.synthetic import synthetic_reward; "
+                            "print(repr(synthetic_reward('completion 0')))"], capture_output=True, text=True,
+                           check=True)
+    assert float(other.stdout) == synthetic_reward("completion 0") == rewards[0]
+    with pytest.raises(ValueError, match="prompt_length=0 must be an int"):
+        get_task("synthetic", prompt_length=0)
 
 
 # ---------------------------------------------------------------------------------------------------------

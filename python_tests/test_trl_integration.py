@@ -67,6 +67,14 @@ def test_two_training_steps_give_finite_losses_and_nonzero_gradients(tmp_path):
         assert not torch.allclose(trainer.model(ids), initial(ids))
 
 
+def test_a_bf16_trainer_keeps_its_reference_copy_in_bf16(tmp_path):
+    """GRPOConfig(bf16=True): the frozen reference copy is stored in bf16 (the policy's weights are the caller's)."""
+    trainer = trl_example.build_trainer(str(tmp_path), objective="diffu_grpo", steps=1, bf16=True)
+    assert {p.dtype for p in trainer._reference.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert not any(p.requires_grad for p in trainer._reference.parameters())
+
+
 def test_lora_off_policy_iterations_with_a_reference(tmp_path):
     """PEFT adapters train and the base is the reference; the second use of a rollout (num_iterations=2) comes
     after an optimizer step, so the old policy was scored on its masks when it was generated."""
@@ -152,6 +160,41 @@ def test_threshold_decoding_sets_its_own_steps():
     trainer = fake_trainer(EndsAfter(), trl_example.build_tokenizer())
     out = make_rollout_func(block_length=8, threshold=0.9)(["a1", "b99"], trainer)
     assert out["completion_ids"] == [[3, 3, EOS], [3, 3, 3, EOS]]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_the_rollout_function_passes_cache_and_compile_to_generate(cache, monkeypatch):
+    """cache= and compile= reach generate: the completions are generate's own for that cache; compile=True runs
+    the compiled step (counted; aot_eager keeps it seconds) with the same tokens."""
+    import importlib
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from dllm_fast.rollout.step import denoise_step
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(denoise_step, fullgraph=True, dynamic=False, backend=counter)
+    monkeypatch.setattr(importlib.import_module("dllm_fast.rollout.generate"), "compiled_step", lambda device: step)
+    tokenizer = trl_example.build_tokenizer()
+    model = LLaDAModel.with_random_weights(LLaDAConfig.preset("tiny"), seed=3).eval()
+    trainer = fake_trainer(model, tokenizer)
+    prompts = ["a1 b70 a5", "b99"]
+    options = dict(gen_length=8, block_length=4, steps=4, temperature=1.0, seed=5)
+    eager, compiled = (make_rollout_func(cache=cache, compile=compile, **options)(prompts, trainer)
+                       for compile in (False, True))
+    input_ids, attention_mask = left_pad([[1, 70, 5], [99]], EOS, torch.device("cpu"))
+    direct = dllm_fast.generate(model, input_ids, attention_mask, gen_length=8, block_length=4, steps=4,
+                                temperature=1.0, cache=cache, generator=torch.Generator().manual_seed(5))
+    lengths = direct.completion_mask.sum(-1).tolist()
+    assert eager["completion_ids"] == [row[:n] for row, n in zip(direct.completion_ids.tolist(), lengths)]
+    assert compiled["completion_ids"] == eager["completion_ids"]
+    assert counter.frame_count >= 1  # compile=True ran the compiled step
+    with pytest.raises(ValueError, match="cache='full' is not one of none, prefix, dual"):
+        make_rollout_func(cache="full")
+    with pytest.raises(TypeError, match="compile='yes' must be True or False"):
+        make_rollout_func(compile="yes")
 
 
 def test_conversational_prompts_use_the_chat_template():

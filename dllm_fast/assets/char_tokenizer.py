@@ -4,6 +4,13 @@ Every printable ASCII character (and newline, tab) is one token; the answer/reas
 single tokens; the special tokens carry LLaDA-8B-Instruct's names and roles (BOS, EOS = padding, the chat headers,
 end of turn, mask), and the chat template is LLaDA's. It is built with the `tokenizers` library and saved so that
 `transformers.AutoTokenizer.from_pretrained(directory)` loads it offline.
+
+With `vocab_size` above its own, the vocabulary is padded with reserved tokens `<r0>`, `<r1>`, ... (ordinary text
+that decoding keeps, never produced by encoding), so that a preset with random weights keeps a real model's output
+layer, e.g. LLaDA-8B's 126,464 rows, and what it samples decodes to distinct text:
+
+    python -m dllm_fast.assets.char_tokenizer --vocab-size 126464 --out /tmp/llada_vocab
+    python -m dllm_fast train --model llada-8b --tokenizer /tmp/llada_vocab --task synthetic ...
 """
 
 from __future__ import annotations
@@ -28,12 +35,20 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer(model_max_length: int = 512):
-    """A `transformers.PreTrainedTokenizerFast` over CHARACTERS + WORD_TOKENS + SPECIAL_TOKENS (in that id order)."""
+OWN_VOCAB_SIZE = len(CHARACTERS + WORD_TOKENS + SPECIAL_TOKENS)
+
+
+def build_char_tokenizer(model_max_length: int = 512, vocab_size: int = OWN_VOCAB_SIZE):
+    """A `transformers.PreTrainedTokenizerFast` over CHARACTERS + WORD_TOKENS + SPECIAL_TOKENS (in that id order),
+    then reserved tokens `<r0>` ... up to `vocab_size` ids (the special ids stay the same)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: index for index, token in enumerate(CHARACTERS + WORD_TOKENS + SPECIAL_TOKENS)}
+    from dllm_fast.validation import check_int
+
+    check_int("vocab_size", vocab_size, minimum=OWN_VOCAB_SIZE, hint="the character tokenizer's own ids and more")
+    reserved = tuple(f"<r{index}>" for index in range(vocab_size - OWN_VOCAB_SIZE))
+    vocab = {token: index for index, token in enumerate(CHARACTERS + WORD_TOKENS + SPECIAL_TOKENS + reserved)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one piece per character
     backend.decoder = decoders.Fuse()  # join characters without spaces
@@ -71,3 +86,21 @@ def special_token_ids(tokenizer) -> dict[str, int]:
         "pad_token_id": tokenizer.convert_tokens_to_ids(EOS),
         "eot_token_id": tokenizer.convert_tokens_to_ids(EOT),
     }
+
+
+def main(argv=None) -> None:
+    """`python -m dllm_fast.assets.char_tokenizer --vocab-size N --out DIR`: write the tokenizer to DIR."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write the character tokenizer, its vocabulary padded with "
+                                                 "reserved tokens to --vocab-size ids.")
+    parser.add_argument("--vocab-size", type=int, default=OWN_VOCAB_SIZE,
+                        help=f"ids in all (default: its own {OWN_VOCAB_SIZE}; LLaDA-8B's output layer: 126464)")
+    parser.add_argument("--out", required=True, help="directory to write (created)")
+    args = parser.parse_args(argv)
+    save_tokenizer(build_char_tokenizer(vocab_size=args.vocab_size), args.out)
+    print(f"wrote a character tokenizer of {args.vocab_size} ids to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -56,9 +56,11 @@ from dllm_fast.likelihood import BackwardHooks, MicroBatching
 from dllm_fast.models.loading import check_tokenizer
 from dllm_fast.objectives import InnerUpdate
 from dllm_fast.rollout import generate
+from dllm_fast.rollout.cache import CACHE_POLICIES
 from dllm_fast.tasks.encoding import left_pad
 from dllm_fast.tasks.rewards import MAX_ABS_REWARD, reward_value
-from dllm_fast.validation import check_int
+from dllm_fast.train.precision import frozen_copy
+from dllm_fast.validation import check_bool, check_int
 
 __all__ = ["DiffusionGRPOTrainer", "DiffusionPreTrainedModel", "DiffusionPreTrainedConfig", "make_rollout_func"]
 
@@ -163,11 +165,14 @@ class DiffusionPreTrainedModel(PreTrainedModel):
 def make_rollout_func(*, gen_length: int | None = None, block_length: int = 32, steps: int | None = None,
                       temperature: float | None = None, remasking: str = "low_confidence", cfg_scale: float = 0.0,
                       threshold: float | None = None, logits_eos_inf: bool = False,
-                      confidence_eos_eot_inf: bool = False, seed: int = 0):
+                      confidence_eos_eot_inf: bool = False, cache: str = "none", compile: bool = False,
+                      seed: int = 0):
     """A TRL `rollout_func(prompts, trainer)` that decodes with `dllm_fast.generate` (block diffusion).
 
     gen_length defaults to the trainer's `max_completion_length`, steps to gen_length (one token per step; none
-    with a threshold), temperature to the trainer's `temperature`; block_length is capped at gen_length. Prompts are tokenized with
+    with a threshold), temperature to the trainer's `temperature`; block_length is capped at gen_length. cache
+    ("none", "prefix", "dual": Fast-dLLM's KV caches) and compile (each denoising step through torch.compile, CUDA
+    graphs on a GPU; the first rollout compiles) are generate's. Prompts are tokenized with
     the trainer's processing_class (the chat template for conversational prompts), left-padded, and decoded in
     one batch under `model.eval()`. Each completion is returned through its first EOS, as TRL expects; its
     sampling log-probs are not available from a diffusion sampler (None). Noise comes from a generator seeded
@@ -176,6 +181,9 @@ def make_rollout_func(*, gen_length: int | None = None, block_length: int = 32, 
     """
     check_int("block_length", block_length, minimum=1)  # generate checks the sampling options when it runs
     check_int("seed", seed, minimum=0)
+    check_bool("compile", compile)
+    if not isinstance(cache, str) or cache not in CACHE_POLICIES:
+        raise ValueError(f"cache={cache!r} is not one of {', '.join(CACHE_POLICIES)}.")
     generators: dict[torch.device, torch.Generator] = {}
 
     def rollout_func(prompts: list, trainer) -> dict:
@@ -203,7 +211,7 @@ def make_rollout_func(*, gen_length: int | None = None, block_length: int = 32, 
                                   temperature=temperature if temperature is not None else args.temperature,
                                   remasking=remasking, cfg_scale=cfg_scale, threshold=threshold,
                                   logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf,
-                                  generator=generators[device], **record)
+                                  cache=cache, compile=compile, generator=generators[device], **record)
         finally:
             model.train(was_training)
         # Trajectory objectives (TraceRL) replay the decoding order: kept for this generation batch's plan.
@@ -299,11 +307,15 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         reward_funcs = [checked_reward_function(f) for f in (reward_funcs if isinstance(reward_funcs, list)
                                                              else [reward_funcs])]
         # The reference policy: a frozen copy of the initial weights, or for PEFT the model without its adapters.
-        # Copied before GRPOTrainer patches the model's forward (a closure over the original model).
+        # Copied before GRPOTrainer patches the model's forward (a closure over the original model); in bf16 when
+        # the trainer computes in bf16 (frozen weights in the compute dtype: dllm_fast.train.precision).
         reference = None
         if (objective.needs_reference and kwargs.get("peft_config") is None
                 and not hasattr(unwrap_model(model), "disable_adapter")):
-            reference = copy.deepcopy(model).eval().requires_grad_(False)
+            if getattr(args, "bf16", False):
+                reference = frozen_copy(model, torch.bfloat16)
+            else:
+                reference = copy.deepcopy(model).eval().requires_grad_(False)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args,
                          rollout_func=rollout_func if rollout_func is not None else make_rollout_func(), **kwargs)
         check_trl_config(self.args)

@@ -5,7 +5,7 @@ separable path, and the engine's pass 2 (forward, then the backward AOTAutograd 
 What lets a few graphs serve every micro-batch and call:
 
 - Everything data-dependent is computed outside the graph, eagerly: the pairs' noisy sequences, the scored rows
-  (a `nonzero`) and where each row's lp goes. The graph receives index tensors only; no Python value in it
+  (a `nonzero_static` of the count the engine read once per call) and where each row's lp goes. The graph receives index tensors only; no Python value in it
   depends on the masks.
 - The pairs and the scored rows are padded to buckets (`bucket`: powers of two, capped by the micro-batch and by
   pairs x L), so a graph is compiled once per (pairs, rows) bucket, never per micro-batch. A padded pair repeats
@@ -77,9 +77,10 @@ class PaddedPairs:
 
 
 def pad_pairs(model, sequences: torch.Tensor, masks: MonteCarloMasks, pairs: torch.Tensor, attention_mask,
-              capacity: int, chunk_size: int | None) -> PaddedPairs:
+              capacity: int, chunk_size: int | None, count: int | None = None) -> PaddedPairs:
     """The noisy inputs and scored-row indices of `pairs`, padded to buckets (capacity: the most pairs a
-    micro-batch of this call holds)."""
+    micro-batch of this call holds; count: how many positions the pairs score, when the host knows it, so that
+    finding them reads nothing back)."""
     n_t, P, L = masks.n_t, masks.prompt_length, masks.completion_length
     core = unwrap_model(model)
     count = pairs.numel()
@@ -91,7 +92,10 @@ def pad_pairs(model, sequences: torch.Tensor, masks: MonteCarloMasks, pairs: tor
     mask = None if attention_mask is None else attention_mask[seq_index]
     S = tokens.shape[1]
     scored = masked[:count, P:] & masks.counted[seq_index[:count]]
-    rows, positions = scored.nonzero(as_tuple=True)
+    if count is None:
+        rows, positions = scored.nonzero(as_tuple=True)
+    else:
+        rows, positions = torch.nonzero_static(scored, size=count).unbind(1)
     hidden_rows = rows * S + P + positions - logit_shift(core)
     targets = tokens[rows, P + positions]
     slots = rows * L + positions
@@ -162,10 +166,10 @@ def ensure_grad_buffers(model) -> None:
 
 
 def score_pairs_compiled(model, sequences, masks, pairs, *, capacity: int, attention_mask=None, chunk_size=None,
-                         grad_into_weight: bool = False) -> torch.Tensor:
+                         grad_into_weight: bool = False, rows: int | None = None) -> torch.Tensor:
     """`scoring.score_pairs` through the compiled graph: lp rows [b, L] of the pairs (capacity: the most pairs
-    a micro-batch of the call holds, the largest bucket)."""
-    batch = pad_pairs(model, sequences, masks, pairs, attention_mask, capacity, chunk_size)
+    a micro-batch of the call holds, the largest bucket; rows: as in `score_pairs`)."""
+    batch = pad_pairs(model, sequences, masks, pairs, attention_mask, capacity, chunk_size, rows)
     if grad_into_weight and torch.is_grad_enabled():
         ensure_grad_buffers(model)
     with graph_limit():
@@ -175,10 +179,10 @@ def score_pairs_compiled(model, sequences, masks, pairs, *, capacity: int, atten
 
 
 def known_gradient_compiled(model, sequences, masks, pairs, coef, lp, *, capacity: int, attention_mask=None,
-                            chunk_size=None) -> torch.Tensor:
+                            chunk_size=None, rows: int | None = None) -> torch.Tensor:
     """`scoring.score_pairs_with_known_gradient` through the compiled graph (coef, lp: [b, L]); returns the
     surrogate to backpropagate with a unit upstream gradient."""
-    batch = pad_pairs(model, sequences, masks, pairs, attention_mask, capacity, chunk_size)
+    batch = pad_pairs(model, sequences, masks, pairs, attention_mask, capacity, chunk_size, rows)
     ensure_grad_buffers(model)
     row_coef = batch.padded(coef[batch.rows, batch.positions], 0.0)  # padded rows: no gradient
     row_lp = lp[batch.rows, batch.positions]

@@ -36,7 +36,8 @@ from dllm_fast.likelihood.compiled import known_gradient_compiled, score_pairs_c
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.likelihood.gradients import all_or_nothing, embedding_grads_in_place
 from dllm_fast.likelihood.scoring import (
-    active_pairs, aligned_call_count, check_inputs, score_pairs, score_pairs_with_known_gradient,
+    PairBatch, aligned_call_count, check_inputs, ids_checked_once, pair_batches, score_pairs,
+    score_pairs_with_known_gradient,
 )
 from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
 from dllm_fast.validation import check_bool
@@ -130,7 +131,7 @@ def streaming_backward(
         masks.check_lp(lp, "lp")
         lp = lp.detach().to(accumulate_dtype(unwrap_model(model).lm_head_weight.dtype))
     backward_pass = _Backward(model, hooks.backward, hooks.grad_sync, hooks.sync_gradients)
-    with all_or_nothing(model):
+    with all_or_nothing(model), ids_checked_once(model, sequences):
         if separable:
             value, lp = _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size,
                                    backward_pass, compile)
@@ -200,13 +201,14 @@ def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch
     device = sequences.device
     N, n_t, L = masks.num_sequences, masks.n_t, masks.completion_length
     scoring_batch = micro_batch if replay else score_micro_batch
-    batches = active_pairs(masks).split(scoring_batch)
+    batches = pair_batches(masks, scoring_batch) if lp is None or replay else []
 
-    def score_batch(batch):
+    def score_batch(batch: PairBatch):
         if compile:
-            return score_pairs_compiled(model, sequences, masks, batch, capacity=scoring_batch,
-                                        attention_mask=attention_mask, chunk_size=chunk_size)
-        return score_pairs(model, sequences, masks, batch, attention_mask=attention_mask, chunk_size=chunk_size)
+            return score_pairs_compiled(model, sequences, masks, batch.pairs, capacity=scoring_batch,
+                                        attention_mask=attention_mask, chunk_size=chunk_size, rows=batch.rows)
+        return score_pairs(model, sequences, masks, batch.pairs, attention_mask=attention_mask,
+                           chunk_size=chunk_size, rows=batch.rows)
 
     rng_states = []
     if lp is None:
@@ -216,7 +218,7 @@ def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch
             for batch in batches:
                 if replay:
                     rng_states.append(_rng_state(device))
-                lp[batch] = score_batch(batch)
+                lp[batch.pairs] = score_batch(batch)
             for _ in range(backward_pass.aligned(len(batches), device) - len(batches)):  # other ranks' calls
                 score_batch(batches[-1])
     lp = lp.reshape(N, n_t, L).clone().requires_grad_(True)
@@ -243,30 +245,35 @@ def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch
     # pass 2: (pairs, RNG state to replay, gradient weight); zero-weighted entries only keep ranks in step
     if replay:  # the same micro-batches as pass 1, each under the RNG state it was scored with
         after_pass_1 = _rng_state(device)
-        pass_2 = [(batch, state, 1.0) for batch, state in zip(batches, rng_states) if needed[batch].any()]
+        kept = needed.tolist()  # one host read: which of pass 1's micro-batches have a gradient weight
+        pass_2 = [(batch, state, 1.0) for batch, state in zip(batches, rng_states)
+                  if any(kept[p] for p in batch.indices)]
     else:
-        pass_2 = [(batch, None, 1.0) for batch in needed.nonzero().squeeze(-1).split(micro_batch) if batch.numel()]
+        pass_2 = [(batch, None, 1.0) for batch in pair_batches(masks, micro_batch, among=needed)]
     if backward_pass.distributed:  # every rank runs the same number of backwards; the last one all-reduces
         total = backward_pass.aligned(max(len(pass_2), 1), device)
-        pass_2 += [(batches[0][:micro_batch], rng_states[0] if replay else None, 0.0)] * (total - len(pass_2))
+        filler = pass_2[0][0] if pass_2 else (batches or pair_batches(masks, micro_batch))[0]
+        pass_2 += [(filler, rng_states[0] if replay else None, 0.0)] * (total - len(pass_2))
     lp_rows = lp.view(-1, L)
     with torch.enable_grad(), embedding_grads_in_place(model):
         for index, (batch, state, weight) in enumerate(pass_2):
             if state is not None:
                 _set_rng_state(state, device)
+            pairs = batch.pairs
             with backward_pass.step(last=index == len(pass_2) - 1):
                 if backward_pass.unit_upstream and compile:
-                    loss = known_gradient_compiled(model, sequences, masks, batch, coef_rows[batch] * weight,
-                                                   lp_rows[batch], capacity=micro_batch,
-                                                   attention_mask=attention_mask, chunk_size=chunk_size)
+                    loss = known_gradient_compiled(model, sequences, masks, pairs, coef_rows[pairs] * weight,
+                                                   lp_rows[pairs], capacity=micro_batch,
+                                                   attention_mask=attention_mask, chunk_size=chunk_size,
+                                                   rows=batch.rows)
                 elif backward_pass.unit_upstream:
-                    loss, _ = score_pairs_with_known_gradient(model, sequences, masks, batch, coef_rows[batch] * weight,
-                                                              lp_rows[batch], attention_mask=attention_mask,
-                                                              chunk_size=chunk_size)
+                    loss, _ = score_pairs_with_known_gradient(model, sequences, masks, pairs, coef_rows[pairs] * weight,
+                                                              lp_rows[pairs], attention_mask=attention_mask,
+                                                              chunk_size=chunk_size, rows=batch.rows)
                 else:
                     lp_batch = _score_with_grad(model, sequences, masks, batch, micro_batch, attention_mask,
                                                 chunk_size, compile)
-                    loss = (coef_rows[batch] * lp_batch).sum() * weight
+                    loss = (coef_rows[pairs] * lp_batch).sum() * weight
                 if loss.requires_grad:
                     backward_pass(loss)
     if replay:
@@ -287,13 +294,14 @@ def _set_rng_state(states: list[torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(states[1], device)
 
 
-def _score_with_grad(model, sequences, masks, batch, micro_batch, attention_mask, chunk_size, compile):
+def _score_with_grad(model, sequences, masks, batch: PairBatch, micro_batch, attention_mask, chunk_size, compile):
     """A micro-batch's lp rows with their graph, the LM head's gradient going straight into its .grad."""
     if compile:
-        return score_pairs_compiled(model, sequences, masks, batch, capacity=micro_batch,
-                                    attention_mask=attention_mask, chunk_size=chunk_size, grad_into_weight=True)
-    return score_pairs(model, sequences, masks, batch, attention_mask=attention_mask, chunk_size=chunk_size,
-                       grad_into_weight=True)
+        return score_pairs_compiled(model, sequences, masks, batch.pairs, capacity=micro_batch,
+                                    attention_mask=attention_mask, chunk_size=chunk_size, grad_into_weight=True,
+                                    rows=batch.rows)
+    return score_pairs(model, sequences, masks, batch.pairs, attention_mask=attention_mask, chunk_size=chunk_size,
+                       grad_into_weight=True, rows=batch.rows)
 
 
 def _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size, backward_pass,
@@ -301,32 +309,41 @@ def _separable(model, sequences, masks, objective, micro_batch, attention_mask, 
     n_t, L = masks.n_t, masks.completion_length
     dtype = accumulate_dtype(unwrap_model(model).lm_head_weight.dtype)
     device = sequences.device
-    active = active_pairs(masks)
+    batches = pair_batches(masks, micro_batch)
     value = torch.zeros((), dtype=dtype, device=device)
     lp = torch.zeros(masks.num_sequences * n_t, L, dtype=dtype, device=device)
-    batches = list(active.split(micro_batch))
     total = backward_pass.aligned(len(batches), device)
+    losses = []  # each micro-batch's value, checked for finiteness once at the end (a check each is a host sync;
+    # a non-finite one's gradient is discarded with the rest by all_or_nothing)
     with torch.enable_grad(), embedding_grads_in_place(model):
         for index in range(total):
             padding = index >= len(batches)  # keeps this rank in step with ranks that have more micro-batches
             batch = batches[-1] if padding else batches[index]
+            pairs = batch.pairs
             with backward_pass.step(last=index == total - 1):
                 lp_batch = _score_with_grad(model, sequences, masks, batch, micro_batch, attention_mask, chunk_size,
                                             compile)
                 if padding:
                     loss = (lp_batch * 0).sum()
                 else:
-                    loss = _scalar(objective(lp_batch, batch // n_t, batch % n_t), "objective(lp_pairs, ...)")
-                    _check_finite_value(loss.detach(), "objective(lp_pairs, ...)", batch, n_t)
+                    loss = _scalar(objective(lp_batch, pairs // n_t, pairs % n_t), "objective(lp_pairs, ...)")
                 if loss.requires_grad:
                     backward_pass(loss)
                 elif backward_pass.distributed and lp_batch.requires_grad:
                     backward_pass((lp_batch * 0).sum())  # the objective ignores lp: still join the collectives
             if not padding:
-                value += loss.detach()
-                lp[batch] = lp_batch.detach()
+                losses.append(loss.detach())
+                lp[pairs] = lp_batch.detach()
+    if losses:
+        finite = torch.isfinite(torch.stack(losses))
+        if not finite.all():
+            first = int((~finite).nonzero()[0])
+            _check_finite_value(losses[first], "objective(lp_pairs, ...)", batches[first].pairs, n_t)
+        for loss in losses:
+            value += loss
     idle = torch.ones(masks.num_sequences * n_t, dtype=torch.bool, device=device)
-    idle[active] = False
+    for batch in batches:
+        idle[batch.pairs] = False
     idle = idle.nonzero().squeeze(-1)
     if idle.numel():
         with torch.no_grad():  # their lp is exactly 0 and constant: they add value, never gradient

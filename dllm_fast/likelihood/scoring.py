@@ -4,9 +4,17 @@ A (sequence, sample) pair is the unit of work; pair p stands for sequence p // n
 micro-batch of pairs, scoring builds the noisy inputs, runs the model once on the batch, keeps only the rows of
 `hidden` that are masked and counted completion positions, and sends those rows alone through
 `dllm_fast.masked_logprobs`: nothing of size [rows, V] beyond one vocabulary chunk ever exists.
+
+Host syncs: the micro-batches of a call are cut on the host from one read of every pair's scored count
+(`pair_batches`), so each micro-batch's scored rows are gathered with a size the host already knows
+(`nonzero_static`) and its model call reads nothing back. A model with its own token-id check
+(`check_input_ids`, which reads the ids) has it run once on the call's sequences, then not again per micro-batch.
 """
 
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -14,7 +22,7 @@ from dllm_fast.contracts import accumulate_dtype, data_parallel, logit_shift, un
 from dllm_fast.likelihood.compiled import score_pairs_compiled
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.ops import logprobs_with_known_gradient, masked_logprobs
-from dllm_fast.validation import check_bool, check_int
+from dllm_fast.validation import check_bool, check_int, data_checks_enabled, values_checked
 
 
 def score(
@@ -53,27 +61,69 @@ def score(
     check_bool("compile", compile)
     N, n_t, L = masks.num_sequences, masks.n_t, masks.completion_length
     dtype = accumulate_dtype(unwrap_model(model).lm_head_weight.dtype)
-    pairs = active_pairs(masks)
+    batches = pair_batches(masks, micro_batch)
 
-    def score_batch(batch):
+    def score_batch(batch: PairBatch):
         if compile:
-            return score_pairs_compiled(model, sequences, masks, batch, capacity=micro_batch,
-                                        attention_mask=attention_mask, chunk_size=chunk_size)
-        return score_pairs(model, sequences, masks, batch, attention_mask=attention_mask, chunk_size=chunk_size)
+            return score_pairs_compiled(model, sequences, masks, batch.pairs, capacity=micro_batch,
+                                        attention_mask=attention_mask, chunk_size=chunk_size, rows=batch.rows)
+        return score_pairs(model, sequences, masks, batch.pairs, attention_mask=attention_mask,
+                           chunk_size=chunk_size, rows=batch.rows)
 
-    if not torch.is_grad_enabled():
-        lp = torch.zeros(N * n_t, L, dtype=dtype, device=sequences.device)
-        batches = pairs.split(micro_batch)
-        for batch in batches:
-            lp[batch] = score_batch(batch)
-        for _ in range(aligned_call_count(len(batches), sequences.device, data_parallel(model)) - len(batches)):
-            score_batch(batches[-1])
-        return lp.view(N, n_t, L)
-    rows = [score_batch(batch) for batch in pairs.split(micro_batch)]
+    with ids_checked_once(model, sequences):
+        if not torch.is_grad_enabled():
+            lp = torch.zeros(N * n_t, L, dtype=dtype, device=sequences.device)
+            for batch in batches:
+                lp[batch.pairs] = score_batch(batch)
+            for _ in range(aligned_call_count(len(batches), sequences.device, data_parallel(model)) - len(batches)):
+                score_batch(batches[-1])
+            return lp.view(N, n_t, L)
+        rows = [score_batch(batch) for batch in batches]
     if not rows:
         return torch.zeros(N, n_t, L, dtype=dtype, device=sequences.device)
+    pairs = torch.cat([batch.pairs for batch in batches])
     lp = torch.zeros(N * n_t, L, dtype=dtype, device=sequences.device).index_put((pairs,), torch.cat(rows))
     return lp.view(N, n_t, L)
+
+
+@dataclass(frozen=True)
+class PairBatch:
+    """One micro-batch of (sequence, sample) pairs: their indices [b] (p = n * n_t + j) on the masks' device and
+    on the host (`indices`), and `rows`, how many positions they score in all (the fused LM head's row count)."""
+
+    pairs: torch.Tensor
+    indices: tuple[int, ...]
+    rows: int
+
+
+def pair_batches(masks: MonteCarloMasks, micro_batch: int, among: torch.Tensor | None = None) -> list[PairBatch]:
+    """The pairs that score at least one position (and, given `among` [N * n_t] bool, are among those), in order,
+    cut into micro-batches of `micro_batch` pairs. One host read for the whole call (every pair's count)."""
+    counts = masks.scored.reshape(-1, masks.completion_length).sum(-1)
+    if among is not None:
+        counts = torch.where(among, counts, torch.zeros((), dtype=counts.dtype, device=counts.device))
+    counts = counts.tolist()
+    active = [pair for pair, count in enumerate(counts) if count]
+    pairs = torch.tensor(active, dtype=torch.int64).to(masks.scored.device)
+    batches = []
+    for first in range(0, len(active), micro_batch):
+        indices = tuple(active[first:first + micro_batch])
+        batches.append(PairBatch(pairs[first:first + micro_batch], indices, sum(counts[p] for p in indices)))
+    return batches
+
+
+@contextlib.contextmanager
+def ids_checked_once(model, sequences: torch.Tensor):
+    """Run the model's own token-id check (`check_input_ids`, one host read; the model runs it on CPU inputs) on
+    the call's sequences once, then skip it in the call's model calls (`values_checked`): every micro-batch's
+    noisy inputs are these sequences with some positions set to the mask id."""
+    check = getattr(unwrap_model(model), "check_input_ids", None)
+    if check is None or sequences.device.type != "cpu" or not data_checks_enabled(sequences):
+        yield
+        return
+    check(sequences)
+    with values_checked():
+        yield
 
 
 def score_pairs(
@@ -85,14 +135,17 @@ def score_pairs(
     attention_mask: torch.Tensor | None = None,
     chunk_size: int | None = None,
     grad_into_weight: bool = False,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """lp rows of some (sequence, sample) pairs: pairs [b] int64 (p = n * n_t + j) -> [b, L].
 
     One model call on the b noisy sequences; differentiable under grad mode. grad_into_weight: the LM head's
-    gradient goes straight into its `.grad` in the backward (see `masked_logprobs`). Inputs are not re-checked
-    (see `score` and `check_inputs`).
+    gradient goes straight into its `.grad` in the backward (see `masked_logprobs`). rows: how many positions
+    the pairs score (`PairBatch.rows`), so that gathering them reads nothing back; None: counted (a host sync).
+    Inputs are not re-checked (see `score` and `check_inputs`).
     """
-    hidden, weight, targets, scored, rows, positions = _scored_rows(model, sequences, masks, pairs, attention_mask)
+    hidden, weight, targets, scored, rows, positions = _scored_rows(model, sequences, masks, pairs, attention_mask,
+                                                                    rows)
     logp = masked_logprobs(hidden, weight, targets, chunk_size=chunk_size, grad_into_weight=grad_into_weight)
     return _pair_rows(scored, rows, positions, logp)
 
@@ -107,21 +160,25 @@ def score_pairs_with_known_gradient(
     *,
     attention_mask: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's pass 2 for some pairs, whose d loss / d lp (coef [b, L]) and lp (lp [b, L], scored earlier on
     the same masks) are known: one model call, the LM head's gradient computed in the forward and its weight's
     part added into `.grad` (`logprobs_with_known_gradient`). Returns (surrogate, lp rows [b, L] of this
     forward): `surrogate.backward()` (unit upstream gradient) completes the gradient of (coef * lp).sum().
+    rows: as in `score_pairs`.
     """
-    hidden, weight, targets, scored, rows, positions = _scored_rows(model, sequences, masks, pairs, attention_mask)
+    hidden, weight, targets, scored, rows, positions = _scored_rows(model, sequences, masks, pairs, attention_mask,
+                                                                    rows)
     logp, surrogate = logprobs_with_known_gradient(hidden, weight, targets, coef[rows, positions],
                                                    logp=lp[rows, positions], chunk_size=chunk_size)
     return surrogate, _pair_rows(scored, rows, positions, logp)
 
 
-def _scored_rows(model, sequences, masks, pairs, attention_mask):
+def _scored_rows(model, sequences, masks, pairs, attention_mask, count: int | None = None):
     """One model call on the pairs' noisy sequences; the hidden rows that predict their scored tokens [M, d], the
-    LM head, the targets [M], the pairs' scored positions [b, L] and the (row, position) of each of the M rows."""
+    LM head, the targets [M], the pairs' scored positions [b, L] and the (row, position) of each of the M rows.
+    count: M when the host knows it (no sync), else None."""
     n_t, P = masks.n_t, masks.prompt_length
     core = unwrap_model(model)  # forwards go through a DDP wrapper; attributes live on the module
     seq_index, sample_index = pairs // n_t, pairs % n_t
@@ -130,7 +187,10 @@ def _scored_rows(model, sequences, masks, pairs, attention_mask):
     noisy = tokens.masked_fill(masked, core.mask_token_id)
     hidden = model(noisy, attention_mask=None if attention_mask is None else attention_mask[seq_index])
     scored = masked[:, P:] & masks.counted[seq_index]
-    rows, positions = scored.nonzero(as_tuple=True)
+    if count is None:
+        rows, positions = scored.nonzero(as_tuple=True)
+    else:  # row-major like nonzero, of a size the host knows: no sync
+        rows, positions = torch.nonzero_static(scored, size=count).unbind(1)
     # Token i is predicted by the hidden state at i - logit_shift (0 for LLaDA, 1 for Dream-style models). The
     # head is read after the forward: under FSDP2 that is the unsharded parameter.
     return (hidden[rows, P + positions - logit_shift(core)], core.lm_head_weight, tokens[rows, P + positions],

@@ -207,6 +207,12 @@ class Objective:
         with `generate(..., record_unmask_step=True)`."""
         return self.config.sampler == "trajectory"
 
+    def micro_batch_dependence(self) -> str:
+        """What of the loss the call's micro-batch sets (e.g. "normalisation (normalize_per='micro_batch')"), or
+        "" when the loss is the same for every micro-batch. Objectives that normalise within micro-batches of
+        micro_batch_rows sequences take them from the micro-batch when micro_batch_rows is None."""
+        return ""
+
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
         """[N] float64. Default: reward minus the group mean, no std (d1, wd1, SPG)."""
         return group_advantages(batch.rewards, batch.group_size)
@@ -458,6 +464,12 @@ def micro_batch_sums(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """[N] values -> [N]: the sum over each sequence's micro-batch (`micro_batch_index`)."""
     totals = torch.zeros(int(index.max()) + 1, dtype=values.dtype, device=values.device).index_add(0, index, values)
     return totals[index]
+
+
+def rows_from_micro_batch(per_micro_batch: bool, rows: int | None, setting: str) -> str:
+    """`Objective.micro_batch_dependence` of an objective whose `setting` works per micro-batch: `setting` when
+    it is on and its rows come from the call's micro-batch (rows None), else ""."""
+    return setting if per_micro_batch and rows is None else ""
 
 
 def check_micro_batch_rows(rows: int | None) -> None:

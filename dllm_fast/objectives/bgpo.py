@@ -29,7 +29,7 @@ import torch
 from dllm_fast.objectives.advantages import group_advantages
 from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows, clipped,
                                        clipped_surrogate, dual_clipped, micro_batch_index, micro_batch_sums,
-                                       safe_exp)
+                                       rows_from_micro_batch, safe_exp)
 from dllm_fast.validation import check_choice, check_float
 
 SCALES = ("none", "padded_length", "response_length")
@@ -72,6 +72,10 @@ class BGPO(Objective):
     presets = {"dare": dict(sampler="stratified_l", scale="padded_length", clip_epsilon=0.2, dual_clip=3.0,
                             aggregation="length_weighted"),
                "sudoku": dict(n_t=32)}
+
+    def micro_batch_dependence(self) -> str:
+        return rows_from_micro_batch(self.config.aggregation == "length_weighted", self.config.micro_batch_rows,
+                                     "length weights (aggregation='length_weighted')")
 
     def advantages(self, batch):
         return group_advantages(batch.rewards, batch.group_size, scale="std", std_epsilon=self.config.std_epsilon)

@@ -30,7 +30,7 @@ from dllm_fast.likelihood import token_estimate
 from dllm_fast.objectives.advantages import BASELINES, group_advantages
 from dllm_fast.objectives.base import (NORMALIZE_PER, LossInputs, Objective, ObjectiveConfig, check_epsilon,
                                        check_micro_batch_rows, clipped, clipped_surrogate, kl_k3, micro_batch_index,
-                                       micro_batch_sums)
+                                       micro_batch_sums, rows_from_micro_batch)
 from dllm_fast.validation import check_bool, check_choice, check_float
 
 
@@ -62,6 +62,10 @@ class CoupledGRPO(Objective):
     name = "coupled_grpo"
     Config = CoupledGRPOConfig
     uses_old_policy = True
+
+    def micro_batch_dependence(self) -> str:
+        return rows_from_micro_batch(self.config.normalize_per == "micro_batch", self.config.micro_batch_rows,
+                                     "normalisation (normalize_per='micro_batch')")
 
     @property
     def needs_reference(self) -> bool:

@@ -30,7 +30,7 @@ import torch
 from dllm_fast.objectives.advantages import group_advantages
 from dllm_fast.objectives.base import (NORMALIZE_PER, LossInputs, Objective, ObjectiveConfig, check_epsilon,
                                        check_micro_batch_rows, clipped, clipped_surrogate, dual_clipped, kl_k3,
-                                       micro_batch_index, micro_batch_sums)
+                                       micro_batch_index, micro_batch_sums, rows_from_micro_batch)
 from dllm_fast.validation import check_bool, check_choice, check_float
 
 NORMALIZATIONS = ("token", "sequence")
@@ -74,6 +74,10 @@ class DiffuGRPO(Objective):
     uses_old_policy = True
     separable = True
     presets = {"dare": dict(epsilon=0.2, dual_clip=3.0, scale_rewards=True, beta=0.0, normalization="sequence")}
+
+    def micro_batch_dependence(self) -> str:
+        return rows_from_micro_batch(self.config.normalize_per == "micro_batch", self.config.micro_batch_rows,
+                                     "normalisation (normalize_per='micro_batch')")
 
     @property
     def needs_reference(self) -> bool:

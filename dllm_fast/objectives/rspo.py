@@ -28,7 +28,7 @@ import torch
 from dllm_fast.likelihood import elbo
 from dllm_fast.objectives.advantages import group_advantages
 from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows,
-                                       micro_batch_index, micro_batch_sums)
+                                       micro_batch_index, micro_batch_sums, rows_from_micro_batch)
 from dllm_fast.validation import check_bool, check_choice, check_float
 
 CENTERS = ("batch", "group", "micro_batch")
@@ -57,6 +57,10 @@ class RSPOConfig(ObjectiveConfig):
 class RSPO(Objective):
     name = "rspo"
     Config = RSPOConfig
+
+    def micro_batch_dependence(self) -> str:
+        return rows_from_micro_batch(self.config.center == "micro_batch", self.config.micro_batch_rows,
+                                     "centring (center='micro_batch')")
 
     @property
     def needs_reference(self) -> bool:

@@ -31,7 +31,7 @@ import torch
 
 from dllm_fast.likelihood import elbo, eubo_per_position
 from dllm_fast.objectives.base import (NORMALIZE_PER, LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows,
-                                       micro_batch_index, micro_batch_sums)
+                                       micro_batch_index, micro_batch_sums, rows_from_micro_batch)
 from dllm_fast.validation import check_choice, check_float, check_probability
 
 BOUNDS = ("mix", "eubo", "elbo", "zero")
@@ -70,6 +70,10 @@ class SPG(Objective):
     name = "spg"
     Config = SPGConfig
     presets = {"sudoku": dict(beta=1.0)}
+
+    def micro_batch_dependence(self) -> str:
+        return rows_from_micro_batch(self.config.normalize_per == "micro_batch", self.config.micro_batch_rows,
+                                     "normalisation (normalize_per='micro_batch')")
 
     def bounds(self, lp, masks):
         """(ELBO, negative-advantage bound), [N] each, at the configured normalisation."""

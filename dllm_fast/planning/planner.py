@@ -25,7 +25,7 @@ from dllm_fast.planning.accounting import Target
 from dllm_fast.planning.fit import extrapolate
 from dllm_fast.planning.gpus import GPU, gpu as gpu_named
 from dllm_fast.planning.step import PHASES, UPDATE_PHASES, PhasePlan, Session, fixed_n_t, probe_n_t
-from dllm_fast.train.config import TrainConfig
+from dllm_fast.train.config import AUTO, DEFAULT_MICRO_BATCH, TrainConfig
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -47,7 +47,7 @@ class Plan:
     nfe: int
     weight_bytes: int
     autocast: bool = False  # bf16 autocast around the forwards
-    compiled: bool = False  # rollouts as CUDA graphs, scoring through torch.compile
+    compiled: bool = False  # rollouts as CUDA graphs (scoring compiles only under --compile true)
     largest: dict[str, int | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -87,7 +87,7 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     tokenizer). engine: "streaming" (the trainer's) or "all_graphs" (every pair's graph at once). weights_dtype:
     None (what train loads: dllm_fast.train.precision), "float32" or "bfloat16" (every weight, gradient and
     optimizer state in that dtype). search: also find the largest n_t, micro-batch and group size that fit.
-    --compile (true, or auto on a GPU) plans compiled rollouts and scoring (see step.py)."""
+    --compile plans what train compiles: rollouts under true, or auto on a GPU; scoring under true only."""
     started = time.perf_counter()
     if weights_dtype is not None and weights_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weights_dtype={weights_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)} (or None: "
@@ -99,8 +99,11 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
         prompt_length = task_prompt_length(config)
     session = Session(config, target=target, engine=engine,
                       weights_dtype=None if weights_dtype is None else WEIGHT_DTYPES[weights_dtype])
-    weights_dtype = str(session.precision.policy).removeprefix("torch.")
-    batching = MicroBatching(config.micro_batch, config.score_micro_batch, config.chunk_size, compile=session.compile)
+    weights_dtype = str(session.precision.trainable).removeprefix("torch.")
+    # --micro-batch auto: planned at the default; the search's largest is what train fits (train/micro_batch.py)
+    micro_batch = DEFAULT_MICRO_BATCH if config.micro_batch == AUTO else config.micro_batch
+    batching = MicroBatching(micro_batch, config.score_micro_batch, config.chunk_size,
+                             compile=session.compile_scoring)
     n_t = session.objective.config.n_t
     check_plannable(config, prompt_length, session.base, batching)
     with _readable_data_errors(), session:
@@ -232,8 +235,12 @@ def _notes(plan: Plan, probes, n_t: int, session: Session) -> list[str]:
     notes.append("assumed: sampled tokens are never EOS (completions fill gen_length), every group's rewards differ "
                  "(every pair has a gradient weight), model outputs are finite"
                  + (", threshold decoding unmasks one token per step" if plan.config.threshold is not None else ""))
+    if plan.config.micro_batch == AUTO:
+        notes.append(f"--micro-batch auto: planned at {plan.shapes['micro_batch']}; on a GPU train takes the largest "
+                     "that fits 90% of the free memory (the search's, dllm_fast/train/micro_batch.py)")
     if plan.autocast and plan.weights_dtype == "float32":
-        notes.append("weights in fp32 with bf16 autocast (what train does on GPU); autocast keeps a bf16 copy of "
+        notes.append("weights as train keeps them on GPU (train/precision.py): trained weights in fp32, frozen ones "
+                     "(a LoRA base, the reference copy) in bf16, bf16 autocast; autocast keeps a bf16 copy of "
                      "trainable fp32 weights for the duration of each phase (counted in temporaries)")
     return notes
 

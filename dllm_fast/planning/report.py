@@ -19,7 +19,9 @@ def summary(plan: Plan) -> str:
     c, shapes = plan.config, plan.shapes
     schedule = (f"threshold {c.threshold}" if c.threshold is not None else f"{c.diffusion_steps} steps")
     lora = f"LoRA r{c.lora_rank}" if c.lora else "full fine-tune"
-    weights = plan.weights_dtype + (" + bf16 autocast" if plan.autocast and plan.weights_dtype != "bfloat16" else "")
+    # float32 with autocast is train's precision (train/precision.py): trained weights fp32, frozen ones bf16
+    weights = "fp32 trained, bf16 frozen + bf16 autocast" if plan.weights_dtype == "float32" and plan.autocast else \
+        plan.weights_dtype
     target = plan.gpu.description if plan.gpu is not None else "this CPU"
     compiled = ", compiled" if plan.compiled else ""
     return (f"{c.model}, {lora}, weights {weights}, gradient checkpointing {'on' if c.gradient_checkpointing else 'off'}"

@@ -23,8 +23,6 @@ every pair a nonzero gradient weight (the most work).
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -37,8 +35,8 @@ from dllm_fast.planning.accounting import CATEGORIES, Accountant, Costs, Target
 from dllm_fast.planning.fake import Assumptions, PlanningFakeMode, fake_module, fake_world
 from dllm_fast.planning.replay import Replayer
 from dllm_fast.rollout import generate
-from dllm_fast.train.config import TrainConfig, model_source
-from dllm_fast.train.precision import ModelPrecision, model_precision
+from dllm_fast.train.config import TrainConfig, compiles_rollouts, compiles_scoring, model_source
+from dllm_fast.train.precision import Precision, training_models, training_precision
 
 ENGINES = ("streaming", "all_graphs")
 UPDATE_PHASES = ("old-policy scoring", "reference scoring", "inner update", "optimizer step")
@@ -100,11 +98,8 @@ class Session:
             raise ValueError(f"engine={engine!r} is not one of {', '.join(ENGINES)}.")
         self.config, self.target, self.engine = config, target, engine
         self.objective = objectives.get(config.objective, **config.objective_options)
-        precision = model_precision(config, target.device_type)
-        if weights_dtype is not None:
-            precision = dataclasses.replace(precision, policy=weights_dtype, reference=weights_dtype)
-        self.precision = precision
-        self.policy, self.reference, self.base = _build_models(config, self.objective, precision)
+        self.precision = training_precision(config, target.device_type, weights=weights_dtype)
+        self.policy, self.reference, self.base = _build_models(config, self.objective, self.precision)
         base = self.base
         if assumptions is None:
             special = (base.mask_token_id, base.eos_token_id, getattr(base, "eot_token_id", None))
@@ -114,8 +109,9 @@ class Session:
                                       avoid_ids=frozenset(i for i in special if i is not None))
         self.mode = PlanningFakeMode(assumptions)
         self.accountant = Accountant(target)
-        self.bf16 = precision.autocast
-        self.compile = compiles(config, target.device_type)
+        self.bf16 = self.precision.compute is not None
+        self.compile = compiles_rollouts(config, target.device_type)  # the rollouts, as train runs them
+        self.compile_scoring = compiles_scoring(config)
         self._models = [m for m in (self.policy, self.reference) if m is not None]
         for module in self._models:
             fake_module(module, self.mode)
@@ -256,17 +252,9 @@ class Session:
         objective.loss(lp, inputs).backward()
 
 
-def compiles(config: TrainConfig, device_type: str) -> bool:
-    """Whether the trainer compiles its rollouts and scoring for a device of `device_type`: --compile true, or
-    "auto" (compiled on CUDA, eager on CPU)."""
-    value = getattr(config, "compile", False)
-    return device_type == "cuda" if value == "auto" else bool(value)
-
-
 def valid_n_t(config: TrainConfig, n_t: int, *, down: bool = False, limit: int = 1 << 16) -> int | None:
-    """The n_t nearest `n_t` that the configured objective accepts with its other options
-    (`objectives.nearest_valid_n_t`; the configured n_t itself is what is being replaced)."""
-    options = {name: value for name, value in config.objective_options.items() if name != "n_t"}
+    """The n_t nearest `n_t` that the configured objective accepts (`objectives.nearest_valid_n_t`)."""
+    options = {name: value for name, value in config.objective_options.items() if name != "n_t"}  # n_t is searched
     return objectives.nearest_valid_n_t(config.objective, n_t, down=down, limit=limit, **options)
 
 
@@ -296,9 +284,10 @@ def probe_n_t(config: TrainConfig, rollouts: int, micro_batch: int) -> tuple[int
 # building the fake models
 
 
-def _build_models(config: TrainConfig, objective, precision: ModelPrecision):
+def _build_models(config: TrainConfig, objective, precision: Precision):
     """(policy, reference copy or None, the base model), on the meta device, as train/run.py builds them, in the
-    dtypes `precision` gives (train.precision.model_precision: the trainer's own choice)."""
+    dtypes `precision` gives (train.precision.training_precision: the trainer's own choice, or every weight in
+    one dtype for a what-if)."""
     from dllm_fast.models.loading import PRESETS
 
     source, family, _ = model_source(config)
@@ -307,17 +296,10 @@ def _build_models(config: TrainConfig, objective, precision: ModelPrecision):
             base = family(family.preset_config(PRESETS[str(source)][1]))
         else:
             base = family.from_pretrained(source, device="meta")
-    base = base.to(precision.policy).train()
+    base = base.to(precision.base_dtype(config.lora)).train()
     base.set_gradient_checkpointing(config.gradient_checkpointing)
-    reference = None
-    if objective.needs_reference and not config.lora:
-        reference = copy.deepcopy(base).to(precision.reference).eval().requires_grad_(False)
-    policy = base
-    if config.lora:
-        from dllm_fast.train.run import add_lora
-
-        with torch.device("meta"):  # the adapters' layers too: no initialisation on the host
-            policy = add_lora(base, config)
+    with torch.device("meta"):  # the adapters' layers too: no initialisation on the host
+        policy, reference = training_models(base, config, precision, needs_reference=objective.needs_reference)
     return policy, reference, base
 
 

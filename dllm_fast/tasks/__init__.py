@@ -1,4 +1,5 @@
-"""Verifiable tasks: prompts, rewards and accuracies (sudoku4, countdown, gsm8k, math), none touching the network.
+"""Verifiable tasks: prompts, rewards and accuracies (sudoku4, countdown, gsm8k, math; synthetic for throughput
+runs), none touching the network.
 
     task = get_task("sudoku4")
     examples = task.train_examples(seed=0)
@@ -12,6 +13,6 @@ text) and `dllm_fast.tasks.evaluate` (accuracy through `generate`) are the torch
 from dllm_fast.tasks.base import Example, Task, available_tasks, chat_prompt, get_task, register_task
 
 # Importing a task module registers it (the package runs this before any of its modules is used).
-from dllm_fast.tasks import countdown, gsm8k, math, sudoku4  # noqa: E402, F401  isort: skip
+from dllm_fast.tasks import countdown, gsm8k, math, sudoku4, synthetic  # noqa: E402, F401  isort: skip
 
 __all__ = ["Example", "Task", "available_tasks", "chat_prompt", "get_task", "register_task"]

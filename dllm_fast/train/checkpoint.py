@@ -10,6 +10,7 @@ checkpoint never runs code, and a file holding anything else is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import pickle
@@ -22,6 +23,7 @@ import torch
 
 from dllm_fast.files import atomic_directory, follow_umask, write_text_atomic
 from dllm_fast.models.loading import family_of, load_model
+from dllm_fast.train.config import AUTO
 from dllm_fast.train.distributed import full_state, set_full_state
 from dllm_fast.train.resume import CONFIG, saved_config
 
@@ -49,7 +51,8 @@ def save_checkpoint(run) -> None:
                                                                           tokenizer=run.tokenizer)
                 torch.save({"format": FORMAT, "step": run.step, "data_position": run.data.position,
                             "optimizer": optimizer_state, "schedule": run.schedule.state_dict(), "streams": streams,
-                            "world": run.ranks.world, "history": run.metrics.history}, directory / STATE)
+                            "world": run.ranks.world, "history": run.metrics.history,
+                            "micro_batch": run.batching.micro_batch}, directory / STATE)
                 write_text_atomic(directory / CONFIG, json.dumps(run.config.to_dict(), indent=2) + "\n")
         except (OSError, RuntimeError) as error:
             raise _write_failure(error, target) from error
@@ -79,6 +82,10 @@ def load_checkpoint(run) -> None:
                          f"{' '.join(str(error).split())[:300]}); it is damaged or was altered: start afresh with "
                          "--overwrite true.") from error
     run.step, run.data.position = state["step"], state["data_position"]
+    if run.config.micro_batch == AUTO and isinstance(state.get("micro_batch"), int):
+        # --micro-batch auto resumes with the micro-batch it ran with (a refit to other free memory would cut the
+        # pairs differently, and the run would not continue bit for bit)
+        run.batching = dataclasses.replace(run.batching, micro_batch=state["micro_batch"])
     # The metrics file may hold steps past the checkpoint (written before a crash): keep what the state has.
     run.metrics.restart(state["history"])
     run.ranks.barrier()
@@ -155,6 +162,9 @@ def _state_problem(state: dict) -> str | None:
     if len(state["streams"]) != state["world"] or not all(
             isinstance(stream, dict) and all(name in stream for name in _STREAMS) for stream in state["streams"]):
         return f"it holds no random streams of each of its {state['world']} ranks"
+    batch = state.get("micro_batch", 1)  # absent from checkpoints written before --micro-batch auto
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        return f"its micro-batch is {batch!r}, not a number of pairs >= 1"
     if not all(isinstance(row, dict) for row in state["history"]):
         return "its metrics history holds rows that are not mappings"
     if not {"state", "param_groups"} <= set(state["optimizer"]):

@@ -22,6 +22,7 @@ import textwrap
 import typing
 
 from dllm_fast.train.config import TrainConfig, field_choices, flag, read_config_file, registry_choices
+from dllm_fast.train.typed import literal_words
 
 PROG = "python -m dllm_fast train"
 DESCRIPTION = """RL training. With no options: the embedded default, RL from a tiny sudoku4 model on CPU, printing
@@ -47,7 +48,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, argv: typing.Sequence[
         hint = hints[name]
         kind = _element_type(hint)
         metavar = config_field.metadata.get("metavar") or _metavar(kind, field_choices(config_field))
-        options = dict(dest=name, default=argparse.SUPPRESS, type=_converter(name, kind, _optional(hint)),
+        options = dict(dest=name, default=argparse.SUPPRESS,
+                       type=_converter(name, kind, _optional(hint), literal_words(hint)),
                        help=_help_line(config_field), metavar=metavar)
         if _is_list(hint):
             options["nargs"] = "+"
@@ -224,15 +226,20 @@ def _element_type(hint):
     return str
 
 
-def _converter(name: str, kind, optional: bool):
+def _converter(name: str, kind, optional: bool, words: tuple[str, ...] = ()):
+    """A flag's value from text: `kind` (true/false for bools, JSON for dicts), none for an optional field, or one
+    of `words` (e.g. auto)."""
     option = flag(name)
+    also = "".join(f" or {word}" for word in words)
 
     def convert(value: str):
         if optional and value.lower() in ("none", "null"):
             return None
+        if value.lower() in words:
+            return value.lower()
         if kind is bool:
             if value.lower() not in _TRUE + _FALSE:
-                raise argparse.ArgumentTypeError(f"{option} takes true or false, got {value!r}.")
+                raise argparse.ArgumentTypeError(f"{option} takes true or false{also}, got {value!r}.")
             return value.lower() in _TRUE
         if kind is dict:
             try:
@@ -247,8 +254,8 @@ def _converter(name: str, kind, optional: bool):
             try:
                 return kind(value)
             except ValueError:
-                raise argparse.ArgumentTypeError(f"{option} takes {'an integer' if kind is int else 'a number'}, "
-                                                 f"got {value!r}.") from None
+                raise argparse.ArgumentTypeError(f"{option} takes {'an integer' if kind is int else 'a number'}"
+                                                 f"{also}, got {value!r}.") from None
         return value
 
     convert.__name__ = kind.__name__

@@ -21,6 +21,7 @@ fsdp2`, full fine-tunes); see dllm_fast.train.distributed.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,7 @@ from dllm_fast.train.checkpoint import save_checkpoint
 from dllm_fast.train.config import TrainConfig
 from dllm_fast.train.distributed import distributed_session
 from dllm_fast.train.evaluation import evaluate_lengths
-from dllm_fast.train.metrics import PLOT, peak_memory, plot_curves, progress_bar, reset_peak_memory, step_metrics
+from dllm_fast.train.metrics import PLOT, PhaseMeter, plot_curves, progress_bar, step_metrics
 from dllm_fast.train.run import Run
 from dllm_fast.train.run_dir import RunDirectory
 
@@ -58,36 +59,47 @@ def train(config: TrainConfig) -> TrainResult:
 def _train(run: Run) -> TrainResult:
     config = run.config
     started = time.perf_counter()
+    if config.progress and run.ranks.writer:
+        for note in run.setup_notes:
+            print(note, file=sys.stderr)
     if run.step == 0:
         run.metrics.append(evaluate_lengths(run))  # the base model
     progress = progress_bar(range(run.step, config.steps), show=config.progress and run.ranks.writer,
                             description=f"{config.objective} on {config.task}", total=config.steps)
     for step in progress:
         step_started = time.perf_counter()
-        reset_peak_memory(run.device)
+        phases = PhaseMeter(run.device)  # each phase's seconds, peak memory and compile time
+        if step == run.step and run.compiled_rollouts:  # the first rollout of the process compiles its step
+            progress.set_postfix_str("compiling the rollouts' denoising step")
 
         # 1-2. Prompts (this rank's share), then G rollouts each.
         examples = run.data.take(config.prompts_per_step)[run.share]
-        rollout, completions, rollout_seconds = run.roll_out(examples)
+        with phases.phase("rollout"):
+            rollout, completions, rollout_seconds = run.roll_out(examples)
 
         # 3. Rewards and the batch the objective consumes.
         batch = run.rollout_batch(examples, rollout, completions)
 
         # 4. The inner updates' plan: masks, and the old policy's lp where the policy will have moved.
-        plan = run.plan_updates(batch)
+        with phases.phase("scoring"):
+            plan = run.plan_updates(batch)
 
         # 5. Inner updates: objective gradient, clip, AdamW, schedule.
-        updates = [run.update(batch, update) for update in plan]
+        with phases.phase("update"):
+            updates = [run.update(batch, update) for update in plan]
 
         correct = [run.task.correct(examples[row // config.group_size], text) for row, text in enumerate(completions)]
+        pairs = sum(update.masks.num_sequences * update.masks.n_t for update in plan)
         row = step_metrics(step + 1, batch, correct, updates, rollout, rollout_seconds,
-                           time.perf_counter() - step_started, run.schedule.get_last_lr()[0], peak_memory(run.device))
+                           time.perf_counter() - step_started, run.schedule.get_last_lr()[0], phases, pairs,
+                           run.batching.micro_batch)
         run.step = step + 1
         if run.step % config.eval_every == 0 or run.step == config.steps:
             row.update(evaluate_lengths(run))
         row = run.ranks.average(row)
         run.metrics.append(row)
-        progress.set_postfix(reward=f"{row['reward_mean']:.3f}", accuracy=f"{row['accuracy']:.3f}")
+        compiled = {"compile": f"{row['compile_seconds']:.1f}s"} if row["compile_seconds"] > 0 else {}
+        progress.set_postfix(reward=f"{row['reward_mean']:.3f}", accuracy=f"{row['accuracy']:.3f}", **compiled)
         if run.step % config.checkpoint_every == 0 or run.step == config.steps:
             save_checkpoint(run)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -47,10 +49,14 @@ class MetricsLog:
         return (accuracy(evals[0]), accuracy(evals[-1])) if evals else ({}, {})
 
 
-def step_metrics(step, batch, correct, updates, rollout, rollout_seconds, seconds, lr, peak_memory) -> dict:
-    """One step's row: rollout rewards and accuracy, the inner updates' stats averaged, lengths and speed."""
+def step_metrics(step, batch, correct, updates, rollout, rollout_seconds, seconds, lr, phases: "PhaseMeter",
+                 update_pairs: int, micro_batch: int) -> dict:
+    """One step's row: rollout rewards and accuracy, the inner updates' stats averaged, lengths, speed (rollout
+    tokens/s; update pairs/s: the (sequence, sample) pairs of the mu inner updates per second of the scoring and
+    update phases), torch.compile's seconds in the step, and the peak memory of the step and of each phase."""
     rewards = batch.rewards.double()
     averaged = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
+    update_seconds = phases.seconds.get("scoring", 0.0) + phases.seconds.get("update", 0.0)
     return {
         "step": step,
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
@@ -59,8 +65,46 @@ def step_metrics(step, batch, correct, updates, rollout, rollout_seconds, second
         "completion_length": float(batch.completion_lengths.double().mean()),
         "rollout_tokens_per_s": rollout.completion_ids.numel() / max(rollout_seconds, 1e-9),
         "rollout_seconds": rollout_seconds, "step_seconds": seconds,
-        "lr": lr, "peak_memory_mib": peak_memory / 2**20,
+        "update_pairs": update_pairs, "update_seconds": update_seconds,
+        "update_pairs_per_s": update_pairs / max(update_seconds, 1e-9), "micro_batch": micro_batch,
+        "compile_seconds": sum(phases.compile_seconds.values()),
+        "lr": lr, "peak_memory_mib": max(phases.peak.values(), default=0) / 2**20,
+        **{f"peak_memory_{name}_mib": peak / 2**20 for name, peak in phases.peak.items()},
     }
+
+
+class PhaseMeter:
+    """Per phase of a step (rollout, scoring, update): wall seconds, the peak memory (CUDA's max_memory_allocated,
+    or the process's peak resident set on CPU, each reset when the phase starts) and the seconds torch.compile
+    spent compiling in it. On CUDA the phase ends by waiting for the device, so its seconds are its work's."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.peak: dict[str, int] = {}
+        self.compile_seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        reset_peak_memory(self.device)
+        compiling, started = compile_seconds(), time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+        self.peak[name] = max(self.peak.get(name, 0), peak_memory(self.device))
+        self.compile_seconds[name] = self.compile_seconds.get(name, 0.0) + compile_seconds() - compiling
+
+
+def compile_seconds() -> float:
+    """Wall seconds this process has spent in torch.compile so far (dynamo and inductor, every frame: torch's own
+    compilation metrics). A compiled function's first call pays them; CUDA graph capture, on its first replays,
+    is not included."""
+    if "torch._dynamo" not in sys.modules:  # nothing compiled yet (and importing dynamo takes a second)
+        return 0.0
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(compilation_time_metrics.get("_compile.compile_inner", []))
 
 
 class _Silent:
@@ -71,6 +115,9 @@ class _Silent:
         return iter(self.steps)
 
     def set_postfix(self, **values) -> None:
+        pass
+
+    def set_postfix_str(self, text: str) -> None:
         pass
 
 

@@ -8,8 +8,6 @@ it, which modules LoRA adapts, FSDP2's units, its tokenizer) comes from the fami
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import inspect
 import json
 import math
@@ -29,10 +27,13 @@ from dllm_fast.tasks import get_task
 from dllm_fast.tasks.encoding import decode_completions, encode_prompts
 from dllm_fast.tasks.rewards import task_reward
 from dllm_fast.train.checkpoint import CHECKPOINT, load_checkpoint, seed_everything
-from dllm_fast.train.config import TrainConfig, lora_targets, model_source, task_options
+from dllm_fast.train.config import (AUTO, DEFAULT_MICRO_BATCH, TrainConfig, compiles_rollouts, compiles_scoring,
+                                    model_source, task_options)
 from dllm_fast.train.data import PromptStream
 from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
+from dllm_fast.train.precision import add_lora  # noqa: F401  (re-exported: the planner and tests import it here)
+from dllm_fast.train.precision import Precision, short_name, training_models, training_precision
 from dllm_fast.train.resume import CONFIG, check_resumable, saved_config
 from dllm_fast.train.run_dir import RunDirectory
 
@@ -67,10 +68,10 @@ class Run:
                                  f"{cpus} (or leave it out for torch's default).")
             torch.set_num_threads(config.threads)
         seed_everything(config.seed + ranks.rank)
-        self.bf16 = config.bf16 if config.bf16 is not None else self.device.type == "cuda"
-        # The trainer's flags for the engine's micro-batching, in one place.
-        self.batching = MicroBatching(config.micro_batch, config.score_micro_batch, config.chunk_size,
-                                      compile=config.compile)
+        # The dtype of every weight and the compute dtype (precision.py), and what compiles (--compile).
+        self.precision = training_precision(config, self.device.type)
+        self.bf16 = self.precision.compute is not None
+        self.compiled_rollouts = compiles_rollouts(config, self.device.type)
         self.task = get_task(config.task, **task_options(config))
         self.objective = objectives.get(config.objective, **config.objective_options)
         check_rollout_records(self.objective, config.objective)
@@ -79,15 +80,26 @@ class Run:
         # The model, its tokenizer and the task's prompts agree before any weight is read.
         source, self.tokenizer, skeleton = model_and_tokenizer_plan(config)
         check_lengths(config, self.task, self.data.examples, self.test_examples, self.tokenizer, skeleton)
-        check_sizes(config, skeleton, self.device, ranks, self.objective.needs_reference)
-        base = load_model(source, dtype=torch.float32, device=self.device, seed=config.seed,
-                          tokenizer=self.tokenizer).train()
+        check_sizes(config, skeleton, self.device, ranks, self.objective.needs_reference, self.precision)
+        # What the run decided for its device, said before the first step (on CPU by default: nothing).
+        self.setup_notes = [self.precision.describe(config.lora)] if self.bf16 else []
+        # The trainer's flags for the engine's micro-batching, in one place; --micro-batch auto is fitted to the
+        # device's free memory before the weights take their share of it.
+        micro_batch = config.micro_batch
+        if micro_batch == AUTO:
+            micro_batch, note = auto_micro_batch(config, self.objective, self.device, ranks)
+            self.setup_notes += [note] if self.device.type == "cuda" else []
+        if self.compiled_rollouts:
+            self.setup_notes.append(f"--compile {str(config.compile).lower()}: rollouts compiled; the first step "
+                                    "compiles the denoising step (compile_seconds in metrics.jsonl)")
+        self.batching = MicroBatching(micro_batch, config.score_micro_batch, config.chunk_size,
+                                      compile=compiles_scoring(config))
+        base = load_model(source, dtype=self.precision.base_dtype(config.lora), device=self.device,
+                          seed=config.seed, tokenizer=self.tokenizer).train()
         base.set_gradient_checkpointing(config.gradient_checkpointing)
-        # The reference policy: the initial weights. With LoRA, the objective disables the adapters instead.
-        self.ref_model = None
-        if self.objective.needs_reference and not config.lora:
-            self.ref_model = copy.deepcopy(base).eval().requires_grad_(False)
-        self.model = add_lora(base, config) if config.lora else base
+        # The reference policy: the initial weights, frozen. With LoRA, the objective disables the adapters instead.
+        self.model, self.ref_model = training_models(base, config, self.precision,
+                                                     needs_reference=self.objective.needs_reference)
         self.model = data_parallel_wrapper(self.model, config.parallel, ranks, self.device)
         self.core = unwrap_model(self.model)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -121,9 +133,7 @@ class Run:
         return previous
 
     def autocast(self):
-        if not self.bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return self.precision.autocast(self.device.type)
 
     # -- the loop's steps -----------------------------------------------------------------------------------
     def roll_out(self, examples):
@@ -139,7 +149,8 @@ class Run:
         with torch.no_grad(), self.autocast():  # core: DDP's wrapper adds nothing to sampling; FSDP2's is the model
             result = generate(self.core, input_ids, attention_mask, gen_length=c.gen_length,
                               block_length=c.block_length, steps=c.diffusion_steps, temperature=c.temperature,
-                              remasking=c.remasking, cache=c.cache, threshold=c.threshold, compile=c.compile,
+                              remasking=c.remasking, cache=c.cache, threshold=c.threshold,
+                              compile=self.compiled_rollouts,
                               generator=self.rollout_generator, **record)
         self.model.train()
         return result, decode_completions(self.tokenizer, result), time.perf_counter() - started
@@ -180,6 +191,33 @@ class Run:
 
 # ---------------------------------------------------------------------------------------------------------
 # Setup helpers
+
+
+def auto_micro_batch(config: TrainConfig, objective, device: torch.device, ranks: Ranks) -> tuple[int, str]:
+    """--micro-batch auto: (the micro-batch, a line saying how it was chosen). On CPU the default; on CUDA the
+    planner's fit (dllm_fast.train.micro_batch), the smallest over the ranks so that all cut pairs alike."""
+    if device.type != "cuda":
+        return DEFAULT_MICRO_BATCH, f"--micro-batch auto: {DEFAULT_MICRO_BATCH} on {device.type}"
+    from dllm_fast.train.micro_batch import fitted_micro_batch
+
+    check_micro_batch_invariant(objective, config.objective)
+    micro_batch, note = fitted_micro_batch(config, device)
+    fitted = min(ranks.gather(micro_batch))
+    if fitted != micro_batch:
+        note += f"; {fitted} on every rank (the smallest fit)"
+    return fitted, note
+
+
+def check_micro_batch_invariant(objective, name: str) -> None:
+    """A memory setting must not change the loss: an objective that normalises per micro-batch of the call's
+    micro-batch (micro_batch_rows None) is refused with an automatic micro-batch."""
+    dependence = objective.micro_batch_dependence()
+    if dependence:
+        raise ValueError(f"--micro-batch auto picks the micro-batch from the GPU's free memory, but objective {name} "
+                         f"takes its {dependence} from the micro-batch (micro_batch_rows is None), so the memory "
+                         "would change the loss. Fix the normalisation micro-batch with --objective-options "
+                         "'{\"micro_batch_rows\": 8}' (sequences per normalisation micro-batch), or give "
+                         "--micro-batch a number.")
 
 
 def load_model_and_tokenizer(config: TrainConfig, device: torch.device | str):
@@ -249,10 +287,11 @@ def _named(example) -> str:
     return example.source or repr(example.question[:80])
 
 
-def check_sizes(config: TrainConfig, model, device: torch.device, ranks: Ranks, needs_reference: bool) -> None:
+def check_sizes(config: TrainConfig, model, device: torch.device, ranks: Ranks, needs_reference: bool,
+                precision: Precision) -> None:
     """Sizes that cannot work, refused before any weight is read: a LoRA rank above the model's width, and a model
-    whose weights, gradients, AdamW moments and reference copy (fp32) alone exceed the device's free memory
-    (an estimate that leaves out activations; checked for a single process)."""
+    whose weights, gradients, AdamW moments and reference copy (in the dtypes of `precision`) alone exceed the
+    device's free memory (an estimate that leaves out activations; checked for a single process)."""
     width = model.lm_head_weight.shape[1]
     if config.lora and config.lora_rank > width:
         raise ValueError(f"--lora-rank {config.lora_rank} exceeds the model's width {width}, beyond which LoRA adds "
@@ -261,13 +300,21 @@ def check_sizes(config: TrainConfig, model, device: torch.device, ranks: Ranks, 
     if ranks.world > 1 or available is None:
         return
     parameters = sum(p.numel() for p in model.parameters())
-    copies = 1 if config.lora else 4 + (1 if needs_reference else 0)  # weights (+ grads, 2 AdamW moments, reference)
-    needed = 4 * parameters * copies
+    trained, frozen = precision.trainable.itemsize, precision.frozen.itemsize
+    reference = needs_reference and not config.lora
+    # LoRA: the frozen weights; a full fine-tune: weights, gradients and 2 AdamW moments, and the reference copy
+    needed = parameters * (frozen if config.lora else 4 * trained + (frozen if reference else 0))
     if needed > available:
-        setup = "its weights" if config.lora else "weights, gradients, AdamW's two moments" + (
-            " and the reference copy" if needs_reference else "")
+        if config.lora:
+            setup = f"its weights in {short_name(precision.frozen)}"
+        elif reference and frozen != trained:
+            setup = (f"weights, gradients and AdamW's two moments in {short_name(precision.trainable)} and the "
+                     f"reference copy in {short_name(precision.frozen)}")
+        else:
+            setup = "weights, gradients, AdamW's two moments" + (" and the reference copy" if reference else "") + (
+                f" in {short_name(precision.trainable)}")
         count = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters:,}"
-        raise ValueError(f"--model {config.model!r} has {count} parameters: {setup} in fp32 take about "
+        raise ValueError(f"--model {config.model!r} has {count} parameters: {setup} take about "
                          f"{_size(needed)}, more than the {_size(available)} free on {device}. Use a smaller model"
                          f"{'' if config.lora else ', --lora true'} or a larger device.")
 
@@ -286,15 +333,6 @@ def free_memory(device: torch.device) -> int | None:
         return int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return None
-
-
-def add_lora(model, config: TrainConfig):
-    """The model with PEFT LoRA adapters on --lora-targets (default: every module its family allows)."""
-    import peft
-
-    lora = peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                           target_modules=model.lora_target_pattern(lora_targets(type(model), config)))
-    return peft.get_peft_model(model, lora)
 
 
 def learning_rate_factor(config: TrainConfig):

@@ -29,6 +29,17 @@ def check_type(hint, value: Any, where: str, *, from_file: bool = False, example
         if optional:
             return None
         raise TypeError(f"{where} is null; it needs {_describe(hint)}.")
+    words = literal_words(hint)  # `int | Literal["auto"]`: the word, or a value of the other type
+    if words:
+        if isinstance(value, str) and value in words:
+            return value
+        hint = next(h for h in typing.get_args(hint) if typing.get_origin(h) is not typing.Literal)
+        if isinstance(value, str) and hint is not str:
+            raise TypeError(f"{where} = {_shown(value)} must be {_describe(hint)} or {' or '.join(words)}.")
+        try:
+            return check_type(hint, value, where, from_file=from_file, example=example)
+        except TypeError as error:
+            raise TypeError(f"{str(error).rstrip('.')}, or {' or '.join(words)}.") from None
     kind = next(h for h in typing.get_args(hint) if h is not type(None)) if optional else hint
     origin = typing.get_origin(kind)
     if origin is list or kind is list:
@@ -46,6 +57,12 @@ def check_type(hint, value: Any, where: str, *, from_file: bool = False, example
             raise TypeError(f"{where} has the key {_shown(bad[0])}; option names are strings.")
         return dict(value)
     return _scalar(kind, value, where, from_file)
+
+
+def literal_words(hint) -> tuple[str, ...]:
+    """The words a `T | Literal["word", ...]` hint accepts besides values of T (none for other hints)."""
+    return tuple(word for h in typing.get_args(hint) if typing.get_origin(h) is typing.Literal
+                 for word in typing.get_args(h))
 
 
 def _scalar(kind, value, where: str, from_file: bool):
