@@ -130,13 +130,13 @@ def streaming_backward(
         masks.check_lp(lp, "lp")
         lp = lp.detach().to(accumulate_dtype(unwrap_model(model).lm_head_weight.dtype))
     backward_pass = _Backward(model, hooks.backward, hooks.grad_sync, hooks.sync_gradients)
-    with all_or_nothing(model):
-        if separable:
-            value, lp = _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size,
-                                   backward_pass, compile)
-        else:
-            value, lp = _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch or micro_batch,
-                                  attention_mask, chunk_size, replay, lp, backward_pass, compile)
+    if separable:
+        value, lp = all_or_nothing(model, lambda: _separable(model, sequences, masks, objective, micro_batch,
+                                                             attention_mask, chunk_size, backward_pass, compile))
+    else:
+        value, lp = all_or_nothing(model, lambda: _two_pass(
+            model, sequences, masks, objective, micro_batch, score_micro_batch or micro_batch, attention_mask,
+            chunk_size, replay, lp, backward_pass, compile))
     return (value, lp) if return_lp else value
 
 
@@ -179,11 +179,15 @@ def default_grad_sync(model) -> Callable[[], ContextManager] | None:
 
         @contextlib.contextmanager
         def fsdp_no_sync():
-            model.set_requires_gradient_sync(False)
-            try:
+            try:  # set inside: an interrupt right after it must not leave gradient sync off
+                model.set_requires_gradient_sync(False)
                 yield
             finally:
-                model.set_requires_gradient_sync(True)
+                try:
+                    model.set_requires_gradient_sync(True)
+                except BaseException:  # an interrupt landed in it: finish it, then let the interrupt go on
+                    model.set_requires_gradient_sync(True)
+                    raise
 
         return fsdp_no_sync
     return None

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import inspect
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from dllm_fast.files import disk_full, disk_full_error, refuse_link_out_of
 from dllm_fast.validation import check_choice, check_int
 
 # model_type (lower case) -> (logit_shift, attention_mask_style)
@@ -182,8 +184,17 @@ class HFDiffusionLM(nn.Module):
         return cls(model, **options)
 
     def save_pretrained(self, path: str | os.PathLike, **kwargs) -> None:
-        """The wrapped model's own save_pretrained (its layout, loadable by from_pretrained)."""
-        self.model.save_pretrained(path, **kwargs)
+        """The wrapped model's own save_pretrained (its layout, loadable by from_pretrained). Not atomic, but
+        under dllm_fast's rules for writes: `path` may not be a symbolic link leaving its parent directory, and
+        a full disk is reported naming `path`."""
+        target = Path(os.path.abspath(path))
+        refuse_link_out_of(target, target.parent)
+        try:
+            self.model.save_pretrained(path, **kwargs)
+        except Exception as error:
+            if disk_full(error, target):
+                raise disk_full_error(target, error) from error
+            raise
 
 
 def _special_id(name: str, value, config, *, required: bool) -> int | None:
