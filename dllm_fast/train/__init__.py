@@ -9,7 +9,23 @@ sits behind the hooks of dllm_fast.models.
     result = train(TrainConfig(objective="spg", steps=100))
 """
 
-from dllm_fast.train.config import TrainConfig
-from dllm_fast.train.loop import TrainResult, train
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dllm_fast.train.config import TrainConfig
+    from dllm_fast.train.loop import TrainResult, train
+
+# Loaded on first use, so that `train --help` (which needs only the config) imports no model, op or engine.
+_EXPORTS = {"TrainConfig": "config", "TrainResult": "loop", "train": "loop"}
 __all__ = ["TrainConfig", "TrainResult", "train"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dllm_fast.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"dllm_fast.train.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
