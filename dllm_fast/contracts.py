@@ -21,6 +21,9 @@ from dllm_fast.validation import check_binary_mask, data_checks_enabled, non_bin
 # whose advantage is not divided by the group's std scale the gradient by the rewards' spread: beyond this they
 # overflow. One bound for every objective, the trainer and TRL alike (dllm_fast.tasks.rewards reads it).
 MAX_ABS_REWARD = float(2**24)
+# (sequence, sample) pairs one draw of Monte Carlo masks may hold: the trainer's bound per update (its rollouts per
+# step times n_t); sizes beyond it are mistakes, refused at once instead of minutes of silence.
+MAX_PAIRS = 2**20
 
 
 @runtime_checkable
@@ -58,6 +61,20 @@ def logit_shift(model) -> int:
         raise ValueError(f"model.logit_shift={shift!r} must be 0 (hidden at i predicts token i, LLaDA) or 1 "
                          "(hidden at i predicts token i + 1, Dream).")
     return int(shift)
+
+
+def max_positions(model) -> int | None:
+    """The most positions (prompt plus completion) the model takes: its `max_sequence_length` (LLaDA's config
+    field; HFDiffusionLM reads max_position_embeddings), or None when it declares none."""
+    limit = getattr(unwrap_model(model), "max_sequence_length", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def check_positions(model, length: int, what: str, fix: str) -> None:
+    """Raise unless `length` positions (`what` they are) fit the model's positions; `fix` says what to lower."""
+    limit = max_positions(model)
+    if limit is not None and length > limit:
+        raise ValueError(f"{what} need {length} positions; the model has {limit} (max_sequence_length). {fix}")
 
 
 def unwrap_model(model):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dllm_fast.contracts import accumulate_dtype, data_parallel, logit_shift, unwrap_model
+from dllm_fast.contracts import accumulate_dtype, check_positions, data_parallel, logit_shift, unwrap_model
 from dllm_fast.likelihood.compiled import score_pairs_compiled
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.ops import logprobs_with_known_gradient, masked_logprobs
@@ -42,6 +42,8 @@ def score(
             rows padded to buckets (see `MicroBatching.compile`, likelihood/compiled.py).
 
     Under a data-parallel wrapper (DDP, FSDP2) and no_grad, every rank makes the same number of model calls.
+    Bounds (refused naming the value and the fix): S within the model's positions (`max_sequence_length`, when it
+    declares it); N * n_t pairs within contracts.MAX_PAIRS (2^20), which `sample_masks` enforces.
 
     Returns:
         lp: [N, n_t, L] in fp32 (fp64 for an fp64 model); lp[n, j, i] = log p(x_i | noisy_{n,j}) where
@@ -178,6 +180,8 @@ def check_inputs(model, sequences, masks, *, attention_mask=None, micro_batch=No
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(sequences.shape):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; it must match sequences, "
                          f"{tuple(sequences.shape)}.")
+    check_positions(model, sequences.shape[1], f"sequences of {sequences.shape[1]} tokens",
+                    "Score shorter sequences (roll out with a smaller gen_length, or shorten the prompts).")
     if micro_batch is not None:
         check_int("micro_batch", micro_batch, minimum=1, hint="(sequence, sample) pairs per model call")
     if logit_shift(model) > masks.prompt_length:

@@ -95,6 +95,13 @@ class HFDiffusionLM(nn.Module):
         return self.model.get_output_embeddings().weight
 
     @property
+    def max_sequence_length(self) -> int | None:
+        """The positions the wrapped model takes (its config's max_position_embeddings), or None if it says none:
+        generate and score refuse longer sequences."""
+        limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        return limit if isinstance(limit, int) and limit > 0 else None
+
+    @property
     def device(self) -> torch.device:
         return self.lm_head_weight.device
 

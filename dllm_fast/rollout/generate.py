@@ -66,10 +66,8 @@ def generate(
         input_ids: [B, P] prompts, left-padded; attention_mask: [B, P] bool, or integer 0/1 (1 on tokens, 0 on
             padding); float masks are rejected.
         gen_length, block_length: the completion is decoded in gen_length / block_length blocks, left to right.
-        steps: total denoising steps (a multiple of the number of blocks); each step of a block unmasks
-            block_length / steps_per_block tokens (the remainder goes to the first steps). A block is left as
-            soon as it is complete (Fast-dLLM), so with more steps per block than block_length the extra steps
-            run no forward.
+        steps: total denoising steps (a multiple of the number of blocks, at most gen_length); each step of a
+            block unmasks block_length / steps_per_block tokens (the remainder goes to the first steps).
         temperature: 0 is greedy; T > 0 samples softmax(logits / T) exactly (Gumbel-max with Philox noise keyed
             by a key drawn once from `generator`, the denoising step, the row, and the position in the
             completion, so a prompt's sample depends on its row but not on how wide the batch is padded).
@@ -96,6 +94,10 @@ def generate(
         assumed_steps_per_block: threshold decoding only: instead of reading the masked count after every step
             (one host sync), assume each block completes in this many steps. For planning on fake tensors, where
             no value can be read; a real run checks at each block's end that the block is complete.
+
+    Bounds, as the trainer's (each refused with an error naming the value and the fix): the padded prompt length
+    plus gen_length fits the model's positions (`max_sequence_length`, when the model declares it); steps <=
+    gen_length (a step unmasks at least one token); B x gen_length <= 2^32 (the noise counter's position word).
 
     The mask token is never sampled nor argmaxed: it is removed from sampling and from the confidence softmax,
     like EOS under logits_eos_inf (a deviation from LLaDA's generate.py, whose completions can hold it). A NaN or

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm_fast.contracts import unwrap_model
+from dllm_fast.contracts import check_positions, max_positions, unwrap_model
 from dllm_fast.rollout.cache import CachePolicy, cache_policy
 from dllm_fast.rollout.remasking import Remasking, remasking_rule
 from dllm_fast.validation import (check_binary_mask, check_bool, check_float, check_int, check_same_device,
@@ -78,6 +78,10 @@ def check_generate_args(model, input_ids, attention_mask, *, gen_length, block_l
     if data_checks_enabled(input_ids, attention_mask):
         check_prompt_values(model, input_ids, attention_mask)
     check_int("gen_length", gen_length, minimum=1)
+    P, limit = input_ids.shape[1], max_positions(model)
+    check_positions(model, P + gen_length, f"prompts of {P} tokens (their padded length) plus gen_length={gen_length}",
+                    f"Lower gen_length to at most {limit - P}, or shorten the prompts." if limit and P < limit else
+                    "Shorten the prompts: alone they fill the model's positions.")
     check_int("block_length", block_length, minimum=1)
     if gen_length % block_length != 0:
         raise ValueError(f"gen_length={gen_length} is not a multiple of block_length={block_length}; "
@@ -90,6 +94,9 @@ def check_generate_args(model, input_ids, attention_mask, *, gen_length, block_l
         steps_per_block = None
     else:
         check_int("steps", steps, minimum=1, hint="or set threshold for adaptive steps")
+        if steps > gen_length:
+            raise ValueError(f"steps={steps} exceeds gen_length={gen_length}: a step unmasks at least one token, so "
+                             f"steps beyond the completion's length run no model call; use at most {gen_length}.")
         if steps % num_blocks != 0:
             raise ValueError(f"steps={steps} is not a multiple of the number of blocks {num_blocks} "
                              f"(gen_length / block_length); use e.g. steps={num_blocks * max(1, steps // num_blocks)}.")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dllm_fast.contracts import MAX_PAIRS
 from dllm_fast.train.typed import check_type
 from dllm_fast.validation import check_float, check_int
 
@@ -159,10 +160,10 @@ class TrainConfig:
         with _prefixed("--objective-options"):
             objective = objectives.get(self.objective, **self.objective_options)
         samples = self.prompts_per_step * self.group_size * objective.config.n_t
-        if samples > MAX_ROLLOUTS_PER_STEP:
+        if samples > MAX_PAIRS:  # the library's own bound (sample_masks refuses more)
             raise ValueError(f"--prompts-per-step {self.prompts_per_step} x --group-size {self.group_size} x "
                              f"{self.objective}'s n_t {objective.config.n_t} = {samples} Monte Carlo samples per "
-                             f"update, more than {MAX_ROLLOUTS_PER_STEP} (2^20); lower n_t (--objective-options "
+                             f"update, more than {MAX_PAIRS} (2^20); lower n_t (--objective-options "
                              "'{\"n_t\": 4}') or the rollouts per step.")
         with _prefixed("--task-options"):
             get_task(self.task, **task_options(self))
