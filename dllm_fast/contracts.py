@@ -9,6 +9,7 @@ it without importing each other.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
@@ -75,6 +76,33 @@ def check_positions(model, length: int, what: str, fix: str) -> None:
     limit = max_positions(model)
     if limit is not None and length > limit:
         raise ValueError(f"{what} need {length} positions; the model has {limit} (max_sequence_length). {fix}")
+
+
+# How torch and dllm_fast's ops word two dtypes meeting in one operation.
+_DTYPE_CLASHES = ("have the same dtype", "expected scalar type", "must share one of", "should be the same dtype",
+                  "dtype mismatch", "same dtype as")
+
+
+@contextlib.contextmanager
+def mixed_dtypes_named(model):
+    """Within the block, an error from two dtypes meeting in one operation of `model`'s computation, raised while
+    its floating-point parameters hold several dtypes, is re-raised as a TypeError that says so, with the dtypes
+    and the fix ("expected m1 and m2 to have the same dtype" names neither). Other errors pass unchanged."""
+    try:
+        yield
+    except (RuntimeError, TypeError) as error:
+        if not any(clash in str(error) for clash in _DTYPE_CLASHES):
+            raise
+        counts: dict[torch.dtype, int] = {}
+        for parameter in model.parameters():
+            if parameter.is_floating_point():
+                counts[parameter.dtype] = counts.get(parameter.dtype, 0) + 1
+        if len(counts) < 2:
+            raise
+        held = ", ".join(f"{count} in {dtype}" for dtype, count in sorted(counts.items(), key=lambda kv: -kv[1]))
+        raise TypeError(f"the model's parameters hold several dtypes ({held}), and two of them met in one "
+                        f"operation ({' '.join(str(error).split())[:160]}); convert the whole model to one dtype, "
+                        "e.g. model.to(torch.float32) or model.to(torch.bfloat16).") from error
 
 
 def unwrap_model(model):

@@ -235,3 +235,30 @@ def test_scoring_honours_logit_shift():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(naive, want, rtol=1e-12, atol=1e-12)
     assert want.abs().sum() > 0
+
+
+def mixed_model():
+    model = LLaDAModel(LLaDAConfig.preset("tiny"))
+    model.transformer.wte.double()  # one layer converted, the rest left in float32
+    return model
+
+
+MIXED = r"the model's parameters hold several dtypes \(\d+ in torch.float32, 1 in torch.float64\), and two of them met"
+
+
+def test_a_model_of_mixed_dtypes_is_named_as_such_by_generate_score_and_backward():
+    """Issue 32 item 11: "expected m1 and m2 to have the same dtype" named neither the model nor the fix."""
+    from dllm_fast import objectives
+
+    model = mixed_model()
+    with pytest.raises(TypeError, match=MIXED + r".* model.to\(torch.float32\)"):
+        dllm_fast.generate(model, torch.randint(0, 100, (1, 4)), gen_length=4, block_length=4, steps=4)
+    batch = RolloutBatch.from_generation(rollout(), [1.0, 0.0, 0.5, 0.5], group_size=2)
+    masks = likelihood.sample_masks(batch.sequences, prompt_length=3, n_t=2, sampler="random_t", count="all",
+                                    generator=torch.Generator().manual_seed(0))
+    with pytest.raises(TypeError, match=MIXED):
+        likelihood.score(model, batch.sequences, masks, micro_batch=4)
+    with pytest.raises(TypeError, match=MIXED):
+        objectives.get("vrpo_ol", n_t=2).backward(model, batch, micro_batch=4,
+                                                  generator=torch.Generator().manual_seed(0))
+    assert all(p.grad is None for p in model.parameters())

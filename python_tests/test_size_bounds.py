@@ -33,15 +33,29 @@ def prompts(length, rows=1):
     (4, dict(gen_length=20000, block_length=32, steps=20000),
      r"prompts of 4 tokens .* plus gen_length=20000 need 20004 positions; the model has 512 .* Lower gen_length to "
      r"at most 508"),
-    (4, dict(gen_length=8, block_length=8, steps=10**8),
-     r"steps=100000000 exceeds gen_length=8: a step unmasks at least one token.* use at most 8"),
-    (4, dict(gen_length=8, block_length=4, steps=16), r"steps=16 exceeds gen_length=8"),
+    (4, dict(gen_length=8, block_length=8, steps=2**31),
+     r"steps=2147483648 exceeds 2147483647 \(2\^31 - 1, the noise key's step word\).* use at most 8"),
 ])
 def test_generate_refuses_sizes_beyond_its_bounds_at_once(model, sampler, length, options, message):
     started = time.perf_counter()
     with pytest.raises(ValueError, match=message):
         sampler(model, prompts(length), **options)
     assert time.perf_counter() - started < 30  # refused before any work (the old code ran for minutes)
+
+
+@pytest.mark.parametrize("sampler", [dllm_fast.generate, reference.generate], ids=["fused", "reference"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_steps_beyond_the_completion_cost_nothing(model, sampler, temperature):
+    """Issue 32 item 10: steps=10**8 took 49 s for 8 tokens (a 10**8-step schedule was built). Steps past a block's
+    completion never run, so the call costs what steps=gen_length costs, with the same tokens."""
+    options = dict(gen_length=16, block_length=8, temperature=temperature)
+    started = time.perf_counter()
+    many = sampler(model, prompts(4, rows=2), steps=10**8, generator=torch.Generator().manual_seed(3), **options)
+    assert time.perf_counter() - started < 30
+    few = sampler(model, prompts(4, rows=2), steps=16, generator=torch.Generator().manual_seed(3), **options)
+    assert many.nfe == few.nfe == 16
+    if temperature == 0:  # with T > 0 the noise is keyed by the schedule's step, which differs
+        assert torch.equal(many.sequences, few.sequences)
 
 
 def test_generate_still_fills_the_positions_exactly(model):

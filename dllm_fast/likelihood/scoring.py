@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from dllm_fast.contracts import accumulate_dtype, check_positions, data_parallel, logit_shift, unwrap_model
+from dllm_fast.contracts import (accumulate_dtype, check_positions, data_parallel, logit_shift, mixed_dtypes_named,
+                                 unwrap_model)
 from dllm_fast.likelihood.compiled import score_pairs_compiled
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.ops import logprobs_with_known_gradient, masked_logprobs
@@ -58,10 +59,11 @@ def score(
     pairs = active_pairs(masks)
 
     def score_batch(batch):
-        if compile:
-            return score_pairs_compiled(model, sequences, masks, batch, capacity=micro_batch,
-                                        attention_mask=attention_mask, chunk_size=chunk_size)
-        return score_pairs(model, sequences, masks, batch, attention_mask=attention_mask, chunk_size=chunk_size)
+        with mixed_dtypes_named(model):
+            if compile:
+                return score_pairs_compiled(model, sequences, masks, batch, capacity=micro_batch,
+                                            attention_mask=attention_mask, chunk_size=chunk_size)
+            return score_pairs(model, sequences, masks, batch, attention_mask=attention_mask, chunk_size=chunk_size)
 
     if not torch.is_grad_enabled():
         lp = torch.zeros(N * n_t, L, dtype=dtype, device=sequences.device)
