@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import typing
 from dataclasses import dataclass, field
@@ -169,6 +170,9 @@ class TrainConfig:
             get_task(self.task, **task_options(self))
         model_source(self)
         check_device(self.device)
+        if self.lora and importlib.util.find_spec("peft") is None:
+            raise ValueError("--lora true needs the peft package, which is missing here; install it with "
+                             "`pip install peft` (dllm_fast depends on it: `pip install -e .` installs it).")
 
     def _check_consistency(self) -> None:
         if self.parallel == "fsdp2" and self.lora:
