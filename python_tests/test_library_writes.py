@@ -5,6 +5,7 @@ directory's lock that is not a regular file refused by name."""
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,3 +152,19 @@ def test_a_lock_that_is_not_a_regular_file_is_refused_by_name(tmp_path, kind):
         with RunDirectory(run).locked():
             pass
     assert error.value.errno == 22
+
+
+def test_benchmark_results_are_written_under_the_same_rules(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import common
+
+    theirs = tmp_path / "elsewhere" / "users_dir.json"
+    theirs.parent.mkdir()
+    theirs.write_text("keep me")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "smoke.json").symlink_to(theirs)
+    with pytest.raises(ValueError, match=LINK_OUT):
+        common.write_results("smoke", {}, [{"provider": "x"}], tmp_path / "out")
+    assert theirs.read_text() == "keep me"
