@@ -27,6 +27,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from dllm_fast._lazy import lazy_attributes
+
 if TYPE_CHECKING:
     from dllm_fast.objectives.advantages import group_advantages, zero_std_fraction
     from dllm_fast.objectives.base import InnerUpdate, LossInputs, Objective, ObjectiveConfig, ObjectiveOutput
@@ -122,12 +124,7 @@ def _built_in(name: str) -> type[Objective]:
     return loaded
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'dllm_fast.objectives' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"dllm_fast.objectives.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:

@@ -9,8 +9,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from dllm_fast._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from dllm_fast.rollout.cache import CACHE_POLICIES, CachePolicy, DualCache, NoCache, PrefixCache, cache_policy
@@ -31,10 +32,4 @@ __all__ = ["CACHE_POLICIES", "REMASKING", "CachePolicy", "DecodingPlan", "DualCa
            "PrefixCache", "RandomRemasking", "Remasking", "cache_policy", "check_generate_args", "generate",
            "masked_count_schedule", "remasking_rule"]
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'dllm_fast.rollout' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"dllm_fast.rollout.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -11,8 +11,9 @@ sits behind the hooks of dllm_fast.models.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from dllm_fast._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from dllm_fast.train.config import TrainConfig
@@ -22,10 +23,4 @@ if TYPE_CHECKING:
 _EXPORTS = {"TrainConfig": "config", "TrainResult": "loop", "train": "loop"}
 __all__ = ["TrainConfig", "TrainResult", "train"]
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'dllm_fast.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"dllm_fast.train.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _EXPORTS)
