@@ -19,8 +19,9 @@ import torch
 from dllm_fast.validation import check_binary_mask, data_checks_enabled, non_binary
 
 # Rewards travel as float32 (in a RolloutBatch, in TRL), which holds every integer only up to 2^24, and objectives
-# whose advantage is not divided by the group's std scale the gradient by the rewards' spread: beyond this they
-# overflow. One bound for every objective, the trainer and TRL alike (dllm_fast.tasks.rewards reads it).
+# whose advantage is not divided by the group's std scale the gradient by the rewards' spread (near 1e30 it
+# overflows, near 1e300 their losses do). One bound for every objective, the trainer and TRL alike
+# (dllm_fast.tasks.rewards reads it).
 MAX_ABS_REWARD = float(2**24)
 # (sequence, sample) pairs one draw of Monte Carlo masks may hold: the trainer's bound per update (its rollouts per
 # step times n_t); sizes beyond it are mistakes, refused at once instead of minutes of silence.
