@@ -356,12 +356,14 @@ def git_commit() -> str:
 
 
 def write_results(name: str, config: dict, rows: list[dict], results_dir: Path = RESULTS_DIR) -> Path:
+    from dllm_fast.files import write_text_atomic
+
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{name}.json"
     payload = {"benchmark": name, "commit": git_commit(), "machine": machine(), "config": config, "rows": rows,
                "command": " ".join([Path(sys.executable).name] + sys.argv)}
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")  # the library's rules: atomic, no link out
     return path
 
 

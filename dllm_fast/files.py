@@ -1,4 +1,10 @@
-"""Atomic writes: a reader sees the old file (or directory) or the complete new one, never a partial write."""
+"""Atomic writes: a reader sees the old file (or directory) or the complete new one, never a partial write.
+
+Every write of dllm_fast goes through here (or through the trainer's run directory, which applies the same rule):
+a path that is a symbolic link whose target lies outside the directory it is written in is refused, so a user's
+files elsewhere are never replaced through a link (a link within the directory is followed); and a disk that
+fills up midway is reported as such, naming the path, with the old file or directory left as it was.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ def atomic_path(path: str | os.PathLike):
 
     On an exception the temporary file is removed and `path` is left as it was.
     """
-    path = Path(path)
+    path = Path(os.path.abspath(path))
+    refuse_link_out_of(path, path.parent)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _new_temporary_file(path)
     try:
@@ -29,10 +36,61 @@ def atomic_path(path: str | os.PathLike):
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
+        full = disk_full(error, path.parent)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if full:
+            raise disk_full_error(path, error) from error
         raise
+
+
+def refuse_link_out_of(path: Path, root: Path, *, where: str = "the directory it is written in",
+                       fix: str = "Write to the link's target itself if you mean to replace it, or remove the "
+                                  "link.") -> None:
+    """Raise ValueError when `path` is a symbolic link whose target lies outside `root` (dllm_fast never writes or
+    deletes through such a link: a user's files elsewhere would be replaced); a link within `root` is fine."""
+    if not path.is_symlink():
+        return
+    target, inside = path.resolve(), root.resolve()
+    if target != inside and inside not in target.parents:
+        raise ValueError(f"{path} is a symbolic link to {target}, outside {where} {root}; dllm_fast never writes "
+                         f"or deletes through such a link. {fix}")
+
+
+def disk_full(error: BaseException, directory: Path) -> bool:
+    """Whether a write into `directory` failed with `error` for want of space (or quota): an OSError saying so, a
+    library's wrapped one (safetensors: "I/O error: No space left on device (os error 28)"), or any error while
+    less than 1 MiB is left there (torch.save reports a full disk as "unexpected pos ..."). Call it before
+    removing the partial write."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if not isinstance(error, Exception):  # an interrupt is an interrupt
+        return False
+    if any(sign in str(error) for sign in ("No space left on device", "Disk quota exceeded", "(os error 28)",
+                                           "(os error 122)")):
+        return True
+    try:
+        return shutil.disk_usage(_existing_ancestor(directory)).free < 2**20
+    except OSError:
+        return False
+
+
+def disk_full_error(path: Path, error: BaseException) -> OSError:
+    """The error to raise for a write of `path` that ran out of space: it names the path, the cause and the fix."""
+    try:
+        free = f"{shutil.disk_usage(_existing_ancestor(path)).free / 2**20:.0f} MiB free now"
+    except OSError:
+        free = "free space unknown"
+    return OSError(errno.ENOSPC, f"cannot write {path}: the disk is full ({free}; {type(error).__name__}: "
+                                 f"{str(error)[:200]}). Nothing was replaced: the previous {path.name}, if any, "
+                                 "is intact. Free space on that disk, or write somewhere else.")
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
 
 
 def _new_temporary_file(path: Path) -> Path:
@@ -97,10 +155,14 @@ def atomic_directory(path: str | os.PathLike, *, keep_old: Callable[[str], bool]
     - keep_old(name) picks top-level entries of the old directory to carry into the new one (as hard links, or
       copies where the filesystem has none) unless the block wrote an entry of that name. By default nothing
       is carried: the new directory replaces the old one entirely.
-    - If the block raises, the staging directory is removed and `path` is untouched.
+    - If the block raises, the staging directory is removed and `path` is untouched; a full disk is reported as
+      such (`disk_full_error`), naming `path`.
+    - `path` itself may not be a symbolic link that leaves its parent directory (`refuse_link_out_of`).
     - One writer per path at a time: the leftovers of an interrupted write (staging directories, an aside copy)
       are removed when the next write of the same path starts, so a concurrent writer would lose its work.
     """
+    given = Path(os.path.abspath(path))
+    refuse_link_out_of(given, given.parent)
     target = _absolute(path)
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"{target} exists and is not a directory; choose a directory path or move the file.")
@@ -113,9 +175,12 @@ def atomic_directory(path: str | os.PathLike, *, keep_old: Callable[[str], bool]
             _carry_entries(target, staging, keep_old)
         _fsync_tree(staging)
         _swap_into_place(staging, target)
-    except BaseException:
+    except BaseException as error:
+        full = disk_full(error, target.parent)
         if staging.exists():  # after an exchange, the staging name holds the old directory: removed either way
             _remove_tree(staging)
+        if full:
+            raise disk_full_error(target, error) from error
         raise
 
 

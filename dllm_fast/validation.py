@@ -176,8 +176,9 @@ def data_checks_enabled(*tensors: torch.Tensor | None) -> bool:
 def values_checked():
     """Within this context, inner layers skip their value checks (`data_checks_enabled` is False): the caller
     has checked the values at its boundary, and the loop it runs would otherwise repeat a host sync per step."""
-    token = _VALUES_CHECKED.set(True)
-    try:
+    previous = _VALUES_CHECKED.get()
+    try:  # set inside: an interrupt right after set() (where a Ctrl-C lands) must not leave the checks off
+        _VALUES_CHECKED.set(True)
         yield
     finally:
-        _VALUES_CHECKED.reset(token)
+        _VALUES_CHECKED.set(previous)

@@ -82,18 +82,13 @@ def test_an_epsilon_keeps_its_meaning_in_reward_units():
                                    expected.reshape(-1), rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("name", ["vrpo_ol", "bgpo"])
-def test_vrpo_ol_and_bgpo_learn_from_rewards_near_1e300(name):
-    objective = objectives.get(name)
-
-    def batch(rewards):
-        N = rewards.shape[0]
-        return RolloutBatch(sequences=torch.zeros(N, 3, dtype=torch.long), attention_mask=None, prompt_length=1,
-                            completion_mask=torch.ones(N, 2, dtype=torch.bool), rewards=rewards, group_size=4)
-
-    huge = objective.advantages(batch(REWARDS * 1e300))
-    assert torch.isfinite(huge).all() and huge.abs().sum() > 0
-    torch.testing.assert_close(huge, group_advantages(REWARDS, 4, scale="std", std_epsilon=0.0))
+def test_a_rollout_batch_refuses_rewards_beyond_the_bound_for_every_objective():
+    """vrpo_ol and bgpo learned from rewards near 1e300 (their advantages are scale-free) while six other
+    objectives overflowed: RolloutBatch now refuses them for all (issue 32; test_contracts checks every objective
+    at the bound)."""
+    with pytest.raises(ValueError, match=r"rewards\[1\] is 1e\+300 .*beyond the reward range"):
+        RolloutBatch(sequences=torch.zeros(12, 3, dtype=torch.long), attention_mask=None, prompt_length=1,
+                     completion_mask=torch.ones(12, 2, dtype=torch.bool), rewards=REWARDS * 1e300, group_size=4)
 
 
 # -- the native trainer ------------------------------------------------------------------------------------------

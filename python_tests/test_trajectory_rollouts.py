@@ -32,12 +32,12 @@ def test_rollout_batch_carries_and_checks_the_unmask_step():
     without = RolloutBatch.from_generation(GenerationResult(batch.sequences, batch.completion_ids,
                                                             batch.completion_mask, 4), [1.0, 0.0], group_size=1)
     assert without.unmask_step is None
-    with pytest.raises(ValueError, match=r"unmask_step\[1, 0\] = 4 is not a denoising step \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"unmask_step\[1, 0\] = 4 is not a denoising step in \[0, 4\) \(the rollout's forwards\)"):
         RolloutBatch.from_generation(result_with_steps(steps + (torch.arange(6) == 0) * torch.tensor([[0], [1]])),
                                      [1.0, 0.0], group_size=1)
     with pytest.raises(ValueError, match=r"unmask_step must be an int64 \[N, L\] = \[2, 6\] tensor"):
         RolloutBatch.from_generation(result_with_steps(steps.int()), [1.0, 0.0], group_size=1)
-    with pytest.raises(ValueError, match=r"unmask_step\[0, 2\] = -1 is not a denoising step >= 0"):
+    with pytest.raises(ValueError, match=r"unmask_step\[0, 2\] = -1 is not a denoising step in \[0, 6\) \(the completion's positions"):
         bad = steps.clone()
         bad[0, 2] = -1
         RolloutBatch(batch.sequences, None, 3, batch.completion_mask, batch.rewards, 1, bad)
@@ -150,3 +150,20 @@ def test_generates_own_record_matches_the_outside_one(generate_recording_unmask_
     own = dllm_fast.generate(model, prompts, generator=torch.Generator().manual_seed(0), **options)
     outside = generate_recording_unmask_step(model, prompts, generator=torch.Generator().manual_seed(0), **options)
     assert torch.equal(own.sequences, outside.sequences) and torch.equal(own.unmask_step, outside.unmask_step)
+
+
+def test_the_trl_record_cut_to_the_completion_width_keeps_the_rollouts_bound():
+    """TRL's completions can be narrower than the rollout: the cut record keeps steps up to the rollout's own
+    gen_length, which bounds its forwards (issue 32 item 5), and steps beyond it are refused."""
+    pytest.importorskip("trl")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from dllm_fast.integrations import trl as adapter
+
+    generated = {"prompt_ids": torch.zeros(2, 3, dtype=torch.long), "prompt_mask": torch.ones(2, 3, dtype=torch.long),
+                 "completion_ids": torch.tensor([[5, EOS], [6, 7]]), "completion_mask": torch.tensor([[1, 1], [1, 1]])}
+    batch = adapter.rollout_batch(generated, torch.tensor([1.0, 0.0]), 2, EOS,
+                                  unmask_step=torch.tensor([[3, 1, 0, 2], [2, 3, 0, 1]]))
+    assert batch.unmask_step.tolist() == [[3, 1], [2, 3]] and batch.forwards == 4
+    with pytest.raises(ValueError, match=r"unmask_step\[0, 0\] = 9 is not a denoising step in \[0, 4\)"):
+        adapter.rollout_batch(generated, torch.tensor([1.0, 0.0]), 2, EOS,
+                              unmask_step=torch.tensor([[9, 1, 0, 2], [2, 3, 0, 1]]))

@@ -31,7 +31,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from dllm_fast.contracts import accumulate_dtype, data_parallel, unwrap_model
+from dllm_fast.contracts import accumulate_dtype, data_parallel, mixed_dtypes_named, unwrap_model
 from dllm_fast.likelihood.compiled import known_gradient_compiled, score_pairs_compiled
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.likelihood.gradients import all_or_nothing, embedding_grads_in_place
@@ -131,13 +131,17 @@ def streaming_backward(
         masks.check_lp(lp, "lp")
         lp = lp.detach().to(accumulate_dtype(unwrap_model(model).lm_head_weight.dtype))
     backward_pass = _Backward(model, hooks.backward, hooks.grad_sync, hooks.sync_gradients)
-    with all_or_nothing(model), ids_checked_once(model, sequences):
-        if separable:
-            value, lp = _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size,
-                                   backward_pass, compile)
-        else:
-            value, lp = _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch or micro_batch,
-                                  attention_mask, chunk_size, replay, lp, backward_pass, compile)
+
+    def run():
+        # inside the guard: nothing interruptible follows its last backward
+        with mixed_dtypes_named(model), ids_checked_once(model, sequences):
+            if separable:
+                return _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size,
+                                  backward_pass, compile)
+            return _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch or micro_batch,
+                             attention_mask, chunk_size, replay, lp, backward_pass, compile)
+
+    value, lp = all_or_nothing(model, run)
     return (value, lp) if return_lp else value
 
 
@@ -180,11 +184,15 @@ def default_grad_sync(model) -> Callable[[], ContextManager] | None:
 
         @contextlib.contextmanager
         def fsdp_no_sync():
-            model.set_requires_gradient_sync(False)
-            try:
+            try:  # set inside: an interrupt right after it must not leave gradient sync off
+                model.set_requires_gradient_sync(False)
                 yield
             finally:
-                model.set_requires_gradient_sync(True)
+                try:
+                    model.set_requires_gradient_sync(True)
+                except BaseException:  # an interrupt landed in it: finish it, then let the interrupt go on
+                    model.set_requires_gradient_sync(True)
+                    raise
 
         return fsdp_no_sync
     return None

@@ -5,8 +5,8 @@
   dense [V, d] gradient that AccumulateGrad then adds into `.grad`: from the second micro-batch on, a
   gradient-sized temporary (LLaDA's embedding is as large as its LM head). The LM head's counterpart lives in
   the fused op's faces (`dllm_fast.ops.logprobs`).
-- `all_or_nothing(model)`: a failure or an interrupt anywhere inside leaves every `.grad` bit-identical to what
-  it was on entry.
+- `all_or_nothing(model, body)`: a failure or an interrupt anywhere in `body()` leaves every `.grad`
+  bit-identical to what it was on entry.
 
 Both keep each weight's AccumulateGrad node in the graph (it runs with no gradient), so the hooks that DDP and
 FSDP2 put there still fire, on the complete `.grad`, in the backward that synchronises.
@@ -16,39 +16,61 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from dllm_fast.ops.logprobs import trainable_leaf, weight_grad_buffer
 
-_GUARDED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("dllm_fast_guarded_grads",
-                                                                          default=frozenset())
+T = TypeVar("T")
+
+# The parameters (by id) whose `.grad` an enclosing all_or_nothing call restores, one entry per active call. A
+# dict changed in place by one store and one delete (no call: no interrupt can land inside either) rather than
+# a ContextVar re-set, whose `set` returns before the `try` that would undo it.
+_GUARDED: contextvars.ContextVar[dict[object, frozenset[int]] | None] = contextvars.ContextVar(
+    "dllm_fast_guarded_grads", default=None)
 
 
-@contextlib.contextmanager
-def all_or_nothing(model) -> Iterator[None]:
-    """Restore every trainable parameter's `.grad` on any exception (KeyboardInterrupt included) raised inside.
+def all_or_nothing(model, body: Callable[[], T]) -> T:
+    """`body()`, with every trainable parameter's `.grad` restored on any exception (KeyboardInterrupt included)
+    it raises; returns its result.
 
     Gradients that are None on entry are simply reset to None: no copy. Gradients that already exist are copied
-    on entry (one gradient-sized buffer per parameter for the duration of the block, the price of accumulating
+    on entry (one gradient-sized buffer per parameter for the duration of the call, the price of accumulating
     into existing gradients all-or-nothing) and the copies are put back on failure. Inside, gradients accumulate
-    in place into `.grad`, so a data-parallel all-reduce in the block's last backward sees the whole sum.
-    Nested blocks over the same parameters (Objective.backward around streaming_backward) cost nothing more.
+    in place into `.grad`, so a data-parallel all-reduce in the body's last backward sees the whole sum. Nested
+    calls over the same parameters (Objective.backward around streaming_backward) cost nothing more.
+
+    A function rather than a context manager, so that no interrupt can land where the guard is set but its
+    `try` not yet entered, nor after the body succeeded but before the call returns: a context manager's
+    `__enter__` and `__exit__` are Python calls, and a Ctrl-C lands at any Python call (python_tests/
+    test_interrupts.py sweeps every objective). The guard's own record is one dict store before the `try` and one
+    delete in its `finally`, neither of which can be interrupted.
     """
-    guarded = _GUARDED.get()
-    params = [p for p in model.parameters() if p.requires_grad and id(p) not in guarded]
+    guarded = _guarded_calls()
+    taken = frozenset().union(*guarded.values())
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
     kept = [None if p.grad is None else p.grad.clone() for p in params]
-    token = _GUARDED.set(guarded | {id(p) for p in params})
+    token = object()
+    guarded[token] = frozenset(id(p) for p in params)
     try:
-        yield
+        return body()
     except BaseException:
         for p, grad in zip(params, kept):
             p.grad = grad
         raise
     finally:
-        _GUARDED.reset(token)
+        del guarded[token]
+
+
+def _guarded_calls() -> dict[object, frozenset[int]]:
+    """This context's record of active all_or_nothing calls (made on first use)."""
+    guarded = _GUARDED.get()
+    if guarded is None:
+        guarded = {}
+        _GUARDED.set(guarded)
+    return guarded
 
 
 @contextlib.contextmanager
@@ -59,13 +81,22 @@ def embedding_grads_in_place(model) -> Iterator[None]:
     weight in the forward), scale_grad_by_freq or sparse gradients; the others keep autograd's path. Rows of
     padding_idx get no gradient, as in nn.Embedding. A backward's upstream scale is honoured.
     """
-    handles = [module.register_forward_hook(_lookup_with_grad_in_place, with_kwargs=True)
-               for module in model.modules() if _in_place_capable(module)]
-    try:
+    handles = []
+    try:  # registered inside: an interrupt between two registrations must not leave the first ones behind
+        for module in in_place_embeddings(model):
+            handles.append(module.register_forward_hook(_lookup_with_grad_in_place, with_kwargs=True))
         yield
     finally:
-        for handle in handles:
-            handle.remove()
+        try:
+            _remove(handles)
+        except BaseException:  # an interrupt landed in it: finish it (removing twice is harmless), then go on
+            _remove(handles)
+            raise
+
+
+def _remove(handles) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def in_place_embeddings(model) -> list[torch.nn.Embedding]:

@@ -76,7 +76,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm_fast.contracts import completion_mask
+from dllm_fast.contracts import MAX_PAIRS, completion_mask
 
 SAMPLERS = ("random_t", "stratified_l", "complementary", "block", "mean_field", "gauss", "coupled", "trajectory")
 # Samplers that draw from the generator (trajectory replays the rollout instead).
@@ -306,6 +306,9 @@ def sample_masks(
 
     Returns:
         MonteCarloMasks on sequences' device.
+
+    Bound: N * n_t (for "trajectory", N times the most states of a row) within contracts.MAX_PAIRS (2^20, the
+    trainer's bound per update), refused naming the sizes and the fix.
     """
     if not isinstance(sequences, torch.Tensor) or sequences.dim() != 2:
         shape = tuple(sequences.shape) if isinstance(sequences, torch.Tensor) else type(sequences).__name__
@@ -334,6 +337,14 @@ def sample_masks(
     return masks
 
 
+def check_pairs(sequences: int, n_t: int) -> None:
+    """N * n_t (sequence, sample) pairs within MAX_PAIRS, the trainer's bound per update."""
+    if sequences * n_t > MAX_PAIRS:
+        raise ValueError(f"{sequences} sequences x n_t={n_t} = {sequences * n_t} (sequence, sample) pairs, more than "
+                         f"{MAX_PAIRS} (2^20, the trainer's bound per update); lower n_t or draw masks for fewer "
+                         "sequences at a time.")
+
+
 def draw_masks(
     sampler: str,
     counted: torch.Tensor,
@@ -358,6 +369,8 @@ def draw_masks(
                              "decoding states (set shrink); pass n_t=None.")
     elif isinstance(n_t, bool) or not isinstance(n_t, int) or n_t < 1:
         raise ValueError(f"n_t={n_t!r} must be an int >= 1 (Monte Carlo samples per sequence).")
+    else:
+        check_pairs(counted.shape[0], n_t)
     if sampler == "complementary" and n_t % 2:
         raise ValueError(f"n_t={n_t} must be even for sampler='complementary' (samples come in pairs).")
     if sampler == "coupled" and n_t % 2 == 0:
@@ -548,6 +561,7 @@ def _trajectory_masks(counted: torch.Tensor, unmask_step: torch.Tensor, shrink: 
     rank.scatter_(1, unmask_step.argsort(dim=-1, stable=True), ranks_sorted)
     state = rank // shrink  # [N, L]
     n_t = int(state.max()) + 1
+    check_pairs(N, n_t)
     states = torch.arange(n_t, device=counted.device)[None, :, None]
     chosen = (state[:, None, :] == states) & counted[:, None, :]  # scored in state g
     completion_masked = state[:, None, :] >= states  # not yet decoded when state g starts

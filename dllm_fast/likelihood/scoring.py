@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm_fast.contracts import accumulate_dtype, data_parallel, logit_shift, unwrap_model
+from dllm_fast.contracts import (accumulate_dtype, check_positions, data_parallel, logit_shift, mixed_dtypes_named,
+                                 unwrap_model)
 from dllm_fast.likelihood.compiled import score_pairs_compiled
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.ops import logprobs_with_known_gradient, masked_logprobs
@@ -50,6 +51,8 @@ def score(
             rows padded to buckets (see `MicroBatching.compile`, likelihood/compiled.py).
 
     Under a data-parallel wrapper (DDP, FSDP2) and no_grad, every rank makes the same number of model calls.
+    Bounds (refused naming the value and the fix): S within the model's positions (`max_sequence_length`, when it
+    declares it); N * n_t pairs within contracts.MAX_PAIRS (2^20), which `sample_masks` enforces.
 
     Returns:
         lp: [N, n_t, L] in fp32 (fp64 for an fp64 model); lp[n, j, i] = log p(x_i | noisy_{n,j}) where
@@ -64,11 +67,12 @@ def score(
     batches = pair_batches(masks, micro_batch)
 
     def score_batch(batch: PairBatch):
-        if compile:
-            return score_pairs_compiled(model, sequences, masks, batch.pairs, capacity=micro_batch,
-                                        attention_mask=attention_mask, chunk_size=chunk_size, rows=batch.rows)
-        return score_pairs(model, sequences, masks, batch.pairs, attention_mask=attention_mask,
-                           chunk_size=chunk_size, rows=batch.rows)
+        with mixed_dtypes_named(model):
+            if compile:
+                return score_pairs_compiled(model, sequences, masks, batch.pairs, capacity=micro_batch,
+                                            attention_mask=attention_mask, chunk_size=chunk_size, rows=batch.rows)
+            return score_pairs(model, sequences, masks, batch.pairs, attention_mask=attention_mask,
+                               chunk_size=chunk_size, rows=batch.rows)
 
     with ids_checked_once(model, sequences):
         if not torch.is_grad_enabled():
@@ -238,6 +242,8 @@ def check_inputs(model, sequences, masks, *, attention_mask=None, micro_batch=No
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(sequences.shape):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; it must match sequences, "
                          f"{tuple(sequences.shape)}.")
+    check_positions(model, sequences.shape[1], f"sequences of {sequences.shape[1]} tokens",
+                    "Score shorter sequences (roll out with a smaller gen_length, or shorten the prompts).")
     if micro_batch is not None:
         check_int("micro_batch", micro_batch, minimum=1, hint="(sequence, sample) pairs per model call")
     if logit_shift(model) > masks.prompt_length:

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import inspect
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from dllm_fast.files import disk_full, disk_full_error, refuse_link_out_of
 from dllm_fast.validation import check_choice, check_int
 
 # model_type (lower case) -> (logit_shift, attention_mask_style)
@@ -91,6 +93,13 @@ class HFDiffusionLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
+
+    @property
+    def max_sequence_length(self) -> int | None:
+        """The positions the wrapped model takes (its config's max_position_embeddings), or None if it says none:
+        generate and score refuse longer sequences."""
+        limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        return limit if isinstance(limit, int) and limit > 0 else None
 
     @property
     def device(self) -> torch.device:
@@ -182,8 +191,17 @@ class HFDiffusionLM(nn.Module):
         return cls(model, **options)
 
     def save_pretrained(self, path: str | os.PathLike, **kwargs) -> None:
-        """The wrapped model's own save_pretrained (its layout, loadable by from_pretrained)."""
-        self.model.save_pretrained(path, **kwargs)
+        """The wrapped model's own save_pretrained (its layout, loadable by from_pretrained). Not atomic, but
+        under dllm_fast's rules for writes: `path` may not be a symbolic link leaving its parent directory, and
+        a full disk is reported naming `path`."""
+        target = Path(os.path.abspath(path))
+        refuse_link_out_of(target, target.parent)
+        try:
+            self.model.save_pretrained(path, **kwargs)
+        except Exception as error:
+            if disk_full(error, target):
+                raise disk_full_error(target, error) from error
+            raise
 
 
 def _special_id(name: str, value, config, *, required: bool) -> int | None:

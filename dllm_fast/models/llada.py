@@ -50,11 +50,15 @@ def _normal_(weight: torch.Tensor, std: float, generator: torch.Generator | None
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
+    try:  # set inside: an interrupt right after it must not leave the process's default dtype changed
+        torch.set_default_dtype(dtype)
         yield
     finally:
-        torch.set_default_dtype(previous)
+        try:
+            torch.set_default_dtype(previous)
+        except BaseException:  # an interrupt landed in it: finish it, then let the interrupt go on
+            torch.set_default_dtype(previous)
+            raise
 
 
 class RMSNorm(nn.Module):

@@ -24,49 +24,68 @@
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from dllm_fast.objectives.advantages import group_advantages, zero_std_fraction
-from dllm_fast.objectives.base import InnerUpdate, LossInputs, Objective, ObjectiveConfig, ObjectiveOutput
-from dllm_fast.objectives.bgpo import BGPO, BGPOConfig
-from dllm_fast.objectives.coupled_grpo import CoupledGRPO, CoupledGRPOConfig
-from dllm_fast.objectives.diffu_grpo import DiffuGRPO, DiffuGRPOConfig
-from dllm_fast.objectives.espo import ESPO, ESPOConfig
-from dllm_fast.objectives.gdpo import GDPO, GDPOConfig
-from dllm_fast.objectives.rspo import RSPO, RSPOConfig
-from dllm_fast.objectives.spg import SPG, SPGConfig
-from dllm_fast.objectives.tracerl import TraceRL, TraceRLConfig
-from dllm_fast.objectives.vrpo_ol import VRPOOL, VRPOOLConfig
-from dllm_fast.objectives.wd1 import WD1, WD1Config
+from dllm_fast._lazy import lazy_attributes
 
-_REGISTRY: dict[str, type[Objective]] = {}
+if TYPE_CHECKING:
+    from dllm_fast.objectives.advantages import group_advantages, zero_std_fraction
+    from dllm_fast.objectives.base import InnerUpdate, LossInputs, Objective, ObjectiveConfig, ObjectiveOutput
+    from dllm_fast.objectives.bgpo import BGPO, BGPOConfig
+    from dllm_fast.objectives.coupled_grpo import CoupledGRPO, CoupledGRPOConfig
+    from dllm_fast.objectives.diffu_grpo import DiffuGRPO, DiffuGRPOConfig
+    from dllm_fast.objectives.espo import ESPO, ESPOConfig
+    from dllm_fast.objectives.gdpo import GDPO, GDPOConfig
+    from dllm_fast.objectives.rspo import RSPO, RSPOConfig
+    from dllm_fast.objectives.spg import SPG, SPGConfig
+    from dllm_fast.objectives.tracerl import TraceRL, TraceRLConfig
+    from dllm_fast.objectives.vrpo_ol import VRPOOL, VRPOOLConfig
+    from dllm_fast.objectives.wd1 import WD1, WD1Config
+
+# The built-in objectives by name, each loaded (with torch and the likelihood engine) when first asked for, so that
+# listing the names (`train --help`) imports nothing heavy. Each class's `name` is its key here (a test checks).
+_BUILT_IN: dict[str, str] = {
+    "diffu_grpo": "diffu_grpo:DiffuGRPO", "wd1": "wd1:WD1", "vrpo_ol": "vrpo_ol:VRPOOL", "bgpo": "bgpo:BGPO",
+    "spg": "spg:SPG", "espo": "espo:ESPO", "rspo": "rspo:RSPO", "coupled_grpo": "coupled_grpo:CoupledGRPO",
+    "gdpo": "gdpo:GDPO", "tracerl": "tracerl:TraceRL",
+}
+# Every other public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    **{f"{cls}{suffix}": module for module, cls in (entry.split(":") for entry in _BUILT_IN.values())
+       for suffix in ("", "Config")},
+    **{name: "base" for name in ("InnerUpdate", "LossInputs", "Objective", "ObjectiveConfig", "ObjectiveOutput")},
+    "group_advantages": "advantages", "zero_std_fraction": "advantages",
+}
+_REGISTRY: dict[str, type] = {}
 
 
 def register(cls: type[Objective]) -> type[Objective]:
     """Make an Objective subclass available to `get` by its `name` (usable as a class decorator)."""
+    from dllm_fast.objectives.base import Objective
+
     if not (isinstance(cls, type) and issubclass(cls, Objective)) or not cls.name:
         raise TypeError(f"register takes an Objective subclass with a name, got {cls!r}.")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"an objective named {cls.name!r} is already registered ({_REGISTRY[cls.name].__name__}).")
+    known = _REGISTRY.get(cls.name) or (_built_in(cls.name) if cls.name in _BUILT_IN else None)
+    if known is not None and known is not cls:
+        raise ValueError(f"an objective named {cls.name!r} is already registered ({known.__name__}).")
     _REGISTRY[cls.name] = cls
     return cls
 
 
-for _cls in (DiffuGRPO, WD1, VRPOOL, BGPO, SPG, ESPO, RSPO, CoupledGRPO, GDPO, TraceRL):
-    register(_cls)
-
-
 def available() -> tuple[str, ...]:
-    """The registered objective names."""
-    return tuple(_REGISTRY)
+    """The registered objective names (the built-in ones first), without loading any of them."""
+    return (*_BUILT_IN, *(name for name in _REGISTRY if name not in _BUILT_IN))
 
 
 def get(name: str, *, preset: str | None = None, **overrides: Any) -> Objective:
     """The objective `name` with its paper's defaults, or the named `preset` of its official scripts (e.g.
     spg's "sudoku"; `presets(name)`), any config field overridden by keyword."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown objective {name!r}; available: {', '.join(available())}.")
-    return _REGISTRY[name](preset=preset, **overrides)
+    cls = _class(name)
+    if preset is not None and not isinstance(preset, str):
+        raise TypeError(f"preset={preset!r} must be one preset's name (a str) or None; {name}'s presets: "
+                        f"{', '.join(cls.presets) or 'none'}.")
+    return cls(preset=preset, **overrides)
 
 
 def nearest_valid_n_t(name: str, n_t: int, *, down: bool = False, limit: int = 1 << 16, **options: Any) -> int | None:
@@ -85,9 +104,31 @@ def nearest_valid_n_t(name: str, n_t: int, *, down: bool = False, limit: int = 1
 
 def presets(name: str) -> dict[str, dict[str, Any]]:
     """The named settings objective `name` offers, each the options it sets."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown objective {name!r}; available: {', '.join(available())}.")
-    return dict(_REGISTRY[name].presets)
+    return dict(_class(name).presets)
+
+
+def _class(name) -> type[Objective]:
+    if not isinstance(name, str):
+        raise TypeError(f"an objective is named by a str, got {name!r}; available: {', '.join(available())}.")
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name in _BUILT_IN:
+        return _built_in(name)
+    raise ValueError(f"unknown objective {name!r}; available: {', '.join(available())}.")
+
+
+def _built_in(name: str) -> type[Objective]:
+    module, cls = _BUILT_IN[name].split(":")
+    loaded = getattr(importlib.import_module(f"dllm_fast.objectives.{module}"), cls)
+    _REGISTRY.setdefault(name, loaded)
+    return loaded
+
+
+__getattr__ = lazy_attributes(__name__, _EXPORTS)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
 
 
 __all__ = [

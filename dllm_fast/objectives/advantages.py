@@ -10,7 +10,7 @@ A group whose rewards are all equal gets advantage 0 (never NaN): it is kept, an
 Every finite reward gives finite advantages: each group is computed divided by the power of two just above its
 largest |reward| (exact, so ordinary rewards give bit for bit the unscaled result), so rewards near 1e300 neither
 overflow the std (which would silently zero every advantage) nor the mean. The trainers bound rewards further
-(dllm_fast.tasks.rewards.MAX_ABS_REWARD).
+(dllm_fast.contracts.MAX_ABS_REWARD, which RolloutBatch applies).
 """
 
 from __future__ import annotations

@@ -369,7 +369,8 @@ class Objective:
                 lp_ref = self._score_reference(model, ref_model, batch, masks, batching)
         inputs = self._loss_inputs(batch, masks, update.lp_old, lp_ref, batching.micro_batch)
         engine = dict(micro_batch=batching, attention_mask=batch.attention_mask, return_lp=True, hooks=hooks)
-        with all_or_nothing(model):  # the stats too: an interrupt there leaves .grad as it was before the call
+
+        def run() -> ObjectiveOutput:
             if self.separable and update.lp is None:  # a known current lp goes through the two-pass route
                 value, lp_now = streaming_backward(
                     model, batch.sequences, masks, lambda rows, n, j: self.pair_loss(rows, n, j, inputs),
@@ -381,8 +382,9 @@ class Objective:
                 stats = {name: float(v) for name, v in self.stats(lp_now, inputs).items()}
             stats.update(loss=float(value), zero_std_fraction=zero_std_fraction(batch.rewards, batch.group_size),
                          advantage_abs_mean=float(inputs.advantages.abs().mean()))
-            output = ObjectiveOutput(loss=value, stats=stats, masks=masks, lp=lp_now)
-        return output
+            return ObjectiveOutput(loss=value, stats=stats, masks=masks, lp=lp_now)
+
+        return all_or_nothing(model, run)  # the stats too: an interrupt there leaves .grad as before the call
 
     def _score_reference(self, model, ref_model, batch, masks, batching: MicroBatching) -> torch.Tensor:
         if ref_model is not None:

@@ -64,11 +64,12 @@ _CHUNK_DEVICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("dllm
 def chunks_sized_for(device_type: str):
     """Size default vocabulary chunks as on `device_type` ("cpu" or "cuda") whatever device the tensors are on:
     the planner runs fake CPU tensors for a GPU and must see the GPU's chunks (and their buffers)."""
-    token = _CHUNK_DEVICE.set(device_type)
-    try:
+    previous = _CHUNK_DEVICE.get()
+    try:  # set inside: an interrupt right after set() (where a Ctrl-C lands) must not leave it set
+        _CHUNK_DEVICE.set(device_type)
         yield
     finally:
-        _CHUNK_DEVICE.reset(token)
+        _CHUNK_DEVICE.set(previous)
 
 
 def default_chunk_size(rows: int, vocab: int, device: torch.device) -> int:

@@ -72,7 +72,7 @@ def generate(model, input_ids, attention_mask=None, *, gen_length, block_length,
         start, end = P + block * block_length, P + (block + 1) * block_length
         schedule = None
         if plan.steps_per_block is not None:
-            schedule = transfer_schedule(x[:, start:end] == mask_id, plan.steps_per_block)
+            schedule = transfer_schedule(x[:, start:end] == mask_id, plan.step_limit(block_length))
         for step in range(plan.step_limit(block_length)):
             if not (x[:, start:end] == mask_id).any():  # Fast-dLLM leaves a complete block
                 break

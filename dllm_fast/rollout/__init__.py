@@ -7,11 +7,29 @@
 - `rules.py`: what both samplers enforce (the mask token is never decoded, non-finite outputs raise).
 """
 
-from dllm_fast.rollout.cache import CACHE_POLICIES, CachePolicy, DualCache, NoCache, PrefixCache, cache_policy
-from dllm_fast.rollout.generate import generate
-from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, masked_count_schedule
-from dllm_fast.rollout.remasking import REMASKING, LowConfidence, RandomRemasking, Remasking, remasking_rule
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dllm_fast._lazy import lazy_attributes
+
+if TYPE_CHECKING:
+    from dllm_fast.rollout.cache import CACHE_POLICIES, CachePolicy, DualCache, NoCache, PrefixCache, cache_policy
+    from dllm_fast.rollout.generate import generate
+    from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, masked_count_schedule
+    from dllm_fast.rollout.remasking import REMASKING, LowConfidence, RandomRemasking, Remasking, remasking_rule
+
+# name -> its module, loaded on first use: the cache and remasking registries (which `train --help` lists) need
+# neither the sampler nor the compiled ops.
+_EXPORTS = {
+    **dict.fromkeys(("CACHE_POLICIES", "CachePolicy", "DualCache", "NoCache", "PrefixCache", "cache_policy"), "cache"),
+    "generate": "generate",
+    **dict.fromkeys(("DecodingPlan", "check_generate_args", "masked_count_schedule"), "plan"),
+    **dict.fromkeys(("REMASKING", "LowConfidence", "RandomRemasking", "Remasking", "remasking_rule"), "remasking"),
+}
 
 __all__ = ["CACHE_POLICIES", "REMASKING", "CachePolicy", "DecodingPlan", "DualCache", "LowConfidence", "NoCache",
            "PrefixCache", "RandomRemasking", "Remasking", "cache_policy", "check_generate_args", "generate",
            "masked_count_schedule", "remasking_rule"]
+
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -20,7 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
-from dllm_fast.contracts import GenerationResult, completion_mask, logit_shift
+from dllm_fast.contracts import GenerationResult, completion_mask, logit_shift, mixed_dtypes_named
 from dllm_fast.ops.backend import default_chunk_size
 from dllm_fast.rollout.cache import CachePolicy
 from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, initial_canvas, masked_count_schedule
@@ -69,7 +69,7 @@ def generate(
         steps: total denoising steps (a multiple of the number of blocks); each step of a block unmasks
             block_length / steps_per_block tokens (the remainder goes to the first steps). A block is left as
             soon as it is complete (Fast-dLLM), so with more steps per block than block_length the extra steps
-            run no forward.
+            run no forward and cost nothing: a call runs at most gen_length forwards.
         temperature: 0 is greedy; T > 0 samples softmax(logits / T) exactly (Gumbel-max with Philox noise keyed
             by a key drawn once from `generator`, the denoising step, the row, and the position in the
             completion, so a prompt's sample depends on its row but not on how wide the batch is padded).
@@ -96,6 +96,11 @@ def generate(
         assumed_steps_per_block: threshold decoding only: instead of reading the masked count after every step
             (one host sync), assume each block completes in this many steps. For planning on fake tensors, where
             no value can be read; a real run checks at each block's end that the block is complete.
+
+    Bounds (each refused at once, naming the value and the fix): the padded prompt length plus gen_length fits the
+    model's positions (`max_sequence_length`, when the model declares it), as the trainer's; steps < 2^31 (the noise
+    key's step word); B x gen_length <= 2^32 (its position word). Within them a call's cost is bounded by its
+    gen_length forwards, whatever steps is.
 
     The mask token is never sampled nor argmaxed: it is removed from sampling and from the confidence softmax,
     like EOS under logits_eos_inf (a deviation from LLaDA's generate.py, whose completions can hold it). A NaN or
@@ -125,7 +130,7 @@ def generate(
         if device.type == "cuda":  # CUDA graphs replay on fixed addresses: the buffers the steps write
             for tensor in state.tensors():
                 torch._dynamo.mark_static_address(tensor, guard=False)
-    with _graph_limit(COMPILED_STEP_GRAPHS) if plan.compile else nullcontext():
+    with mixed_dtypes_named(model), _graph_limit(COMPILED_STEP_GRAPHS) if plan.compile else nullcontext():
         nfe = decode(model, plan, state, constants, step_fn, P, gen_length, block_length, generator)
     sequences, unmask_step = state.canvas, state.unmask_step
     if plan.compile:  # the buffers are kept for the next call: the result gets its own copy
@@ -148,7 +153,9 @@ def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConsta
     device, B = state.canvas.device, state.canvas.shape[0]
     feeds = FedPositions(plan.cache, P, gen_length, block_length, device, dynamic=plan.compile)
     reads_values = data_checks_enabled(state.canvas, model.lm_head_weight)
-    schedule = None if plan.steps_per_block is None else masked_count_schedule(block_length, plan.steps_per_block)
+    # Of a schedule longer than the block, only the first block_length steps can run (plan.step_limit).
+    schedule = None if plan.steps_per_block is None else masked_count_schedule(block_length,
+                                                                                 plan.step_limit(block_length))
     nfe = 0
     for block in range(gen_length // block_length):
         positions = torch.arange(P + block * block_length, P + (block + 1) * block_length, device=device)
@@ -229,8 +236,9 @@ def start_rollout(model, plan: DecodingPlan, input_ids, attention_mask, gen_leng
         step_mask = torch.cat([result_mask, result_mask])
     schedule = None
     if plan.steps_per_block is not None:  # masked_count_schedule, built on the device
-        base, remainder = divmod(block_length, plan.steps_per_block)
-        schedule = base + (torch.arange(plan.steps_per_block, device=device) < remainder).long()
+        limit = plan.step_limit(block_length)
+        base, remainder = divmod(block_length, limit)
+        schedule = base + (torch.arange(limit, device=device) < remainder).long()
     noise_key = torch.zeros((), dtype=torch.long, device=device)
     if plan.temperature > 0:  # 62 random bits, drawn once on the device: no host sync
         noise_key = torch.randint(2**62, (), generator=generator, device=device)

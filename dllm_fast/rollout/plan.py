@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm_fast.contracts import unwrap_model
+from dllm_fast.contracts import check_positions, max_positions, unwrap_model
 from dllm_fast.rollout.cache import CachePolicy, cache_policy
 from dllm_fast.rollout.remasking import Remasking, remasking_rule
 from dllm_fast.validation import (check_binary_mask, check_bool, check_float, check_int, check_same_device,
@@ -34,8 +34,14 @@ class DecodingPlan:
     assumed_steps_per_block: int | None = None
 
     def step_limit(self, block_length: int) -> int:
-        """Most steps a block may take: its schedule, or one unmasked token per step under a threshold."""
-        return block_length if self.steps_per_block is None else self.steps_per_block
+        """Most steps a block may take: its schedule, or one unmasked token per step under a threshold. Never more
+        than block_length: a schedule of more steps unmasks one token per step and is complete after block_length
+        of them (the steps after it unmask nothing and are never run)."""
+        return block_length if self.steps_per_block is None else min(self.steps_per_block, block_length)
+
+
+# The noise key holds the step in 31 bits (rollout.step: key ^ (step << 32 | position)).
+MAX_STEPS = 2**31 - 1
 
 
 def masked_count_schedule(block_length: int, steps_per_block: int) -> list[int]:
@@ -78,6 +84,10 @@ def check_generate_args(model, input_ids, attention_mask, *, gen_length, block_l
     if data_checks_enabled(input_ids, attention_mask):
         check_prompt_values(model, input_ids, attention_mask)
     check_int("gen_length", gen_length, minimum=1)
+    P, limit = input_ids.shape[1], max_positions(model)
+    check_positions(model, P + gen_length, f"prompts of {P} tokens (their padded length) plus gen_length={gen_length}",
+                    f"Lower gen_length to at most {limit - P}, or shorten the prompts." if limit and P < limit else
+                    "Shorten the prompts: alone they fill the model's positions.")
     check_int("block_length", block_length, minimum=1)
     if gen_length % block_length != 0:
         raise ValueError(f"gen_length={gen_length} is not a multiple of block_length={block_length}; "
@@ -90,6 +100,10 @@ def check_generate_args(model, input_ids, attention_mask, *, gen_length, block_l
         steps_per_block = None
     else:
         check_int("steps", steps, minimum=1, hint="or set threshold for adaptive steps")
+        if steps > MAX_STEPS:
+            raise ValueError(f"steps={steps} exceeds {MAX_STEPS} (2^31 - 1, the noise key's step word); a call runs "
+                             f"at most gen_length={gen_length} forwards anyway (one unmasks at least one token), so "
+                             f"use at most {gen_length}.")
         if steps % num_blocks != 0:
             raise ValueError(f"steps={steps} is not a multiple of the number of blocks {num_blocks} "
                              f"(gen_length / block_length); use e.g. steps={num_blocks * max(1, steps // num_blocks)}.")

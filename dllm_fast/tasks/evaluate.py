@@ -53,9 +53,9 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example] | None = 
     device = model.lm_head_weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     was_training = getattr(model, "training", False)
-    if was_training:
-        model.eval()
-    try:
+    try:  # eval() inside: an interrupt within it must not leave the model half in eval mode
+        if was_training:
+            model.eval()
         completions: list[str] = []
         for first in range(0, len(examples), batch_size):
             chunk = examples[first:first + batch_size]
@@ -66,7 +66,11 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example] | None = 
             completions += decode_completions(tokenizer, result)
     finally:
         if was_training:
-            model.train()
+            try:
+                model.train()
+            except BaseException:  # an interrupt landed in it: finish it, then let the interrupt go on
+                model.train()
+                raise
     correct = [bool(task.correct(e, c)) for e, c in zip(examples, completions)]
     rewards = [task_reward(task, e, c, f"example {i} ({e.question[:200]!r}), completion {c[:200]!r}")
                for i, (e, c) in enumerate(zip(examples, completions))]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import numbers
 
-MAX_ABS_REWARD = float(2**24)
+from dllm_fast.contracts import MAX_ABS_REWARD  # the one bound, which RolloutBatch applies to every objective
 
 
 def reward_value(value, source: str) -> float:

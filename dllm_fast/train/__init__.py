@@ -9,7 +9,18 @@ sits behind the hooks of dllm_fast.models.
     result = train(TrainConfig(objective="spg", steps=100))
 """
 
-from dllm_fast.train.config import TrainConfig
-from dllm_fast.train.loop import TrainResult, train
+from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from dllm_fast._lazy import lazy_attributes
+
+if TYPE_CHECKING:
+    from dllm_fast.train.config import TrainConfig
+    from dllm_fast.train.loop import TrainResult, train
+
+# Loaded on first use, so that `train --help` (which needs only the config) imports no model, op or engine.
+_EXPORTS = {"TrainConfig": "config", "TrainResult": "loop", "train": "loop"}
 __all__ = ["TrainConfig", "TrainResult", "train"]
+
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

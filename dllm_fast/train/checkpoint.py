@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dllm_fast.files import atomic_directory, follow_umask, write_text_atomic
+from dllm_fast.files import atomic_directory, disk_full, follow_umask, write_text_atomic
 from dllm_fast.models.loading import family_of, load_model
 from dllm_fast.train.config import AUTO
 from dllm_fast.train.distributed import full_state, set_full_state
@@ -198,8 +198,7 @@ def _write_failure(error: Exception, target: Path) -> OSError:
     """An error of a checkpoint write, said plainly: libraries word a full disk as e.g. "[enforce fail at
     inline_container.cc] ... file write failed"."""
     text = " ".join(str(error).split())
-    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
-        words in text for words in ("No space left", "file write failed", "enforce fail", "Disk quota"))
+    full = disk_full(error, target.parent) or any(words in text for words in ("file write failed", "enforce fail"))
     cause = "the disk is full (or over its quota)" if full else "the write failed"
     return OSError(getattr(error, "errno", None) or (errno.ENOSPC if full else errno.EIO),
                    f"could not write the checkpoint {target}: {cause} ({text[:200]}). The previous checkpoint is "

@@ -146,7 +146,11 @@ def main(argv: typing.Sequence[str] = ()) -> None:
         base, final = result.base_accuracy.get(length, float("nan")), result.final_accuracy[length]
         print(f"greedy test accuracy at {length} tokens: base {base:.3f} -> final {final:.3f} ({final - base:+.3f})")
     written = f"metrics, checkpoint and {PLOT}" if config.plot else "metrics and checkpoint"
-    print(f"{result.steps} steps in {result.seconds:.0f} s; {written} in {result.output_dir}")
+    ran = result.steps - result.resumed_at
+    done = f"{ran} step{'s' * (ran != 1)}"
+    if result.resumed_at:  # this process's steps and time, not the run's
+        done += f" (resumed at step {result.resumed_at}; the run is at step {result.steps})"
+    print(f"{done} in {result.seconds:.0f} s; {written} in {result.output_dir}")
 
 
 def _plain(error: BaseException) -> str:

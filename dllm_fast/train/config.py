@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dllm_fast.contracts import MAX_PAIRS
 from dllm_fast.train.typed import check_type
 from dllm_fast.validation import check_float, check_int
 
@@ -172,15 +174,18 @@ class TrainConfig:
         with _prefixed("--objective-options"):
             objective = objectives.get(self.objective, **self.objective_options)
         samples = self.prompts_per_step * self.group_size * objective.config.n_t
-        if samples > MAX_ROLLOUTS_PER_STEP:
+        if samples > MAX_PAIRS:  # the library's own bound (sample_masks refuses more)
             raise ValueError(f"--prompts-per-step {self.prompts_per_step} x --group-size {self.group_size} x "
                              f"{self.objective}'s n_t {objective.config.n_t} = {samples} Monte Carlo samples per "
-                             f"update, more than {MAX_ROLLOUTS_PER_STEP} (2^20); lower n_t (--objective-options "
+                             f"update, more than {MAX_PAIRS} (2^20); lower n_t (--objective-options "
                              "'{\"n_t\": 4}') or the rollouts per step.")
         with _prefixed("--task-options"):
             get_task(self.task, **task_options(self))
         model_source(self)
         check_device(self.device)
+        if self.lora and importlib.util.find_spec("peft") is None:
+            raise ValueError("--lora true needs the peft package, which is missing here; install it with "
+                             "`pip install peft` (dllm_fast depends on it: `pip install -e .` installs it).")
 
     def _check_consistency(self) -> None:
         if self.parallel == "fsdp2" and self.lora:

@@ -66,11 +66,12 @@ def distributed_session(device: str):
     cuda = torch.cuda.is_available() and device in ("auto", "cuda")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    try:
+    try:  # joined inside: an interrupt right after joining must not leave the process group behind
+        dist.init_process_group("nccl" if cuda else "gloo")
         yield Ranks(dist.get_rank(), dist.get_world_size())
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def sharded(parallel: str, ranks: Ranks) -> bool:

@@ -38,7 +38,8 @@ from dllm_fast.train.run_dir import RunDirectory
 @dataclass
 class TrainResult:
     """base_accuracy / final_accuracy: greedy test accuracy per evaluation generation length, before the first
-    step and after the last. history: every metrics row written."""
+    step and after the last. steps: the run's step count at the end; resumed_at: the step this process started
+    from (0 unless resumed), so it ran steps - resumed_at steps in `seconds`. history: every metrics row written."""
 
     output_dir: Path
     base_accuracy: dict[int, float]
@@ -47,6 +48,7 @@ class TrainResult:
     seconds: float
     history: list[dict] = field(default_factory=list)
     rank: int = 0
+    resumed_at: int = 0
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -58,7 +60,7 @@ def train(config: TrainConfig) -> TrainResult:
 
 def _train(run: Run) -> TrainResult:
     config = run.config
-    started = time.perf_counter()
+    started, resumed_at = time.perf_counter(), run.step
     if config.progress and run.ranks.writer:
         for note in run.setup_notes:
             print(note, file=sys.stderr)
@@ -105,7 +107,7 @@ def _train(run: Run) -> TrainResult:
 
     base, final = run.metrics.accuracies()
     result = TrainResult(run.output_dir, base, final, run.step, time.perf_counter() - started, run.metrics.history,
-                         run.ranks.rank)
+                         run.ranks.rank, resumed_at)
     if config.plot and run.ranks.writer:
         plot_curves(result.history, run.run_dir.path(PLOT))
     return result

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dllm_fast.files import write_text_atomic
+from dllm_fast.files import atomic_path, write_text_atomic
 from dllm_fast.memory import peak_rss_bytes, reset_peak_rss
 
 METRICS = "metrics.jsonl"
@@ -169,7 +169,9 @@ def plot_curves(history: list[dict], path: Path) -> Path:
     right.set_title("test accuracy")
     right.legend()
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    try:
+        with atomic_path(path) as tmp:  # the library's rules for writes: atomic, never through a link leaving
+            figure.savefig(tmp, dpi=100, format="png")
+    finally:
+        plt.close(figure)
     return path

@@ -17,7 +17,7 @@ import time
 import torch
 
 from dllm_fast import objectives
-from dllm_fast.contracts import RolloutBatch, check_finite_rewards, unwrap_model
+from dllm_fast.contracts import RolloutBatch, check_rewards, unwrap_model
 from dllm_fast.files import settled_directory, write_text_atomic
 from dllm_fast.likelihood import MicroBatching
 from dllm_fast.models.loading import check_tokenizer, load_model, load_tokenizer, model_skeleton
@@ -162,7 +162,7 @@ class Run:
                                f"prompt {row // G} of step {self.step + 1} ({examples[row // G].question[:200]!r}), "
                                f"completion {text[:200]!r}") for row, text in enumerate(completions)]
         rewards = torch.tensor(rewards, dtype=torch.float32, device=self.device)
-        check_finite_rewards(rewards, G)
+        check_rewards(rewards, G)
         return RolloutBatch.from_generation(rollout, rewards, group_size=G)
 
     def plan_updates(self, batch: RolloutBatch) -> list[InnerUpdate]:

@@ -10,12 +10,14 @@ checkpoint/) is taken through `RunDirectory.path`, which refuses a link whose ta
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
-from dllm_fast.files import settled_directory
+from dllm_fast.files import refuse_link_out_of, settled_directory
 from dllm_fast.train.distributed import Ranks
 
 LOCK = ".lock"
@@ -36,30 +38,28 @@ class RunDirectory:
     def locked(self):
         """Hold the directory's lock (rank 0 takes it; every rank learns whether it got it) for the block."""
         error = None
-        if self.ranks.writer:
-            try:
-                self._acquire()
-            except (RunDirectoryInUse, OSError, ValueError) as failure:
-                error = failure
-        failures = [e for e in self.ranks.gather(None if error is None else str(error)) if e is not None]
-        if failures:
-            self._release()
-            raise error if error is not None else RunDirectoryInUse(failures[0])
-        try:
+        try:  # acquired inside: an interrupt right after the lock is taken must not leave it held
+            if self.ranks.writer:
+                try:
+                    self._acquire()
+                except (RunDirectoryInUse, OSError, ValueError) as failure:
+                    error = failure
+            failures = [e for e in self.ranks.gather(None if error is None else str(error)) if e is not None]
+            if failures:
+                raise error if error is not None else RunDirectoryInUse(failures[0])
             yield self
         finally:
-            self._release()
+            try:
+                self._release()
+            except BaseException:  # an interrupt landed in it: finish it, then let the interrupt go on
+                self._release()
+                raise
 
     def path(self, name: str) -> Path:
         """root/name, to write or delete: refused when it is a symbolic link whose target lies outside root."""
         path = self.root / name
-        if path.is_symlink():
-            target = path.resolve()
-            inside = self.root.resolve()
-            if target != inside and inside not in target.parents:
-                raise ValueError(f"{path} is a symbolic link to {target}, outside the run directory {self.root}; "
-                                 "dllm_fast never writes or deletes through such a link. Remove the link, or pick "
-                                 "another --output-dir.")
+        refuse_link_out_of(path, self.root, where="the run directory",
+                           fix="Remove the link, or pick another --output-dir.")
         return path
 
     def expect(self, name: str, *, directory: bool) -> Path:
@@ -99,24 +99,31 @@ class RunDirectory:
             raise OSError(f"cannot create the run directory {self.root} ({error.strerror}); pick an --output-dir "
                           "you can write to.") from None
         lock = self.path(LOCK)
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        not_a_file = (f"the run directory's lock file {lock} is not a regular file; remove it (dllm_fast makes "
+                      "it) or pick another --output-dir.")
+        if os.path.lexists(lock) and not stat.S_ISREG(os.lstat(lock).st_mode):  # a link, FIFO, socket, device
+            raise OSError(errno.EINVAL, not_a_file)
+        try:  # O_NONBLOCK: a FIFO swapped in meanwhile must not block the open
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
         except OSError as error:
             raise OSError(error.errno, f"cannot open the run directory's lock file {lock}: {error.strerror}") from None
+        self._lock_fd = fd  # kept before flock: an interrupt right after it must still release the lock
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            self._release()
+            raise OSError(errno.EINVAL, not_a_file)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
+            self._release()
             raise RunDirectoryInUse(
                 f"{self.root} is in use by another training run (process {holder} holds {lock}); two runs in one "
                 "directory would interleave their metrics and replace each other's checkpoints. Wait for it to "
                 "end, or pick another --output-dir.") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
 
     def _release(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing the descriptor releases the flock
-            self._lock_fd = None
+        fd, self._lock_fd = self._lock_fd, None  # first: a second call never closes a reused descriptor
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the flock
