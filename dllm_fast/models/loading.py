@@ -22,11 +22,13 @@ from pathlib import Path
 import torch
 
 from dllm_fast.models.llada import LLaDAModel
+from dllm_fast.models.sdar import SDARModel
 
 # config.json model_type -> the class that loads it. A config.json without a model_type is read by the first.
-FAMILIES: dict[str, type] = {"llada": LLaDAModel}
+FAMILIES: dict[str, type] = {"llada": LLaDAModel, "sdar": SDARModel}
 # preset name -> (class, its config)
 PRESETS: dict[str, tuple[type, object]] = {name: (LLaDAModel, name) for name in ("tiny", "small", "llada-8b")}
+PRESETS.update({name: (SDARModel, name) for name in ("sdar-tiny", "sdar-1.7b", "sdar-8b")})
 
 
 def register_family(model_type: str, cls: type, presets: tuple[str, ...] = ()) -> None:

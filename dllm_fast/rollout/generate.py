@@ -20,7 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
-from dllm_fast.contracts import GenerationResult, completion_mask, logit_shift
+from dllm_fast.contracts import GenerationResult, block_length as block_length_of, completion_mask, logit_shift
 from dllm_fast.ops.backend import default_chunk_size
 from dllm_fast.rollout.cache import CachePolicy
 from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, initial_canvas, masked_count_schedule
@@ -115,6 +115,10 @@ def generate(
     if plan.threshold is not None and plan.assumed_steps_per_block is None and not reads_values:
         raise ValueError("threshold decoding reads the masked count after every step, and these tensors hold no "
                          "values (fake or meta); pass assumed_steps_per_block=N to plan it.")
+    if block_length_of(model) is not None:  # block-causal attention: decode block by block (rollout/blocks.py)
+        from dllm_fast.rollout.blocks import generate_blocks  # here: blocks.py builds on this module
+
+        return generate_blocks(model, plan, input_ids, attention_mask, gen_length, block_length, generator)
     device = input_ids.device
     B, P = input_ids.shape
     state, result_mask = start_rollout(model, plan, input_ids, attention_mask, gen_length, block_length, generator)
