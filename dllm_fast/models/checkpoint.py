@@ -176,7 +176,7 @@ _SAFETENSORS_DTYPES = {
 
 def _torch_dtype(name: str, key: str, file: Path) -> torch.dtype:
     if name not in _SAFETENSORS_DTYPES:
-        raise ValueError(f"{key} in {file} is stored as {name}; model weights must be floating point "
+        raise ValueError(f"{key} in {file} is stored as {name}; LLaDA weights must be floating point "
                          f"({', '.join(_SAFETENSORS_DTYPES)}).")
     return _SAFETENSORS_DTYPES[name]
 
