@@ -99,7 +99,8 @@ def preset_config(name: str, tokenizer=None):
             raise ValueError(f"the tokenizer names no {field[:-9]} token; preset {name!r} takes its special ids from "
                              f"the tokenizer, which needs an EOS and a mask token ({', '.join(MASK_TOKENS)}).")
     fields = {**ids, "embedding_size": ids["vocab_size"]}
-    return dataclasses.replace(config, **{k: v for k, v in fields.items() if hasattr(config, k)})
+    names = {f.name for f in dataclasses.fields(config)}  # fields only: a config may alias one as a property
+    return dataclasses.replace(config, **{k: v for k, v in fields.items() if k in names})
 
 
 # LLaDA's tokenizers keep the mask and end-of-turn tokens as added tokens, not as `mask_token`.

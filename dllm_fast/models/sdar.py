@@ -120,6 +120,7 @@ class SDARModel(nn.Module):
 
     config_class = SDARConfig
     checkpoint_key_prefix = ""  # the native module names are the official keys
+    block_diffusion = True  # a family of block-diffusion models (block-causal attention; trainers ask the class)
 
     def __init__(self, config: SDARConfig):
         super().__init__()
