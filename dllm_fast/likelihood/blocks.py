@@ -17,6 +17,20 @@ Its cost is one forward of S + (S - noisy_start) <= 2S - P + b tokens per pair i
 bidirectional forward's tokens; attention with a dense [T, T] mask), against one forward per block per pair for
 the per-block scheme. The prompt's columns before the first block that holds a completion position are in
 the clean stream only, since nothing there is scored.
+
+What each sampler, and so each objective, estimates on a block model (all ten objectives run on one):
+
+- random_t (BGPO, VRPO-OL), stratified_l (RSPO), complementary (ESPO): unbiased for the block ELBO, the sum over
+  blocks of each block's ELBO given the clean blocks before it (a noise level shared by a sample's blocks is,
+  restricted to one block, that block's noise level); block_elbo: the same with a noise level per block.
+- gauss (GDPO) and coupled (Coupled-GRPO): the same integral by quadrature, DiffuCoder's per-token average.
+- trajectory (TraceRL): the block rollout's own states, each inside one block (with shrink 1, the official
+  SDAR/TraDo setting; preset "sdar") given the clean earlier blocks: what the rollout conditioned on.
+- mean_field (diffu-GRPO, wd1): every block fully masked given the clean earlier blocks, a one-step estimate per
+  block (what a block's first denoising step computes).
+- block (SPG): its masks as drawn (a partly masked block, the later blocks fully masked, the earlier ones and the
+  prompt perturbed), each block scored given the clean blocks before it; its weights L_n / m then mix the
+  blocks' noise levels, so it stays SPG's own heuristic, designed for bidirectional models decoded in blocks.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ class ObjectiveConfig:
     sampler: str = field(default="stratified_l", metadata={"help": "mask sampler: " + ", ".join(SAMPLERS)})
     count: str = field(default="eos", metadata={"help": "completion positions that count: eos (through the "
                                                          "first EOS) or all"})
-    block_length: int = field(default=32, metadata={"help": "block size of the block sampler"})
+    block_length: int = field(default=32, metadata={"help": "block size of the block sampler (block_elbo takes "
+                                                            "the model's)"})
     perturb_prob: float = field(default=0.15, metadata={"help": "probability of masking a prompt token (block, "
                                                                 "mean_field) or an earlier block's (block)"})
     quadrature_points: int | None = field(default=None, metadata={

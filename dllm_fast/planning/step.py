@@ -280,8 +280,8 @@ def _build_models(config: TrainConfig, objective, weights_dtype: torch.dtype):
     base.set_gradient_checkpointing(config.gradient_checkpointing)
     from dllm_fast.train.run import check_block_length, take_block_length
 
-    check_block_length(config, base)  # a block-diffusion model, as train takes it: a preset in --block-length's
-    take_block_length(config, base)  # blocks, a checkpoint in its own
+    check_block_length(config, base, evaluated=False)  # a block-diffusion model as train takes it: a preset in
+    take_block_length(config, base)  # --block-length's blocks, a checkpoint in its own
     reference = None
     if objective.needs_reference and not config.lora:
         reference = copy.deepcopy(base).eval().requires_grad_(False)

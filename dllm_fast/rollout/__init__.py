@@ -3,15 +3,18 @@
 - `generate` (generate.py): the fused sampler;
 - `step.py`: one denoising step as one function, without a host sync, run eagerly or through torch.compile;
 - `plan.py`: a generate call checked once into a `DecodingPlan` (schedule, temperature, cache, remasking);
-- `cache.py`: the cache policies (none, prefix, dual); `remasking.py`: the remasking rules;
+- `cache.py`: the cache policies (none, prefix, dual; block for block-diffusion models); `remasking.py`: the
+  remasking rules;
+- `blocks.py`: the rollout of block-diffusion models (SDAR): blocks aligned per prompt, the exact block cache;
 - `rules.py`: what both samplers enforce (the mask token is never decoded, non-finite outputs raise).
 """
 
-from dllm_fast.rollout.cache import CACHE_POLICIES, CachePolicy, DualCache, NoCache, PrefixCache, cache_policy
+from dllm_fast.rollout.cache import (CACHE_POLICIES, BlockCache, CachePolicy, DualCache, NoCache, PrefixCache,
+                                     cache_policy)
 from dllm_fast.rollout.generate import generate
 from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, masked_count_schedule
 from dllm_fast.rollout.remasking import REMASKING, LowConfidence, RandomRemasking, Remasking, remasking_rule
 
-__all__ = ["CACHE_POLICIES", "REMASKING", "CachePolicy", "DecodingPlan", "DualCache", "LowConfidence", "NoCache",
+__all__ = ["CACHE_POLICIES", "REMASKING", "BlockCache", "CachePolicy", "DecodingPlan", "DualCache", "LowConfidence", "NoCache",
            "PrefixCache", "RandomRemasking", "Remasking", "cache_policy", "check_generate_args", "generate",
            "masked_count_schedule", "remasking_rule"]

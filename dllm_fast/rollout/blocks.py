@@ -29,6 +29,11 @@ an already decoded or prompt position when fewer masked ones are left than the s
 
 The noise of T > 0 sampling is keyed by (the step within the block, the row, the completion position), so a
 prompt's sample does not depend on how far the batch pads it.
+
+Host syncs: one at the start (the rows' extreme shifts, which size the canvas), one per block (its masked count
+and the previous block's non-finite flag), and with a threshold one per step (as generate's threshold decoding).
+On fake tensors (the planner) none: the widest canvas any batch of the shape needs, every block run for its
+steps (or assumed_steps_per_block).
 """
 
 from __future__ import annotations

@@ -211,11 +211,11 @@ def check_rollout_records(objective, name: str) -> None:
                          "objective or a dllm_fast whose generate records it.")
 
 
-def check_block_length(config: TrainConfig, model) -> None:
+def check_block_length(config: TrainConfig, model, *, evaluated: bool = True) -> None:
     """A block-diffusion model decodes and scores in its own blocks (contracts.block_length): a checkpoint's
     (config.json block_size, the size it was trained with) must be --block-length; a preset's random weights were
-    trained with none, so it takes --block-length (`take_block_length`). Every generation length is a whole
-    number of blocks."""
+    trained with none, so it takes --block-length (`take_block_length`). Every generation length (with
+    `evaluated`, the evaluation's too) is a whole number of blocks."""
     size = block_length(model)
     if size is None:
         return
@@ -223,8 +223,8 @@ def check_block_length(config: TrainConfig, model) -> None:
         raise ValueError(f"--block-length {config.block_length}, but --model {config.model} is a block-diffusion "
                          f"model trained with blocks of {size} (its config.json block_size), which its rollouts "
                          f"and likelihoods use; pass --block-length {size}.")
-    for option, length in [("--gen-length", config.gen_length)] + [("--eval-gen-lengths", n)
-                                                                     for n in config.eval_gen_lengths]:
+    evaluations = [("--eval-gen-lengths", n) for n in config.eval_gen_lengths] if evaluated else []
+    for option, length in [("--gen-length", config.gen_length)] + evaluations:
         if length % config.block_length:
             raise ValueError(f"{option} {length} is not a multiple of --block-length {config.block_length}, the "
                              "block-diffusion model's block: every completion is decoded in whole blocks.")
