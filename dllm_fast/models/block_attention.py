@@ -14,8 +14,8 @@ generated tokens), so a prompt's blocks do not depend on how much a batch pads i
   layout of SDAR's training code and of TraceRL's for SDAR/TraDo, which put the streams in other orders).
 
 Both give a boolean `allowed` [B, 1, Tq, K] and the RoPE positions of the queries; `attention_bias` turns it into
-the additive bias SDPA takes. A query with no key to read (a padding column) attends uniformly over finite
--max biases, so its output stays finite (it is never used).
+the additive bias SDPA takes. A query with no key to read (a padding column) reads every key instead, so that
+its output (never used) stays finite.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def block_causal(query_columns: torch.Tensor, key_count: int, first: torch.Tenso
     allowed = block_of(keys, first, block_length)[:, None, :] <= block_of(query_columns, first, block_length)[:, :, None]
     if key_mask is not None:
         allowed = allowed & key_mask.ne(0)[:, None, :]
-    return allowed[:, None]
+    return _every_row_reads(allowed)[:, None]
 
 
 def two_stream_columns(clean_length: int, total: int, device) -> tuple[torch.Tensor, int]:
@@ -79,7 +79,14 @@ def two_stream(clean_length: int, total: int, first: torch.Tensor, block_length:
                | (noisy_query & noisy_key & (key == query)))
     if key_mask is not None:
         allowed = allowed & key_mask.ne(0)[:, columns][:, None, :]
-    return allowed[:, None], positions_of(columns, first)
+    return _every_row_reads(allowed)[:, None], positions_of(columns, first)
+
+
+def _every_row_reads(allowed: torch.Tensor) -> torch.Tensor:
+    """A query that may read no key (a padding column: no real token in its block or before) reads every key
+    instead: its output is never used, but an all-masked row would be NaN (a boolean SDPA mask, or a bias
+    rounded to -inf under bf16 autocast), and 0 * NaN spreads through the values of later layers."""
+    return allowed | ~allowed.any(dim=-1, keepdim=True)
 
 
 def attention_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

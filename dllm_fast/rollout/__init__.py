@@ -9,12 +9,12 @@
 - `rules.py`: what both samplers enforce (the mask token is never decoded, non-finite outputs raise).
 """
 
-from dllm_fast.rollout.cache import (CACHE_POLICIES, BlockCache, CachePolicy, DualCache, NoCache, PrefixCache,
-                                     cache_policy)
+from dllm_fast.rollout.cache import (BLOCK_CACHE_POLICIES, CACHE_POLICIES, BlockCache, CachePolicy, DualCache,
+                                     NoCache, PrefixCache, cache_policy)
 from dllm_fast.rollout.generate import generate
 from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, masked_count_schedule
 from dllm_fast.rollout.remasking import REMASKING, LowConfidence, RandomRemasking, Remasking, remasking_rule
 
-__all__ = ["CACHE_POLICIES", "REMASKING", "BlockCache", "CachePolicy", "DecodingPlan", "DualCache", "LowConfidence", "NoCache",
-           "PrefixCache", "RandomRemasking", "Remasking", "cache_policy", "check_generate_args", "generate",
-           "masked_count_schedule", "remasking_rule"]
+__all__ = ["BLOCK_CACHE_POLICIES", "CACHE_POLICIES", "REMASKING", "BlockCache", "CachePolicy", "DecodingPlan",
+           "DualCache", "LowConfidence", "NoCache", "PrefixCache", "RandomRemasking", "Remasking", "cache_policy",
+           "check_generate_args", "generate", "masked_count_schedule", "remasking_rule"]

@@ -127,14 +127,17 @@ class BlockCache(CachePolicy):
                              "cache='prefix' or 'dual' (Fast-dLLM's approximate caches) or 'none'.")
 
 
-CACHE_POLICIES: dict[str, CachePolicy] = {policy.name: policy
-                                          for policy in (NoCache(), PrefixCache(), DualCache(), BlockCache())}
+CACHE_POLICIES: dict[str, CachePolicy] = {policy.name: policy for policy in (NoCache(), PrefixCache(), DualCache())}
+# Policies for block-diffusion models only (rollout/blocks.py); CACHE_POLICIES holds those every model takes.
+BLOCK_CACHE_POLICIES: dict[str, CachePolicy] = {"block": BlockCache()}
 
 
 def cache_policy(cache) -> CachePolicy:
-    """A CachePolicy instance, or the one registered under the name `cache`."""
+    """A CachePolicy instance, or the one registered under the name `cache` (CACHE_POLICIES or
+    BLOCK_CACHE_POLICIES)."""
     if isinstance(cache, CachePolicy):
         return cache
-    return CACHE_POLICIES[check_choice("cache", cache, CACHE_POLICIES)]
+    known = {**CACHE_POLICIES, **BLOCK_CACHE_POLICIES}
+    return known[check_choice("cache", cache, known)]
 
 

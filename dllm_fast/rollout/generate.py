@@ -97,6 +97,11 @@ def generate(
             (one host sync), assume each block completes in this many steps. For planning on fake tensors, where
             no value can be read; a real run checks at each block's end that the block is complete.
 
+    On a block-diffusion model (contracts.block_length: SDAR) the completion is decoded block by block with the
+    model's blocks, aligned to each prompt's first token (rollout/blocks.py): block_length must be the model's,
+    cache is "block" (the exact cache of finished blocks) or "none", threshold with steps is SDAR's dynamic rule
+    (every candidate above the threshold, at least the schedule's count), and cfg_scale is 0.
+
     The mask token is never sampled nor argmaxed: it is removed from sampling and from the confidence softmax,
     like EOS under logits_eos_inf (a deviation from LLaDA's generate.py, whose completions can hold it). A NaN or
     infinite hidden state, or a NaN or +inf logit, at a position being decoded raises ValueError naming the

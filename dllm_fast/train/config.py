@@ -312,9 +312,9 @@ def registry_choices(name: str) -> tuple[str, ...]:
 
         return tuple(available_tasks())
     if name == "caches":
-        from dllm_fast.rollout.cache import CACHE_POLICIES
+        from dllm_fast.rollout.cache import BLOCK_CACHE_POLICIES, CACHE_POLICIES
 
-        return tuple(CACHE_POLICIES)
+        return tuple(CACHE_POLICIES) + tuple(BLOCK_CACHE_POLICIES)
     if name == "remasking":
         from dllm_fast.rollout.remasking import REMASKING
 
