@@ -132,6 +132,20 @@ def test_the_compiled_step_gives_eager_tokens_and_compiles_once_per_kind_of_step
     torch._dynamo.reset()
 
 
+def test_the_other_options_apply_to_block_models():
+    """Random remasking, EOS never sampled, EOS and EoT unmasked last: every position decoded, no EOS sampled."""
+    model = sdar()
+    ids, mask = prompts(B=3)
+    for options in (dict(remasking="random", temperature=1.0), dict(logits_eos_inf=True),
+                    dict(confidence_eos_eot_inf=True, threshold=0.5)):
+        out = dllm_fast.generate(model, ids, mask, gen_length=8, block_length=4, cache="block",
+                                 generator=torch.Generator().manual_seed(0),
+                                 **({"steps": 4} if "threshold" not in options else {}), **options)
+        assert (out.completion_ids != MASK).all()
+        if options.get("logits_eos_inf"):
+            assert (out.completion_ids != EOS).all()
+
+
 def test_bad_calls_are_refused_by_name():
     model = sdar()
     ids, mask = prompts(B=2)
