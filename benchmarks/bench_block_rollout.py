@@ -110,7 +110,8 @@ def main():
         row.pop("completion", None)
     print_table(rows, ["batch", "provider", "status", "seconds", "nfe", "tokens_per_s", "peak_mb", "speedup_vs_none",
                        "agree_with_none"])
-    print(f"wrote {write_results(f'block_rollout_{args.device}', dict(base, batches=args.batch), rows, args.results_dir)}")
+    path = write_results(f"block_rollout_{args.device}", dict(base, batches=args.batch), rows, args.results_dir)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

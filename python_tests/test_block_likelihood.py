@@ -143,10 +143,12 @@ def test_memory_is_flat_in_n_t():
         masks = sample_masks(sequences, prompt_length=P, n_t=n_t, sampler="block_elbo", count="all",
                              block_length=4, generator=torch.Generator().manual_seed(n_t))
 
-        def run():
-            streaming_backward(model, sequences, masks, lambda lp: -(torch.exp(elbo(lp, masks) - elbo(lp, masks).detach())
-                                                                    * advantages).mean(),
-                               micro_batch=MicroBatching(2, chunk_size=256))
+        def objective(lp, masks=masks):
+            value = elbo(lp, masks)
+            return -(torch.exp(value - value.detach()) * advantages).mean()
+
+        def run(objective=objective, masks=masks):
+            streaming_backward(model, sequences, masks, objective, micro_batch=MicroBatching(2, chunk_size=256))
 
         model.zero_grad(set_to_none=True)
         run()

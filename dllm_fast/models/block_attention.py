@@ -48,7 +48,8 @@ def block_causal(query_columns: torch.Tensor, key_count: int, first: torch.Tenso
     """allowed [B, 1, Tq, K]: query column c reads key column j in [0, K) when block(j) <= block(c) and j is a
     real token (key_mask [B, K], 1 = token; None: every key)."""
     keys = torch.arange(key_count, device=first.device)
-    allowed = block_of(keys, first, block_length)[:, None, :] <= block_of(query_columns, first, block_length)[:, :, None]
+    key_block, query_block = block_of(keys, first, block_length), block_of(query_columns, first, block_length)
+    allowed = key_block[:, None, :] <= query_block[:, :, None]
     if key_mask is not None:
         allowed = allowed & key_mask.ne(0)[:, None, :]
     return _every_row_reads(allowed)[:, None]

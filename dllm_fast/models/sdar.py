@@ -293,7 +293,8 @@ class SDARModel(nn.Module):
         residual outputs (o_proj, down_proj) scaled by 1/sqrt(2 layers), an LM head whose logits have a std of
         about 2, norms at 1. A seed gives the same weights in every dtype."""
         residual_scale = 1.0 / math.sqrt(2 * self.config.num_hidden_layers)
-        residual_outputs = {id(m) for layer in self.model["layers"] for m in (layer.self_attn.o_proj, layer.mlp.down_proj)}
+        residual_outputs = {id(m) for layer in self.model["layers"]
+                            for m in (layer.self_attn.o_proj, layer.mlp.down_proj)}
         head_std = 2.0 / math.sqrt(self.config.hidden_size)
         for module in self.modules():
             if isinstance(module, nn.Linear) and module is not getattr(self, "lm_head", None):

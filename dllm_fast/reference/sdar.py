@@ -53,7 +53,7 @@ def forward(weights: dict[str, torch.Tensor], config, ids: torch.Tensor, allowed
         w = {name[len(f"model.layers.{layer}."):]: value for name, value in weights.items()
              if name.startswith(f"model.layers.{layer}.")}
         n = _rms(x, w["input_layernorm.weight"], eps)
-        q, k, v = n @ w["self_attn.q_proj.weight"].T, n @ w["self_attn.k_proj.weight"].T, n @ w["self_attn.v_proj.weight"].T
+        q, k, v = (n @ w[f"self_attn.{name}_proj.weight"].T for name in "qkv")
         outputs = []
         for h in range(heads):
             g = h // (heads // kv_heads)  # the key/value head this query head shares
