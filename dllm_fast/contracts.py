@@ -40,6 +40,10 @@ class DiffusionLM(Protocol):
     - ``logit_shift``: 0 when the hidden state at position i predicts token i (LLaDA), 1 when it predicts token
       i + 1 (Dream). Sampling and scoring read the hidden state of position i - logit_shift for token i.
 
+    - ``block_length`` (block-diffusion models only, e.g. SDAR): the model attends block-causally in blocks of
+      this many positions, aligned to each row's first real token (see `block_length`); its forward also takes
+      ``clean_length=`` for the two-stream layout likelihoods score in. Bidirectional models have none.
+
     A PEFT-wrapped model satisfies it through attribute forwarding.
     """
 
@@ -104,6 +108,17 @@ def mixed_dtypes_named(model):
         raise TypeError(f"the model's parameters hold several dtypes ({held}), and two of them met in one "
                         f"operation ({' '.join(str(error).split())[:160]}); convert the whole model to one dtype, "
                         "e.g. model.to(torch.float32) or model.to(torch.bfloat16).") from error
+
+
+def block_length(model) -> int | None:
+    """The block size of a block-diffusion model's block-causal attention, or None for a bidirectional model
+    (LLaDA, Dream). Rollouts then decode block by block against the exact KV cache of earlier blocks, and
+    likelihoods score each block given the clean blocks before it."""
+    value = getattr(unwrap_model(model), "block_length", None)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"model.block_length={value!r} must be a positive int (a block-diffusion model's block "
+                         "size) or None (a bidirectional model).")
+    return value
 
 
 def unwrap_model(model):

@@ -67,7 +67,8 @@ def test_structure_common_to_all_samplers(sampler, count):
     sequences = make_sequences(P=P)
     masks = draw(sampler, sequences, P=P, n_t=8, count=count)
     N, n_t, L = 4, masks.n_t, 10
-    assert masks.masked.shape == (N, n_t, P + L) and masks.weight.shape == masks.t.shape == (N, n_t)
+    assert masks.masked.shape == (N, n_t, P + L) and masks.t.shape == (N, n_t)
+    assert masks.weight.shape == ((N, n_t, L) if sampler == "block_elbo" else (N, n_t))  # block_elbo: per position
     counted = counted_positions(sequences[:, P:], eos_token_id=EOS, count=count)
     assert torch.equal(masks.counted, counted)
     assert torch.equal(masks.num_counted, counted.sum(-1))

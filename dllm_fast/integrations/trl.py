@@ -50,7 +50,7 @@ from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 
 from dllm_fast import objectives
-from dllm_fast.contracts import RolloutBatch, completion_mask, unwrap_model
+from dllm_fast.contracts import RolloutBatch, block_length as block_length_of, completion_mask, unwrap_model
 from dllm_fast.integrations.logprobs import mean_field_logprobs
 from dllm_fast.likelihood import BackwardHooks, MicroBatching
 from dllm_fast.models.loading import check_tokenizer
@@ -132,6 +132,11 @@ class DiffusionPreTrainedModel(PreTrainedModel):
     def logit_shift(self) -> int:
         return getattr(self.diffusion_lm, "logit_shift", 0)
 
+    @property
+    def block_length(self) -> int | None:
+        """A block-diffusion model's block size (contracts.block_length); None for a bidirectional one."""
+        return getattr(self.diffusion_lm, "block_length", None)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """Hidden states [B, S, d] (the model contract), not logits: TRL's paths that need logits are replaced."""
         return self.diffusion_lm(input_ids, attention_mask=attention_mask, **kwargs)
@@ -162,7 +167,7 @@ class DiffusionPreTrainedModel(PreTrainedModel):
 # Rollouts through TRL's rollout_func hook
 
 
-def make_rollout_func(*, gen_length: int | None = None, block_length: int = 32, steps: int | None = None,
+def make_rollout_func(*, gen_length: int | None = None, block_length: int | None = None, steps: int | None = None,
                       temperature: float | None = None, remasking: str = "low_confidence", cfg_scale: float = 0.0,
                       threshold: float | None = None, logits_eos_inf: bool = False,
                       confidence_eos_eot_inf: bool = False, cache: str = "none", compile: bool = False,
@@ -170,16 +175,18 @@ def make_rollout_func(*, gen_length: int | None = None, block_length: int = 32, 
     """A TRL `rollout_func(prompts, trainer)` that decodes with `dllm_fast.generate` (block diffusion).
 
     gen_length defaults to the trainer's `max_completion_length`, steps to gen_length (one token per step; none
-    with a threshold), temperature to the trainer's `temperature`; block_length is capped at gen_length. cache
-    ("none", "prefix", "dual": Fast-dLLM's KV caches) and compile (each denoising step through torch.compile, CUDA
-    graphs on a GPU; the first rollout compiles) are generate's. Prompts are tokenized with
-    the trainer's processing_class (the chat template for conversational prompts), left-padded, and decoded in
+    with a threshold), temperature to the trainer's `temperature`; block_length to a block-diffusion model's own
+    block (SDAR; a threshold with steps is its dynamic rule), else 32, capped at gen_length. cache ("none",
+    "prefix", "dual": Fast-dLLM's KV caches) and compile (each denoising step through torch.compile, CUDA graphs on
+    a GPU; the first rollout compiles) are generate's. Prompts are tokenized with the trainer's processing_class
+    (the chat template for conversational prompts), left-padded, and decoded in
     one batch under `model.eval()`. Each completion is returned through its first EOS, as TRL expects; its
     sampling log-probs are not available from a diffusion sampler (None). Noise comes from a generator seeded
     with seed + the process index, so runs are reproducible. For an objective that replays the decoding order
     (`needs_unmask_step`, TraceRL) the rollout records it, and the trainer builds the RolloutBatch with it.
     """
-    check_int("block_length", block_length, minimum=1)  # generate checks the sampling options when it runs
+    if block_length is not None:
+        check_int("block_length", block_length, minimum=1)  # generate checks the sampling options when it runs
     check_int("seed", seed, minimum=0)
     check_bool("compile", compile)
     if not isinstance(cache, str) or cache not in CACHE_POLICIES:
@@ -190,11 +197,13 @@ def make_rollout_func(*, gen_length: int | None = None, block_length: int = 32, 
         args = trainer.args
         length = gen_length if gen_length is not None else args.max_completion_length
         check_int("gen_length", length, minimum=1, hint="tokens per completion (GRPOConfig.max_completion_length)")
-        block = min(block_length, length)
         device = trainer.accelerator.device
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
         model = trainer.model
         core = unwrap_model(model)
+        # A block-diffusion model decodes its own blocks (generate names a block_length that differs).
+        own = block_length_of(core)
+        block = (block_length or own) if own is not None else min(block_length or 32, length)
         prompt_ids = tokenize_prompts(prompts, tokenizer, getattr(trainer, "chat_template_kwargs", None) or {})
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else core.eos_token_id
         input_ids, attention_mask = left_pad(prompt_ids, pad, device)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm_fast.contracts import logit_shift, unwrap_model
+from dllm_fast.likelihood.blocks import denoising_hidden
 from dllm_fast.likelihood.gradients import in_place_embeddings
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.ops import logprobs_with_known_gradient, masked_logprobs
@@ -52,13 +53,15 @@ def bucket(count: int, cap: int) -> int:
 class PaddedPairs:
     """A micro-batch of pairs as a compiled graph takes it: shapes depend only on the buckets.
 
-    noisy [b_pad, S] and attention_mask [b_pad, S] (or None): the model's inputs. hidden_rows [M_pad]: the row of
+    noisy [b_pad, S], clean [b_pad, S] and attention_mask [b_pad, S] (or None): the model's inputs (a block model
+    reads the clean sequence too, likelihood/blocks.py). hidden_rows [M_pad]: the row of
     the flattened hidden states [b_pad * S, d] that predicts each scored token; targets [M_pad]. slots [M_pad]:
     where each row's lp goes in the flattened [b_pad * L] output, b_pad * L (discarded) for padded rows.
     rows, positions [M]: the real scored rows' (pair, completion position). pairs: the b real pairs.
     """
 
     noisy: torch.Tensor
+    clean: torch.Tensor
     attention_mask: torch.Tensor | None
     hidden_rows: torch.Tensor
     targets: torch.Tensor
@@ -104,21 +107,22 @@ def pad_pairs(model, sequences: torch.Tensor, masks: MonteCarloMasks, pairs: tor
     first = (lambda index: index[:1].expand(extra)) if rows.numel() else (lambda index: index.new_zeros(extra))
     # The sequence length varies between calls (prompts padded to the batch's longest): one graph for all.
     torch._dynamo.maybe_mark_dynamic(noisy, 1)
+    torch._dynamo.maybe_mark_dynamic(tokens, 1)
     if mask is not None:
         torch._dynamo.maybe_mark_dynamic(mask, 1)
     weight = core.lm_head_weight
     return PaddedPairs(
-        noisy=noisy, attention_mask=mask, hidden_rows=torch.cat([hidden_rows, first(hidden_rows)]),
+        noisy=noisy, clean=tokens, attention_mask=mask, hidden_rows=torch.cat([hidden_rows, first(hidden_rows)]),
         targets=torch.cat([targets, first(targets)]),
         slots=torch.cat([slots, slots.new_full((extra,), padded_pairs.numel() * L)]), rows=rows,
         positions=positions, pairs=count,
         chunk_size=resolve_chunk_size("masked_logprobs", chunk_size, rows_padded, weight.shape[0], weight.device))
 
 
-def score_padded(model, noisy, attention_mask, hidden_rows, targets, slots, completion_length: int,
+def score_padded(model, noisy, clean, attention_mask, hidden_rows, targets, slots, completion_length: int,
                  chunk_size: int, grad_into_weight: bool) -> torch.Tensor:
     """The graph of a scoring micro-batch: lp [b_pad, L] of the padded pairs (0 where nothing is scored)."""
-    hidden = model(noisy, attention_mask=attention_mask)
+    hidden = denoising_hidden(model, clean, noisy, attention_mask, noisy.shape[1] - completion_length)
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, hidden_rows)
     logp = masked_logprobs(rows, unwrap_model(model).lm_head_weight, targets, chunk_size=chunk_size,
                            grad_into_weight=grad_into_weight)
@@ -126,11 +130,11 @@ def score_padded(model, noisy, attention_mask, hidden_rows, targets, slots, comp
     return out[:-1].view(noisy.shape[0], completion_length)
 
 
-def known_gradient_padded(model, noisy, attention_mask, hidden_rows, targets, coef, lp,
-                          chunk_size: int) -> torch.Tensor:
+def known_gradient_padded(model, noisy, clean, attention_mask, hidden_rows, targets, coef, lp,
+                          completion_length: int, chunk_size: int) -> torch.Tensor:
     """The graph of a pass-2 micro-batch's forward: the surrogate whose backward completes the gradient of
     sum(coef * lp) (the LM head's part is added into its `.grad` here, in the forward)."""
-    hidden = model(noisy, attention_mask=attention_mask)
+    hidden = denoising_hidden(model, clean, noisy, attention_mask, noisy.shape[1] - completion_length)
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, hidden_rows)
     _, surrogate = logprobs_with_known_gradient(rows, unwrap_model(model).lm_head_weight, targets, coef, logp=lp,
                                                 chunk_size=chunk_size)
@@ -173,8 +177,9 @@ def score_pairs_compiled(model, sequences, masks, pairs, *, capacity: int, atten
     if grad_into_weight and torch.is_grad_enabled():
         ensure_grad_buffers(model)
     with graph_limit():
-        lp = compiled("score_padded")(model, batch.noisy, batch.attention_mask, batch.hidden_rows, batch.targets,
-                                      batch.slots, masks.completion_length, batch.chunk_size, grad_into_weight)
+        lp = compiled("score_padded")(model, batch.noisy, batch.clean, batch.attention_mask, batch.hidden_rows,
+                                      batch.targets, batch.slots, masks.completion_length, batch.chunk_size,
+                                      grad_into_weight)
     return lp[:batch.pairs]
 
 
@@ -188,5 +193,6 @@ def known_gradient_compiled(model, sequences, masks, pairs, coef, lp, *, capacit
     row_lp = lp[batch.rows, batch.positions]
     row_lp = batch.padded(row_lp, row_lp[:1] if row_lp.numel() else 0.0)  # the first row's, as its hidden state
     with graph_limit():
-        return compiled("known_gradient_padded")(model, batch.noisy, batch.attention_mask, batch.hidden_rows,
-                                                 batch.targets, row_coef, row_lp, batch.chunk_size)
+        return compiled("known_gradient_padded")(model, batch.noisy, batch.clean, batch.attention_mask,
+                                                 batch.hidden_rows, batch.targets, row_coef, row_lp,
+                                                 masks.completion_length, batch.chunk_size)

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from dllm_fast.likelihood.masks import MonteCarloMasks
+from dllm_fast.likelihood.masks import MonteCarloMasks, weighted_sum
 
 
 def elbo(lp: torch.Tensor, masks: MonteCarloMasks) -> torch.Tensor:
@@ -23,14 +23,15 @@ def elbo(lp: torch.Tensor, masks: MonteCarloMasks) -> torch.Tensor:
     with the sampler's weights w_j: 1/t for random_t (BGPO Eq. 4-5, ESPO Eq. 2), L_n/l for stratified_l
     (LLaDA; ESPO Eq. 3), (L_n+1)/|M| for complementary pairs (ESPO Eq. 34), L_n/m_j for block (SPG's code) and
     1 for mean_field (d1), K c_k / t_k for gauss (GDPO's Gauss-Legendre nodes), the coupled weights (DiffuCoder)
-    and n_t for trajectory (the sum over TraceRL's states). For random_t, stratified_l and complementary it is an
+    and n_t for trajectory (the sum over TraceRL's states); block_elbo weighs each position by its block's
+    v / l instead. For random_t, stratified_l and complementary it is an
     unbiased estimate of sum_{l=1..L_n} (1/l) E_{|M|=l}[sum_{i in M} log p(x_i | x with M masked)]. Only the
     `masks.targets` positions are read.
     """
     if masks.target is not None:
         return token_estimate(lp, masks).sum(-1)
     _check(lp, masks)
-    return (lp.sum(-1) * masks.weight.to(lp.dtype)).mean(-1)
+    return weighted_sum(lp, masks.weight.to(lp.dtype)).mean(-1)
 
 
 def token_estimate(lp: torch.Tensor, masks: MonteCarloMasks) -> torch.Tensor:
@@ -42,7 +43,7 @@ def token_estimate(lp: torch.Tensor, masks: MonteCarloMasks) -> torch.Tensor:
     """
     _check(lp, masks)
     weighted = torch.where(masks.targets, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
-    return (weighted * masks.weight.to(lp.dtype)[..., None]).sum(1) / masks.n_t
+    return (weighted * _per_position(masks.weight.to(lp.dtype))).sum(1) / masks.n_t
 
 
 def eubo_per_position(lp: torch.Tensor, masks: MonteCarloMasks, beta: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +65,7 @@ def eubo_per_position(lp: torch.Tensor, masks: MonteCarloMasks, beta: float = 1.
         raise ValueError(f"beta={beta!r} must be > 0 (SPG's bound holds for beta >= 1; 1.0 is tightest).")
     scored = masks.targets
     present = scored.any(1)
-    log_weight = masks.weight.to(lp.dtype).log()[..., None]
+    log_weight = _per_position(masks.weight.to(lp.dtype)).log()
     terms = torch.where(scored, log_weight + beta * lp, float("-inf"))
     # Never-masked positions get finite dummies so logsumexp's gradient stays finite; they are dropped below.
     terms = torch.where(present[:, None, :], terms, torch.zeros((), dtype=lp.dtype, device=lp.device))
@@ -104,6 +105,11 @@ def mean_field(lp: torch.Tensor, masks: MonteCarloMasks) -> torch.Tensor:
     """
     _check(lp, masks)
     return torch.where(masks.targets, lp, torch.zeros((), dtype=lp.dtype, device=lp.device)).sum(-1).mean(-1)
+
+
+def _per_position(weight: torch.Tensor) -> torch.Tensor:
+    """The masks' weights broadcastable over [N, n_t, L]: per sample [N, n_t] or per position [N, n_t, L]."""
+    return weight if weight.dim() == 3 else weight[..., None]
 
 
 def _check(lp: torch.Tensor, masks: MonteCarloMasks) -> None:

@@ -53,6 +53,16 @@ Write L_n for the number of counted positions of sequence n. The samplers and th
   averages them: (lp_full + lp_first / t + lp_second / (1 - t)) / 2 for lambda = 1. The weights carry that
   average: w = n_t / (lambda + 1) times 1, 1/t or 1/(1 - t), so that `elbo` is the sum of the per-token estimates
   and the per-token estimate is sum_j w_j lp_j / n_t (`estimators.token_estimate`).
+- ``block_elbo`` (the block-diffusion ELBO of BD3-LM and SDAR, for block models): the completion is cut into the
+  model's blocks (`block_length` positions, aligned to each row's first real token as the model aligns them;
+  the first may hold the prompt's tail); each block gets its own noise level in each sample: l ~ U{1..v} of its v
+  counted positions masked, stratified across the n_t samples per (sequence, block) as ``stratified_l`` does
+  per sequence, independently across blocks. The weight is per position, w = v / l of the position's block
+  (`weight` is [N, n_t, L]); t is the sample's masked fraction of counted positions. A block model scores
+  each block given the clean blocks before it, so the sum over blocks of the per-block l-form is unbiased for
+  the block ELBO, sum_b E_t[(1/t) sum_{i in b masked} log p(x_i | x_<b, x_b masked at t)], and a block's
+  estimate no longer shares its noise level with the others. (random_t, stratified_l and complementary are
+  unbiased for it too, with one noise level per sample.)
 - ``trajectory`` (TraceRL): replays the rollout's own decoding states from `unmask_step` [N, L] (the 0-based
   denoising forward at which generate unmasked each completion position). A row's distinct steps, in order,
   are merged `shrink` at a time (TraceRL's trajectory shrinkage s); state g masks every completion position
@@ -78,7 +88,8 @@ import torch
 
 from dllm_fast.contracts import MAX_PAIRS, completion_mask
 
-SAMPLERS = ("random_t", "stratified_l", "complementary", "block", "mean_field", "gauss", "coupled", "trajectory")
+SAMPLERS = ("random_t", "stratified_l", "complementary", "block", "mean_field", "gauss", "coupled", "block_elbo",
+            "trajectory")
 # Samplers that draw from the generator (trajectory replays the rollout instead).
 RANDOM_SAMPLERS = SAMPLERS[:-1]
 COUNT_MODES = ("eos", "all")
@@ -92,7 +103,8 @@ class MonteCarloMasks:
         masked: [N, n_t, P + L] bool, True where sample j of sequence n replaces the token by the mask token.
         counted: [N, L] bool, completion positions that count (scored when masked).
         weight: [N, n_t] float64, the sample's ELBO weight w_j (1/t, L_n/l, (L_n+1)/|M|, L_n/m, 1, K c_k/t_k,
-            the coupled weights or n_t; see the module docstring).
+            the coupled weights or n_t; see the module docstring); or [N, n_t, L], a weight per position, for a
+            sampler whose noise level varies within a sample ("block_elbo"). `weighted_sum` applies either.
         t: [N, n_t] float64, the noise level the weight came from (t, l/L_n, |M|/(L_n+1), m/L_n, 1, t_k, the
             pair's t, or the state's masked fraction of counted positions).
         num_masked: [N, n_t] int64, the positions each sample's estimate reads (`targets`): its masked counted
@@ -128,7 +140,7 @@ class MonteCarloMasks:
                              f"{self.counted.dtype} of shape {tuple(self.counted.shape)}.")
         for name in ("weight", "t", "num_masked"):
             value = getattr(self, name)
-            if value.shape != (N, n_t):
+            if value.shape != (N, n_t) and not (name == "weight" and value.shape == (N, n_t, L)):
                 raise ValueError(f"MonteCarloMasks.{name} must be [N, n_t] = [{N}, {n_t}], "
                                  f"got shape {tuple(value.shape)}.")
         if self.fingerprint is not None and tuple(self.fingerprint.shape) != (N, 2):
@@ -298,7 +310,8 @@ def sample_masks(
         eos_token_id, count: which completion positions count (see `counted_positions`).
         attention_mask: optional [N, P + L]; prompt padding (0) is never masked.
         block_length, perturb_prob: SPG's block size and the prompt/earlier-block perturbation probability
-            ("block"); the prompt perturbation probability ("mean_field"). Ignored by the other samplers.
+            ("block"); the prompt perturbation probability ("mean_field"). "block_elbo" takes the model's block
+            size as block_length (model.block_length). Ignored by the other samplers.
         quadrature_points: "gauss": Gauss-Legendre nodes K (default n_t: one draw per node).
         t_range: "coupled": the interval the pairs' t is drawn from (DiffuCoder's code: 0.2 to 0.8).
         unmask_step, shrink: "trajectory": [N, L] int64 step at which the rollout unmasked each completion
@@ -444,6 +457,9 @@ def draw_masks(
         t = torch.ones_like(weight)
     elif sampler == "gauss":
         chosen, weight, t = _gauss_masks(draw, counted3, lengths, n_t, quadrature_points or n_t)
+    elif sampler == "block_elbo":
+        chosen, weight = _block_elbo_masks(draw, counted, prompt_real, n_t, block_length)
+        t = chosen.sum(-1).double() / lengths[:, None]
     else:  # coupled
         chosen, weight, t = _coupled_masks(draw, counted, n_t, t_range)
 
@@ -505,6 +521,40 @@ def _block_masks(draw: _Draw, counted: torch.Tensor, n_t: int, block_length: int
     later = position_block > chosen_block[..., None]
     earlier = (position_block < chosen_block[..., None]) & (draw.uniform(N, n_t, L) < perturb_prob)
     return (within | later | earlier) & counted[:, None, :]
+
+
+def _block_elbo_masks(draw: _Draw, counted: torch.Tensor, prompt_real: torch.Tensor, n_t: int, block_length: int):
+    """The block ELBO's masks: chosen [N, n_t, L] bool and the per-position weights [N, n_t, L] (v / l of the
+    position's block; 0 off the counted positions). Blocks align to each row's first real token."""
+    N, L = counted.shape
+    P, device = prompt_real.shape[1], counted.device
+    first = torch.where(prompt_real.any(1), prompt_real.to(torch.int8).argmax(1), P)  # [N]
+    absolute = torch.div(P + torch.arange(L, device=device)[None, :] - first[:, None], block_length,
+                         rounding_mode="floor")
+    block = absolute - absolute[:, :1]  # [N, L]: 0 for the completion's first block
+    blocks = int(block.max()) + 1
+    sizes = torch.zeros(N, blocks, dtype=torch.long, device=device).index_put_(
+        (torch.arange(N, device=device)[:, None].expand(N, L), block), counted.long(), accumulate=True)  # v
+    size = _stratified(draw, sizes.clamp_min(1).reshape(-1), n_t).view(N, blocks, n_t).transpose(1, 2) + 1  # l
+    # A uniformly random l-subset of each block's counted positions: rank the positions by (block, key), counted
+    # ones first within a block, and keep the first l of each block.
+    keys = torch.where(counted[:, None, :], draw.uniform(N, n_t, L), 2.0) + 4.0 * block[:, None, :]
+    rank = keys.argsort(-1).argsort(-1)
+    block_start = torch.full((N, blocks), L, dtype=torch.long, device=device).scatter_reduce(
+        1, block, torch.arange(L, device=device).expand(N, L), reduce="amin")
+    within = rank - block_start.gather(1, block)[:, None, :]
+    index = block[:, None, :].expand(N, n_t, L)
+    chosen = (within < size.gather(2, index)) & counted[:, None, :]
+    weight = sizes.gather(1, block)[:, None, :].double() / size.gather(2, index).double()
+    return chosen, torch.where(counted[:, None, :], weight, 0.0)
+
+
+def weighted_sum(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum_i w values_i over the last dim, [..., L] -> [...]: `weight` per sample ([...]) or per position
+    ([..., L], the "block_elbo" sampler's)."""
+    if weight.dim() == values.dim():
+        return (values * weight).sum(-1)
+    return values.sum(-1) * weight
 
 
 def gauss_legendre(points: int) -> tuple[torch.Tensor, torch.Tensor]:

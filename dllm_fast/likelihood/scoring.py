@@ -1,7 +1,8 @@
 """Per-token log-probs `lp[N, n_t, L]` of the completion tokens under stored masks, through the fused LM head.
 
 A (sequence, sample) pair is the unit of work; pair p stands for sequence p // n_t, sample p % n_t. For a
-micro-batch of pairs, scoring builds the noisy inputs, runs the model once on the batch, keeps only the rows of
+micro-batch of pairs, scoring builds the noisy inputs, runs the model once on the batch (a block-diffusion model
+in the two-stream layout, likelihood/blocks.py), keeps only the rows of
 `hidden` that are masked and counted completion positions, and sends those rows alone through
 `dllm_fast.masked_logprobs`: nothing of size [rows, V] beyond one vocabulary chunk ever exists.
 
@@ -20,6 +21,7 @@ import torch
 
 from dllm_fast.contracts import (accumulate_dtype, check_positions, data_parallel, logit_shift, mixed_dtypes_named,
                                  unwrap_model)
+from dllm_fast.likelihood.blocks import denoising_hidden
 from dllm_fast.likelihood.compiled import score_pairs_compiled
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.ops import logprobs_with_known_gradient, masked_logprobs
@@ -189,7 +191,7 @@ def _scored_rows(model, sequences, masks, pairs, attention_mask, count: int | No
     tokens = sequences[seq_index]
     masked = masks.masked[seq_index, sample_index]
     noisy = tokens.masked_fill(masked, core.mask_token_id)
-    hidden = model(noisy, attention_mask=None if attention_mask is None else attention_mask[seq_index])
+    hidden = denoising_hidden(model, tokens, noisy, None if attention_mask is None else attention_mask[seq_index], P)
     scored = masked[:, P:] & masks.counted[seq_index]
     if count is None:
         rows, positions = scored.nonzero(as_tuple=True)

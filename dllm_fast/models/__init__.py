@@ -3,5 +3,7 @@
 from dllm_fast.models.config import LLaDAConfig
 from dllm_fast.models.hf_diffusion import HFDiffusionLM
 from dllm_fast.models.llada import LLaDAModel
+from dllm_fast.models.sdar import SDARModel
+from dllm_fast.models.sdar_config import SDARConfig
 
-__all__ = ["HFDiffusionLM", "LLaDAConfig", "LLaDAModel"]
+__all__ = ["HFDiffusionLM", "LLaDAConfig", "LLaDAModel", "SDARConfig", "SDARModel"]

@@ -2,7 +2,8 @@
 
 A checkpoint directory holds config.json (LLaDA's field names) and either model.safetensors or shards
 model-0000i-of-0000n.safetensors listed in model.safetensors.index.json. Keys carry the official names,
-"model.transformer.<...>.weight"; the native module's state_dict keys are the same without "model.".
+"model.transformer.<...>.weight"; the native module's state_dict keys are the same without "model.". Other
+families (SDAR) reuse this with their config class (`cls.config_class`) and key prefix (`key_prefix`).
 """
 
 from __future__ import annotations
@@ -32,16 +33,17 @@ COMPANION_FILES = (
 )
 
 
-def read_config(path: Path) -> LLaDAConfig:
+def read_config(path: Path, config_class=LLaDAConfig):
+    """The checkpoint's config.json as `config_class` (the model family's; LLaDAConfig by default)."""
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file} does not exist; a LLaDA checkpoint directory needs config.json.")
+        raise FileNotFoundError(f"{config_file} does not exist; a checkpoint directory needs config.json.")
     try:
         values = json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_file} is not valid JSON ({error}); the checkpoint is corrupt.") from error
     try:
-        return LLaDAConfig.from_dict(values)
+        return config_class.from_dict(values)
     except (TypeError, ValueError) as error:
         raise type(error)(f"{config_file}: {error}") from error
 
@@ -73,14 +75,15 @@ def load_checkpoint(cls, path, *, dtype=None, device=None):
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory; from_pretrained needs a checkpoint directory "
                                 "(config.json and model*.safetensors).")
-    config = read_config(path)
+    config = read_config(path, getattr(cls, "config_class", LLaDAConfig))
     with torch.device("meta"):
         model = cls(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    stored = _stored_weights(path, expected)
+    prefix = key_prefix(cls)
+    stored = _stored_weights(path, expected, prefix)
     missing = sorted(set(expected) - set(stored))
     if missing:
-        shown = ", ".join(KEY_PREFIX + k for k in missing[:5])
+        shown = ", ".join(prefix + k for k in missing[:5])
         raise ValueError(f"{path} lacks {len(missing)} weights the config requires, e.g. {shown}.")
     dtype = dtype or _majority_dtype(stored)
     model.load_state_dict(_read_weights(stored, dtype, device), strict=True, assign=True)
@@ -95,7 +98,14 @@ class _StoredWeight(NamedTuple):
     dtype: torch.dtype
 
 
-def _stored_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, _StoredWeight]:
+def key_prefix(cls) -> str:
+    """What the official key names add to the native module names: "model." for LLaDA (the default); a family
+    whose modules are named as its checkpoint's keys (SDAR) sets `checkpoint_key_prefix = ""`."""
+    return getattr(cls, "checkpoint_key_prefix", KEY_PREFIX)
+
+
+def _stored_weights(path: Path, expected: dict[str, tuple[int, ...]], prefix: str = KEY_PREFIX,
+                    ) -> dict[str, _StoredWeight]:
     """Every weight of the checkpoint by native name, with its file, shape and dtype, from the safetensors
     headers alone (no tensor data is read); names, shapes and dtypes are checked against the architecture."""
     stored: dict[str, _StoredWeight] = {}
@@ -112,7 +122,7 @@ def _stored_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> dict[st
                     "the index does not match its shards: re-download the checkpoint or re-save it."
                 )
             for key in keys:
-                native = _native_key(key, file)
+                native = _native_key(key, file, prefix)
                 header = reader.get_slice(key)
                 weight = _StoredWeight(file, key, tuple(header.get_shape()), _torch_dtype(header.get_dtype(), key, file))
                 if native not in expected:
@@ -193,10 +203,10 @@ def _checked_device(device):
     return device
 
 
-def _native_key(key: str, file: Path) -> str:
-    if not key.startswith(KEY_PREFIX):
-        raise ValueError(f"{file} holds {key!r}; LLaDA weight names start with {KEY_PREFIX!r}.")
-    return key[len(KEY_PREFIX):]
+def _native_key(key: str, file: Path, prefix: str = KEY_PREFIX) -> str:
+    if not key.startswith(prefix):
+        raise ValueError(f"{file} holds {key!r}; this model family's weight names start with {prefix!r}.")
+    return key[len(prefix):]
 
 
 def save_checkpoint(model, path, *, max_shard_size: int, tokenizer=None) -> None:
@@ -206,7 +216,8 @@ def save_checkpoint(model, path, *, max_shard_size: int, tokenizer=None) -> None
     check_int("max_shard_size", max_shard_size, minimum=1, hint="bytes per safetensors file")
     # Companions come from the directory the model was loaded from (else `path`), read before the swap.
     source = Path(getattr(model, "name_or_path", None) or path)
-    tensors = {KEY_PREFIX + k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    prefix = key_prefix(type(model))
+    tensors = {prefix + k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key, tensor in tensors.items():

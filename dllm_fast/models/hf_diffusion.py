@@ -14,7 +14,12 @@ Conventions that differ between models are explicit options, defaulted from the 
 - `logit_shift`: Dream's logits at position i predict token i + 1 (1); LLaDA's predict token i (0).
 - `attention_mask_style`: "hf" passes the [B, S] 0/1 padding mask as is; "dream" passes what Dream's own
   `diffusion_generate` passes: the string "full" without padding, else a [B, 1, S, S] boolean mask (here over
-  the real keys) and position ids counted from each row's first real token.
+  the real keys) and position ids counted from each row's first real token; "block" (SDAR, model_type "sdar",
+  whose remote code attends bidirectionally unless given a mask) passes the block-causal [B, 1, S, S] boolean
+  mask of models/block_attention.py (blocks of `block_length`, default config.block_size, aligned to each row's
+  first real token) with position ids counted from that token. A "block" model is a block-diffusion model for
+  dllm_fast (`block_length`; its forward takes `clean_length=` for the two-stream likelihood layout), so
+  generate decodes it block by block (cache="none": each step recomputes, there is no KV cache here).
 
 There is no KV cache (generate rejects cache modes for logit_shift = 1 anyway). The likelihood engine replays
 dropout only for `torch.nn.Dropout` modules; a model that applies functional dropout in training mode (an HF
@@ -31,11 +36,12 @@ import torch
 from torch import nn
 
 from dllm_fast.files import disk_full, disk_full_error, refuse_link_out_of
+from dllm_fast.models.block_attention import block_causal, check_block_length, first_token, positions_of, two_stream
 from dllm_fast.validation import check_choice, check_int
 
 # model_type (lower case) -> (logit_shift, attention_mask_style)
-KNOWN_MODEL_TYPES: dict[str, tuple[int, str]] = {"dream": (1, "dream"), "llada": (0, "hf")}
-ATTENTION_MASK_STYLES = ("hf", "dream")
+KNOWN_MODEL_TYPES: dict[str, tuple[int, str]] = {"dream": (1, "dream"), "llada": (0, "hf"), "sdar": (0, "block")}
+ATTENTION_MASK_STYLES = ("hf", "dream", "block")
 
 
 class _HiddenCaptured(Exception):
@@ -51,14 +57,17 @@ class HFDiffusionLM(nn.Module):
             names (`eot_token_id` is optional: only `confidence_eos_eot_inf` needs it).
         logit_shift: 1 when the logits at i predict token i + 1 (Dream), 0 when they predict token i (LLaDA).
             Default: from the config's model_type (see KNOWN_MODEL_TYPES); other model types must say.
-        attention_mask_style: "hf" or "dream" (see the module docstring); default from the model type, else "hf".
+        attention_mask_style: "hf", "dream" or "block" (see the module docstring); default from the model type,
+            else "hf".
+        block_length: "block" style: the block size (default: the config's block_size).
         skip_lm_head: end the wrapped forward at the LM head (no full logits). Set False when a wrapper of the HF
             model (e.g. FSDP applied to it) needs its forward to run to the end.
     """
 
     def __init__(self, model: nn.Module, *, mask_token_id: int | None = None, eos_token_id: int | None = None,
                  eot_token_id: int | None = None, logit_shift: int | None = None,
-                 attention_mask_style: str | None = None, skip_lm_head: bool = True):
+                 attention_mask_style: str | None = None, skip_lm_head: bool = True,
+                 block_length: int | None = None):
         super().__init__()
         if not isinstance(model, nn.Module) or not callable(getattr(model, "get_output_embeddings", None)):
             raise TypeError(f"HFDiffusionLM wraps a Hugging Face model with get_output_embeddings(), got "
@@ -81,6 +90,15 @@ class HFDiffusionLM(nn.Module):
                                      hint="1: logits at i predict token i + 1 (Dream); 0: token i (LLaDA)")
         self.attention_mask_style = check_choice("attention_mask_style", attention_mask_style or known_style,
                                                  ATTENTION_MASK_STYLES)
+        self.block_length = None  # contracts.block_length: None for a bidirectional model
+        if self.attention_mask_style == "block":
+            block_length = block_length if block_length is not None else getattr(config, "block_size", None)
+            if block_length is None:
+                raise ValueError("attention_mask_style='block' needs the block size: pass block_length= (the config "
+                                 "has no block_size).")
+            self.block_length = check_block_length(block_length)
+        elif block_length is not None:
+            raise ValueError(f"block_length={block_length} applies to attention_mask_style='block' only.")
         self.mask_token_id = _special_id("mask_token_id", mask_token_id, config, required=True)
         self.eos_token_id = _special_id("eos_token_id", eos_token_id, config, required=True)
         self.eot_token_id = _special_id("eot_token_id", eot_token_id, config, required=False)
@@ -110,11 +128,14 @@ class HFDiffusionLM(nn.Module):
         return self.lm_head_weight.dtype
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """input_ids [B, S] -> hidden [B, S, d]: the input of the LM head (the final norm applied)."""
+                position_ids: torch.Tensor | None = None, cache=None, clean_length: int | None = None) -> torch.Tensor:
+        """input_ids [B, S] -> hidden [B, S, d]: the input of the LM head (the final norm applied).
+        clean_length ("block" style): the two-stream layout of SDARModel.forward."""
         if cache is not None:
             raise ValueError("HFDiffusionLM has no KV cache; call generate with cache='none'.")
-        kwargs = self._model_inputs(input_ids, attention_mask, position_ids)
+        if clean_length is not None and self.attention_mask_style != "block":
+            raise ValueError("clean_length (the two-stream layout) needs attention_mask_style='block'.")
+        kwargs = self._model_inputs(input_ids, attention_mask, position_ids, clean_length)
         captured: list[torch.Tensor] = []
 
         def capture(module, args, kwargs):
@@ -139,11 +160,22 @@ class HFDiffusionLM(nn.Module):
                                "must apply its head to every position (no logits_to_keep slicing).")
         return hidden
 
-    def _model_inputs(self, input_ids, attention_mask, position_ids) -> dict:
+    def _model_inputs(self, input_ids, attention_mask, position_ids, clean_length=None) -> dict:
         kwargs = {"input_ids": input_ids}
         if self._passes_use_cache:
             kwargs["use_cache"] = False
-        if self.attention_mask_style == "dream":
+        if self.attention_mask_style == "block":
+            B, T = input_ids.shape
+            first = first_token(attention_mask, B, input_ids.device)
+            if clean_length is not None:
+                allowed, positions = two_stream(clean_length, T, first, self.block_length, attention_mask)
+            else:
+                columns = torch.arange(T, device=input_ids.device)
+                allowed = block_causal(columns, T, first, self.block_length, attention_mask)
+                positions = positions_of(columns, first)
+            kwargs["attention_mask"] = allowed
+            position_ids = positions if position_ids is None else position_ids
+        elif self.attention_mask_style == "dream":
             if attention_mask is None:
                 kwargs["attention_mask"] = "full"
             else:

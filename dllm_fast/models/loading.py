@@ -22,11 +22,13 @@ from pathlib import Path
 import torch
 
 from dllm_fast.models.llada import LLaDAModel
+from dllm_fast.models.sdar import SDARModel
 
 # config.json model_type -> the class that loads it. A config.json without a model_type is read by the first.
-FAMILIES: dict[str, type] = {"llada": LLaDAModel}
+FAMILIES: dict[str, type] = {"llada": LLaDAModel, "sdar": SDARModel}
 # preset name -> (class, its config)
 PRESETS: dict[str, tuple[type, object]] = {name: (LLaDAModel, name) for name in ("tiny", "small", "llada-8b")}
+PRESETS.update({name: (SDARModel, name) for name in ("sdar-tiny", "sdar-1.7b", "sdar-8b")})
 
 
 def register_family(model_type: str, cls: type, presets: tuple[str, ...] = ()) -> None:
@@ -97,7 +99,8 @@ def preset_config(name: str, tokenizer=None):
             raise ValueError(f"the tokenizer names no {field[:-9]} token; preset {name!r} takes its special ids from "
                              f"the tokenizer, which needs an EOS and a mask token ({', '.join(MASK_TOKENS)}).")
     fields = {**ids, "embedding_size": ids["vocab_size"]}
-    return dataclasses.replace(config, **{k: v for k, v in fields.items() if hasattr(config, k)})
+    names = {f.name for f in dataclasses.fields(config)}  # fields only: a config may alias one as a property
+    return dataclasses.replace(config, **{k: v for k, v in fields.items() if k in names})
 
 
 # LLaDA's tokenizers keep the mask and end-of-turn tokens as added tokens, not as `mask_token`.

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from dllm_fast.contracts import RolloutBatch, check_reference_model, unwrap_model
+from dllm_fast.contracts import RolloutBatch, block_length, check_reference_model, unwrap_model
 from dllm_fast.likelihood import MonteCarloMasks, sample_masks, score, streaming_backward
 from dllm_fast.likelihood.gradients import all_or_nothing
 from dllm_fast.likelihood.masks import COUNT_MODES, SAMPLERS
@@ -58,7 +58,8 @@ class ObjectiveConfig:
     sampler: str = field(default="stratified_l", metadata={"help": "mask sampler: " + ", ".join(SAMPLERS)})
     count: str = field(default="eos", metadata={"help": "completion positions that count: eos (through the "
                                                          "first EOS) or all"})
-    block_length: int = field(default=32, metadata={"help": "block size of the block sampler"})
+    block_length: int = field(default=32, metadata={"help": "block size of the block sampler (block_elbo takes "
+                                                            "the model's)"})
     perturb_prob: float = field(default=0.15, metadata={"help": "probability of masking a prompt token (block, "
                                                                 "mean_field) or an earlier block's (block)"})
     quadrature_points: int | None = field(default=None, metadata={
@@ -242,11 +243,19 @@ class Objective:
 
     # -- shared machinery -------------------------------------------------------------------------------------
     def draw_masks(self, batch: RolloutBatch, *, generator: torch.Generator, eos_token_id: int | None,
-                   ) -> MonteCarloMasks:
-        """The Monte Carlo masks this objective's estimator needs, for the batch's sequences."""
+                   model_block_length: int | None = None) -> MonteCarloMasks:
+        """The Monte Carlo masks this objective's estimator needs, for the batch's sequences. model_block_length:
+        the policy's block size when it is a block-diffusion model (contracts.block_length), which the
+        "block_elbo" sampler cuts the completion by (plan_updates and backward pass it)."""
         c = self.config
         options = dict(n_t=c.n_t, block_length=c.block_length, perturb_prob=c.perturb_prob,
                        quadrature_points=c.quadrature_points, t_range=(c.coupled_t_min, c.coupled_t_max))
+        if c.sampler == "block_elbo":
+            if model_block_length is None:
+                raise ValueError(f"{self.name} with sampler='block_elbo' estimates a block-diffusion model's ELBO, "
+                                 "block by block: the policy must be one (model.block_length, e.g. SDAR), passed "
+                                 "as model_block_length; for a bidirectional model use e.g. 'stratified_l'.")
+            options.update(block_length=model_block_length)
         if c.sampler == "trajectory":
             if batch.unmask_step is None:
                 raise ValueError(f"{self.name} replays the rollout's decoding states, but the batch has no "
@@ -320,7 +329,8 @@ class Objective:
         eos_token_id = getattr(unwrap_model(model), "eos_token_id", None)
         updates = []
         for moved_before in moved:
-            masks = self.draw_masks(batch, generator=generator, eos_token_id=eos_token_id)
+            masks = self.draw_masks(batch, generator=generator, eos_token_id=eos_token_id,
+                                    model_block_length=block_length(model))
             lp_old = None
             if moved_before and self.uses_old_policy:
                 with torch.no_grad():
@@ -358,7 +368,8 @@ class Objective:
                                  "update (objective.plan_updates(...), or InnerUpdate(masks, lp_old=...)).")
             core = unwrap_model(model)
             update = InnerUpdate(self.draw_masks(batch, generator=generator,
-                                                 eos_token_id=getattr(core, "eos_token_id", None)))
+                                                 eos_token_id=getattr(core, "eos_token_id", None),
+                                                 model_block_length=block_length(model)))
         elif not isinstance(update, InnerUpdate):
             raise TypeError(f"update must be an InnerUpdate (from objective.plan_updates(...)), got "
                             f"{type(update).__name__}.")

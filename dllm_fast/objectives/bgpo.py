@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dllm_fast.likelihood.masks import weighted_sum
 from dllm_fast.objectives.advantages import group_advantages
 from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows, clipped,
                                        clipped_surrogate, dual_clipped, micro_batch_index, micro_batch_sums,
@@ -100,7 +101,7 @@ class BGPO(Objective):
     def sample_terms(self, rows, old_rows, weight, divisor, advantage):
         """Per-sample bound terms g * n_t (to maximise), the per-sample ratio, and the clip indicator."""
         c = self.config
-        d = weight * (rows.sum(-1) - old_rows.sum(-1)) / divisor
+        d = weighted_sum(rows - old_rows, weight) / divisor
         positive = advantage >= 0
         ratio = torch.where(positive, 1.0 + d, safe_exp(d, ~positive))
         if c.clip_epsilon is None:

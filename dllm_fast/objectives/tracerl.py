@@ -50,6 +50,8 @@ class TraceRL(Objective):
     Config = TraceRLConfig
     uses_old_policy = True
     separable = True
+    # The official configs for SDAR/TraDo (configs/rl_sdar.yaml, rl_trado.yaml): every decoding step a state.
+    presets = {"sdar": dict(shrink=1)}
 
     def advantages(self, batch):
         return group_advantages(batch.rewards, batch.group_size, scale="std", std_epsilon=0.0, unbiased=False)

@@ -298,6 +298,10 @@ def _build_models(config: TrainConfig, objective, precision: Precision):
             base = family.from_pretrained(source, device="meta")
     base = base.to(precision.base_dtype(config.lora)).train()
     base.set_gradient_checkpointing(config.gradient_checkpointing)
+    from dllm_fast.train.run import check_block_length, take_block_length
+
+    check_block_length(config, base, evaluated=False)  # a block-diffusion model as train takes it: a preset in
+    take_block_length(config, base)  # --block-length's blocks, a checkpoint in its own
     with torch.device("meta"):  # the adapters' layers too: no initialisation on the host
         policy, reference = training_models(base, config, precision, needs_reference=objective.needs_reference)
     return policy, reference, base

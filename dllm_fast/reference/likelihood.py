@@ -4,7 +4,7 @@ All N * n_t noisy copies go through the model in one batch, the full [N * n_t, P
 log_softmax, and the per-token log-probs are gathered: what LLaDA's get_log_likelihood.py and the RL trainers
 built on it do. Memory grows linearly with n_t. It is the test oracle for dllm_fast.likelihood.score and the
 "naive" provider of benchmarks/bench_elbo.py. `masks` is any object with dllm_fast.likelihood.MonteCarloMasks'
-fields (masked [N, n_t, P + L], counted [N, L], weight [N, n_t], prompt_length).
+fields (masked [N, n_t, P + L], counted [N, L], weight [N, n_t] or [N, n_t, L], prompt_length).
 """
 
 from __future__ import annotations
@@ -52,8 +52,12 @@ def mc_elbo(lp: torch.Tensor, masks) -> torch.Tensor:
     total = torch.zeros(lp.shape[0], dtype=lp.dtype, device=lp.device)
     if getattr(masks, "target", None) is not None:  # lp is 0 off the scored positions: only targets narrow it
         lp = lp * masks.target
+    weight = masks.weight.to(lp.dtype)
     for j in range(lp.shape[1]):
-        total = total + masks.weight[:, j].to(lp.dtype) * lp[:, j].sum(-1)
+        if weight.dim() == 3:  # a weight per position (block_elbo)
+            total = total + (weight[:, j] * lp[:, j]).sum(-1)
+        else:
+            total = total + weight[:, j] * lp[:, j].sum(-1)
     return total / lp.shape[1]
 
 
@@ -63,7 +67,8 @@ def mc_eubo(lp: torch.Tensor, masks, beta: float = 1.0) -> torch.Tensor:
     Direct (not log-space) form of SPG's estimator, as SPG's code computes it.
     """
     scored = read_positions(masks)
-    weight = masks.weight.to(lp.dtype)[..., None]
+    weight = masks.weight.to(lp.dtype)
+    weight = weight if weight.dim() == 3 else weight[..., None]
     a = (weight * scored * torch.exp(beta * lp)).mean(1)  # [N, L]
     present = scored.any(1)
     return torch.where(present, torch.log(torch.where(present, a, 1.0)), 0.0).sum(-1) / beta

@@ -49,13 +49,18 @@ def micro_batches(N, rows):
     return [list(range(start, min(start + rows, N))) for start in range(0, N, rows)]
 
 
+def position_weight(masks, n, j, i) -> float:
+    """The ELBO weight of position i in sample j: the sample's, or the position's for per-position weights."""
+    return float(masks.weight[n, j] if masks.weight.dim() == 2 else masks.weight[n, j, i])
+
+
 def sample_elbo(lp, masks, n, j):
-    """w_nj * sum over the scored positions of sample j: one term of the Monte Carlo ELBO."""
+    """sum over the scored positions of sample j of w_nj(i) lp: one term of the Monte Carlo ELBO."""
     total = lp.new_zeros(())
     for i in range(lp.shape[2]):
         if reads(masks, n, j, i):
-            total = total + lp[n, j, i]
-    return float(masks.weight[n, j]) * total
+            total = total + position_weight(masks, n, j, i) * lp[n, j, i]
+    return total
 
 
 def mc_elbo(lp, masks, n):
@@ -66,7 +71,7 @@ def mc_eubo(lp, masks, n, beta, mean_over_positions=False):
     """SPG's EUBO of sequence n: (1/beta) sum_i log (1/n_t) sum_j w_j 1[scored] p^beta, unscored positions dropped."""
     total, present = lp.new_zeros(()), 0
     for i in range(lp.shape[2]):
-        terms = [float(masks.weight[n, j]) * torch.exp(beta * lp[n, j, i])
+        terms = [position_weight(masks, n, j, i) * torch.exp(beta * lp[n, j, i])
                  for j in range(masks.n_t) if masks.scored[n, j, i]]
         if terms:
             total = total + torch.log(sum(terms) / masks.n_t) / beta
@@ -235,7 +240,7 @@ def token_estimate(lp, masks, n, i):
     total = lp.new_zeros(())
     for j in range(masks.n_t):
         if reads(masks, n, j, i):
-            total = total + float(masks.weight[n, j]) * lp[n, j, i]
+            total = total + position_weight(masks, n, j, i) * lp[n, j, i]
     return total / masks.n_t
 
 

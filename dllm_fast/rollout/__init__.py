@@ -3,7 +3,9 @@
 - `generate` (generate.py): the fused sampler;
 - `step.py`: one denoising step as one function, without a host sync, run eagerly or through torch.compile;
 - `plan.py`: a generate call checked once into a `DecodingPlan` (schedule, temperature, cache, remasking);
-- `cache.py`: the cache policies (none, prefix, dual); `remasking.py`: the remasking rules;
+- `cache.py`: the cache policies (none, prefix, dual; block for block-diffusion models); `remasking.py`: the
+  remasking rules;
+- `blocks.py`: the rollout of block-diffusion models (SDAR): blocks aligned per prompt, the exact block cache;
 - `rules.py`: what both samplers enforce (the mask token is never decoded, non-finite outputs raise).
 """
 
@@ -14,7 +16,8 @@ from typing import TYPE_CHECKING
 from dllm_fast._lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from dllm_fast.rollout.cache import CACHE_POLICIES, CachePolicy, DualCache, NoCache, PrefixCache, cache_policy
+    from dllm_fast.rollout.cache import (BLOCK_CACHE_POLICIES, CACHE_POLICIES, BlockCache, CachePolicy, DualCache,
+                                         NoCache, PrefixCache, cache_policy)
     from dllm_fast.rollout.generate import generate
     from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, masked_count_schedule
     from dllm_fast.rollout.remasking import REMASKING, LowConfidence, RandomRemasking, Remasking, remasking_rule
@@ -22,14 +25,15 @@ if TYPE_CHECKING:
 # name -> its module, loaded on first use: the cache and remasking registries (which `train --help` lists) need
 # neither the sampler nor the compiled ops.
 _EXPORTS = {
-    **dict.fromkeys(("CACHE_POLICIES", "CachePolicy", "DualCache", "NoCache", "PrefixCache", "cache_policy"), "cache"),
+    **dict.fromkeys(("BLOCK_CACHE_POLICIES", "CACHE_POLICIES", "BlockCache", "CachePolicy", "DualCache", "NoCache",
+                     "PrefixCache", "cache_policy"), "cache"),
     "generate": "generate",
     **dict.fromkeys(("DecodingPlan", "check_generate_args", "masked_count_schedule"), "plan"),
     **dict.fromkeys(("REMASKING", "LowConfidence", "RandomRemasking", "Remasking", "remasking_rule"), "remasking"),
 }
 
-__all__ = ["CACHE_POLICIES", "REMASKING", "CachePolicy", "DecodingPlan", "DualCache", "LowConfidence", "NoCache",
-           "PrefixCache", "RandomRemasking", "Remasking", "cache_policy", "check_generate_args", "generate",
-           "masked_count_schedule", "remasking_rule"]
+__all__ = ["BLOCK_CACHE_POLICIES", "CACHE_POLICIES", "REMASKING", "BlockCache", "CachePolicy", "DecodingPlan",
+           "DualCache", "LowConfidence", "NoCache", "PrefixCache", "RandomRemasking", "Remasking", "cache_policy",
+           "check_generate_args", "generate", "masked_count_schedule", "remasking_rule"]
 
 __getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -1,12 +1,12 @@
 """Cache policies: which positions a denoising step feeds to the model, and when the KV cache is refreshed
-(Fast-dLLM's prefix and dual caches, or none). A new policy is one `CachePolicy` subclass registered in
-`CACHE_POLICIES`."""
+(Fast-dLLM's prefix and dual caches, or none; a block-diffusion model's exact block cache). A new policy is one
+`CachePolicy` subclass registered in `CACHE_POLICIES`."""
 
 from __future__ import annotations
 
 import torch
 
-from dllm_fast.contracts import logit_shift
+from dllm_fast.contracts import block_length, logit_shift
 from dllm_fast.validation import check_choice
 
 
@@ -105,13 +105,39 @@ class DualCache(CachePolicy):
         return start, end
 
 
+class BlockCache(CachePolicy):
+    """A block-diffusion model's exact cache (SDAR, TraDo; rollout/blocks.py): the prompt's whole blocks are
+    prefilled once, a step feeds only its block and reads the cached keys and values of the blocks before it,
+    and a finished block's keys and values are stored by the first step of the next block (which feeds both).
+    Block-causal attention makes it exact: a finished block never changes, and no block reads a later one."""
+
+    name = "block"
+
+    def refreshes(self, step: int) -> bool:
+        return False
+
+    def reused_span(self, start, end, total):
+        return start, end
+
+    def check_model(self, model) -> None:
+        super().check_model(model)
+        if block_length(model) is None:
+            raise ValueError("cache='block' keeps the exact keys and values of finished blocks, which only a "
+                             "block-diffusion model (block-causal attention, e.g. SDAR) has; for this model use "
+                             "cache='prefix' or 'dual' (Fast-dLLM's approximate caches) or 'none'.")
+
+
 CACHE_POLICIES: dict[str, CachePolicy] = {policy.name: policy for policy in (NoCache(), PrefixCache(), DualCache())}
+# Policies for block-diffusion models only (rollout/blocks.py); CACHE_POLICIES holds those every model takes.
+BLOCK_CACHE_POLICIES: dict[str, CachePolicy] = {"block": BlockCache()}
 
 
 def cache_policy(cache) -> CachePolicy:
-    """A CachePolicy instance, or the one registered under the name `cache`."""
+    """A CachePolicy instance, or the one registered under the name `cache` (CACHE_POLICIES or
+    BLOCK_CACHE_POLICIES)."""
     if isinstance(cache, CachePolicy):
         return cache
-    return CACHE_POLICIES[check_choice("cache", cache, CACHE_POLICIES)]
+    known = {**CACHE_POLICIES, **BLOCK_CACHE_POLICIES}
+    return known[check_choice("cache", cache, known)]
 
 

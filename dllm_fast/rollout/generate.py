@@ -20,7 +20,8 @@ from contextlib import nullcontext
 
 import torch
 
-from dllm_fast.contracts import GenerationResult, completion_mask, logit_shift, mixed_dtypes_named
+from dllm_fast.contracts import (GenerationResult, block_length as block_length_of, completion_mask, logit_shift,
+                                 mixed_dtypes_named)
 from dllm_fast.ops.backend import default_chunk_size
 from dllm_fast.rollout.cache import CachePolicy
 from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, initial_canvas, masked_count_schedule
@@ -102,6 +103,11 @@ def generate(
     key's step word); B x gen_length <= 2^32 (its position word). Within them a call's cost is bounded by its
     gen_length forwards, whatever steps is.
 
+    On a block-diffusion model (contracts.block_length: SDAR) the completion is decoded block by block with the
+    model's blocks, aligned to each prompt's first token (rollout/blocks.py): block_length must be the model's,
+    cache is "block" (the exact cache of finished blocks) or "none", threshold with steps is SDAR's dynamic rule
+    (every candidate above the threshold, at least the schedule's count), and cfg_scale is 0.
+
     The mask token is never sampled nor argmaxed: it is removed from sampling and from the confidence softmax,
     like EOS under logits_eos_inf (a deviation from LLaDA's generate.py, whose completions can hold it). A NaN or
     infinite hidden state, or a NaN or +inf logit, at a position being decoded raises ValueError naming the
@@ -120,6 +126,10 @@ def generate(
     if plan.threshold is not None and plan.assumed_steps_per_block is None and not reads_values:
         raise ValueError("threshold decoding reads the masked count after every step, and these tensors hold no "
                          "values (fake or meta); pass assumed_steps_per_block=N to plan it.")
+    if block_length_of(model) is not None:  # block-causal attention: decode block by block (rollout/blocks.py)
+        from dllm_fast.rollout.blocks import generate_blocks  # here: blocks.py builds on this module
+
+        return generate_blocks(model, plan, input_ids, attention_mask, gen_length, block_length, generator)
     device = input_ids.device
     B, P = input_ids.shape
     state, result_mask = start_rollout(model, plan, input_ids, attention_mask, gen_length, block_length, generator)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm_fast.contracts import check_positions, max_positions, unwrap_model
+from dllm_fast.contracts import block_length as block_length_of, check_positions, max_positions, unwrap_model
 from dllm_fast.rollout.cache import CachePolicy, cache_policy
 from dllm_fast.rollout.remasking import Remasking, remasking_rule
 from dllm_fast.validation import (check_binary_mask, check_bool, check_float, check_int, check_same_device,
@@ -19,7 +19,9 @@ from dllm_fast.validation import (check_binary_mask, check_bool, check_float, ch
 class DecodingPlan:
     """A checked generate() call: steps_per_block is None when threshold sets the steps adaptively; temperature
     is the one to sample at (0.0 for greedy, including temperatures too small to sample at);
-    assumed_steps_per_block, in threshold mode, replaces the per-step read of the masked count."""
+    assumed_steps_per_block, in threshold mode, replaces the per-step read of the masked count. Both
+    steps_per_block and threshold (block-diffusion models only): SDAR's "low_confidence_dynamic" rule, each step
+    unmasks every candidate above the threshold and at least the fixed schedule's count."""
 
     steps_per_block: int | None
     temperature: float
@@ -93,12 +95,14 @@ def check_generate_args(model, input_ids, attention_mask, *, gen_length, block_l
         raise ValueError(f"gen_length={gen_length} is not a multiple of block_length={block_length}; "
                          "choose a block_length that divides gen_length.")
     num_blocks = gen_length // block_length
-    if threshold is not None:
+    if threshold is not None and (steps is None or block_length_of(model) is None):
         threshold = check_threshold("threshold", threshold)
         if steps is not None:
             raise ValueError(f"steps={steps} is ignored when threshold is set (the schedule is adaptive); pass steps=None.")
         steps_per_block = None
-    else:
+    else:  # a fixed schedule; with a threshold too (block models), its counts are each step's minimum
+        if threshold is not None:
+            threshold = check_threshold("threshold", threshold)
         check_int("steps", steps, minimum=1, hint="or set threshold for adaptive steps")
         if steps > MAX_STEPS:
             raise ValueError(f"steps={steps} exceeds {MAX_STEPS} (2^31 - 1, the noise key's step word); a call runs "

@@ -46,7 +46,7 @@ class StepConstants:
     mask_id: int
     logit_shift: int
     temperature: float
-    threshold: float | None  # None: the fixed schedule (RolloutState.schedule)
+    threshold: float | None  # None: the fixed schedule (RolloutState.schedule); with a schedule too: its minimum
     cfg_scale: float
     cache: CachePolicy
     remasking: Remasking
@@ -150,8 +150,10 @@ def denoise_step(model, state: RolloutState, constants: StepConstants, block: to
     fed_length = ids.shape[1] if fed is None else fed.shape[0]
     scores = c.remasking.rank(confidence, drawn, fed_shape=(B, fed_length), fed_positions=in_fed,
                               device=canvas.device)
-    if c.threshold is None:
+    if c.threshold is None or state.schedule is not None:
         counts = state.schedule.index_select(0, state.counters[STEP_IN_BLOCK:STEP_IN_BLOCK + 1]).expand(B)
+        if c.threshold is not None:  # SDAR's dynamic rule: every candidate above the threshold, at least counts
+            counts = torch.maximum(counts, ((scores > c.threshold) & candidates).sum(dim=1))
         transfer = ops.select_transfer(scores, candidates, counts=counts, check_finite=False)
     else:
         transfer = ops.select_transfer(scores, candidates, threshold=c.threshold, check_finite=False)

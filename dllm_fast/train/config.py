@@ -78,8 +78,11 @@ class TrainConfig:
 
     # Rollouts (dllm_fast.generate).
     gen_length: int = option(24, help="tokens generated per completion")
-    block_length: int = option(24, help="block of semi-autoregressive decoding (divides --gen-length)")
-    diffusion_steps: int | None = option(12, help="denoising steps per completion (none: with --threshold)")
+    block_length: int = option(24, help="block of semi-autoregressive decoding (divides --gen-length); for a "
+                                        "block-diffusion model its attention block: a preset takes it, a "
+                                        "checkpoint's own must match")
+    diffusion_steps: int | None = option(12, help="denoising steps per completion (none: with --threshold; both: "
+                                                  "SDAR's dynamic rule on block-diffusion models)")
     temperature: float = option(1.0, help="rollout sampling temperature (0: greedy)")
     remasking: str = option("low_confidence", help="which positions a step unmasks", choices="remasking")
     cache: str = option("none", help="KV-cache mode of the rollouts (Fast-dLLM)", choices="caches")
@@ -197,9 +200,10 @@ class TrainConfig:
             raise ValueError(f"--gen-length {self.gen_length} is not a multiple of --block-length "
                              f"{self.block_length}; choose a block length that divides it.")
         blocks = self.gen_length // self.block_length
-        if self.threshold is not None and self.diffusion_steps is not None:
+        if self.threshold is not None and self.diffusion_steps is not None and not block_diffusion_model(self):
             raise ValueError(f"--threshold {self.threshold} sets the steps adaptively; pass --diffusion-steps none "
-                             "with it (or drop --threshold for a fixed schedule).")
+                             "with it (or drop --threshold for a fixed schedule; both together are SDAR's dynamic "
+                             "rule, for block-diffusion models).")
         if self.threshold is None and self.diffusion_steps is None:
             raise ValueError("--diffusion-steps none needs --threshold (adaptive steps); give one of them.")
         if self.diffusion_steps is not None:
@@ -326,9 +330,9 @@ def registry_choices(name: str) -> tuple[str, ...]:
 
         return tuple(available_tasks())
     if name == "caches":
-        from dllm_fast.rollout.cache import CACHE_POLICIES
+        from dllm_fast.rollout.cache import BLOCK_CACHE_POLICIES, CACHE_POLICIES
 
-        return tuple(CACHE_POLICIES)
+        return tuple(CACHE_POLICIES) + tuple(BLOCK_CACHE_POLICIES)
     if name == "remasking":
         from dllm_fast.rollout.remasking import REMASKING
 
@@ -382,6 +386,20 @@ def model_source(config: TrainConfig) -> tuple[Any, type, Path]:
         raise FileNotFoundError(f"{option} {str(tokenizer)!r} holds no tokenizer (none of "
                                 f"{', '.join(TOKENIZER_FILES)}); point --tokenizer at the model's tokenizer directory.")
     return source, family, tokenizer
+
+
+def block_diffusion_model(config: TrainConfig) -> bool:
+    """Whether --model is of a block-diffusion family (SDAR): its rollouts decode the model's own blocks, and
+    --threshold with --diffusion-steps is SDAR's dynamic rule. False when the model cannot be found (the setup
+    checks name that)."""
+    from dllm_fast.assets import SUDOKU4_DIR
+    from dllm_fast.models.loading import model_family
+
+    try:
+        family = model_family(SUDOKU4_DIR if config.model == "sudoku4" else config.model)
+    except (FileNotFoundError, ValueError):
+        return False
+    return bool(getattr(family, "block_diffusion", False))
 
 
 # A directory holds a tokenizer when it has one of these (transformers' fast, configured or SentencePiece files).

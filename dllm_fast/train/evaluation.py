@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dllm_fast.contracts import block_length
 from dllm_fast.tasks.evaluate import evaluate
 
 
@@ -11,10 +12,12 @@ def evaluate_lengths(run) -> dict:
     row = {"step": run.step}
     for length in c.eval_gen_lengths:
         block, steps = eval_schedule(c, length)
+        # A block-diffusion model takes a threshold with steps too (SDAR's dynamic rule).
+        threshold = c.threshold if steps is None or block_length(run.core) is not None else None
         with run.autocast():
             result = evaluate(run.core, run.tokenizer, run.task, run.test_examples, gen_length=length,
                               block_length=block, steps=steps, batch_size=c.eval_batch_size,
-                              threshold=c.threshold if steps is None else None, cache=c.cache)
+                              threshold=threshold, cache=c.cache)
         row[f"eval_accuracy@{length}"] = result.accuracy
         row[f"eval_reward@{length}"] = result.mean_reward
     return row

@@ -1,0 +1,225 @@
+"""Rollouts of block-diffusion models (SDAR, TraDo): what `generate` runs for a model with block-causal attention
+(contracts.block_length).
+
+Alignment. Blocks count from each row's first real token, as the official generate counts them from its
+unpadded prompt: the prompt's whole blocks are context, and its last partial block is decoded together with the
+first generated tokens. In a left-padded batch the rows' block boundaries therefore fall on different columns.
+The rollout decodes on a canvas of its own where row n is shifted right by s_n = (-pad_n) mod block_length (more
+left padding), which puts every row's position 0 on a multiple of the block length, so that all rows share the
+block windows [k b, (k + 1) b). Row n's completion is the gen_length columns from P + s_n; the canvas ends at
+W = b ceil((P + max s + G) / b); columns after a row's completion do not exist for it (attention mask 0, never
+decoded), so its last block ends with its completion. The result is mapped back to [B, P + G].
+
+Work. The columns [0, F) that hold only whole prompt blocks of every row are prefilled in one forward. Each
+window then runs the plan's steps through the shared denoising step (rollout/step.py, eager or compiled):
+
+- cache="block" (BlockCache): a step feeds its window and reads the keys and values of the earlier blocks from
+  the cache. The first step of a window also feeds the window before it, whose tokens are final by then: that
+  one forward stores the finished block's keys and values and denoises the new block (no forward of its own
+  for the store, unlike the official generate's extra forward per block). Exact: a finished block never
+  changes and no block reads a later one.
+- cache="none": every step recomputes the whole canvas with the block-causal mask (no reuse; the same tokens).
+
+Remasking as the official generate offers it: a fixed schedule ("low_confidence_static": the block split evenly
+over its steps, remainder first, the most confident first), the same with a threshold ("low_confidence_dynamic":
+steps and threshold together, every candidate above the threshold and at least the schedule's count), or
+Fast-dLLM's threshold rule (threshold alone). A partial first block ends as soon as its masked positions are
+decoded. Unlike the official generate, a step never writes a position that is not masked (its top-k can pick
+an already decoded or prompt position when fewer masked ones are left than the schedule's count).
+
+The noise of T > 0 sampling is keyed by (the step within the block, the row, the completion position), so a
+prompt's sample does not depend on how far the batch pads it.
+
+Host syncs: one at the start (the rows' extreme shifts, which size the canvas), one per block (its masked count
+and the previous block's non-finite flag), and with a threshold one per step (as generate's threshold decoding).
+On fake tensors (the planner) none: the widest canvas any batch of the shape needs, every block run for its
+steps (or assumed_steps_per_block).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+
+from dllm_fast.contracts import GenerationResult, block_length as block_length_of, completion_mask
+from dllm_fast.rollout.cache import BlockCache, NoCache
+from dllm_fast.rollout.generate import (_KEPT_STATES, COMPILED_STEP_GRAPHS, _graph_limit, masked_left_and_bad,
+                                        step_constants)
+from dllm_fast.rollout.plan import DecodingPlan, masked_count_schedule
+from dllm_fast.rollout.rules import check_block_done, raise_if_not_finite
+from dllm_fast.rollout.step import NOISE_STEP, STEP_IN_BLOCK, RolloutState, compiled_step, denoise_step
+from dllm_fast.validation import data_checks_enabled, values_checked
+
+
+def generate_blocks(model, plan: DecodingPlan, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    gen_length: int, block_length: int, generator) -> GenerationResult:
+    """`generate` on a block-diffusion model, its call already checked into `plan` (see the module docstring)."""
+    check_block_call(model, plan, block_length)
+    device, mask_id = input_ids.device, model.mask_token_id
+    B, P = input_ids.shape
+    b, G = block_length, gen_length
+    reads_values = data_checks_enabled(input_ids, attention_mask, model.lm_head_weight)
+    layout = Layout.of(input_ids, attention_mask, G, b, read=reads_values)
+    shapes = ("blocks", device, B, P, G, b, layout.width, layout.prefilled, plan.steps_per_block,
+              plan.record_unmask_step, plan.cache, model.lm_head_weight.dtype)
+    state = _start(model, plan, input_ids, layout, b, generator, shapes, _KEPT_STATES)
+    constants = step_constants(model, plan, 0, b, B)
+    step_fn = denoise_step
+    if plan.compile:
+        step_fn = compiled_step(device.type)
+        if device.type == "cuda":
+            for tensor in state.tensors():
+                torch._dynamo.mark_static_address(tensor, guard=False)
+    schedule = None if plan.steps_per_block is None else masked_count_schedule(b, plan.steps_per_block)
+    cached = isinstance(plan.cache, BlockCache)
+    with values_checked():  # the prompts were checked once: the model skips its per-call check
+        if cached and layout.prefilled:
+            model(state.canvas[:, :layout.prefilled], attention_mask=state.attention_mask[:, :layout.prefilled],
+                  cache=state.kv)
+    stored = layout.prefilled  # columns whose final keys and values are in the cache
+    nfe = 0
+    with _graph_limit(COMPILED_STEP_GRAPHS) if plan.compile else nullcontext():
+        for window in range(layout.prefilled // b, layout.width // b):
+            start, end = window * b, (window + 1) * b
+            positions = torch.arange(start, end, device=device)
+            state.counters[STEP_IN_BLOCK] = 0
+            state.counters[NOISE_STEP] = 0  # the noise is keyed by the step within the block
+            remaining = b
+            if reads_values:  # one host sync per block: its masked count, and the last block's non-finite flag
+                remaining, any_bad = masked_left_and_bad(state, positions, mask_id)
+                if any_bad:
+                    _raise_not_finite(state, layout, plan, model)
+            for step in range(plan.step_limit(b)):
+                if remaining <= 0:
+                    break
+                fed = None
+                if cached:
+                    fed = torch.arange(stored if step == 0 else start, end, device=device)
+                drawn = plan.remasking.draw((B, layout.width if fed is None else len(fed)), generator, device)
+                rows = b if plan.compile or plan.assumed_steps_per_block else remaining
+                with values_checked():
+                    step_fn(model, state, constants, positions, fed, rows, drawn)
+                nfe += 1
+                stored = start
+                if schedule is not None and plan.threshold is None:
+                    remaining -= schedule[step]
+                elif plan.assumed_steps_per_block is not None:
+                    remaining = 0 if step + 1 == plan.assumed_steps_per_block else remaining
+                else:  # a threshold: one host sync per step (its masked count and the non-finite flag)
+                    remaining, any_bad = masked_left_and_bad(state, positions, mask_id)
+                    if any_bad:
+                        _raise_not_finite(state, layout, plan, model)
+            if plan.threshold is not None and plan.assumed_steps_per_block is None:
+                check_block_done(remaining, window, plan.step_limit(b))
+        if reads_values:
+            left, any_bad = masked_left_and_bad(state, torch.arange(layout.width, device=device), mask_id)
+            if any_bad:
+                _raise_not_finite(state, layout, plan, model)
+            check_block_done(left, layout.width // b - 1, plan.step_limit(b))
+    completion = state.canvas.gather(1, layout.completion_columns)
+    sequences = torch.cat([input_ids.long(), completion], dim=1)
+    unmask_step = None if state.unmask_step is None else state.unmask_step.gather(1, layout.completion_columns)
+    result_mask = None
+    if attention_mask is not None:
+        result_mask = torch.cat([attention_mask.long(), torch.ones_like(completion)], dim=1)
+    return GenerationResult(sequences, completion, completion_mask(completion, model.eos_token_id), nfe,
+                            result_mask, unmask_step)
+
+
+def check_block_call(model, plan: DecodingPlan, block_length: int) -> None:
+    """What a block-diffusion rollout cannot take, refused by name."""
+    model_block = block_length_of(model)
+    if block_length != model_block:
+        raise ValueError(f"block_length={block_length}, but the model attends in blocks of {model_block} "
+                         "(model.block_length): a block-diffusion model decodes its own blocks. Pass "
+                         f"block_length={model_block}, or set model.block_length to decode in other blocks.")
+    if plan.cfg_scale:
+        raise ValueError(f"cfg_scale={plan.cfg_scale}: classifier-free guidance is not implemented for "
+                         "block-diffusion models (the official SDAR generate has none); pass cfg_scale=0.")
+    if not isinstance(plan.cache, (BlockCache, NoCache)):
+        raise ValueError(f"cache={plan.cache.name!r} is Fast-dLLM's approximate cache for bidirectional models; a "
+                         "block-diffusion model's cache is exact: pass cache='block' (or 'none' to recompute).")
+
+
+class Layout:
+    """Where each row sits on the block rollout's canvas (see the module docstring).
+
+    shift [B]: s_n; width: W; prefilled: F, the columns every row's whole prompt blocks fill;
+    completion_columns [B, G]: the canvas columns of each row's completion; tokens [B, W] the initial canvas and
+    mask [B, W] int64 (1 on each row's real tokens and completion)."""
+
+    def __init__(self, shift, width, prefilled, completion_columns, tokens, mask):
+        self.shift, self.width, self.prefilled = shift, width, prefilled
+        self.completion_columns, self.tokens, self.mask = completion_columns, tokens, mask
+
+    @classmethod
+    def of(cls, input_ids, attention_mask, gen_length: int, block_length: int, read: bool) -> "Layout":
+        """The layout of a batch. With `read` the extreme shifts are read in one host sync (the tightest canvas);
+        without (fake tensors) the widest canvas any batch of this shape needs."""
+        B, P = input_ids.shape
+        b, G, device = block_length, gen_length, input_ids.device
+        real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.ne(0)
+        pad = (~real).sum(dim=1)
+        shift = (-pad) % b
+        low, high = torch.stack([shift.min(), shift.max()]).tolist() if read else (0, b - 1)
+        width = b * math.ceil((P + high + G) / b)
+        prefilled = b * ((P + low) // b)
+        source = torch.arange(width, device=device)[None, :] - shift[:, None]  # column in [prompt | completion]
+        inside = (source >= 0) & (source < P + G)
+        original = torch.cat([input_ids.long(), torch.full((B, G), -1, dtype=torch.long, device=device)], dim=1)
+        tokens = original.gather(1, source.clamp(0, P + G - 1)).masked_fill(~inside, -1)
+        mask = (inside & (source >= pad[:, None])).long()
+        completion_columns = (P + shift)[:, None] + torch.arange(G, device=device)[None, :]
+        return cls(shift, width, prefilled, completion_columns, tokens, mask)
+
+
+def _start(model, plan: DecodingPlan, input_ids, layout: Layout, block_length: int, generator, shapes,
+           kept_states) -> RolloutState:
+    """The call's buffers (compiled: the model's last call's, refilled in place, as generate keeps them)."""
+    device, mask_id = input_ids.device, model.mask_token_id
+    B, G = input_ids.shape[0], layout.completion_columns.shape[1]
+    # -1 marks what is not a token: the completion (masked) and the columns around the rows (padded with EOS).
+    completion = torch.zeros_like(layout.tokens, dtype=torch.bool).scatter_(1, layout.completion_columns, True)
+    canvas = layout.tokens.masked_fill(completion, mask_id).masked_fill(layout.tokens.eq(-1) & ~completion,
+                                                                        model.eos_token_id)
+    noise_key = torch.zeros((), dtype=torch.long, device=device)
+    if plan.temperature > 0:
+        noise_key = torch.randint(2**62, (), generator=generator, device=device)
+    kept = kept_states.get(model) if plan.compile else None
+    if kept is not None and kept[0] == shapes:
+        kept[1].restart(canvas, layout.mask, noise_key)
+        kept[1].row_base.copy_(_row_base(layout, G, block_length))
+        return kept[1]
+    schedule = None
+    if plan.steps_per_block is not None:
+        base, remainder = divmod(block_length, plan.steps_per_block)
+        schedule = base + (torch.arange(plan.steps_per_block, device=device) < remainder).long()
+    kv = plan.cache.new_cache(model, B, layout.width)
+    if kv is not None:  # columns a step reads before any step wrote them are masked out, but must be finite
+        for tensor in kv.keys + kv.values:
+            tensor.zero_()
+    state = RolloutState(
+        canvas=canvas, kv=kv, attention_mask=layout.mask, masked_prompt=None, noise_key=noise_key,
+        counters=torch.zeros(3, dtype=torch.long, device=device), schedule=schedule,
+        row_base=_row_base(layout, G, block_length),
+        not_finite=torch.zeros(B, layout.width, dtype=torch.bool, device=device),
+        unmask_step=torch.full((B, layout.width), -1, dtype=torch.long, device=device)
+        if plan.record_unmask_step else None)
+    if plan.compile:
+        kept_states[model] = (shapes, state)
+    return state
+
+
+def _row_base(layout: Layout, gen_length: int, block_length: int) -> torch.Tensor:
+    """[B, 1]: what the step adds to a canvas column for the noise counter's position word, row * G + b plus the
+    completion position: unique per (row, completion position), independent of the batch's padding, and
+    non-negative on the prompt tail decoded with the first block (fewer than b columns; its noise is unused)."""
+    first = layout.completion_columns[:, :1]
+    rows = torch.arange(first.shape[0], device=first.device)[:, None]
+    return rows * gen_length + block_length - first
+
+
+def _raise_not_finite(state: RolloutState, layout: Layout, plan: DecodingPlan, model) -> None:
+    raise_if_not_finite(state.not_finite.gather(1, layout.completion_columns), 0, plan.cfg_scale, model.lm_head_weight)
