@@ -5,8 +5,8 @@ separable path, and the engine's pass 2 (forward, then the backward AOTAutograd 
 What lets a few graphs serve every micro-batch and call:
 
 - Everything data-dependent is computed outside the graph, eagerly: the pairs' noisy sequences, the scored rows
-  (a `nonzero_static` of the count the engine read once per call) and where each row's lp goes. The graph receives index tensors only; no Python value in it
-  depends on the masks.
+  (a `nonzero_static` of the count the engine read once per call) and where each row's lp goes. The graph
+  receives index tensors only; no Python value in it depends on the masks.
 - The pairs and the scored rows are padded to buckets (`bucket`: powers of two, capped by the micro-batch and by
   pairs x L), so a graph is compiled once per (pairs, rows) bucket, never per micro-batch. A padded pair repeats
   the micro-batch's first pair and scores nothing; a padded row repeats the first scored row (same hidden
@@ -80,9 +80,9 @@ class PaddedPairs:
 
 
 def pad_pairs(model, sequences: torch.Tensor, masks: MonteCarloMasks, pairs: torch.Tensor, attention_mask,
-              capacity: int, chunk_size: int | None, count: int | None = None) -> PaddedPairs:
+              capacity: int, chunk_size: int | None, scored_count: int | None = None) -> PaddedPairs:
     """The noisy inputs and scored-row indices of `pairs`, padded to buckets (capacity: the most pairs a
-    micro-batch of this call holds; count: how many positions the pairs score, when the host knows it, so that
+    micro-batch of this call holds; scored_count: how many positions the pairs score, when the host knows it, so that
     finding them reads nothing back)."""
     n_t, P, L = masks.n_t, masks.prompt_length, masks.completion_length
     core = unwrap_model(model)
@@ -95,10 +95,10 @@ def pad_pairs(model, sequences: torch.Tensor, masks: MonteCarloMasks, pairs: tor
     mask = None if attention_mask is None else attention_mask[seq_index]
     S = tokens.shape[1]
     scored = masked[:count, P:] & masks.counted[seq_index[:count]]
-    if count is None:
+    if scored_count is None:
         rows, positions = scored.nonzero(as_tuple=True)
     else:
-        rows, positions = torch.nonzero_static(scored, size=count).unbind(1)
+        rows, positions = torch.nonzero_static(scored, size=scored_count).unbind(1)
     hidden_rows = rows * S + P + positions - logit_shift(core)
     targets = tokens[rows, P + positions]
     slots = rows * L + positions
