@@ -187,17 +187,21 @@ def test_the_trainers_compile_setting_reaches_the_planned_rollout_and_scoring(mo
 
 def test_the_planners_models_follow_the_trainers_precision(monkeypatch):
     """The planner builds its models in the dtypes train/precision.py chooses for the target (so that a change of
-    the trainer's choice reaches every plan): here a bf16 base, which halves the frozen weights a forward reads."""
+    the trainer's choice reaches every plan): on CUDA with bf16 compute a LoRA run's frozen base is bf16, half the
+    bytes of the fp32 base the trainer kept before; a what-if with the trainer choosing fp32 frozen weights reaches
+    the plan too."""
     import dataclasses
 
     from dllm_fast.planning import step
 
     config = TrainConfig(model="tiny", lora=True, lora_rank=4)
-    fp32 = Session(config, target=Target("cuda", H200))
-    chosen = step.model_precision(config, "cuda")
-    monkeypatch.setattr(step, "model_precision",
-                        lambda c, device_type: dataclasses.replace(chosen, policy=torch.bfloat16))
+    chosen = step.training_precision(config, "cuda")
+    assert (chosen.compute, chosen.frozen, chosen.trainable) == (torch.bfloat16, torch.bfloat16, torch.float32)
     bf16 = Session(config, target=Target("cuda", H200))
+    monkeypatch.setattr(step, "training_precision",
+                        lambda c, device_type, weights=None: dataclasses.replace(chosen, frozen=torch.float32))
+    fp32 = Session(config, target=Target("cuda", H200))
+
     def frozen(session):
         return {p.dtype for p in session.base.parameters() if not p.requires_grad}, sum(
             p.numel() * p.element_size() for p in session.base.parameters() if not p.requires_grad)
@@ -205,7 +209,9 @@ def test_the_planners_models_follow_the_trainers_precision(monkeypatch):
     assert frozen(fp32)[0] == {torch.float32} and frozen(bf16)[0] == {torch.bfloat16}
     assert 2 * frozen(bf16)[1] == frozen(fp32)[1]
     assert bf16.weight_bytes < 0.6 * fp32.weight_bytes
-    assert bf16.bf16 == fp32.bf16 == chosen.autocast
+    assert bf16.bf16 and fp32.bf16
+    trained = {p.dtype for p in bf16.policy.parameters() if p.requires_grad}
+    assert trained == {torch.float32}  # the adapters keep fp32 master weights
 
 
 def close(point, predicted) -> bool:

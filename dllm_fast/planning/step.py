@@ -336,22 +336,27 @@ def _compiled_calls_planned(accountant: Accountant):
     inductor's fusion."""
     import importlib
 
-    generate_module = importlib.import_module("dllm_fast.rollout.generate")  # the package exports the function
+    step_module = importlib.import_module("dllm_fast.rollout.step")
+    # the modules that call the compiled step (the package exports `generate` under the module's name)
+    rollout_modules = [importlib.import_module(f"dllm_fast.rollout.{name}") for name in ("generate", "blocks")]
     compiled_module = importlib.import_module("dllm_fast.likelihood.compiled")
 
     def graph_step(*args):
         with accountant.graph_replay():
-            return generate_module.denoise_step(*args)
+            return step_module.denoise_step(*args)
 
     eager = {"score_padded": compiled_module.score_padded,
              "known_gradient_padded": compiled_module.known_gradient_padded}
-    kept = generate_module.compiled_step, compiled_module.compiled
-    generate_module.compiled_step = lambda device_type, backend="inductor": graph_step
+    kept = [module.compiled_step for module in rollout_modules], compiled_module.compiled
+    for module in rollout_modules:
+        module.compiled_step = lambda device_type, backend="inductor": graph_step
     compiled_module.compiled = lambda function_name, backend="inductor": eager[function_name]
     try:
         yield
     finally:
-        generate_module.compiled_step, compiled_module.compiled = kept
+        for module, compiled_step in zip(rollout_modules, kept[0]):
+            module.compiled_step = compiled_step
+        compiled_module.compiled = kept[1]
 
 
 @contextlib.contextmanager
