@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dllm_fast import ops
-from dllm_fast.ops import emulation
+from dllm_fast.testing import emulation
 
 pytestmark = pytest.mark.emulated_cuda
 CUDA_SOURCES = sorted((Path(__file__).resolve().parents[1] / "csrc" / "cuda").glob("*.cu*"))
@@ -123,7 +123,7 @@ def test_generate_and_score_give_the_cpu_kernels_results_through_the_emulated_cu
 
 
 def test_the_environment_runs_a_whole_process_on_the_emulated_kernels(emulated):
-    code = ("import torch, dllm_fast; from dllm_fast.ops import emulation; "
+    code = ("import torch, dllm_fast; from dllm_fast.testing import emulation; "
             "dllm_fast.sample_tokens(torch.randn(3, 8), torch.randn(11, 8), temperature=1.0); "
             "print(emulation.load().launch_count())")
     env = {**os.environ, "DLLM_FAST_BACKEND": "emulated_cuda"}

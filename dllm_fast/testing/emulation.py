@@ -1,7 +1,7 @@
 """The CUDA kernels and glue of csrc/cuda, run on the CPU by a host emulator: test infrastructure, so that the CUDA
-code executes in CI without a GPU (csrc/emulation/README.md describes the emulator).
+code executes in CI without a GPU (python_tests/emulation/README.md describes the emulator).
 
-    python -m dllm_fast.ops.emulation [--sanitize]   # build (incrementally) into build/dllm_fast_emulated_cuda[_asan]
+    python -m dllm_fast.testing.emulation [--sanitize]  # builds build/dllm_fast_emulated_cuda[_asan], incrementally
 
 The emulated build is a separate extension module compiled from a source checkout (never by pip) that registers
 the CUDA implementations for CPU tensors as ``torch.ops.dllm_fast_emulated.*``. Inside ``emulated_cuda()`` (or
@@ -163,7 +163,7 @@ def install_for_process() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dllm_fast.ops.emulation", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dllm_fast.testing.emulation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sanitize", action="store_true", help="the AddressSanitizer build")
     parser.add_argument("--verbose", action="store_true", help="show the compiler's commands")
     args = parser.parse_args(argv)
