@@ -11,7 +11,7 @@ from dllm_fast.assets import (SUDOKU4_DIR, SUDOKU4_GENERATION, SUDOKU4_ROLLOUT_T
 from dllm_fast.assets.build_sudoku4 import build, parse_args
 from dllm_fast.models import LLaDAModel
 from dllm_fast.tasks import get_task
-from dllm_fast.tasks.evaluate import evaluate
+from dllm_fast.train.evaluation import evaluate
 
 
 @pytest.fixture(autouse=True)

@@ -36,7 +36,7 @@ from dllm_fast.files import write_text_atomic
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 from dllm_fast.sft import draw_sft_masks, encode_sft_batch, sft_loss
 from dllm_fast.tasks import Example, get_task
-from dllm_fast.tasks.evaluate import evaluate
+from dllm_fast.train.evaluation import evaluate
 from dllm_fast.tasks.sudoku4 import as_rows
 from dllm_fast.validation import check_int, check_probability
 
