@@ -38,7 +38,7 @@ all-or-nothing guarantee then keeps one copy). Providers, side by side:
 The GPU preset's default is `equal fitted`, the CPU's 1. naive and all_graphs do not depend on it and run once per
 n_t. For the streaming providers, kernels_per_micro_batch (pass 2's forward and backward, profiler CPU trace as
 bench_rollout counts them) and syncs_per_micro_batch (host syncs inside pass 1's and pass 2's micro-batches,
-dllm_fast.syncs; the engine's few per call are outside them) come with each row.
+dllm_fast.testing.syncs; the engine's few per call are outside them) come with each row.
 
 Time is the median (and the minimum) of --repeats runs after a warm-up, reported per MC sample. Memory:
   - saved: the peak of the bytes autograd keeps for backward and that are alive at once during one full run
@@ -73,7 +73,7 @@ import torch
 from dllm_fast import reference
 from dllm_fast.likelihood import MicroBatching, elbo, sample_masks, score, streaming_backward
 from dllm_fast.models import LLaDAConfig, LLaDAModel
-from dllm_fast.syncs import SyncCounter
+from dllm_fast.testing.syncs import SyncCounter
 from dllm_fast.train.metrics import compile_seconds
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -288,7 +288,7 @@ def _traced(function):
 
 
 def count_micro_batch_syncs(call, compiled: bool = False) -> float:
-    """Host syncs (dllm_fast.syncs) inside the engine's micro-batches of `call()`, pass 1's and pass 2's (eager:
+    """Host syncs (dllm_fast.testing.syncs) inside the engine's micro-batches of `call()`, pass 1's and pass 2's (eager:
     the forward and pass 2's backward; compiled: the eager preparation of each micro-batch, since the counter's
     dispatch mode cannot stay on around a compiled graph, which holds no host read anyway), on average per
     micro-batch; the engine's syncs per call (input checks, the pairs' schedule, finiteness) are outside them."""

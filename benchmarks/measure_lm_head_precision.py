@@ -80,7 +80,7 @@ def main(argv=None):
         for device in args.devices:
             context = contextlib.nullcontext()
             if device == "emulated_cuda":
-                from dllm_fast.ops.emulation import emulated_cuda
+                from dllm_fast.testing.emulation import emulated_cuda
 
                 context = emulated_cuda()
             with context:

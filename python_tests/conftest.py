@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from dllm_fast.ops import emulation
+from dllm_fast.testing import emulation
 
 # "emulated_cuda": CPU tensors, with the dllm_fast ops running their CUDA implementations in the host emulator
-# (dllm_fast.ops.emulation); those cases carry the emulated_cuda marker and run when DLLM_FAST_EMULATED_CUDA is set.
+# (dllm_fast.testing.emulation); those cases carry the emulated_cuda marker and run when DLLM_FAST_EMULATED_CUDA is set.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) + [
     pytest.param("emulated_cuda", marks=pytest.mark.emulated_cuda)]
 

@@ -14,7 +14,7 @@ from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, completion_mask
 from dllm_fast.likelihood import (MicroBatching, compiled as compiled_module, elbo, eubo, sample_masks, score,
                                   streaming_backward, token_estimate)
-from dllm_fast.memory import track_allocations
+from dllm_fast.testing.memory import track_allocations
 from dllm_fast.models import LLaDAConfig, LLaDAModel, SDARConfig, SDARModel
 from dllm_fast.reference import likelihood as reference_likelihood, sdar as reference
 

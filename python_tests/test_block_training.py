@@ -15,8 +15,9 @@ import torch
 import dllm_fast
 from dllm_fast import objectives
 from dllm_fast.assets import SUDOKU4_DIR
-from dllm_fast.integrations.trl import DiffusionPreTrainedModel, make_rollout_func
+from dllm_fast.integrations.trl import make_rollout_func
 from dllm_fast.models import HFDiffusionLM, SDARConfig, SDARModel
+from dllm_fast.models.hf_pretrained import DiffusionPreTrainedModel
 from dllm_fast.train import TrainConfig, train
 from test_sdar_model import official_config, write_official_checkpoint
 

@@ -8,10 +8,10 @@ import torch
 
 from dllm_fast.assets import (SUDOKU4_DIR, SUDOKU4_GENERATION, SUDOKU4_ROLLOUT_TEMPERATURE, SUDOKU4_TASK_OPTIONS,
                               load_sudoku4)
-from dllm_fast.assets.build_sudoku4 import build, parse_args
+from dllm_fast.build_sudoku4 import build, parse_args
 from dllm_fast.models import LLaDAModel
 from dllm_fast.tasks import get_task
-from dllm_fast.tasks.evaluate import evaluate
+from dllm_fast.train.evaluation import evaluate
 
 
 @pytest.fixture(autouse=True)

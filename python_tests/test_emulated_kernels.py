@@ -1,7 +1,6 @@
 """The CUDA kernels of csrc/cuda, run by the host emulator, where a CPU run cannot reach: block reductions at
 any block size, grids beyond the hardware limit, and the rules every kernel source must follow to be emulated."""
 
-import os
 import re
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from dllm_fast import ops
-from dllm_fast.ops import emulation
+from dllm_fast.testing import emulation
 
 pytestmark = pytest.mark.emulated_cuda
 CUDA_SOURCES = sorted((Path(__file__).resolve().parents[1] / "csrc" / "cuda").glob("*.cu*"))
@@ -122,11 +121,12 @@ def test_generate_and_score_give_the_cpu_kernels_results_through_the_emulated_cu
     torch.testing.assert_close(got[2], expected[2], rtol=1e-4, atol=1e-6)
 
 
-def test_the_environment_runs_a_whole_process_on_the_emulated_kernels(emulated):
-    code = ("import torch, dllm_fast; from dllm_fast.ops import emulation; "
+def test_a_whole_process_runs_on_the_emulated_kernels(emulated):
+    code = ("import sys, torch, dllm_fast; from dllm_fast.testing import emulation; "
             "dllm_fast.sample_tokens(torch.randn(3, 8), torch.randn(11, 8), temperature=1.0); "
-            "print(emulation.load().launch_count())")
-    env = {**os.environ, "DLLM_FAST_BACKEND": "emulated_cuda"}
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+            "print(sys.argv[1:], emulation.load().launch_count())")
+    run = subprocess.run([sys.executable, "-m", "dllm_fast.testing.emulation", "--run", "-c", code, "x"],
+                         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[0] == "['x']"  # the code's own arguments
     assert int(run.stdout.split()[-1]) >= 2  # the sampling kernel and its finalisation

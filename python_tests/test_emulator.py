@@ -1,4 +1,4 @@
-"""The host emulator of the CUDA kernels (csrc/emulation) tested on its own kernels (csrc/emulation/selftest.cu):
+"""The host emulator of the CUDA kernels (python_tests/emulation) tested on its own kernels (python_tests/emulation/selftest.cu):
 threads that cooperate, and the mistakes it must report by the kernel's name instead of hanging."""
 
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from dllm_fast.ops import emulation
+from dllm_fast.testing import emulation
 
 pytestmark = pytest.mark.emulated_cuda
 
@@ -98,7 +98,7 @@ def test_a_bad_launch_configuration_is_rejected(emulated):
 @pytest.mark.skipif(emulation.enabled() != "asan",
                     reason="needs the AddressSanitizer build (DLLM_FAST_EMULATED_CUDA=asan)")
 def test_an_out_of_bounds_read_is_reported_by_address_sanitizer(emulated):
-    code = ("import torch; from dllm_fast.ops import emulation; emulation.load(); "
+    code = ("import torch; from dllm_fast.testing import emulation; emulation.load(); "
             "torch.ops.dllm_fast_emulated.emulator_selftest(torch.zeros(8), 'read_past_the_end', 1, 4)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, timeout=600)
     assert run.returncode != 0

@@ -13,7 +13,7 @@ import torch
 from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, completion_mask
 from dllm_fast.likelihood import BackwardHooks, MicroBatching, elbo, sample_masks, streaming_backward
-from dllm_fast.memory import track_allocations
+from dllm_fast.testing.memory import track_allocations
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 from dllm_fast.objectives import InnerUpdate
 

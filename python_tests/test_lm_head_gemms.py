@@ -1,5 +1,5 @@
 """Which GEMMs the fused LM head's CUDA code runs (issue 28): read from the emulator's log of its host cuBLAS
-(`dllm_fast.ops.emulation.gemm_log`), so that the operand types, compute types, counts and FLOPs are checked
+(`dllm_fast.testing.emulation.gemm_log`), so that the operand types, compute types, counts and FLOPs are checked
 without a GPU. A bf16/fp16 model runs only model-dtype x model-dtype -> fp32 GEMMs with fp32 accumulation: one
 per chunk in the forward, three per chunk in the backward (recomputed logits, grad_hidden, grad_weight) and in
 the known-gradient walk; fp32 and fp64 inputs run exact GEMMs in their own type; `tf32_grad_gemms=True` runs
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import dllm_fast
-from dllm_fast.ops import emulation, masked_logprobs_grad
-from dllm_fast.ops.emulation import GemmRecord
+from dllm_fast.ops import masked_logprobs_grad
+from dllm_fast.testing import emulation
+from dllm_fast.testing.emulation import GemmRecord
 
 pytestmark = pytest.mark.emulated_cuda
 

@@ -6,7 +6,8 @@ from torch.library import opcheck
 
 import dllm_fast
 from dllm_fast import reference
-from dllm_fast.memory import count_saved_tensors, peak_extra_rss
+from dllm_fast.memory import count_saved_tensors
+from dllm_fast.testing.memory import peak_extra_rss
 
 # (M, d, V, chunk): odd sizes, a chunk that does not divide V, one larger than V, a single row/column, a single
 # column per chunk (4099 chunks: too many launches to emulate; the smaller one covers that case there).

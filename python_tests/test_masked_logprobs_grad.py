@@ -11,8 +11,8 @@ from torch.library import opcheck
 import dllm_fast
 from dllm_fast import reference
 from dllm_fast.ops import logprobs_with_known_gradient, masked_logprobs_grad
-from dllm_fast.memory import track_allocations
-from dllm_fast.ops import emulation
+from dllm_fast.testing.memory import track_allocations
+from dllm_fast.testing import emulation
 from dllm_fast.ops.logprobs import _composite_grad
 from dllm_fast.validation import values_checked
 

@@ -7,7 +7,7 @@ import torch
 from torch.library import opcheck
 
 from dllm_fast import ops, reference
-from dllm_fast.reference.sampling_ops import gumbel_from_words, philox4x32_10
+from dllm_fast.ops.twins import gumbel_from_words, philox4x32_10
 
 
 def head(N, d, V, device, dtype=torch.float32, scale=1.0):

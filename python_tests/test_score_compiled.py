@@ -183,7 +183,7 @@ def test_compiled_micro_batches_read_nothing_back_either(counter, monkeypatch):
     read: fullgraph) with the count the engine read once per call, so preparing a micro-batch syncs nothing, in
     pass 1 and pass 2. (SyncCounter's dispatch mode cannot stay on around a compiled call: it is entered around
     each micro-batch's preparation only.)"""
-    from dllm_fast.syncs import SyncCounter
+    from dllm_fast.testing.syncs import SyncCounter
 
     prepared = []
     original = compiled_module.pad_pairs

@@ -1,4 +1,4 @@
-"""dllm_fast.syncs counts host syncs; generate's syncs per step, per block and per call are pinned at their
+"""dllm_fast.testing.syncs counts host syncs; generate's syncs per step, per block and per call are pinned at their
 documented values (dllm_fast/rollout/generate.py), for each cache policy and for threshold decoding."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 import dllm_fast
 from dllm_fast.models import LLaDAConfig, LLaDAModel
-from dllm_fast.syncs import SyncCounter
+from dllm_fast.testing.syncs import SyncCounter
 from dllm_fast.validation import values_checked
 from test_generate import ScriptedModel, eos_prone_table, prompts, tiny_model
 

@@ -9,7 +9,7 @@ from dllm_fast.contracts import GenerationResult, completion_mask
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 from dllm_fast.tasks import Example, Task
 from dllm_fast.tasks.encoding import decode_completions, encode_prompts
-from dllm_fast.tasks.evaluate import evaluate
+from dllm_fast.train.evaluation import evaluate
 
 
 @pytest.fixture(scope="module")

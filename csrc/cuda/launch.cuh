@@ -1,5 +1,5 @@
 // What a kernel needs so that one source runs on a GPU (nvcc) and in the host emulator of the test-only build
-// (csrc/emulation, where DLLM_FAST_EMULATED_CUDA is defined):
+// (python_tests/emulation, where DLLM_FAST_EMULATED_CUDA is defined):
 //   DLLM_FAST_LAUNCH(grid, block, shared_bytes, stream, kernel)(args...)   instead of kernel<<<...>>>(args...)
 //   __shared__ SharedArray<T, N> name;                                       instead of __shared__ T name[N];
 // and the grid arithmetic of the launchers, which never exceeds the hardware's grid limit: kernels stride over

@@ -2,7 +2,7 @@
 
 `sudoku4/` holds the official checkpoint layout (config.json, model.safetensors, tokenizer.json and
 tokenizer_config.json with LLaDA's chat template) and build_sudoku4.json (how it was built, its accuracy curve).
-`python -m dllm_fast.assets.build_sudoku4 --out DIR` rebuilds it from scratch, deterministically, on CPU; its
+`python -m dllm_fast.build_sudoku4 --out DIR` rebuilds it from scratch, deterministically, on CPU; its
 docstring says why half of the fine-tuning demonstrations come from a careless solver. The settings below are the
 ones it was built and evaluated with.
 """
@@ -32,7 +32,7 @@ def load_sudoku4(directory: str | Path = SUDOKU4_DIR, dtype=None, device=None):
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory} holds no config.json; rebuild the embedded model with "
-                                f"`python -m dllm_fast.assets.build_sudoku4 --out {directory}`.")
+                                f"`python -m dllm_fast.build_sudoku4 --out {directory}`.")
     model = LLaDAModel.from_pretrained(directory, dtype=dtype, device=device)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(directory))
     return model, tokenizer, get_task("sudoku4", **SUDOKU4_TASK_OPTIONS)

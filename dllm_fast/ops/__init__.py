@@ -3,7 +3,7 @@
 Every op runs on one of two backends:
 
 - ``"compiled"``: the C++/CUDA kernel in dllm_fast._C for the tensors' device;
-- ``"reference"``: the plain-PyTorch twin in dllm_fast.reference.
+- ``"reference"``: the plain-PyTorch twin in dllm_fast/ops/twins.py (also named by dllm_fast.reference).
 
 ``backend=None`` (or ``"auto"``) takes the compiled kernel when one is registered for the device and otherwise
 falls back to the reference with a one-time warning. Asking for ``"compiled"`` explicitly raises instead of

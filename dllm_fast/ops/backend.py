@@ -3,13 +3,12 @@
 Every op runs on one of two backends:
 
 - ``"compiled"``: the C++/CUDA kernel in dllm_fast._C for the tensors' device;
-- ``"reference"``: the plain-PyTorch twin in dllm_fast.reference.
+- ``"reference"``: the plain-PyTorch twin in dllm_fast/ops/twins.py (also named by dllm_fast.reference).
 
 ``backend=None`` (or ``"auto"``) takes the compiled kernel when one is registered for the device and otherwise
 falls back to the reference with a one-time warning. Asking for ``"compiled"`` explicitly raises instead of
-falling back. The environment variable ``DLLM_FAST_BACKEND`` sets the default; its test-only value
-``emulated_cuda`` runs the CUDA kernels in the host emulator for CPU tensors, for the whole process
-(dllm_fast.ops.emulation; needs a source checkout).
+falling back. The environment variable ``DLLM_FAST_BACKEND`` sets the default. (The tests run the CUDA kernels on
+CPU tensors in a host emulator by swapping the ops' CPU kernels: dllm_fast.testing.emulation, unknown here.)
 """
 
 from __future__ import annotations
@@ -32,11 +31,6 @@ _warned_fallback: set[tuple[str, str]] = set()
 def choose_backend(op: str, device: torch.device, backend: str | None) -> str:
     """Resolve `backend` (None, "auto", "compiled" or "reference") for op `op` on `device`."""
     requested = backend or os.environ.get("DLLM_FAST_BACKEND", "auto")
-    if requested == "emulated_cuda" and backend is None:
-        from dllm_fast.ops import emulation  # test infrastructure: imported only when asked for
-
-        emulation.install_for_process()
-        requested = "compiled"
     if requested not in BACKENDS:
         raise ValueError(f"backend={requested!r} is not one of {BACKENDS}.")
     if requested == "reference":

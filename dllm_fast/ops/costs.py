@@ -231,7 +231,7 @@ def gemm_flops_by_type(op: str, device_type: str, args, *, tf32_grad_gemms: bool
 
 
 def gemm_flops_in_log(records) -> GemmFlops:
-    """The same sums from a GEMM log (`dllm_fast.ops.emulation.gemm_log()`'s records: a_dtype, compute, .flops),
+    """The same sums from a GEMM log (`dllm_fast.testing.emulation.gemm_log()`'s records: a_dtype, compute, .flops),
     so that `gemm_flops_by_type(op, "cuda", args) == gemm_flops_in_log(log)` checks a declaration against what
     the kernels ran. Dtypes may be torch dtypes or their names ("bfloat16", "torch.bfloat16")."""
     out: GemmFlops = {}

@@ -33,9 +33,9 @@ import math
 import torch
 from torch._guards import detect_fake_mode
 
-from dllm_fast import reference
 from dllm_fast._extension import HAS_EXTENSION, has_kernel
 from dllm_fast.contracts import accumulate_dtype
+from dllm_fast.ops import twins
 from dllm_fast.ops.backend import FLOAT_DTYPES, choose_backend, resolve_chunk_size
 from dllm_fast.validation import check_bool, check_same_device, data_checks_enabled
 
@@ -84,7 +84,7 @@ def masked_logprobs(
     check_bool("grad_into_weight", grad_into_weight)
     _check_tf32_grad_gemms("masked_logprobs", tf32_grad_gemms, hidden.dtype)
     if choose_backend("masked_logprobs", hidden.device, backend) == "reference":
-        return reference.masked_logprobs(hidden, lm_head_weight, targets)
+        return twins.masked_logprobs(hidden, lm_head_weight, targets)
     if grad_into_weight and trainable_leaf(lm_head_weight) and torch.is_grad_enabled():
         return _WeightGradInPlace.apply(hidden.contiguous(), lm_head_weight, targets.contiguous(), chunk_size,
                                         tf32_grad_gemms)
@@ -156,7 +156,7 @@ def masked_logprobs_grad(
     hidden, weight = hidden.detach(), lm_head_weight.detach()
     targets, grad_logp = targets.long(), grad_logp.detach().to(acc)
     if choose_backend("masked_logprobs", hidden.device, backend) == "reference":
-        logp, grad_hidden, weight_grad = reference.masked_logprobs_grad(hidden, weight, targets, grad_logp)
+        logp, grad_hidden, weight_grad = twins.masked_logprobs_grad(hidden, weight, targets, grad_logp)
         if grad_weight is not None:
             grad_weight.add_(weight_grad)
         return logp, grad_hidden

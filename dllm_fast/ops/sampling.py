@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from dllm_fast import reference
 from dllm_fast._extension import HAS_EXTENSION
 from dllm_fast.contracts import accumulate_dtype
+from dllm_fast.ops import twins
 from dllm_fast.ops.backend import FLOAT_DTYPES, choose_backend, resolve_chunk_size
 from dllm_fast.validation import (
     check_bool, check_int, check_same_device, check_temperature, check_threshold, data_checks_enabled,
@@ -76,7 +76,7 @@ def sample_tokens(
     seed = seed & (2**64 - 1)
     seed = seed - 2**64 if seed >= 2**63 else seed  # the schema's int is signed; the kernel reads the bits
     if choose_backend("sample_tokens", hidden.device, backend) == "reference":
-        tokens, confidence = reference.sample_tokens(hidden, lm_head_weight, row_ids, temperature, seed, offset,
+        tokens, confidence = twins.sample_tokens(hidden, lm_head_weight, row_ids, temperature, seed, offset,
                                                      suppress_ids, confidence_exclude_ids)
     else:
         tokens, confidence = torch.ops.dllm_fast.sample_tokens(
@@ -180,7 +180,7 @@ def select_transfer(
             raise ValueError(f"select_transfer: confidence[{row}, {position}] is NaN; confidences must be numbers "
                              "(pass check_finite=False to rank NaN last).")
     if choose_backend("select_transfer", confidence.device, backend) == "reference":
-        return reference.select_transfer(confidence, candidates, counts.long(), threshold)
+        return twins.select_transfer(confidence, candidates, counts.long(), threshold)
     return torch.ops.dllm_fast.select_transfer(
         confidence, candidates, counts.long(), -1.0 if threshold is None else threshold)
 

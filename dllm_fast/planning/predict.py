@@ -85,8 +85,8 @@ def rollout(gpu: str | GPU, *, preset: str = "llada-8b", batch: int = 8, prompt:
     """(Costs, forwards) of one greedy generate call as bench_rollout times it: random weights in `dtype`, no
     autocast, `batch` prompts of `prompt` tokens; provider "reference" runs dllm_fast.reference.generate (cache
     none). compile: generate(compile=True), each denoising step one CUDA graph replay."""
-    import dllm_fast
     from dllm_fast import reference
+    from dllm_fast.rollout import generate
 
     config = TrainConfig(model=preset, prompts_per_step=batch, group_size=1, gen_length=gen, block_length=block,
                          diffusion_steps=steps, cache=cache, temperature=0.0, bf16=False)
@@ -102,7 +102,7 @@ def rollout(gpu: str | GPU, *, preset: str = "llada-8b", batch: int = 8, prompt:
             if provider == "reference":
                 phase, result = session.measure("rollout", lambda: reference.generate(model, prompts, **options))
             else:
-                phase, result = session.measure("rollout", lambda: dllm_fast.generate(
+                phase, result = session.measure("rollout", lambda: generate(
                     model, prompts, cache=cache, compile=compile, **options))
     return phase.costs, int(result.nfe)
 

@@ -7,7 +7,7 @@ runs), none touching the network.
     task.reward(examples[0], completion), task.correct(examples[0], completion)
 
 The task modules are pure Python (no torch); `dllm_fast.tasks.encoding` (prompts to token ids, completions to
-text) and `dllm_fast.tasks.evaluate` (accuracy through `generate`) are the torch-facing part.
+text) is the torch-facing part. A model's accuracy on a task, through `generate`: `dllm_fast.train.evaluate`.
 """
 
 from dllm_fast.tasks.base import Example, Task, available_tasks, chat_prompt, get_task, register_task

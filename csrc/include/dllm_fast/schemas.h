@@ -1,5 +1,5 @@
 // The schema of every op, listed once: csrc/registration.cpp declares them in the dllm_fast namespace and the
-// emulated CUDA build (csrc/emulation/registration.cpp) in dllm_fast_emulated. X(name, schema) per op. The ops
+// emulated CUDA build (python_tests/emulation/registration.cpp) in dllm_fast_emulated. X(name, schema) per op. The ops
 // trust their arguments; dllm_fast/ops/ checks them (see ops.h).
 #pragma once
 

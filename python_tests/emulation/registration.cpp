@@ -1,6 +1,6 @@
 // The emulated CUDA build (test-only): the CUDA implementations of csrc/cuda, compiled for the host and run by
 // the emulator, registered for CPU tensors as torch.ops.dllm_fast_emulated.* with the schemas of
-// torch.ops.dllm_fast.* (dllm_fast/schemas.h). dllm_fast.ops.emulation builds and loads it, and can route the
+// torch.ops.dllm_fast.* (dllm_fast/schemas.h). dllm_fast.testing.emulation builds and loads it, and can route the
 // dllm_fast ops to it. Also the emulator's self-tests and a few settings, for python_tests/test_emulator.py.
 
 #include <torch/extension.h>
@@ -27,7 +27,7 @@ at::Tensor emulator_selftest(const at::Tensor& data, c10::string_view kernel, in
   bool known = false;
   const cudaError_t error = selftest::run(std::string(kernel), out.data_ptr<float>(), out.numel(),
                                           static_cast<unsigned>(blocks), static_cast<unsigned>(threads), &known);
-  TORCH_CHECK(known, "emulator_selftest: no self-test kernel named ", kernel, " (see csrc/emulation/selftest.cu)");
+  TORCH_CHECK(known, "emulator_selftest: no self-test kernel named ", kernel, " (see python_tests/emulation/selftest.cu)");
   check_emulated(error);
   return out;
 }

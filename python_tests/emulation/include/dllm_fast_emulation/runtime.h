@@ -1,4 +1,4 @@
-// The host emulator of CUDA kernels (test infrastructure; see csrc/emulation/README.md).
+// The host emulator of CUDA kernels (test infrastructure; see python_tests/emulation/README.md).
 //
 // A launch runs its blocks one after another on the calling OS thread. Inside a block every CUDA thread is a
 // fiber with its own stack; a fiber runs until it waits (a __syncthreads() barrier or a warp collective such

@@ -1,4 +1,4 @@
-// The emulator's record of the GEMMs its host cuBLAS runs (csrc/emulation/cublas.cpp): which operand and output
+// The emulator's record of the GEMMs its host cuBLAS runs (python_tests/emulation/cublas.cpp): which operand and output
 // types, compute type and sizes each call had, so that a test (and the planner's cost model) can check without a
 // GPU which GEMMs an op runs. Each entry is the cublasGemmEx call as given: column-major m, n, k and transposes.
 #pragma once

@@ -1,6 +1,6 @@
 // Stand-in for cuBLAS in the emulated build: the types and calls that csrc/cuda/blas.cpp uses, with cuBLAS's
 // column-major semantics, argument checks and status codes. The GEMM itself runs on the host
-// (csrc/emulation/cublas.cpp).
+// (python_tests/emulation/cublas.cpp).
 #pragma once
 
 #include <cstdint>

@@ -1,8 +1,11 @@
-"""Build the embedded default model from scratch: `python -m dllm_fast.assets.build_sudoku4 --out DIR`.
+"""Build the embedded default model from scratch: `python -m dllm_fast.build_sudoku4 --out DIR`.
+
+Its output is dllm_fast/assets/sudoku4. It lives outside assets/ because it evaluates with the trainer's
+`evaluate`, and the trainer reads assets/: imports point down.
 
 Deterministic on CPU (fixed seeds, a fixed thread count, a fixed data order):
 
-1. a character-level tokenizer in LLaDA's conventions (`char_tokenizer.py`);
+1. a character-level tokenizer in LLaDA's conventions (`dllm_fast/assets/char_tokenizer.py`);
 2. a tiny LLaDAModel with random weights;
 3. masked-diffusion SFT (`dllm_fast.sft`) on sudoku4's "grid" prompts, AdamW, batch by batch;
 4. from `--min-steps` on, every `--eval-every` steps, greedy accuracy on the sudoku4 test split at the shipped
@@ -36,8 +39,8 @@ from dllm_fast.files import write_text_atomic
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 from dllm_fast.sft import draw_sft_masks, encode_sft_batch, sft_loss
 from dllm_fast.tasks import Example, get_task
-from dllm_fast.tasks.evaluate import evaluate
 from dllm_fast.tasks.sudoku4 import as_rows
+from dllm_fast.train.evaluation import evaluate
 from dllm_fast.validation import check_int, check_probability
 
 COMPLETION_LENGTH = SUDOKU4_GENERATION["gen_length"]
@@ -59,7 +62,7 @@ def careless_demonstration(example: Example) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m dllm_fast.assets.build_sudoku4",
+    parser = argparse.ArgumentParser(prog="python -m dllm_fast.build_sudoku4",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory to write the checkpoint to")
     parser.add_argument("--seed", type=int, default=0)

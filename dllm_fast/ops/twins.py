@@ -1,13 +1,49 @@
-"""Plain-PyTorch twins of the sampling ops, with the exact semantics of the compiled kernels:
-`philox4x32_10`, `gumbel_noise`, `sample_tokens` (same Philox stream, so tokens match the kernels at every
-temperature up to floating-point near-ties), `transfer_ranks` and `select_transfer`."""
+"""Plain-PyTorch twins of the compiled ops, with the exact semantics of the kernels: the ops' `backend="reference"`,
+and the oracles the tests compare the kernels to (re-exported by dllm_fast.reference with the algorithms' twins).
+
+- the fused masked log-prob op: the whole [M, V] logits, then log-softmax and gather (`masked_logprobs`,
+  `masked_logprobs_grad`);
+- the sampling ops: `philox4x32_10`, `gumbel_noise`, `sample_tokens` (same Philox stream, so tokens match the
+  kernels at every temperature up to floating-point near-ties), `transfer_ranks` and `select_transfer`.
+
+They sit under ops/ because the ops dispatch to them: imports point down, and the fast path never imports
+dllm_fast.reference.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from dllm_fast.contracts import accumulate_dtype
+
+
+def masked_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logp[i] = log_softmax(hidden[i] @ lm_head_weight.T)[targets[i]], computed in fp32 (fp64 for fp64); NaN for
+    a target outside [0, V), as in the kernels."""
+    acc = accumulate_dtype(hidden.dtype)
+    logits = hidden.to(acc) @ lm_head_weight.to(acc).T
+    targets = targets.long()
+    inside = (targets >= 0) & (targets < logits.shape[-1])
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, torch.where(inside, targets, 0)[:, None]).squeeze(-1)
+    return logp.masked_fill(~inside, float("nan"))
+
+
+def masked_logprobs_grad(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
+                         grad_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, grad_hidden, grad_weight) of sum(grad_logp * logp) by autograd through the full logits; the
+    gradients in the inputs' dtypes."""
+    acc = accumulate_dtype(hidden.dtype)
+    with torch.enable_grad():
+        h = hidden.detach().to(acc).requires_grad_(True)
+        w = lm_head_weight.detach().to(acc).requires_grad_(True)
+        logp = masked_logprobs(h, w, targets)
+        grad_hidden, grad_weight = torch.autograd.grad((grad_logp.detach().to(acc) * logp).sum(), (h, w))
+    return logp.detach(), grad_hidden.to(hidden.dtype), grad_weight.to(lm_head_weight.dtype)
+
+
 # ---------------------------------------------------------------------------------------------------------
-# Philox4x32-10 on int64 tensors holding uint32 values (products are split so nothing overflows int64).
+# The sampling ops. Philox4x32-10 on int64 tensors holding uint32 values (products are split so nothing overflows
+# int64).
 
 _MASK32 = 0xFFFFFFFF
 

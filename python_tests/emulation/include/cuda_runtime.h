@@ -1,4 +1,4 @@
-// Stand-in for CUDA's cuda_runtime.h in the emulated build only (csrc/emulation/include comes first on its
+// Stand-in for CUDA's cuda_runtime.h in the emulated build only (python_tests/emulation/include comes first on its
 // include path): the CUDA C++ that csrc/cuda/*.cu use, compiled by the host compiler and run by the emulator in
 // dllm_fast_emulation/runtime.h. Add here what a new kernel needs, and a test in python_tests/test_emulator.py.
 #pragma once

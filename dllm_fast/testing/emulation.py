@@ -1,11 +1,12 @@
 """The CUDA kernels and glue of csrc/cuda, run on the CPU by a host emulator: test infrastructure, so that the CUDA
-code executes in CI without a GPU (csrc/emulation/README.md describes the emulator).
+code executes in CI without a GPU (python_tests/emulation/README.md describes the emulator).
 
-    python -m dllm_fast.ops.emulation [--sanitize]   # build (incrementally) into build/dllm_fast_emulated_cuda[_asan]
+    python -m dllm_fast.testing.emulation [--sanitize]  # builds build/dllm_fast_emulated_cuda[_asan], incrementally
+    python -m dllm_fast.testing.emulation --run (-c CODE | -m MODULE | SCRIPT) [ARGS]  # a whole process on them
 
 The emulated build is a separate extension module compiled from a source checkout (never by pip) that registers
 the CUDA implementations for CPU tensors as ``torch.ops.dllm_fast_emulated.*``. Inside ``emulated_cuda()`` (or
-for the whole process with ``DLLM_FAST_BACKEND=emulated_cuda``) the CPU kernels of ``torch.ops.dllm_fast.*`` are
+for a whole process started with ``--run``) the CPU kernels of ``torch.ops.dllm_fast.*`` are
 replaced by them, so whole ``generate`` and ``score`` calls, autograd and torch.compile included, run the CUDA
 sources. ``gemm_log()`` records the GEMMs the emulated cuBLAS runs meanwhile (types, compute type, sizes), so a
 test can check which GEMMs an op makes without a GPU. ``DLLM_FAST_EMULATED_CUDA=1`` enables the emulated tests
@@ -21,6 +22,8 @@ import functools
 import glob
 import json
 import os
+import runpy
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,7 +139,7 @@ class GemmRecord:
 def gemm_log():
     """Records every GEMM that the emulated cuBLAS runs within the block, on any thread; yields a list that is
     filled with their `GemmRecord`s, in call order, when the block exits. Only emulated CUDA code reaches that
-    cuBLAS: route the ops with ``emulated_cuda()`` (or DLLM_FAST_BACKEND=emulated_cuda); the CPU kernels' GEMMs
+    cuBLAS: route the ops with ``emulated_cuda()`` (or ``--run``); the CPU kernels' GEMMs
     are not recorded. Blocks may nest (each gets the GEMMs run within it)."""
     module = load()
     records: list[GemmRecord] = []
@@ -150,26 +153,43 @@ def gemm_log():
                        for a, b, c, compute, m, n, k, ta, tb in raw)
 
 
-_process_wide: contextlib.ExitStack | None = None
-
-
-def install_for_process() -> None:
-    """DLLM_FAST_BACKEND=emulated_cuda: the emulated CUDA kernels replace the CPU ones until the process ends."""
-    global _process_wide
-    if _process_wide is None:
-        stack = contextlib.ExitStack()
-        stack.enter_context(emulated_cuda())
-        _process_wide = stack
+def run_process(argv: list[str]) -> None:
+    """`--run`: the emulated CUDA kernels replace the CPU ones until the process ends, then `argv` runs as
+    `python ARGV` would: ["-c", CODE, ...], ["-m", MODULE, ...] or [SCRIPT, ...]. The product never asks for the
+    emulator; this is how a whole program (a benchmark, a test's subprocess) runs the CUDA code without a GPU."""
+    if not argv or (argv[0] in ("-c", "-m") and len(argv) < 2):
+        raise SystemExit("--run needs -c CODE, -m MODULE or SCRIPT, as python takes them.")
+    stack = contextlib.ExitStack()
+    stack.enter_context(emulated_cuda())  # never closed: the process ends on the emulated kernels
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    elif argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dllm_fast.ops.emulation", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dllm_fast.testing.emulation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sanitize", action="store_true", help="the AddressSanitizer build")
     parser.add_argument("--verbose", action="store_true", help="show the compiler's commands")
+    parser.add_argument("--run", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="then run -c CODE, -m MODULE or SCRIPT (and its arguments) with the emulated CUDA "
+                             "kernels in place of the CPU ones, for the whole process (the build of "
+                             f"{ENABLE_VARIABLE}: plain, or asan)")
     args = parser.parse_args(argv)
+    if args.run is not None:
+        run_process(args.run)
+        return
     module = build(sanitize=args.sanitize, verbose=args.verbose)
     print(f"{module.__file__}: ops {', '.join(module.ops)}")
 
 
 if __name__ == "__main__":
-    main()
+    # Through the module as imported, so that code given to --run which imports it shares its one loaded build.
+    from dllm_fast.testing.emulation import main as imported_main
+
+    imported_main()

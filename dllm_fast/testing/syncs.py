@@ -5,7 +5,7 @@ A host sync stalls a GPU's launch queue, a CUDA graph cannot capture one, and a 
 cannot pass one, since it has no values to read. The same Python code reads values at the same points on any
 device, so counting them in a CPU run tells what a GPU run will do:
 
-    from dllm_fast.syncs import SyncCounter
+    from dllm_fast.testing.syncs import SyncCounter
 
     with SyncCounter() as syncs:
         dllm_fast.generate(model, prompts, gen_length=64, block_length=32, steps=32)
@@ -46,7 +46,7 @@ BOOLEAN_INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put
 HOST_COPIES = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
 
 @dataclasses.dataclass(frozen=True)
