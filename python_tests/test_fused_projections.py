@@ -2,6 +2,7 @@
 checkpoints and PEFT see. The oracle is test_llada_model's float64 recomputation from the official weight names,
 extended here with a LoRA delta on any of them."""
 
+import copy
 import importlib
 import math
 
@@ -68,13 +69,27 @@ def loaded(tmp_path):
     return weights, LLaDAModel.from_pretrained(tmp_path / "ckpt", dtype=torch.float64)
 
 
-def with_lora(model, names, seed=0):
+def with_lora(model, names, seed=0, **options):
     """PEFT LoRA (rank 2) on the block projections `names`, with random A and B (B is zero at PEFT's default
     init, which would hide a delta added to the wrong rows)."""
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=LLaDAModel.lora_target_pattern(names),
-                             init_lora_weights=False, lora_dropout=0.0)
+                             init_lora_weights=False, **{"lora_dropout": 0.0, **options})
     return peft.get_peft_model(model, config)
+
+
+def unfused_twin(model):
+    """A copy of `model` whose fused parts are plain nn.Linear layers holding copies of their rows, which the
+    block then calls one by one: the separate projections of the official model."""
+    twin = copy.deepcopy(model)
+    for block in twin.transformer["blocks"]:
+        for name in ("q_proj", "k_proj", "v_proj", "ff_proj", "up_proj"):
+            part = getattr(block, name)
+            plain = nn.Linear(part.in_features, part.out_features, bias=False, dtype=part.fused.weight.dtype)
+            with torch.no_grad():
+                plain.weight.copy_(part.fused.weight[part.start:part.stop])
+            setattr(block, name, plain)
+    return twin
 
 
 def lora_factors(model) -> dict:
@@ -107,6 +122,26 @@ def test_one_parameter_per_fused_group_and_official_state_dict_keys(loaded):
     with torch.no_grad():
         block.k_proj.weight.zero_()
     assert block.fused_qkv.weight[32:48].abs().sum() == 0 and block.fused_qkv.weight[:32].abs().sum() > 0
+
+
+def test_a_block_draws_its_initial_weights_as_separate_linear_layers_do(loaded):
+    """Seeded construction (torch.manual_seed, then the constructor: what many tests and scripts do) gives each
+    part the kaiming-uniform weights an nn.Linear of its own would get, and leaves the generator where separate
+    layers leave it, so the whole model's seeded weights are unchanged by the fusing."""
+    from dllm_fast.models.llada import LLaDABlock
+
+    config = loaded[1].config
+    d, kv, hidden = config.d_model, config.n_kv_heads * config.head_dim, config.mlp_hidden_size
+    torch.manual_seed(5)
+    block = LLaDABlock(config)
+    after_block = torch.get_rng_state()
+    torch.manual_seed(5)
+    shapes = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "attn_out": (d, d), "ff_proj": (d, hidden),
+              "up_proj": (d, hidden), "ff_out": (hidden, d)}
+    separate = {name: nn.Linear(*shape, bias=False) for name, shape in shapes.items()}
+    assert torch.equal(after_block, torch.get_rng_state())
+    for name, linear in separate.items():
+        assert torch.equal(getattr(block, name).weight, linear.weight), name
 
 
 @pytest.mark.parametrize("name", LORA_TARGETS)
@@ -167,6 +202,40 @@ def test_lora_gradients_equal_the_unfused_models_in_float64(loaded):
         torch.testing.assert_close(A.grad, leaves[key][0].grad, rtol=1e-10, atol=1e-12, msg=key)
         torch.testing.assert_close(B.grad, leaves[key][1].grad, rtol=1e-10, atol=1e-12, msg=key)
     assert all(p.grad is None for name, p in model.named_parameters() if "lora_" not in name)
+
+
+def test_dora_with_dropout_matches_the_unfused_twin(loaded):
+    """DoRA (which reads the base weight, and calls the base layer itself under dropout) on fused parts: outputs in
+    training mode with dropout, gradients, disable_adapter and a safe merge equal those on separate nn.Linear
+    parts."""
+    weights, model = loaded
+    twin = unfused_twin(model)
+    assert isinstance(twin.transformer["blocks"][0].q_proj, nn.Linear)
+    assert not isinstance(twin.transformer["blocks"][0].q_proj, ProjectionSlice)
+    ids = torch.randint(0, 90, (2, 6), generator=torch.Generator().manual_seed(11))
+    torch.testing.assert_close(twin.logits(ids), model.logits(ids), rtol=1e-10, atol=1e-10)
+    options = dict(use_dora=True, lora_dropout=0.25)
+    adapted, adapted_twin = (with_lora(m, ["q_proj", "v_proj", "up_proj"], **options) for m in (model, twin))
+    outputs = []
+    for peft_model in (adapted, adapted_twin):
+        peft_model.train()
+        torch.manual_seed(12)  # the same dropout masks, drawn in the same order
+        logits = peft_model.get_base_model().logits(ids)
+        logits.square().mean().backward()
+        grads = {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
+        peft_model.eval()
+        with peft_model.disable_adapter():
+            base = peft_model.get_base_model().logits(ids)
+        merged = peft_model.merge_and_unload(safe_merge=True).logits(ids)
+        outputs.append((logits, grads, base, merged))
+    (logits, grads, base, merged), (logits_twin, grads_twin, base_twin, merged_twin) = outputs
+    torch.testing.assert_close(logits, logits_twin, rtol=1e-10, atol=1e-10)
+    assert grads.keys() == grads_twin.keys() and any("magnitude" in name for name in grads)
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_twin[name], rtol=1e-9, atol=1e-12, msg=name)
+    torch.testing.assert_close(base, base_twin, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(merged, merged_twin, rtol=1e-10, atol=1e-10)
+    assert (merged - base).abs().max() > 1e-3
 
 
 def test_full_fine_tune_gradients_equal_the_unfused_models_in_float64(loaded):

@@ -270,12 +270,16 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 def fuse_linears(owner: nn.Module, fused_name: str, parts: dict[str, int], in_features: int) -> FusedLinear:
     """Register on `owner` a FusedLinear `fused_name` and, after it, one ProjectionSlice per part (name -> out
     features, in order): owner.<name> is an nn.Linear over the part's rows. Registration order keeps the
-    state-dict order of separate nn.Linear parts (the fused module saves nothing of its own)."""
+    state-dict order of separate nn.Linear parts (the fused module saves nothing of its own), and each part is
+    initialised as an nn.Linear of its own would be, in the same order (kaiming-uniform rows drawn part by part):
+    a model built after torch.manual_seed gets the weights it had with separate layers."""
     fused = FusedLinear(in_features, list(parts.values()))
     owner.add_module(fused_name, fused)
     start = 0
     for name, out in parts.items():
-        owner.add_module(name, ProjectionSlice(fused, start, start + out))
+        part = ProjectionSlice(fused, start, start + out)
+        part.reset_parameters()
+        owner.add_module(name, part)
         start += out
     return fused
 
@@ -283,19 +287,26 @@ def fuse_linears(owner: nn.Module, fused_name: str, parts: dict[str, int], in_fe
 def projection_outputs(x: torch.Tensor, fused: FusedLinear, parts: Sequence[nn.Module]) -> torch.Tensor:
     """The fused GEMM's output [..., sum(out)] for input x, with any adapter of a part (a PEFT wrapper in place of
     its ProjectionSlice) added to that part's rows. Without adapters: one GEMM. With some: the same GEMM, each
-    wrapper's delta on its rows (the wrapper gets its base rows through `base_output`), and one concatenation."""
+    wrapper's delta on its rows (the wrapper gets its base rows through `base_output`), and one concatenation. A
+    part replaced by a module that does not wrap its ProjectionSlice (e.g. a plain nn.Linear) is called alone."""
     base = F.linear(x, fused.weight)
     if all(isinstance(part, ProjectionSlice) for part in parts):
         return base
     outputs = []
     for part in parts:
-        rows = base[..., part_rows(part)]
-        outputs.append(rows if isinstance(part, ProjectionSlice) else part(x, base_output=rows))
+        inner = wrapped_slice(part)
+        if inner is None:
+            outputs.append(part(x))
+            continue
+        rows = base[..., inner.start:inner.stop]
+        outputs.append(rows if part is inner else part(x, base_output=rows))
     return torch.cat(outputs, dim=-1)
 
 
-def part_rows(part: nn.Module) -> slice:
-    """The rows of the fused weight behind `part` (a ProjectionSlice, or a PEFT wrapper around one)."""
+def wrapped_slice(part: nn.Module) -> ProjectionSlice | None:
+    """The ProjectionSlice `part` is or wraps (through PEFT's `base_layer` chain), or None."""
     while not isinstance(part, ProjectionSlice):
-        part = part.base_layer
-    return slice(part.start, part.stop)
+        part = getattr(part, "base_layer", None)
+        if part is None:
+            return None
+    return part
