@@ -25,9 +25,9 @@ overhead a CUDA graph removes on a GPU.
 
 --count-kernels counts only (no timing): eager kernels per denoising step for cache none, prefix and dual on
 LLaDA-8B made narrow (`narrow_config`: its 32 layers and 32 heads, width 128, a 1,024-token vocabulary; the count
-depends on neither width nor vocabulary), bf16, batch 1, with the GPU point's prompt and two blocks of its
-schedule (16 steps a block: the same share of refreshing steps), on --device; per layer from the difference with
-a 1-layer model. --before TREE times the eager dllm_fast providers of this
+depends on neither width nor vocabulary), bf16, batch 1, a one-block prompt and two blocks of the GPU point's
+schedule (16 steps a block: the same share of refreshing steps, so the same average; lengths change no count),
+on --device; per layer from the difference with a 1-layer model. --before TREE times the eager dllm_fast providers of this
 benchmark with dllm_fast imported from another checkout built in place (`git archive <commit> | tar -x -C
 TREE`, the built extension copied or built there), each provider in fresh processes, trees taking turns over
 --rounds rounds; the ratio is before's seconds over this tree's.
@@ -236,9 +236,10 @@ def count_kernels(base: dict, caches=("none", "prefix", "dual")) -> list[dict]:
 
     config = narrow_config_of(base)
     device, dtype = torch.device(base["device"]), getattr(torch, base["dtype"])
-    prompts = torch.randint(0, config.mask_token_id - 1, (1, base["prompt"]), device=device,
+    # A one-block prompt and two blocks of the point's steps per block: the same share of refreshing steps, so
+    # the same average count (it depends on neither length), in a fraction of the time on a CPU.
+    prompts = torch.randint(0, config.mask_token_id - 1, (1, base["block"]), device=device,
                             generator=torch.Generator(device).manual_seed(1))
-    # Two blocks of the point's steps per block: the same share of refreshing steps, so the same average count.
     steps_per_block = base["steps"] // (base["gen"] // base["block"])
     rows = []
     for cache in caches:
