@@ -228,6 +228,12 @@ def narrow_config_of(base: dict):
     return narrow_config(LLaDAConfig.preset(base["preset"]))
 
 
+def counted_run(base: dict) -> dict:
+    """The run count_kernels profiles: a one-block prompt and two blocks of `base`'s steps per block."""
+    steps_per_block = base["steps"] // (base["gen"] // base["block"])
+    return dict(prompt=base["block"], gen=2 * base["block"], steps=2 * steps_per_block, batch=1)
+
+
 def count_kernels(base: dict, caches=("none", "prefix", "dual")) -> list[dict]:
     """Eager kernels per denoising step of each cache mode on the narrow form of `base`'s preset (batch 1), and
     per layer (against a 1-layer model): one row per cache mode, with the per-step count of each op."""
@@ -238,12 +244,12 @@ def count_kernels(base: dict, caches=("none", "prefix", "dual")) -> list[dict]:
     device, dtype = torch.device(base["device"]), getattr(torch, base["dtype"])
     # A one-block prompt and two blocks of the point's steps per block: the same share of refreshing steps, so
     # the same average count (it depends on neither length), in a fraction of the time on a CPU.
-    prompts = torch.randint(0, config.mask_token_id - 1, (1, base["block"]), device=device,
+    shape = counted_run(base)
+    prompts = torch.randint(0, config.mask_token_id - 1, (1, shape["prompt"]), device=device,
                             generator=torch.Generator(device).manual_seed(1))
-    steps_per_block = base["steps"] // (base["gen"] // base["block"])
     rows = []
     for cache in caches:
-        run = dict(gen_length=2 * base["block"], block_length=base["block"], steps=2 * steps_per_block, cache=cache)
+        run = dict(gen_length=shape["gen"], block_length=base["block"], steps=shape["steps"], cache=cache)
         counts, ops = {}, {}
         for layers in (config.n_layers, 1):
             model = LLaDAModel.with_random_weights(dataclasses.replace(config, n_layers=layers), dtype=dtype,
@@ -420,7 +426,8 @@ def main():
         print_table(rows, ["cache", "layers", "kernels_per_step", "kernels_per_layer", "outside_layers"])
         import dllm_fast
 
-        config = dict(GPU_POINT, narrow=dataclasses.asdict(narrow_config_of(GPU_POINT)), package=dllm_fast.__file__)
+        config = dict(GPU_POINT, counted=counted_run(GPU_POINT),
+                      narrow=dataclasses.asdict(narrow_config_of(GPU_POINT)), package=dllm_fast.__file__)
         print(f"wrote {write_results(f'rollout_kernels_{args.device}', config, rows, args.results_dir)}")
         return
     if args.before:
