@@ -4,6 +4,10 @@
     python benchmarks/bench_rollout.py --device cuda   # GPU: llada-8b shapes (random bf16), batch 1 and 8,
                                                        #      prompt 200, gen 256, block 32, 128 steps, + roofline
     python benchmarks/bench_rollout.py --interleaved 5 # eager vs compiled per cache mode, alternating calls
+    python benchmarks/bench_rollout.py --count-kernels # eager kernels per denoising step and per layer, cache
+                                                       #      none/prefix/dual, LLaDA-8B's 32 layers made narrow
+    python benchmarks/bench_rollout.py --before /tmp/rollout_before --rounds 3
+                                                       # eager providers against another checkout, in turns
 
 Providers: reference (LLaDA generate.py port: full recompute, full logits), dllm_fast with cache none, prefix,
 dual, and dual with threshold 0.9, and each cache mode compiled (generate(compile=True): the denoising step
@@ -18,6 +22,15 @@ torch.compile spent in it (dynamo and inductor). kernels/step counts, on the pro
 denoising step launches (see `count_step_kernels`): eager, every aten op that computes; compiled, inductor's
 fused kernels plus the ops it leaves outside (GEMMs, attention, dllm_fast's ops). That count is the launch
 overhead a CUDA graph removes on a GPU.
+
+--count-kernels counts only (no timing): eager kernels per denoising step for cache none, prefix and dual on
+LLaDA-8B made narrow (`narrow_config`: its 32 layers and 32 heads, width 128, a 1,024-token vocabulary; the count
+depends on neither width nor vocabulary), bf16, batch 1, a one-block prompt and two blocks of the GPU point's
+schedule (16 steps a block: the same share of refreshing steps, so the same average; lengths change no count),
+on --device; per layer from the difference with a 1-layer model. --before TREE times the eager dllm_fast providers of this
+benchmark with dllm_fast imported from another checkout built in place (`git archive <commit> | tar -x -C
+TREE`, the built extension copied or built there), each provider in fresh processes, trees taking turns over
+--rounds rounds; the ratio is before's seconds over this tree's.
 """
 
 from __future__ import annotations
@@ -39,7 +52,8 @@ from dllm_fast.rollout import CACHE_POLICIES, masked_count_schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    Provider, add_ratio, add_results_dir_argument, measure_in_fresh_process, print_table, run_sweep, write_results,
+    Provider, add_ratio, add_results_dir_argument, measure_in_fresh_process, measure_in_tree, print_table, run_sweep,
+    write_results,
 )
 
 # What each provider passes to generate(); "backend": "reference" selects dllm_fast.reference.generate.
@@ -53,6 +67,10 @@ GENERATE_OPTIONS = {
     "compiled prefix": dict(cache="prefix", compile=True),
     "compiled dual": dict(cache="dual", compile=True),
 }
+
+# The shapes of a run: LLaDA-8B's on a GPU (random bf16 weights), the small preset's on CPU.
+GPU_POINT = dict(preset="llada-8b", dtype="bfloat16", prompt=200, gen=256, block=32, steps=128)
+CPU_POINT = dict(preset="small", dtype="float32", prompt=64, gen=128, block=32, steps=64)
 
 # Peak dense bf16 FLOP/s and HBM bandwidth (bytes/s) used for the roofline bound.
 GPU_PEAKS = {"H100": (989.4e12, 3.35e12), "H200": (989.4e12, 4.8e12)}
@@ -137,21 +155,28 @@ def _reference_generate():
     return reference.generate
 
 
-# Ops that launch no kernel on a GPU: views, allocations, no-op conversions.
+# Ops that launch no kernel on a GPU: views, allocations, no-op conversions, type queries. (An op with children
+# counts what its children launch; one in this set counts nothing of its own even when its children launch none.)
 NO_KERNEL = {"aten::view", "aten::_unsafe_view", "aten::as_strided", "aten::expand", "aten::slice", "aten::select",
              "aten::unsqueeze", "aten::squeeze", "aten::transpose", "aten::t", "aten::permute", "aten::detach",
              "aten::alias", "aten::lift_fresh", "aten::empty", "aten::empty_strided", "aten::empty_like",
              "aten::resize_", "aten::resolve_conj", "aten::resolve_neg", "aten::split", "aten::chunk",
              "aten::unbind", "aten::narrow", "aten::_reshape_alias", "aten::reshape", "aten::contiguous", "aten::to",
-             "aten::_to_copy", "aten::split_with_sizes", "aten::expand_as", "aten::view_as"}
+             "aten::_to_copy", "aten::split_with_sizes", "aten::expand_as", "aten::view_as", "aten::promote_types",
+             "aten::result_type", "aten::movedim", "aten::unflatten", "aten::flatten", "aten::type_as"}
+# Ops a GPU runs as one kernel whatever the CPU's decomposition, so that a count on a CPU trace is the CUDA one:
+# rms_norm is torch's fused kernel on CUDA (its CPU form is pow, mean, add, rsqrt, mul and casts), and a mean is
+# one reduction (on CPU a sum, a division and the scalar's conversions).
+ONE_KERNEL_ON_GPU = {"aten::rms_norm", "aten::mean"}
 STEP_RANGE = "dllm_fast.denoise_step"
 
 
-def count_step_kernels(run: Callable[[], Any]) -> float:
+def count_step_kernels(run: Callable[[], Any], by_op: dict | None = None) -> float:
     """Kernels a denoising step launches, on average over the steps of `run()` (a generate call), counted on the
-    profiler's CPU trace: in each step, every op whose sub-calls launch nothing, except views and allocations
-    (NO_KERNEL); a dllm_fast op and an inductor-generated kernel (named on the trace with inductor's
-    cpp.enable_kernel_profile) count as one."""
+    profiler's CPU trace: in each step, every op whose sub-calls launch nothing, except views, allocations and
+    type queries (NO_KERNEL); a dllm_fast op, an inductor-generated kernel (named on the trace with inductor's
+    cpp.enable_kernel_profile) and an op of ONE_KERNEL_ON_GPU count as one. `by_op`, if given, receives the
+    average count per step of each op name."""
     generate_module = importlib.import_module("dllm_fast.rollout.generate")  # the package exports the function
 
     def traced(step):
@@ -169,17 +194,75 @@ def count_step_kernels(run: Callable[[], Any]) -> float:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             run()
     steps = [event for event in profile.events() if event.name == STEP_RANGE]
-    return sum(_launches(child) for step in steps for child in step.cpu_children) / max(len(steps), 1)
+    tally: dict[str, int] = {}
+    total = sum(_launches(child, tally) for step in steps for child in step.cpu_children)
+    if by_op is not None:
+        by_op.update({name: count / max(len(steps), 1) for name, count in sorted(tally.items())})
+    return total / max(len(steps), 1)
 
 
-def _launches(event) -> int:
-    """Kernels launched by an op of the trace and its sub-calls."""
-    if event.name.startswith("dllm_fast::") or "cpp_fused" in event.name:
+def _launches(event, tally: dict[str, int]) -> int:
+    """Kernels launched by an op of the trace and its sub-calls (each counted in `tally` by the op's name)."""
+    if event.name.startswith("dllm_fast::") or "cpp_fused" in event.name or event.name in ONE_KERNEL_ON_GPU:
+        tally[event.name] = tally.get(event.name, 0) + 1
         return 1
-    inner = sum(_launches(child) for child in event.cpu_children)
-    if inner:
+    inner = sum(_launches(child, tally) for child in event.cpu_children)
+    if inner or event.name in NO_KERNEL or not event.name.startswith("aten::"):
         return inner
-    return int(event.name.startswith("aten::") and event.name not in NO_KERNEL)
+    tally[event.name] = tally.get(event.name, 0) + 1
+    return 1
+
+
+def narrow_config(config, width: int = 128, vocabulary: int = 1024):
+    """`config` with its layers (and head count) but a narrow body and a small vocabulary, for counting kernels:
+    d_model `width`, MLP 3 * width, the special ids the vocabulary's last ones."""
+    return dataclasses.replace(
+        config, d_model=width, mlp_hidden_size=3 * width, vocab_size=vocabulary, embedding_size=vocabulary,
+        mask_token_id=vocabulary - 1, eos_token_id=vocabulary - 2, pad_token_id=vocabulary - 2,
+        eot_token_id=vocabulary - 3)
+
+
+def narrow_config_of(base: dict):
+    from dllm_fast.models import LLaDAConfig
+
+    return narrow_config(LLaDAConfig.preset(base["preset"]))
+
+
+def counted_run(base: dict) -> dict:
+    """The run count_kernels profiles: a one-block prompt and two blocks of `base`'s steps per block."""
+    steps_per_block = base["steps"] // (base["gen"] // base["block"])
+    return dict(prompt=base["block"], gen=2 * base["block"], steps=2 * steps_per_block, batch=1)
+
+
+def count_kernels(base: dict, caches=("none", "prefix", "dual")) -> list[dict]:
+    """Eager kernels per denoising step of each cache mode on the narrow form of `base`'s preset (batch 1), and
+    per layer (against a 1-layer model): one row per cache mode, with the per-step count of each op."""
+    import dllm_fast
+    from dllm_fast.models import LLaDAModel
+
+    config = narrow_config_of(base)
+    device, dtype = torch.device(base["device"]), getattr(torch, base["dtype"])
+    # A one-block prompt and two blocks of the point's steps per block: the same share of refreshing steps, so
+    # the same average count (it depends on neither length), in a fraction of the time on a CPU.
+    shape = counted_run(base)
+    prompts = torch.randint(0, config.mask_token_id - 1, (1, shape["prompt"]), device=device,
+                            generator=torch.Generator(device).manual_seed(1))
+    rows = []
+    for cache in caches:
+        run = dict(gen_length=shape["gen"], block_length=base["block"], steps=shape["steps"], cache=cache)
+        counts, ops = {}, {}
+        for layers in (config.n_layers, 1):
+            model = LLaDAModel.with_random_weights(dataclasses.replace(config, n_layers=layers), dtype=dtype,
+                                                   device=device).eval()
+            dllm_fast.generate(model, prompts, **run)  # warm-up
+            by_op = {} if layers == config.n_layers else None
+            counts[layers] = count_step_kernels(lambda: dllm_fast.generate(model, prompts, **run), by_op)
+            ops = by_op if by_op is not None else ops
+        per_layer = (counts[config.n_layers] - counts[1]) / (config.n_layers - 1)
+        rows.append(dict(cache=cache, layers=config.n_layers, kernels_per_step=counts[config.n_layers],
+                         kernels_per_layer=per_layer, outside_layers=counts[1] - per_layer, ops_per_step=ops))
+        print(f"cache {cache}: {counts[config.n_layers]:.1f} kernels per step, {per_layer:.2f} per layer", flush=True)
+    return rows
 
 
 PROVIDERS = {
@@ -295,6 +378,26 @@ def interleaved_compiled(point: dict, cache: str, rounds: int) -> dict:
                 tokens_equal=bool(torch.equal(eager_tokens, compiled_tokens)), rounds=rounds)
 
 
+def before_and_after(points: list[dict], names: list[str], before: str, rounds: int) -> list[dict]:
+    """Each eager provider with dllm_fast from this checkout and from `before`, each run in a fresh process,
+    the two trees taking turns for `rounds` rounds: median seconds of each and before's over this tree's."""
+    here = Path(__file__).resolve().parents[1]
+    rows = []
+    for point in points:
+        for name in names:
+            seconds = {"after": [], "before": []}
+            for round_ in range(rounds):
+                order = (("after", here), ("before", before))
+                for label, tree in order if round_ % 2 == 0 else order[::-1]:
+                    out = measure_in_tree("bench_rollout", name, point, tree)
+                    seconds[label].append(out["timing"].median_s)
+            after_s, before_s = (statistics.median(seconds[label]) for label in ("after", "before"))
+            rows.append(dict(batch=point["batch"], provider=name, status="ok", before_s=before_s, after_s=after_s,
+                             speedup=before_s / after_s, rounds=rounds))
+            print(f"batch {point['batch']} {name}: {before_s:.3f} s before, {after_s:.3f} s after", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -304,15 +407,36 @@ def main():
     parser.add_argument("--interleaved", type=int, metavar="ROUNDS", default=0,
                         help="instead of the providers: eager vs compiled in one process per cache mode, ROUNDS "
                              "alternating pairs of calls (robust to a shared machine's drifting load)")
+    parser.add_argument("--count-kernels", action="store_true",
+                        help="instead of timing: eager kernels per denoising step and per layer, cache none/prefix/"
+                             "dual, on LLaDA-8B made narrow (its 32 layers, width 128; batch 1, bf16)")
+    parser.add_argument("--before", metavar="TREE",
+                        help="time the eager dllm_fast providers here and with dllm_fast from checkout TREE (built "
+                             "in place), in fresh processes taking turns")
+    parser.add_argument("--rounds", type=int, default=3, help="with --before: turns per tree (default 3)")
     add_results_dir_argument(parser)
     args = parser.parse_args()
     if args.device == "cuda":
-        base = dict(preset="llada-8b", dtype="bfloat16", prompt=200, gen=256, block=32, steps=128)
-        batches = args.batch or [1, 8]
+        base, batches = GPU_POINT, args.batch or [1, 8]
     else:
-        base = dict(preset="small", dtype="float32", prompt=64, gen=128, block=32, steps=64)
-        batches = args.batch or [4]
+        base, batches = CPU_POINT, args.batch or [4]
     points = [dict(base, device=args.device, batch=batch, temperature=args.temperature, seed=0) for batch in batches]
+    if args.count_kernels:
+        rows = count_kernels(dict(GPU_POINT, device=args.device))
+        print_table(rows, ["cache", "layers", "kernels_per_step", "kernels_per_layer", "outside_layers"])
+        import dllm_fast
+
+        config = dict(GPU_POINT, counted=counted_run(GPU_POINT),
+                      narrow=dataclasses.asdict(narrow_config_of(GPU_POINT)), package=dllm_fast.__file__)
+        print(f"wrote {write_results(f'rollout_kernels_{args.device}', config, rows, args.results_dir)}")
+        return
+    if args.before:
+        names = [name for name in args.providers if name.startswith("dllm_fast")]
+        rows = before_and_after(points, names, args.before, args.rounds)
+        print_table(rows, ["batch", "provider", "before_s", "after_s", "speedup", "rounds"])
+        config = dict(base, batches=batches, temperature=args.temperature, before=args.before, rounds=args.rounds)
+        print(f"wrote {write_results(f'rollout_before_after_{args.device}', config, rows, args.results_dir)}")
+        return
     if args.interleaved:
         rows = [interleaved_compiled(point, cache, args.interleaved) for point in points for cache in CACHE_POLICIES]
         print_table(rows, ["batch", "cache", "eager_s", "compiled_s", "speedup", "compile_s", "tokens_equal"])

@@ -9,8 +9,9 @@ the extra steps no longer run, and random remasking no longer draws their unifor
 later blocks then read a different stretch of the stream (same distribution). For those modes only the first
 block, decoded before any skipped step, is compared.
 
-Weights come from a generator seeded per parameter name, so the model does not depend on the init code of
-dllm_fast.models, only on the architecture and its parameter names. The model runs in float64, so the tokens
+Weights come from a generator seeded per state-dict name (the official checkpoint's key), so the model does not
+depend on the init code of dllm_fast.models, nor on how its modules hold the weights (fused or not), only on the
+architecture and the checkpoint layout. The model runs in float64, so the tokens
 do not hinge on rounding.
 """
 
@@ -46,15 +47,17 @@ def golden_model() -> LLaDAModel:
     with torch.device("meta"):
         model = LLaDAModel(LLaDAConfig.preset("tiny"))
     model = model.to_empty(device="cpu").to(torch.float64)
-    with torch.no_grad():
-        for name, parameter in sorted(model.named_parameters()):
+    head = "transformer.ff_out.weight"
+    with torch.no_grad():  # state-dict entries alias the parameters (fused or not): copy_ fills the model
+        for name, weight in sorted(model.state_dict().items()):
             generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            if parameter.dim() == 1:  # norm scales
-                parameter.copy_(1.0 + 0.1 * torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
+            if weight.dim() == 1:  # norm scales
+                weight.copy_(1.0 + 0.1 * torch.randn(weight.shape, generator=generator, dtype=torch.float64))
             else:  # a large head scale makes confident predictions, so thresholds unmask several tokens at once
-                scale = 4.0 if parameter is model.lm_head_weight else 1.0
-                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64)
-                                * scale / parameter.shape[1] ** 0.5)
+                scale = 4.0 if name == head else 1.0
+                weight.copy_(torch.randn(weight.shape, generator=generator, dtype=torch.float64)
+                             * scale / weight.shape[1] ** 0.5)
+    assert model.state_dict()[head].data_ptr() == model.lm_head_weight.data_ptr()
     return model.eval()
 
 

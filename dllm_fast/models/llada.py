@@ -7,7 +7,23 @@ then ln_f. RMSNorm and RoPE (rotate-half, non-interleaved) run in fp32. The LM h
 config.weight_tying. Padding enters attention as an additive bias on the padded keys.
 
 Module names equal the official checkpoint's key names (minus the leading "model."), so PEFT target_modules
-written for LLaDA (q_proj, k_proj, v_proj, attn_out, ff_proj, up_proj, ff_out) match.
+written for LLaDA (q_proj, k_proj, v_proj, attn_out, ff_proj, up_proj, ff_out) match, and state dicts carry the
+official keys and shapes. Inside a block, q/k/v and gate/up are each one weight (`fused_qkv`, `fused_gate_up`,
+layers.FusedLinear: one GEMM each); the official names are nn.Linear views of their rows (layers.ProjectionSlice).
+
+Why this design, for LoRA: PEFT replaces a target nn.Linear by a wrapper whose base_layer is the original and
+whose forward is base_layer(x, **kwargs) plus its delta (nothing but the base when disabled or merged). The block
+runs the fused GEMM once and hands each part its rows as `base_output`: an unwrapped part returns them as they are,
+a wrapper passes them to its base layer and adds its delta. So LoRA on q_proj adapts exactly the query rows, the
+base GEMM stays fused with adapters on, disable_adapter() gives the base model, merges write into the fused
+weight (ProjectionSlice.weight is a view of it), and gradients are those of separate projections (the fused
+GEMM's rows are the parts' GEMMs; its input gradient sums theirs). The alternative, separate parameters that are
+views of one buffer, breaks silently whenever something rebinds a parameter (`.to()`, load_state_dict(assign=
+True), FSDP2's sharding); here the fused weight is the only parameter, and the parts are derived from it.
+
+Kernels per layer in eager mode (benchmarks/bench_rollout.py counts them): RMSNorm one each (a second for the bf16
+scale, layers.rms_norm), fused GEMMs, RoPE on queries and keys together in place (three), the KV-cache write of
+keys and values in one copy, SDPA over the cache's span (flash without padding), residual adds.
 """
 
 from __future__ import annotations
@@ -24,16 +40,16 @@ from torch.utils.checkpoint import checkpoint
 
 from dllm_fast.models.config import LLaDAConfig
 from dllm_fast.models.kv_cache import KVCache
+from dllm_fast.models.layers import (RMSNorm, apply_rope, apply_rotary, at_least_fp32, attention, fuse_linears,
+                                     padding_bias, projection_outputs, rope_tables, rotary_tables)
 from dllm_fast.validation import data_checks_enabled
 
+# The shared pieces live in layers.py; these names stay importable from here.
+__all__ = ["LORA_TARGETS", "LLaDABlock", "LLaDAModel", "RMSNorm", "apply_rotary", "at_least_fp32", "padding_bias",
+           "rotary_tables"]
 
 # The linear layers of a block, by their official names: LoRA's default targets.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
-
-
-def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
-    """LLaDA runs norms and RoPE in fp32; an fp64 model (gradcheck, exact tests) keeps fp64."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _normal_(weight: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
@@ -61,87 +77,48 @@ def _default_dtype(dtype: torch.dtype):
             raise
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x.to(at_least_fp32(x.dtype))
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
-
-
-def rotary_tables(
-    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, [B, 1, L, head_dim] in `dtype` (fp32, or fp64 for fp64 models), for positions [B, L]."""
-    exponents = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=dtype) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    freqs = position_ids.to(dtype)[..., None] * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on [B, H, L, D], computed in at least fp32 and returned in x's dtype."""
-    wide = x.to(at_least_fp32(x.dtype))
-    first, second = wide.chunk(2, dim=-1)
-    rotated = torch.cat((-second, first), dim=-1)
-    return (wide * cos + rotated * sin).to(x.dtype)
-
-
 class LLaDABlock(nn.Module):
     def __init__(self, config: LLaDAConfig):
         super().__init__()
         d, hidden, kv = config.d_model, config.mlp_hidden_size, config.n_kv_heads * config.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.attn_norm = RMSNorm(d, config.rms_norm_eps)
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, kv, bias=False)
-        self.v_proj = nn.Linear(d, kv, bias=False)
+        fuse_linears(self, "fused_qkv", {"q_proj": d, "k_proj": kv, "v_proj": kv}, d)
         self.attn_out = nn.Linear(d, d, bias=False)
         self.ff_norm = RMSNorm(d, config.rms_norm_eps)
-        self.ff_proj = nn.Linear(d, hidden, bias=False)  # the gate: SiLU applies to it
-        self.up_proj = nn.Linear(d, hidden, bias=False)
+        fuse_linears(self, "fused_gate_up", {"ff_proj": hidden, "up_proj": hidden}, d)  # ff_proj: the gate (SiLU)
         self.ff_out = nn.Linear(hidden, d, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_bias: torch.Tensor | None,
-        cached: tuple[torch.Tensor, torch.Tensor, int | torch.Tensor, int] | None = None,
+        self, x: torch.Tensor, rope: torch.Tensor, attn_bias: torch.Tensor | None,
+        cached: tuple[torch.Tensor, int | torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
-        """`cached` = (keys, values, at, attend): write this call's keys/values at positions [at, at + L) of the
-        layer's cache buffers (`at` an int, or the [L] positions as a tensor) and attend over their first
-        `attend` positions."""
+        """rope: layers.rope_tables of the positions. `cached` = (layer buffer [B, capacity, 2 * n_kv_heads, D] of
+        a KVCache, at, attend): write this call's keys and values at positions [at, at + L) (`at` an int, or the
+        [L] positions as a tensor) and attend over the first `attend` positions."""
         B, L, _ = x.shape
+        H, Hkv = self.n_heads, self.n_kv_heads
         n = self.attn_norm(x)
-        q = self.q_proj(n).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(n).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(n).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = projection_outputs(n, self.fused_qkv, (self.q_proj, self.k_proj, self.v_proj))
+        qkv = qkv.view(B, L, H + 2 * Hkv, self.head_dim)
+        rotated = qkv[:, :, :H + Hkv]
+        if torch.is_grad_enabled() and qkv.requires_grad:
+            rotated = apply_rope(rotated, rope)
+        else:  # in place: keys and values stay side by side in qkv, and one copy writes both to the cache
+            apply_rope(rotated, rope, out=rotated)
+        q, k, v = rotated[:, :, :H], rotated[:, :, H:], qkv[:, :, H + Hkv:]
         if cached is not None:
-            keys, values, at, attend = cached
+            layer, at, attend = cached
             if isinstance(at, torch.Tensor):  # positions on the device: one graph for every block (torch.compile)
-                keys.index_copy_(2, at, k)
-                values.index_copy_(2, at, v)
+                layer.index_copy_(1, at, qkv[:, :, H:])
             else:
-                keys[:, :, at : at + L] = k
-                values[:, :, at : at + L] = v
-            k, v = keys[:, :, :attend], values[:, :, :attend]
-        if self.n_kv_heads != self.n_heads:
-            k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
-            v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
-        att = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, is_causal=False)
+                layer[:, at:at + L] = qkv[:, :, H:]
+            k, v = layer[:, :attend, :Hkv], layer[:, :attend, Hkv:]
+        att = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_bias)
         h = x + self.attn_out(att.transpose(1, 2).reshape(B, L, -1))
         m = self.ff_norm(h)
-        return h + self.ff_out(F.silu(self.ff_proj(m)) * self.up_proj(m))
-
-
-def padding_bias(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, L] mask (1 = real token) -> additive attention bias [B, 1, 1, L]: 0 on real keys, dtype-min on padding."""
-    keep = attention_mask.to(torch.bool)[:, None, None, :]
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+        gate, up = projection_outputs(m, self.fused_gate_up, (self.ff_proj, self.up_proj)).chunk(2, dim=-1)
+        return h + self.ff_out(F.silu(gate) * up)
 
 
 class LLaDAModel(nn.Module):
@@ -247,7 +224,7 @@ class LLaDAModel(nn.Module):
         elif position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected {(B, T)}.")
         x = self.transformer["wte"](input_ids)
-        cos, sin = rotary_tables(position_ids, self.config.head_dim, self.config.rope_theta, at_least_fp32(x.dtype))
+        rope = rope_tables(position_ids, self.config.head_dim, self.config.rope_theta, at_least_fp32(x.dtype))
         bias = None
         if attention_mask is not None:
             if attention_mask.shape != (B, keys_length):
@@ -258,11 +235,11 @@ class LLaDAModel(nn.Module):
             bias = padding_bias(attention_mask, x.dtype)
         for i, block in enumerate(self.transformer["blocks"]):
             if cache is not None:
-                x = block(x, cos, sin, bias, (cache.keys[i], cache.values[i], written, keys_length))
+                x = block(x, rope, bias, (cache.layers[i], written, keys_length))
             elif self.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, bias, use_reentrant=False)
+                x = checkpoint(block, x, rope, bias, use_reentrant=False)
             else:
-                x = block(x, cos, sin, bias)
+                x = block(x, rope, bias)
         return self.transformer["ln_f"](x)
 
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
@@ -276,8 +253,8 @@ class LLaDAModel(nn.Module):
                      attend: int | None) -> int:
         if torch.is_grad_enabled():
             raise RuntimeError("KV caches are for sampling; run the cached forward under torch.no_grad().")
-        if cache.batch != batch or len(cache.keys) != self.config.n_layers:
-            raise ValueError(f"the cache holds {cache.batch} sequences and {len(cache.keys)} layers; the call has "
+        if cache.batch != batch or len(cache.layers) != self.config.n_layers:
+            raise ValueError(f"the cache holds {cache.batch} sequences and {len(cache.layers)} layers; the call has "
                              f"{batch} sequences and the model {self.config.n_layers} layers.")
         if isinstance(start, torch.Tensor):
             if start.dim() != 0 or start.is_floating_point() or attend is None:

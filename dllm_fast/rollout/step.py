@@ -95,7 +95,7 @@ class RolloutState:
         """Every buffer the steps write in place (CUDA graphs need their addresses fixed)."""
         written = [self.canvas, self.counters, self.not_finite, self.unmask_step]
         if self.kv is not None:
-            written += list(self.kv.keys) + list(self.kv.values)
+            written += self.kv.tensors()
         return [tensor for tensor in written if tensor is not None]
 
 
