@@ -88,7 +88,7 @@ class Run:
         # device's free memory before the weights take their share of it.
         micro_batch = config.micro_batch
         if micro_batch == AUTO:
-            micro_batch, note = auto_micro_batch(config, self.objective, self.device, ranks)
+            micro_batch, note = auto_micro_batch(config, self.device, ranks)
             self.setup_notes += [note] if self.device.type == "cuda" else []
         if self.compiled_rollouts:
             self.setup_notes.append(f"--compile {str(config.compile).lower()}: rollouts compiled; the first step "
@@ -195,31 +195,18 @@ class Run:
 # Setup helpers
 
 
-def auto_micro_batch(config: TrainConfig, objective, device: torch.device, ranks: Ranks) -> tuple[int, str]:
+def auto_micro_batch(config: TrainConfig, device: torch.device, ranks: Ranks) -> tuple[int, str]:
     """--micro-batch auto: (the micro-batch, a line saying how it was chosen). On CPU the default; on CUDA the
     planner's fit (dllm_fast.train.micro_batch), the smallest over the ranks so that all cut pairs alike."""
     if device.type != "cuda":
         return DEFAULT_MICRO_BATCH, f"--micro-batch auto: {DEFAULT_MICRO_BATCH} on {device.type}"
     from dllm_fast.train.micro_batch import fitted_micro_batch
 
-    check_micro_batch_invariant(objective, config.objective)
     micro_batch, note = fitted_micro_batch(config, device)
     fitted = min(ranks.gather(micro_batch))
     if fitted != micro_batch:
         note += f"; {fitted} on every rank (the smallest fit)"
     return fitted, note
-
-
-def check_micro_batch_invariant(objective, name: str) -> None:
-    """A memory setting must not change the loss: an objective that normalises per micro-batch of the call's
-    micro-batch (micro_batch_rows None) is refused with an automatic micro-batch."""
-    dependence = objective.micro_batch_dependence()
-    if dependence:
-        raise ValueError(f"--micro-batch auto picks the micro-batch from the GPU's free memory, but objective {name} "
-                         f"takes its {dependence} from the micro-batch (micro_batch_rows is None), so the memory "
-                         "would change the loss. Fix the normalisation micro-batch with --objective-options "
-                         "'{\"micro_batch_rows\": 8}' (sequences per normalisation micro-batch), or give "
-                         "--micro-batch a number.")
 
 
 def load_model_and_tokenizer(config: TrainConfig, device: torch.device | str):
