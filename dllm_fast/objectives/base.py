@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from dllm_fast.contracts import RolloutBatch, block_length, check_reference_model, unwrap_model
-from dllm_fast.likelihood import MonteCarloMasks, sample_masks, score, streaming_backward
+from dllm_fast.likelihood import MonteCarloMasks, Separable, sample_masks, score, streaming_backward
 from dllm_fast.likelihood.gradients import all_or_nothing
 from dllm_fast.likelihood.masks import COUNT_MODES, SAMPLERS
 from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
@@ -367,13 +367,13 @@ class Objective:
             with torch.no_grad():
                 lp_ref = self._score_reference(model, ref_model, batch, masks, batching)
         inputs = self._loss_inputs(batch, masks, update.lp_old, lp_ref)
-        engine = dict(micro_batch=batching, attention_mask=batch.attention_mask, return_lp=True, hooks=hooks)
+        engine = dict(micro_batch=batching, attention_mask=batch.attention_mask, hooks=hooks)
 
         def run() -> ObjectiveOutput:
             if self.separable and update.lp is None:  # a known current lp goes through the two-pass route
                 value, lp_now = streaming_backward(
-                    model, batch.sequences, masks, lambda rows, n, j: self.pair_loss(rows, n, j, inputs),
-                    separable=True, **engine)
+                    model, batch.sequences, masks, Separable(lambda rows, n, j: self.pair_loss(rows, n, j, inputs)),
+                    **engine)
             else:
                 value, lp_now = streaming_backward(model, batch.sequences, masks, lambda x: self.loss(x, inputs),
                                                    lp=update.lp, **engine)
@@ -398,8 +398,7 @@ class Objective:
 
 def _score(model, batch: RolloutBatch, masks: MonteCarloMasks, batching: MicroBatching) -> torch.Tensor:
     """A policy's lp on the batch's masks without a graph, in the no-grad scoring calls' micro-batches."""
-    return score(model, batch.sequences, masks, micro_batch=batching.scoring, attention_mask=batch.attention_mask,
-                 chunk_size=batching.chunk_size, compile=batching.compile)
+    return score(model, batch.sequences, masks, micro_batch=batching, attention_mask=batch.attention_mask)
 
 
 def _check_batch(batch) -> None:
