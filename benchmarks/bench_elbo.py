@@ -20,7 +20,7 @@ all-or-nothing guarantee then keeps one copy). Providers, side by side:
     all_graphs  the same graph but through the fused LM head (dllm_fast.likelihood.score, one micro-batch):
                 an honest baseline for the streaming paths, which use the same scoring;
     two_pass    dllm_fast.likelihood.streaming_backward on the same objective, `--micro-batch` pairs per graph;
-    separable   streaming_backward(separable=True) on BGPO's per-sample linear bound (BGPO Eq. 13);
+    separable   streaming_backward(Separable(terms)) on BGPO's per-sample linear bound (BGPO Eq. 13);
     compiled    two_pass with MicroBatching(compile=True): each micro-batch's forward and pass 2's backward as
                 torch.compile(fullgraph=True) graphs (inductor), pairs and scored rows padded to power-of-two
                 buckets; its warm-up also runs the point's own masks, so that every bucket is compiled before
@@ -71,7 +71,7 @@ from pathlib import Path
 import torch
 
 from dllm_fast import reference
-from dllm_fast.likelihood import MicroBatching, elbo, sample_masks, score, streaming_backward
+from dllm_fast.likelihood import MicroBatching, Separable, elbo, sample_masks, score, streaming_backward
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 from dllm_fast.testing.syncs import SyncCounter
 from dllm_fast.train.metrics import compile_seconds
@@ -190,8 +190,7 @@ def two_pass(case: Case, masks, batching: MicroBatching) -> None:
 
 
 def separable(case: Case, masks, batching: MicroBatching) -> None:
-    streaming_backward(case.model, case.sequences, masks, bgpo_bound(masks), micro_batch=batching.micro_batch,
-                       separable=True)
+    streaming_backward(case.model, case.sequences, masks, Separable(bgpo_bound(masks)), micro_batch=batching)
 
 
 def compiled(case: Case, masks, batching: MicroBatching) -> None:

@@ -137,7 +137,7 @@ def elbo_demo(model, sequences, prompt: int, n_t: int) -> None:
                 value = objective(likelihood.score(model, sequences, masks, micro_batch=n_t))
                 value.backward()
             else:
-                value = likelihood.streaming_backward(model, sequences, masks, objective, micro_batch=1)
+                value, _ = likelihood.streaming_backward(model, sequences, masks, objective, micro_batch=1)
         seconds = time.perf_counter() - start
         norm = torch.sqrt(sum(p.grad.square().sum() for p in model.parameters() if p.grad is not None))
         say(f"\r  {name:>10}: value {value.item():.6f}, gradient norm {norm.item():.6f}, {seconds:5.2f} s, "

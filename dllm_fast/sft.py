@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from dllm_fast.likelihood import MonteCarloMasks, elbo, score
+from dllm_fast.likelihood import MicroBatching, MonteCarloMasks, elbo, score
 from dllm_fast.tasks.encoding import encode_prompts
 from dllm_fast.validation import check_float, check_int
 
@@ -108,6 +108,6 @@ def sft_loss(model, sequences: torch.Tensor, masks: MonteCarloMasks, *, attentio
     if masks.n_t != 1:
         raise ValueError(f"masks has n_t={masks.n_t} samples per sequence; the SFT loss takes one (draw_sft_masks).")
     N = masks.num_sequences
-    lp = score(model, sequences, masks, micro_batch=micro_batch or N, attention_mask=attention_mask,
-               chunk_size=chunk_size)
+    batching = MicroBatching(micro_batch or N, chunk_size=chunk_size)
+    lp = score(model, sequences, masks, micro_batch=batching, attention_mask=attention_mask)
     return -(elbo(lp, masks) / masks.completion_length).mean()

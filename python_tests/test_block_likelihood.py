@@ -12,8 +12,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, completion_mask
-from dllm_fast.likelihood import (MicroBatching, compiled as compiled_module, elbo, eubo, sample_masks, score,
-                                  streaming_backward, token_estimate)
+from dllm_fast.likelihood import (MicroBatching, Separable, compiled as compiled_module, elbo, eubo, sample_masks,
+                                  score, streaming_backward, token_estimate)
 from dllm_fast.testing.memory import track_allocations
 from dllm_fast.models import LLaDAConfig, LLaDAModel, SDARConfig, SDARModel
 from dllm_fast.reference import likelihood as reference_likelihood, sdar as reference
@@ -96,7 +96,7 @@ def test_compiled_scoring_equals_eager(monkeypatch):
     masks = draw(sequences, mask, "block_elbo")
     with torch.no_grad():
         eager = score(model, sequences, masks, micro_batch=16, attention_mask=mask)
-        compiled = score(model, sequences, masks, micro_batch=16, attention_mask=mask, compile=True)
+        compiled = score(model, sequences, masks, micro_batch=MicroBatching(16, compile=True), attention_mask=mask)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     assert count.frame_count == 1
     torch._dynamo.reset()
@@ -123,10 +123,10 @@ def test_the_engine_gradient_equals_fp64_autograd_through_per_block_scoring(sepa
     loss = pair_objective(lp.view(N * 3, L), torch.arange(N).repeat_interleave(3), None) if separable else objective(lp)
     loss.backward()
     if separable:
-        value = streaming_backward(model, sequences, masks, pair_objective, micro_batch=2, attention_mask=mask,
-                                   separable=True)
+        value, _ = streaming_backward(model, sequences, masks, Separable(pair_objective), micro_batch=2,
+                                      attention_mask=mask)
     else:
-        value = streaming_backward(model, sequences, masks, objective, micro_batch=2, attention_mask=mask)
+        value, _ = streaming_backward(model, sequences, masks, objective, micro_batch=2, attention_mask=mask)
     torch.testing.assert_close(value, loss.detach(), rtol=0, atol=1e-10)
     for (name, p), q in zip(model.named_parameters(), expected_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10, msg=name)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dllm_fast import likelihood, reference
-from dllm_fast.likelihood import BackwardHooks, MicroBatching, elbo, eubo, mixture, sample_masks, score, streaming_backward
+from dllm_fast.likelihood import (BackwardHooks, MicroBatching, Separable, elbo, eubo, mixture, sample_masks, score,
+                                  streaming_backward)
 from dllm_fast.memory import track_live_saved_tensors
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 
@@ -58,9 +59,10 @@ def naive_gradient(model, sequences, masks, objective, attention_mask):
     return loss.detach(), torch.autograd.grad(loss, trainable(model))
 
 
-def engine_gradient(model, sequences, masks, objective, attention_mask, **kwargs):
+def engine_gradient(model, sequences, masks, objective, attention_mask, *, separable=False, **kwargs):
     model.zero_grad(set_to_none=True)
-    value = streaming_backward(model, sequences, masks, objective, attention_mask=attention_mask, **kwargs)
+    value, _ = streaming_backward(model, sequences, masks, Separable(objective) if separable else objective,
+                                  attention_mask=attention_mask, **kwargs)
     return value, [p.grad.clone() for p in trainable(model)]
 
 
@@ -258,15 +260,14 @@ def test_lora_with_dropout_gives_the_exact_gradient_of_the_drawn_masks(checkpoin
 
 
 @pytest.mark.parametrize("separable", [False, True])
-def test_return_lp_gives_the_scored_log_probs(separable):
+def test_the_returned_lp_is_the_scored_log_probs(separable):
     model = tiny_model()
     sequences, attention_mask = rollouts(model)
     masks = draw(model, sequences, "block", n_t=3)
     with torch.no_grad():
         want = score(model, sequences, masks, micro_batch=4, attention_mask=attention_mask)
-    objective = (lambda lp, n, j: -lp.sum()) if separable else (lambda lp: -torch.exp(lp.sum(-1) / 10).sum())
-    value, lp = streaming_backward(model, sequences, masks, objective, micro_batch=2, separable=separable,
-                                   attention_mask=attention_mask, return_lp=True)
+    objective = Separable(lambda lp, n, j: -lp.sum()) if separable else (lambda lp: -torch.exp(lp.sum(-1) / 10).sum())
+    value, lp = streaming_backward(model, sequences, masks, objective, micro_batch=2, attention_mask=attention_mask)
     assert not lp.requires_grad and lp.shape == want.shape
     torch.testing.assert_close(lp, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(value, -want.sum() if separable else -torch.exp(want.sum(-1) / 10).sum())
@@ -356,11 +357,11 @@ def test_works_under_no_grad_and_objective_without_lp_dependence():
     sequences, attention_mask = rollouts(model)
     masks = draw(model, sequences, "mean_field", n_t=1)
     with torch.no_grad():
-        value = streaming_backward(model, sequences, masks, lambda lp: -likelihood.mean_field(lp, masks).sum(),
-                                   micro_batch=2, attention_mask=attention_mask)
+        value, _ = streaming_backward(model, sequences, masks, lambda lp: -likelihood.mean_field(lp, masks).sum(),
+                                      micro_batch=2, attention_mask=attention_mask)
     assert model.lm_head_weight.grad is not None
     model.zero_grad(set_to_none=True)
-    constant = streaming_backward(model, sequences, masks, lambda lp: torch.tensor(2.0), micro_batch=2)
+    constant, _ = streaming_backward(model, sequences, masks, lambda lp: torch.tensor(2.0), micro_batch=2)
     assert constant.item() == 2.0 and model.lm_head_weight.grad is None
     assert value.item() > 0
 
@@ -377,9 +378,8 @@ def test_saved_memory_is_independent_of_n_t():
                 if name == "naive":
                     reference.likelihood.score_naive(model, sequences, masks).sum().backward()
                 else:
-                    objective = (lambda lp, n, j: lp.sum()) if name == "separable" else (lambda lp: lp.sum())
-                    streaming_backward(model, sequences, masks, objective, micro_batch=1,
-                                       separable=name == "separable")
+                    objective = Separable(lambda lp, n, j: lp.sum()) if name == "separable" else (lambda lp: lp.sum())
+                    streaming_backward(model, sequences, masks, objective, micro_batch=1)
             peaks[name, n_t] = saved.peak
     for name in ("two_pass", "separable"):
         assert peaks[name, 8] <= 1.05 * peaks[name, 1], peaks
@@ -406,8 +406,8 @@ def test_bad_input_names_the_value():
     with pytest.raises(ValueError, match=r"must return a 0-dim tensor .* got float"):
         run(lambda lp: 1.0)
     with pytest.raises(ValueError, match=r"objective\(lp_pairs, \.\.\.\) must return a 0-dim tensor"):
-        run(lambda lp, n, j: lp.sum(-1), separable=True)
-    with pytest.raises(TypeError, match="objective must be callable, got str"):
+        run(Separable(lambda lp, n, j: lp.sum(-1)))
+    with pytest.raises(TypeError, match=r"objective must be callable \(or Separable\(terms\)\), got str"):
         run("elbo")
     with pytest.raises(FloatingPointError, match=r"objective\(lp\) is inf; no gradient was kept"):
         run(lambda lp: torch.exp(1000 * elbo(lp, masks).neg()).sum())
@@ -479,8 +479,8 @@ def test_known_lp_is_checked():
         streaming_backward(model, sequences, masks, lambda lp: -lp.sum(), micro_batch=2, lp=lp_other)
     with pytest.raises(ValueError, match=r"lp must be \[N, n_t, L\]"):
         streaming_backward(model, sequences, masks, lambda lp: -lp.sum(), micro_batch=2, lp=lp_other[:2])
-    with pytest.raises(ValueError, match="lp= skips pass 1, which separable=True does not run"):
-        streaming_backward(model, sequences, masks, lambda lp, n, j: -lp.sum(), micro_batch=2, separable=True,
+    with pytest.raises(ValueError, match="lp= skips pass 1, which a Separable objective does not run"):
+        streaming_backward(model, sequences, masks, Separable(lambda lp, n, j: -lp.sum()), micro_batch=2,
                            lp=torch.zeros(3, 4, L, dtype=torch.float64))
     dropout = DropoutModel(model, p=0.5).train()
     with pytest.raises(ValueError, match="active dropout: pass 2 cannot replay"):
@@ -557,10 +557,9 @@ def test_a_failure_midway_leaves_gradients_untouched(separable, error):
     before = grads(inner)
     forwards_before_failure = 2 if separable else 12 // 4 + 2  # pass 1 (3 calls of 4), then pass 2's second call
     model = FailingModel(inner, fail_at=forwards_before_failure, error=error)
-    objective = (lambda lp, n, j: -lp.sum()) if separable else (lambda lp: -lp.sum())
+    objective = Separable(lambda lp, n, j: -lp.sum()) if separable else (lambda lp: -lp.sum())
     with pytest.raises(type(error)):
-        streaming_backward(model, sequences, masks, objective, micro_batch=4, attention_mask=attention_mask,
-                           separable=separable)
+        streaming_backward(model, sequences, masks, objective, micro_batch=4, attention_mask=attention_mask)
     assert same_grads(grads(inner), before)
 
 
@@ -613,14 +612,13 @@ def test_an_interrupt_at_every_boundary_leaves_gradients_bit_identical(path, on_
     with torch.no_grad():
         lp = score(inner, sequences, masks, micro_batch=12, attention_mask=attention_mask)
     separable = path == "separable"
-    objective = (lambda rows, n, j: -torch.exp(rows.sum(-1) / 10).sum()) if separable else (
+    objective = Separable(lambda rows, n, j: -torch.exp(rows.sum(-1) / 10).sum()) if separable else (
         lambda x: -torch.exp(elbo(x, masks) / 10).sum())
 
     def call(interrupter):
         backward = torch.Tensor.backward if path == "host_backward" else None
         return streaming_backward(interrupter.wrap(inner), sequences, masks, objective, micro_batch=5,
-                                  attention_mask=attention_mask, separable=separable,
-                                  lp=lp if path == "two_pass_lp" else None,
+                                  attention_mask=attention_mask, lp=lp if path == "two_pass_lp" else None,
                                   hooks=BackwardHooks(sync_gradients=False, grad_sync=interrupter.grad_sync,
                                                       backward=backward))
 
@@ -682,7 +680,7 @@ def test_non_finite_objective_values_leave_gradients_untouched():
 
     with pytest.raises(FloatingPointError, match=r"objective\(lp_pairs, \.\.\.\) is nan on pairs \(sequence, "
                                                  r"sample\) \(1, 0\)"):
-        streaming_backward(model, sequences, masks, nan_on_second_batch, micro_batch=4, separable=True)
+        streaming_backward(model, sequences, masks, Separable(nan_on_second_batch), micro_batch=4)
     assert same_grads(grads(model), before)
     with pytest.raises(ZeroDivisionError):
         streaming_backward(model, sequences, masks, lambda lp: 1 / 0, micro_batch=4)
@@ -740,8 +738,8 @@ def test_only_the_last_backward_of_a_call_synchronises(separable, sync_gradients
         backwards.append(counter.depth == 0)  # True: this backward all-reduces
         loss.backward()
 
-    objective = (lambda lp, n, j: -lp.sum()) if separable else (lambda lp: -lp.sum())
-    streaming_backward(model, sequences, masks, objective, micro_batch=5, separable=separable,
+    objective = Separable(lambda lp, n, j: -lp.sum()) if separable else (lambda lp: -lp.sum())
+    streaming_backward(model, sequences, masks, objective, micro_batch=5,
                        hooks=BackwardHooks(sync_gradients=sync_gradients, grad_sync=counter, backward=backward))
     assert len(backwards) == 3  # 12 pairs in micro-batches of 5
     assert backwards == forwards == [False, False, sync_gradients]
@@ -757,8 +755,8 @@ def test_a_rank_with_nothing_to_backpropagate_still_joins_the_all_reduce():
         backwards.append(counter.depth == 0)
         loss.backward()
 
-    value = streaming_backward(model, sequences, masks, lambda lp: 0 * lp.sum(), micro_batch=5,
-                               hooks=BackwardHooks(grad_sync=counter, backward=backward))
+    value, _ = streaming_backward(model, sequences, masks, lambda lp: 0 * lp.sum(), micro_batch=5,
+                                  hooks=BackwardHooks(grad_sync=counter, backward=backward))
     assert value.item() == 0 and backwards == [True]
     assert all(p.grad is None or not p.grad.any() for p in trainable(model))
 

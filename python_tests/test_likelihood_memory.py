@@ -12,7 +12,7 @@ import torch
 
 from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, completion_mask
-from dllm_fast.likelihood import BackwardHooks, MicroBatching, elbo, sample_masks, streaming_backward
+from dllm_fast.likelihood import BackwardHooks, MicroBatching, Separable, elbo, sample_masks, streaming_backward
 from dllm_fast.testing.memory import track_allocations
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 from dllm_fast.objectives import InnerUpdate
@@ -67,8 +67,8 @@ def two_pass(model, sequences, masks, **hooks):
 
 
 def separable(model, sequences, masks):
-    return lambda: streaming_backward(model, sequences, masks, lambda lp, n, j: -lp.sum(), micro_batch=BATCHING,
-                                      separable=True)
+    return lambda: streaming_backward(model, sequences, masks, Separable(lambda lp, n, j: -lp.sum()),
+                                      micro_batch=BATCHING)
 
 
 @pytest.mark.parametrize("path", ["two_pass", "two_pass_host_backward", "separable"])

@@ -14,8 +14,8 @@ from dllm_fast.likelihood import MonteCarloMasks
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny(objective, scored, rewards, group_size=2, weight=None, counted=None, micro_batch=None, lp_old=None,
-         lp_ref=None, t=None):
+def tiny(objective, scored, rewards, group_size=2, weight=None, counted=None, lp_old=None, lp_ref=None,
+         t=None):
     """LossInputs for hand-built masks: scored [N, n_t, L] is what each sample masks (prompt length 0), weights 1
     unless given; counted defaults to every position some sample scores."""
     scored = torch.tensor(scored, dtype=torch.bool)
@@ -27,7 +27,7 @@ def tiny(objective, scored, rewards, group_size=2, weight=None, counted=None, mi
                             num_masked=scored.sum(-1), prompt_length=0, sampler=objective.config.sampler)
     batch = RolloutBatch(torch.zeros(N, L, dtype=torch.long), None, 0, counted.clone(),
                          torch.tensor(rewards, dtype=torch.float32), group_size)
-    return objective.prepare(batch, masks, lp_old=lp_old, lp_ref=lp_ref, micro_batch=micro_batch)
+    return objective.prepare(batch, masks, lp_old=lp_old, lp_ref=lp_ref)
 
 
 def lp_of(values):
@@ -59,10 +59,6 @@ def test_d1_normalised_per_micro_batch():
     value, coef = value_and_coef(per_micro, tiny(per_micro, FOUR_ROWS, [1, 0, 1, 0]), lp)
     assert value == pytest.approx(-1 / 12, abs=1e-15)
     assert coef[1, 0, 0].item() == pytest.approx(1 / 12, abs=1e-15)
-    # rows from the call: micro_batch 2 pairs with n_t = 1 is 2 sequences, the same split
-    from_call = objectives.get("diffu_grpo", beta=0.0, normalize_per="micro_batch")
-    assert value_and_coef(from_call, tiny(from_call, FOUR_ROWS, [1, 0, 1, 0], micro_batch=2), lp)[0] == \
-        pytest.approx(-1 / 12, abs=1e-15)
 
 
 def test_d1_dual_clip_and_std_scaled_advantage():

@@ -30,12 +30,11 @@ ARGS = {  # which constants each reference twin takes, and the config options it
     "gdpo": (("lp_old",), ("epsilon_low", "epsilon_high", "scale_rewards")),
     "tracerl": (("lp_old",), ("epsilon", "beta")),
 }
-MICRO_BATCH = 8  # pairs per backward graph in the value tests: with n_t = 4, micro-batches of 2 sequences
 VARIANTS = [  # (name, overrides): every default, plus each documented option
     *[(name, {}) for name in NAMES],
     ("diffu_grpo", {"normalization": "sequence", "epsilon": 0.05}),
     ("diffu_grpo", {"beta": 0.0}),
-    ("diffu_grpo", {"normalize_per": "micro_batch"}),
+    ("diffu_grpo", {"normalize_per": "micro_batch", "micro_batch_rows": 2}),
     ("diffu_grpo", {"normalize_per": "micro_batch", "normalization": "sequence", "micro_batch_rows": 3,
                     "dual_clip": 1.5, "scale_rewards": True, "epsilon": 0.05}),
     ("diffu_grpo", {"preset": "dare"}),
@@ -44,13 +43,13 @@ VARIANTS = [  # (name, overrides): every default, plus each documented option
     ("vrpo_ol", {"scale_rewards": False}),
     ("bgpo", {"scale": "padded_length", "clip_epsilon": 0.2, "dual_clip": 3.0}),
     ("bgpo", {"scale": "response_length", "clip_epsilon": 0.05}),
-    ("bgpo", {"aggregation": "length_weighted"}),
+    ("bgpo", {"aggregation": "length_weighted", "micro_batch_rows": 2}),
     ("bgpo", {"preset": "dare", "micro_batch_rows": 3}),
     ("spg", {"bound": "eubo", "beta": 1.5}),
     ("spg", {"bound": "elbo"}),
     ("spg", {"bound": "zero"}),
     ("spg", {"normalization": "token"}),
-    ("spg", {"normalization": "token", "normalize_per": "micro_batch"}),
+    ("spg", {"normalization": "token", "normalize_per": "micro_batch", "micro_batch_rows": 2}),
     ("spg", {"normalize_per": "micro_batch", "micro_batch_rows": 3, "preset": "sudoku"}),
     ("espo", {"advantage": "leave_one_out", "epsilon_low": 0.01, "epsilon_high": 0.02, "beta": 0.1}),
     ("espo", {"count": "eos"}),  # the ratio is still normalised by the fixed width L, not the response length
@@ -58,9 +57,10 @@ VARIANTS = [  # (name, overrides): every default, plus each documented option
     ("espo", {"kl_estimator": "k3", "length": "counted", "beta": 0.1, "count": "eos"}),
     ("espo", {"preset": "countdown"}),
     ("rspo", {"center": "group", "scale_rewards": True, "lam": 0.5}),
-    ("rspo", {"center": "micro_batch", "lam": 0.5}),
+    ("rspo", {"center": "micro_batch", "micro_batch_rows": 2, "lam": 0.5}),
     ("rspo", {"center": "micro_batch", "micro_batch_rows": 3}),
-    ("coupled_grpo", {"normalize_per": "micro_batch", "advantage": "mean", "scale_rewards": True}),
+    ("coupled_grpo", {"normalize_per": "micro_batch", "micro_batch_rows": 2, "advantage": "mean",
+                      "scale_rewards": True}),
     ("coupled_grpo", {"beta": 0.0, "epsilon": 0.1}),
     ("gdpo", {"quadrature_points": 2, "scale_rewards": True, "epsilon_low": 0.05}),
     ("tracerl", {"shrink": 2}),
@@ -121,9 +121,8 @@ def reference_loss(objective, lp, inputs):
     takes, options = ARGS[objective.name]
     constants = {"lp_old": inputs.lp_old, "lp_ref": inputs.lp_ref}
     kwargs = {name: getattr(objective.config, name) for name in options}
-    if hasattr(objective.config, "micro_batch_rows"):  # the documented rule: given rows, else the call's pairs / n_t
-        rows = objective.config.micro_batch_rows
-        kwargs["rows"] = rows if rows is not None else max(1, inputs.micro_batch // inputs.masks.n_t)
+    if hasattr(objective.config, "micro_batch_rows"):  # the objective's own rows (None: the whole batch)
+        kwargs["rows"] = objective.config.micro_batch_rows
     function = getattr(reference.objectives, objective.name)
     return function(lp, inputs.masks, inputs.batch.rewards, inputs.batch.group_size,
                     **{k: constants[k] for k in takes}, **kwargs)
@@ -143,7 +142,7 @@ def test_loss_matches_the_reference_twin_in_value_and_lp_gradient(name, override
     batch = rollout_batch(model)
     masks = draw(objective, model, batch)
     lp_old, lp_ref = constants(objective, masks, on_policy)
-    inputs = objective.prepare(batch, masks, lp_old=lp_old, lp_ref=lp_ref, micro_batch=MICRO_BATCH)
+    inputs = objective.prepare(batch, masks, lp_old=lp_old, lp_ref=lp_ref)
     lp = random_lp(masks, 10).requires_grad_(True)
     value = objective.loss(lp, inputs)
     (grad,) = torch.autograd.grad(value, lp)
@@ -177,7 +176,7 @@ def test_engine_gradient_equals_naive_autograd(name, overrides):
                        attention_mask=batch.attention_mask)
         lp_ref = score(perturbed(model, seed=4), batch.sequences, masks, micro_batch=16,
                        attention_mask=batch.attention_mask) if objective.needs_reference else None
-    inputs = objective.prepare(batch, masks, lp_old=lp_old, lp_ref=lp_ref, micro_batch=3)
+    inputs = objective.prepare(batch, masks, lp_old=lp_old, lp_ref=lp_ref)
     naive = objective.loss(reference.likelihood.score_naive(model, batch.sequences, masks, batch.attention_mask),
                            inputs)
     want = torch.autograd.grad(naive, trainable(model))
@@ -253,8 +252,7 @@ def test_head_gradient_in_the_forward_equals_the_ordinary_ops_gradient_fp32(name
                        attention_mask=batch.attention_mask)
         lp_ref = score(perturbed(model, seed=4), batch.sequences, masks, micro_batch=16,
                        attention_mask=batch.attention_mask) if objective.needs_reference else None
-    # micro_batch=3 as the engine runs below: options that normalise per micro-batch see the same groups
-    inputs = objective.prepare(batch, masks, lp_old=lp_old, lp_ref=lp_ref, micro_batch=3)
+    inputs = objective.prepare(batch, masks, lp_old=lp_old, lp_ref=lp_ref)
     ordinary = objective.loss(score(model, batch.sequences, masks, micro_batch=3,
                                     attention_mask=batch.attention_mask), inputs)
     want = torch.autograd.grad(ordinary, trainable(model))

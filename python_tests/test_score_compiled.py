@@ -13,7 +13,8 @@ import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from dllm_fast.likelihood import MicroBatching, active_pairs, compiled as compiled_module, sample_masks, score, streaming_backward
+from dllm_fast.likelihood import (MicroBatching, Separable, active_pairs, compiled as compiled_module, sample_masks,
+                                  score, streaming_backward)
 from test_likelihood_engine import perturbed, tiny_model
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("one_thread")]
@@ -62,8 +63,8 @@ def test_scoring_compiles_once_and_never_recompiles_across_micro_batches_calls_a
     def lp(index, compile):
         sequences, attention_mask, _ = calls[index]
         with torch.no_grad():
-            return score(model, sequences, masks[index], micro_batch=N_T, attention_mask=attention_mask,
-                         compile=compile)
+            return score(model, sequences, masks[index], micro_batch=MicroBatching(N_T, compile=compile),
+                         attention_mask=attention_mask)
 
     compiled = [lp(0, True)]
     assert counter.frame_count == 1
@@ -90,7 +91,8 @@ def test_random_masks_compile_one_graph_per_bucket(counter):
             buckets.add((pairs, compiled_module.bucket(int(masks.scored.flatten(0, 1)[batch].sum()), pairs * L)))
             micro_batches += 1
         with torch.no_grad():
-            got = score(model, sequences, masks, micro_batch=4, attention_mask=attention_mask, compile=True)
+            got = score(model, sequences, masks, micro_batch=MicroBatching(4, compile=True),
+                        attention_mask=attention_mask)
             want = score(model, sequences, masks, micro_batch=4, attention_mask=attention_mask)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert counter.frame_count == len(buckets) <= micro_batches // 2
@@ -131,9 +133,10 @@ def test_streaming_backward_gradients_equal_eager(counter, separable):
             masks = stratified(sequences, seed)
             objective = objectives(policy, sequences, masks, attention_mask)[separable]
             with torch._dynamo.config.patch(error_on_recompile=call > 0):
-                values.append(streaming_backward(policy, sequences, masks, objective, separable=separable,
+                values.append(streaming_backward(policy, sequences, masks,
+                                                 Separable(objective) if separable else objective,
                                                  micro_batch=MicroBatching(N_T, compile=compile),
-                                                 attention_mask=attention_mask))
+                                                 attention_mask=attention_mask).value)
         results.append((values, [p.grad for p in policy.parameters()]))
     assert counter.frame_count == (1 if separable else 2)
     (values, grads), (eager_values, eager_grads) = results
@@ -153,7 +156,7 @@ def test_inductor_compiled_engine_equals_eager():
     results = []
     for compile in (True, False):
         policy = copy.deepcopy(model)
-        value, lp = streaming_backward(policy, sequences, masks, objective, return_lp=True,
+        value, lp = streaming_backward(policy, sequences, masks, objective,
                                        micro_batch=MicroBatching(N_T, compile=compile), attention_mask=attention_mask)
         results.append((value, lp, [p.grad for p in policy.parameters()]))
     torch._dynamo.reset()
@@ -175,7 +178,7 @@ def test_compile_with_active_dropout_in_the_two_pass_engine_is_refused():
     with pytest.raises(TypeError, match="compile='yes' must be True or False"):
         MicroBatching(3, compile="yes")
     with pytest.raises(TypeError, match="compile=1 must be True or False"):
-        score(model, sequences, masks, micro_batch=3, compile=1)
+        MicroBatching(3, compile=1)
 
 
 def test_compiled_micro_batches_read_nothing_back_either(counter, monkeypatch):

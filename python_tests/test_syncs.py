@@ -170,7 +170,7 @@ def engine_case():
 
 @pytest.mark.parametrize("micro_batch", [1, 5, 64])
 def test_the_engine_syncs_a_fixed_number_of_times_per_call_and_never_per_micro_batch(micro_batch, one_thread):
-    from dllm_fast.likelihood import elbo, score, streaming_backward
+    from dllm_fast.likelihood import Separable, elbo, score, streaming_backward
 
     model, sequences, masks = engine_case()
     batches = -(-int((masks.num_masked > 0).sum()) // micro_batch)
@@ -185,8 +185,7 @@ def test_the_engine_syncs_a_fixed_number_of_times_per_call_and_never_per_micro_b
     assert two_pass.count == ENGINE_BOUNDARY + 2 * PER_PASS + TWO_PASS_CHECKS + 2 * batches * PER_MICRO_BATCH, \
         two_pass.by_site()
     with SyncCounter() as separable:
-        streaming_backward(model, sequences, masks, lambda lp, n, j: lp.sum(), micro_batch=micro_batch,
-                           separable=True)
+        streaming_backward(model, sequences, masks, Separable(lambda lp, n, j: lp.sum()), micro_batch=micro_batch)
     assert separable.count == ENGINE_BOUNDARY + PER_PASS + SEPARABLE_CHECKS + batches * PER_MICRO_BATCH, \
         separable.by_site()
     with torch.no_grad(), SyncCounter() as scoring:

@@ -132,8 +132,7 @@ def fit_config(**overrides):
 def test_micro_batch_auto_is_the_default_and_64_on_cpu():
     config = fit_config()
     assert config.micro_batch == "auto"
-    objective = objectives.get(config.objective)
-    assert run_module.auto_micro_batch(config, objective, torch.device("cpu"), Ranks())[0] == 64
+    assert run_module.auto_micro_batch(config, torch.device("cpu"), Ranks())[0] == 64
 
 
 def test_micro_batch_auto_on_cuda_is_the_planners_largest_that_fits_with_a_margin(monkeypatch):
@@ -147,8 +146,7 @@ def test_micro_batch_auto_on_cuda_is_the_planners_largest_that_fits_with_a_margi
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 141 * 10**9))
     config = fit_config()
-    micro_batch, note = run_module.auto_micro_batch(config, objectives.get(config.objective), torch.device("cuda"),
-                                                    Ranks())
+    micro_batch, note = run_module.auto_micro_batch(config, torch.device("cuda"), Ranks())
     assert "NVIDIA H200" in note and f"{fit_module.MARGIN * free / 1e9:.1f} GB" in note
     budget = dataclasses.replace(gpu("h200"), memory=int(fit_module.MARGIN * free))
     assert 2 <= micro_batch < 64
@@ -163,20 +161,20 @@ def test_micro_batch_auto_on_cuda_is_the_planners_largest_that_fits_with_a_margi
                                            ("bgpo", {"aggregation": "length_weighted"}),
                                            ("rspo", {"center": "micro_batch"})])
 def test_an_automatic_micro_batch_never_changes_a_loss_that_normalises_per_micro_batch(name, options, monkeypatch):
-    """Objectives that take their normalisation rows from the micro-batch (micro_batch_rows None) are refused
-    with the GPU's fitted micro-batch, and run with fixed rows; on CPU auto is a fixed 64, which they accept."""
+    """An objective that normalises per micro-batch names its own rows (micro_batch_rows): without them the
+    config is refused, whatever --micro-batch is, and with them the GPU's fitted micro-batch is taken as it is
+    (python_tests/test_micro_batch_invariance.py shows the loss is then the same at every micro-batch)."""
     from dllm_fast.train import micro_batch as fit_module
 
     monkeypatch.setattr(fit_module, "fitted_micro_batch", lambda config, device: (7, "fitted"))
-    config = fit_config(objective=name, objective_options=options)
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    with pytest.raises(ValueError, match=r"micro_batch_rows is None\), so the memory would change the loss.*"
-                                         r"micro_batch_rows"):
-        run_module.auto_micro_batch(config, objectives.get(name, **options), cuda, Ranks())
-    fixed = {**options, "micro_batch_rows": 2}
-    assert run_module.auto_micro_batch(config, objectives.get(name, **fixed), cuda, Ranks())[0] == 7
-    assert run_module.auto_micro_batch(config, objectives.get(name, **options), cpu, Ranks())[0] == 64
-    assert objectives.get(name).micro_batch_dependence() == ""  # each paper's default normalises per batch
+    for micro_batch in ("auto", 4):
+        with pytest.raises(ValueError, match=r"needs micro_batch_rows.*memory micro-batch \(--micro-batch\) never "
+                                             r"changes the loss"):
+            fit_config(objective=name, objective_options=options, micro_batch=micro_batch)
+    config = fit_config(objective=name, objective_options={**options, "micro_batch_rows": 2})
+    assert run_module.auto_micro_batch(config, torch.device("cuda"), Ranks())[0] == 7
+    assert run_module.auto_micro_batch(config, torch.device("cpu"), Ranks())[0] == 64
+    assert objectives.get(name).config.micro_batch_rows is None  # each paper's default normalises per batch
 
 
 # -- --compile auto and a whole step's report ---------------------------------------------------------------

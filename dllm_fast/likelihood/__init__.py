@@ -7,11 +7,12 @@ backward that differentiates any objective of lp in memory independent of n_t.
         lp_old = score(old_model, sequences, masks, micro_batch=8)        # same masks for old, ref, current
     def objective(lp):
         return -(torch.exp(elbo(lp, masks) - elbo(lp_old, masks)) * advantages).mean()
-    value = streaming_backward(model, sequences, masks, objective, micro_batch=1)
-    # or micro_batch=MicroBatching(1, score_micro_batch=8, chunk_size=8192), hooks=BackwardHooks(...)
+    value, lp = streaming_backward(model, sequences, masks, objective, micro_batch=1)
+    # or micro_batch=MicroBatching(1, score_micro_batch=8, chunk_size=8192), hooks=BackwardHooks(...);
+    # a sum of per-(sequence, sample) terms in one pass: streaming_backward(..., Separable(terms), ...)
 """
 
-from dllm_fast.likelihood.engine import streaming_backward
+from dllm_fast.likelihood.engine import BackwardResult, Separable, streaming_backward
 from dllm_fast.likelihood.estimators import elbo, eubo, eubo_per_position, mean_field, mixture, token_estimate
 from dllm_fast.likelihood.masks import (
     COUNT_MODES,
@@ -27,7 +28,9 @@ from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
 __all__ = [
     "COUNT_MODES",
     "SAMPLERS",
+    "Separable",
     "BackwardHooks",
+    "BackwardResult",
     "MicroBatching",
     "MonteCarloMasks",
     "active_pairs",

@@ -86,15 +86,15 @@ def pad_pairs(model, sequences: torch.Tensor, masks: MonteCarloMasks, pairs: tor
     finding them reads nothing back)."""
     n_t, P, L = masks.n_t, masks.prompt_length, masks.completion_length
     core = unwrap_model(model)
-    count = pairs.numel()
-    padded_pairs = torch.cat([pairs, pairs[:1].expand(bucket(count, capacity) - count)])
+    pair_count = pairs.numel()
+    padded_pairs = torch.cat([pairs, pairs[:1].expand(bucket(pair_count, capacity) - pair_count)])
     seq_index, sample_index = padded_pairs // n_t, padded_pairs % n_t
     tokens = sequences[seq_index]
     masked = masks.masked[seq_index, sample_index]
     noisy = tokens.masked_fill(masked, core.mask_token_id)
     mask = None if attention_mask is None else attention_mask[seq_index]
     S = tokens.shape[1]
-    scored = masked[:count, P:] & masks.counted[seq_index[:count]]
+    scored = masked[:pair_count, P:] & masks.counted[seq_index[:pair_count]]
     if scored_count is None:
         rows, positions = scored.nonzero(as_tuple=True)
     else:
@@ -115,7 +115,7 @@ def pad_pairs(model, sequences: torch.Tensor, masks: MonteCarloMasks, pairs: tor
         noisy=noisy, clean=tokens, attention_mask=mask, hidden_rows=torch.cat([hidden_rows, first(hidden_rows)]),
         targets=torch.cat([targets, first(targets)]),
         slots=torch.cat([slots, slots.new_full((extra,), padded_pairs.numel() * L)]), rows=rows,
-        positions=positions, pairs=count,
+        positions=positions, pairs=pair_count,
         chunk_size=resolve_chunk_size("masked_logprobs", chunk_size, rows_padded, weight.shape[0], weight.device))
 
 

@@ -27,35 +27,56 @@ the same micro-batches, as activation checkpointing does; the gradient stays exa
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
+from dataclasses import dataclass
+from typing import Callable, ContextManager, NamedTuple
 
 import torch
 
 from dllm_fast.contracts import accumulate_dtype, data_parallel, mixed_dtypes_named, unwrap_model
-from dllm_fast.likelihood.compiled import known_gradient_compiled, score_pairs_compiled
+from dllm_fast.likelihood.compiled import known_gradient_compiled
 from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.likelihood.gradients import all_or_nothing, embedding_grads_in_place
 from dllm_fast.likelihood.scoring import (
-    PairBatch, aligned_call_count, check_inputs, ids_checked_once, pair_batches, score_pairs,
+    PairBatch, aligned_call_count, check_inputs, ids_checked_once, pair_batches, score_batch_of_pairs,
     score_pairs_with_known_gradient,
 )
 from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
-from dllm_fast.validation import check_bool
+
+
+@dataclass(frozen=True)
+class Separable:
+    """An objective that is a sum of per-(sequence, sample) terms (BGPO's bound, d1's token terms), which
+    `streaming_backward` differentiates in one pass: `terms(lp_pairs, sequence_index, sample_index) -> 0-dim
+    tensor`, the terms of b pairs whose rows are lp_pairs [b, L] (sequence_index [b], sample_index [b] int64 say
+    which (n, j) each row is). The full objective must be the sum of these calls over any partition of the
+    N * n_t pairs."""
+
+    terms: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def __post_init__(self) -> None:
+        if not callable(self.terms):
+            raise TypeError(f"Separable takes the objective's terms, a callable, got {type(self.terms).__name__}.")
+
+
+class BackwardResult(NamedTuple):
+    """What `streaming_backward` returns: the objective's value (detached 0-dim tensor; fp32, or fp64 for an fp64
+    model) and the current policy's lp [N, n_t, L] (detached), which costs nothing extra."""
+
+    value: torch.Tensor
+    lp: torch.Tensor
 
 
 def streaming_backward(
     model,
     sequences: torch.Tensor,
     masks: MonteCarloMasks,
-    objective: Callable[..., torch.Tensor],
+    objective: Callable[[torch.Tensor], torch.Tensor] | Separable,
     *,
     micro_batch: int | MicroBatching,
     attention_mask: torch.Tensor | None = None,
-    separable: bool = False,
     lp: torch.Tensor | None = None,
-    return_lp: bool = False,
     hooks: BackwardHooks | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> BackwardResult:
     """Backpropagate `objective` of the current policy's lp into the model's `.grad`, micro-batch by micro-batch.
 
     Gradients accumulate into `.grad` of whatever requires grad in `model` (full weights or LoRA adapters),
@@ -68,28 +89,23 @@ def streaming_backward(
         sequences: [N, P + L] token ids, completion in the last L positions.
         masks: stored masks from `sample_masks`; score the old and reference policies on the same object.
         objective:
-            - two-pass (separable=False): `objective(lp) -> 0-dim tensor`, lp [N, n_t, L] (a leaf that requires
-              grad). Any differentiable function: exp of ELBO differences, log-mean-exp EUBO, clipped ratios.
-            - separable=True: `objective(lp_pairs, sequence_index, sample_index) -> 0-dim tensor` where
-              lp_pairs [b, L] are the rows of b pairs, sequence_index [b] and sample_index [b] int64 say which
-              (n, j) each row is (to look up advantages, old lp, weights). The full objective must be the sum of
-              these calls over any partition of the N * n_t pairs, i.e. a sum of per-pair terms. Pairs with
+            - `objective(lp) -> 0-dim tensor`, lp [N, n_t, L] (a leaf that requires grad), on the two-pass path.
+              Any differentiable function: exp of ELBO differences, log-mean-exp EUBO, clipped ratios.
+            - `Separable(terms)`: a sum of per-pair terms (to look up advantages, old lp, weights by pair), on the
+              one-pass path described above, which has no pass 1 (score_micro_batch does not apply). Pairs with
               nothing masked are passed with all-zero rows and no model call.
         micro_batch: (sequence, sample) pairs per recomputed graph, or a `MicroBatching` that also sets pass 1's
-            model calls (score_micro_batch; it must equal micro_batch under active dropout) and the vocabulary
-            chunk of the fused LM head. Peak memory scales with micro_batch, not with n_t. Pass 2 skips the pairs
-            whose coefficients are all zero (e.g. zero advantage); with active dropout it skips only whole
-            micro-batches, since it must replay pass 1's batches.
+            model calls (score_micro_batch; it must equal micro_batch under active dropout), the vocabulary
+            chunk of the fused LM head and compiled micro-batches. Peak memory scales with micro_batch, not with
+            n_t. Pass 2 skips the pairs whose coefficients are all zero (e.g. zero advantage); with active
+            dropout it skips only whole micro-batches, since it must replay pass 1's batches.
         attention_mask: optional [N, P + L], passed to the model (left-padded prompts).
-        separable: take the one-pass path described above (it has no pass 1: score_micro_batch does not apply).
         lp: the current policy's lp on these masks when it is already known (the policy has not moved since it
-            was scored). Pass 1 is skipped; the gradient is identical. Not with separable=True (no pass 1 to
-            skip) nor with active dropout (pass 2 could not replay the draws lp was scored under). Like pass 1's
+            was scored). Pass 1 is skipped; the gradient is identical. Not with a `Separable` objective (no pass
+            1 to skip) nor with active dropout (pass 2 could not replay the draws lp was scored under). Like pass 1's
             lp, it also gives pass 2 each row's normaliser (its target logit minus lp): an lp off by d nats for
             a row (scored with other weights) would scale that row's softmax term in the LM head weight's
             gradient by e^d, on top of the coefficients being taken at the wrong point.
-        return_lp: also return the current policy's lp [N, n_t, L] (detached), e.g. for logging; it costs
-            nothing extra.
         hooks: `BackwardHooks`, how a data-parallel wrapper or a host trainer takes part in each backward
             (sync_gradients, grad_sync, backward). Every rank must make the same calls: a rank with nothing to
             backpropagate still runs one zero-weighted backward so that the collective happens.
@@ -103,24 +119,24 @@ def streaming_backward(
     `backward=`) are not covered.
 
     Returns:
-        The objective's value, a detached 0-dim tensor (fp32, or fp64 for an fp64 model); with return_lp,
-        the pair (value, lp).
+        `BackwardResult(value, lp)`: the objective's value, a detached 0-dim tensor (fp32, or fp64 for an fp64
+        model), and the current policy's lp [N, n_t, L] (detached), e.g. for logging.
     """
     batching, hooks = MicroBatching.of(micro_batch), hooks if hooks is not None else BackwardHooks()
-    micro_batch, score_micro_batch, chunk_size = batching.micro_batch, batching.score_micro_batch, batching.chunk_size
-    compile = batching.compile
     check_inputs(model, sequences, masks, attention_mask=attention_mask)
-    if not callable(objective):
-        raise TypeError(f"objective must be callable, got {type(objective).__name__}.")
-    check_bool("separable", separable)
+    separable = isinstance(objective, Separable)
+    if not separable and not callable(objective):
+        raise TypeError(f"objective must be callable (or Separable(terms)), got {type(objective).__name__}.")
     if separable and lp is not None:
-        raise ValueError("lp= skips pass 1, which separable=True does not run; drop lp or use separable=False.")
-    replay = has_active_dropout(model)
-    if replay and not separable and score_micro_batch not in (None, micro_batch):
-        raise ValueError(f"score_micro_batch={score_micro_batch} differs from micro_batch={micro_batch}, but the "
-                         "model has active dropout, so pass 2 must replay pass 1's micro-batches; drop "
-                         "score_micro_batch, or call model.eval() / set the dropout to 0.")
-    if replay and compile and not separable:
+        raise ValueError("lp= skips pass 1, which a Separable objective does not run; drop lp, or pass the "
+                         "objective of the whole lp.")
+    backward_pass = _Backward(model, hooks)
+    replay = backward_pass.replay
+    if replay and not separable and batching.scoring != batching.micro_batch:
+        raise ValueError(f"score_micro_batch={batching.score_micro_batch} differs from micro_batch="
+                         f"{batching.micro_batch}, but the model has active dropout, so pass 2 must replay pass 1's "
+                         "micro-batches; drop score_micro_batch, or call model.eval() / set the dropout to 0.")
+    if replay and batching.compile and not separable:
         raise ValueError("MicroBatching(compile=True) with active dropout: pass 2 must replay the random numbers "
                          "pass 1 drew, which a compiled graph draws differently; call model.eval() / set the "
                          "dropout to 0, or use compile=False.")
@@ -130,31 +146,30 @@ def streaming_backward(
                              "masks lp was scored under. Drop lp, or call model.eval() / set the dropout to 0.")
         masks.check_lp(lp, "lp")
         lp = lp.detach().to(accumulate_dtype(unwrap_model(model).lm_head_weight.dtype))
-    backward_pass = _Backward(model, hooks.backward, hooks.grad_sync, hooks.sync_gradients)
 
     def run():
         # inside the guard: nothing interruptible follows its last backward
         with mixed_dtypes_named(model), ids_checked_once(model, sequences):
             if separable:
-                return _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size,
-                                  backward_pass, compile)
-            return _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch or micro_batch,
-                             attention_mask, chunk_size, replay, lp, backward_pass, compile)
+                return _separable(model, sequences, masks, objective.terms, batching, attention_mask,
+                                  backward_pass)
+            return _two_pass(model, sequences, masks, objective, batching, attention_mask, lp, backward_pass)
 
-    value, lp = all_or_nothing(model, run)
-    return (value, lp) if return_lp else value
+    return BackwardResult(*all_or_nothing(model, run))
 
 
 class _Backward:
     """Runs each micro-batch's backward, letting only the last one of the call all-reduce across ranks."""
 
-    def __init__(self, model, backward, grad_sync, sync_gradients: bool):
-        self.run = backward if backward is not None else torch.Tensor.backward
-        self.grad_sync = grad_sync if grad_sync is not None else default_grad_sync(model)
-        self.sync_gradients = sync_gradients
+    def __init__(self, model, hooks: BackwardHooks):
+        self.run = hooks.backward if hooks.backward is not None else torch.Tensor.backward
+        self.grad_sync = hooks.grad_sync if hooks.grad_sync is not None else default_grad_sync(model)
+        self.sync_gradients = hooks.sync_gradients
+        # Pass 2 must recompute exactly what pass 1 scored: with active dropout it replays pass 1's RNG states.
+        self.replay = has_active_dropout(model)
         # Only a plain loss.backward() is known to backpropagate with a unit upstream gradient, which the LM
         # head's gradient computed in the forward (logprobs_with_known_gradient) relies on.
-        self.unit_upstream = backward is None
+        self.unit_upstream = hooks.backward is None
 
     @property
     def distributed(self) -> bool:
@@ -204,19 +219,17 @@ def has_active_dropout(model) -> bool:
                for m in model.modules())
 
 
-def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch, attention_mask, chunk_size,
-              replay, lp, backward_pass, compile):
+def _two_pass(model, sequences: torch.Tensor, masks: MonteCarloMasks, objective, batching: MicroBatching,
+              attention_mask, lp: torch.Tensor | None, backward_pass: _Backward):
     device = sequences.device
     N, n_t, L = masks.num_sequences, masks.n_t, masks.completion_length
-    scoring_batch = micro_batch if replay else score_micro_batch
+    micro_batch, replay = batching.micro_batch, backward_pass.replay
+    scoring_batch = micro_batch if replay else batching.scoring
     batches = pair_batches(masks, scoring_batch) if lp is None or replay else []
 
     def score_batch(batch: PairBatch):
-        if compile:
-            return score_pairs_compiled(model, sequences, masks, batch.pairs, capacity=scoring_batch,
-                                        attention_mask=attention_mask, chunk_size=chunk_size, rows=batch.rows)
-        return score_pairs(model, sequences, masks, batch.pairs, attention_mask=attention_mask,
-                           chunk_size=chunk_size, rows=batch.rows)
+        return score_batch_of_pairs(model, sequences, masks, batch, batching, capacity=scoring_batch,
+                                    attention_mask=attention_mask)
 
     rng_states = []
     if lp is None:
@@ -269,18 +282,17 @@ def _two_pass(model, sequences, masks, objective, micro_batch, score_micro_batch
                 _set_rng_state(state, device)
             pairs = batch.pairs
             with backward_pass.step(last=index == len(pass_2) - 1):
-                if backward_pass.unit_upstream and compile:
+                if backward_pass.unit_upstream and batching.compile:
                     loss = known_gradient_compiled(model, sequences, masks, pairs, coef_rows[pairs] * weight,
                                                    lp_rows[pairs], capacity=micro_batch,
-                                                   attention_mask=attention_mask, chunk_size=chunk_size,
+                                                   attention_mask=attention_mask, chunk_size=batching.chunk_size,
                                                    rows=batch.rows)
                 elif backward_pass.unit_upstream:
                     loss, _ = score_pairs_with_known_gradient(model, sequences, masks, pairs, coef_rows[pairs] * weight,
                                                               lp_rows[pairs], attention_mask=attention_mask,
-                                                              chunk_size=chunk_size, rows=batch.rows)
+                                                              chunk_size=batching.chunk_size, rows=batch.rows)
                 else:
-                    lp_batch = _score_with_grad(model, sequences, masks, batch, micro_batch, attention_mask,
-                                                chunk_size, compile)
+                    lp_batch = _score_with_grad(model, sequences, masks, batch, batching, attention_mask)
                     loss = (coef_rows[pairs] * lp_batch).sum() * weight
                 if loss.requires_grad:
                     backward_pass(loss)
@@ -302,22 +314,18 @@ def _set_rng_state(states: list[torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(states[1], device)
 
 
-def _score_with_grad(model, sequences, masks, batch: PairBatch, micro_batch, attention_mask, chunk_size, compile):
+def _score_with_grad(model, sequences, masks, batch: PairBatch, batching: MicroBatching, attention_mask):
     """A micro-batch's lp rows with their graph, the LM head's gradient going straight into its .grad."""
-    if compile:
-        return score_pairs_compiled(model, sequences, masks, batch.pairs, capacity=micro_batch,
-                                    attention_mask=attention_mask, chunk_size=chunk_size, grad_into_weight=True,
-                                    rows=batch.rows)
-    return score_pairs(model, sequences, masks, batch.pairs, attention_mask=attention_mask, chunk_size=chunk_size,
-                       grad_into_weight=True, rows=batch.rows)
+    return score_batch_of_pairs(model, sequences, masks, batch, batching, capacity=batching.micro_batch,
+                                attention_mask=attention_mask, grad_into_weight=True)
 
 
-def _separable(model, sequences, masks, objective, micro_batch, attention_mask, chunk_size, backward_pass,
-               compile):
+def _separable(model, sequences: torch.Tensor, masks: MonteCarloMasks, objective, batching: MicroBatching,
+               attention_mask, backward_pass: _Backward):
     n_t, L = masks.n_t, masks.completion_length
     dtype = accumulate_dtype(unwrap_model(model).lm_head_weight.dtype)
     device = sequences.device
-    batches = pair_batches(masks, micro_batch)
+    batches = pair_batches(masks, batching.micro_batch)
     value = torch.zeros((), dtype=dtype, device=device)
     lp = torch.zeros(masks.num_sequences * n_t, L, dtype=dtype, device=device)
     total = backward_pass.aligned(len(batches), device)
@@ -329,8 +337,7 @@ def _separable(model, sequences, masks, objective, micro_batch, attention_mask, 
             batch = batches[-1] if padding else batches[index]
             pairs = batch.pairs
             with backward_pass.step(last=index == total - 1):
-                lp_batch = _score_with_grad(model, sequences, masks, batch, micro_batch, attention_mask, chunk_size,
-                                            compile)
+                lp_batch = _score_with_grad(model, sequences, masks, batch, batching, attention_mask)
                 if padding:
                     loss = (lp_batch * 0).sum()
                 else:

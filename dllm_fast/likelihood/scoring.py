@@ -24,8 +24,9 @@ from dllm_fast.contracts import (accumulate_dtype, check_positions, data_paralle
 from dllm_fast.likelihood.blocks import denoising_hidden
 from dllm_fast.likelihood.compiled import score_pairs_compiled
 from dllm_fast.likelihood.masks import MonteCarloMasks
+from dllm_fast.likelihood.settings import MicroBatching
 from dllm_fast.ops import logprobs_with_known_gradient, masked_logprobs
-from dllm_fast.validation import check_bool, check_int, data_checks_enabled, values_checked
+from dllm_fast.validation import data_checks_enabled, values_checked
 
 
 def score(
@@ -33,10 +34,8 @@ def score(
     sequences: torch.Tensor,
     masks: MonteCarloMasks,
     *,
-    micro_batch: int,
+    micro_batch: int | MicroBatching,
     attention_mask: torch.Tensor | None = None,
-    chunk_size: int | None = None,
-    compile: bool = False,
 ) -> torch.Tensor:
     """Log-probs of every completion token at every masked position, for all N * n_t pairs.
 
@@ -46,11 +45,11 @@ def score(
             LoRA reference policy call this inside `with model.disable_adapter():`).
         sequences: [N, S] token ids, S = P + L; the completion is the last L positions.
         masks: the stored masks (`sample_masks`); the same object gives the same lp for any micro_batch.
-        micro_batch: pairs per model call. Pairs with nothing to score are skipped.
+        micro_batch: pairs per model call, or a `MicroBatching`: its `scoring` pairs per call under no_grad (its
+            `micro_batch` under grad mode, where every call's graph is kept), its `chunk_size` (the fused LM
+            head's vocabulary chunk) and `compile` (each call one torch.compile(fullgraph=True) graph, its pairs
+            and scored rows padded to buckets, likelihood/compiled.py). Pairs with nothing to score are skipped.
         attention_mask: optional [N, S] (1 = token, 0 = left padding), passed to the model.
-        chunk_size: vocabulary chunk of the fused LM head (default: sized for the device).
-        compile: score each micro-batch through one torch.compile(fullgraph=True) graph, its pairs and scored
-            rows padded to buckets (see `MicroBatching.compile`, likelihood/compiled.py).
 
     Under a data-parallel wrapper (DDP, FSDP2) and no_grad, every rank makes the same number of model calls.
     Bounds (refused naming the value and the fix): S within the model's positions (`max_sequence_length`, when it
@@ -62,19 +61,17 @@ def score(
         is differentiable and keeps every micro-batch's graph; `streaming_backward` is the constant-memory way
         to differentiate through it.
     """
-    check_inputs(model, sequences, masks, attention_mask=attention_mask, micro_batch=micro_batch)
-    check_bool("compile", compile)
+    batching = MicroBatching.of(micro_batch)
+    check_inputs(model, sequences, masks, attention_mask=attention_mask)
     N, n_t, L = masks.num_sequences, masks.n_t, masks.completion_length
     dtype = accumulate_dtype(unwrap_model(model).lm_head_weight.dtype)
-    batches = pair_batches(masks, micro_batch)
+    per_call = batching.micro_batch if torch.is_grad_enabled() else batching.scoring
+    batches = pair_batches(masks, per_call)
 
     def score_batch(batch: PairBatch):
         with mixed_dtypes_named(model):
-            if compile:
-                return score_pairs_compiled(model, sequences, masks, batch.pairs, capacity=micro_batch,
-                                            attention_mask=attention_mask, chunk_size=chunk_size, rows=batch.rows)
-            return score_pairs(model, sequences, masks, batch.pairs, attention_mask=attention_mask,
-                               chunk_size=chunk_size, rows=batch.rows)
+            return score_batch_of_pairs(model, sequences, masks, batch, batching, capacity=per_call,
+                                        attention_mask=attention_mask)
 
     with ids_checked_once(model, sequences):
         if not torch.is_grad_enabled():
@@ -116,6 +113,20 @@ def pair_batches(masks: MonteCarloMasks, micro_batch: int, among: torch.Tensor |
         indices = tuple(active[first:first + micro_batch])
         batches.append(PairBatch(pairs[first:first + micro_batch], indices, sum(counts[p] for p in indices)))
     return batches
+
+
+def score_batch_of_pairs(model, sequences: torch.Tensor, masks: MonteCarloMasks, batch: PairBatch,
+                         batching: MicroBatching, *, capacity: int, attention_mask: torch.Tensor | None = None,
+                         grad_into_weight: bool = False) -> torch.Tensor:
+    """lp rows [b, L] of one micro-batch of pairs, eager or through the compiled graph (`batching.compile`), the
+    LM head in `batching.chunk_size` chunks. capacity: the most pairs a micro-batch of the call holds (the
+    compiled path's largest bucket). grad_into_weight: as in `score_pairs`."""
+    if batching.compile:
+        return score_pairs_compiled(model, sequences, masks, batch.pairs, capacity=capacity,
+                                    attention_mask=attention_mask, chunk_size=batching.chunk_size,
+                                    grad_into_weight=grad_into_weight, rows=batch.rows)
+    return score_pairs(model, sequences, masks, batch.pairs, attention_mask=attention_mask,
+                       chunk_size=batching.chunk_size, grad_into_weight=grad_into_weight, rows=batch.rows)
 
 
 @contextlib.contextmanager
@@ -224,7 +235,7 @@ def active_pairs(masks: MonteCarloMasks) -> torch.Tensor:
     return masks.scored.reshape(-1, masks.completion_length).any(-1).nonzero().squeeze(-1)
 
 
-def check_inputs(model, sequences, masks, *, attention_mask=None, micro_batch=None) -> None:
+def check_inputs(model, sequences, masks, *, attention_mask=None) -> None:
     """Reject inputs that would silently give wrong log-probs, naming the value and the fix."""
     if not isinstance(masks, MonteCarloMasks):
         raise TypeError(f"masks must be a MonteCarloMasks (from dllm_fast.likelihood.sample_masks), "
@@ -246,8 +257,6 @@ def check_inputs(model, sequences, masks, *, attention_mask=None, micro_batch=No
                          f"{tuple(sequences.shape)}.")
     check_positions(model, sequences.shape[1], f"sequences of {sequences.shape[1]} tokens",
                     "Score shorter sequences (roll out with a smaller gen_length, or shorten the prompts).")
-    if micro_batch is not None:
-        check_int("micro_batch", micro_batch, minimum=1, hint="(sequence, sample) pairs per model call")
     if logit_shift(model) > masks.prompt_length:
         raise ValueError(f"model.logit_shift={logit_shift(model)} needs a prompt of at least that many positions "
                          f"(prompt_length={masks.prompt_length}): the first completion token is predicted from "

@@ -1,7 +1,8 @@
 """The settings that travel with a backward through the layers, one object each: how the work is cut into model
 calls (`MicroBatching`), and how a data-parallel wrapper or a host trainer takes part in each backward
-(`BackwardHooks`). The trainer, the TRL adapter and `Objective.backward` build them once and pass them down
-unchanged to `score` and `streaming_backward`."""
+(`BackwardHooks`). The trainer and the planner (train/config.py's `micro_batching`) and the TRL adapter build
+them once and pass them down unchanged through `Objective.backward` to `score` and `streaming_backward`; the
+public faces that also take a plain number of pairs convert it once, with `MicroBatching.of`."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ class MicroBatching:
 
     @classmethod
     def of(cls, value: "int | MicroBatching") -> "MicroBatching":
-        """`value` itself, or MicroBatching(value) for a plain number of pairs per graph."""
+        """`value` itself, or MicroBatching(value) for a plain number of pairs per graph: a public face's one
+        conversion (`score`, `streaming_backward`, `Objective.backward`); inside, the object travels."""
         return value if isinstance(value, MicroBatching) else cls(value)
 
     @property

@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from dllm_fast.contracts import RolloutBatch, block_length, check_reference_model, unwrap_model
-from dllm_fast.likelihood import MonteCarloMasks, sample_masks, score, streaming_backward
+from dllm_fast.likelihood import MonteCarloMasks, Separable, sample_masks, score, streaming_backward
 from dllm_fast.likelihood.gradients import all_or_nothing
 from dllm_fast.likelihood.masks import COUNT_MODES, SAMPLERS
 from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
@@ -102,9 +102,9 @@ class LossInputs:
 
     masks: the stored masks lp is scored on. advantages: [N] float64. batch: the rollouts.
     lp_old, lp_ref: [N, n_t, L] of the old and reference policies on `masks`, or None (on-policy old; no
-    reference needed). extra: per-objective constants computed once in `prepare`. micro_batch: the call's
-    (sequence, sample) pairs per backward graph, for options that normalise per micro-batch (None: the whole
-    loss batch is one micro-batch, as a VeRL micro-batch is).
+    reference needed). extra: per-objective constants computed once in `prepare`. None of them depends on how
+    the pairs are cut into model calls: an option that normalises per micro-batch names its own rows
+    (`micro_batch_rows`).
     """
 
     masks: MonteCarloMasks
@@ -113,7 +113,6 @@ class LossInputs:
     lp_old: torch.Tensor | None = None
     lp_ref: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    micro_batch: int | None = None
 
     def old(self, lp: torch.Tensor) -> torch.Tensor:
         """The old policy's lp: the given constant, or (on-policy) the current lp without gradient."""
@@ -208,12 +207,6 @@ class Objective:
         with `generate(..., record_unmask_step=True)`."""
         return self.config.sampler == "trajectory"
 
-    def micro_batch_dependence(self) -> str:
-        """What of the loss the call's micro-batch sets (e.g. "normalisation (normalize_per='micro_batch')"), or
-        "" when the loss is the same for every micro-batch. Objectives that normalise within micro-batches of
-        micro_batch_rows sequences take them from the micro-batch when micro_batch_rows is None."""
-        return ""
-
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
         """[N] float64. Default: reward minus the group mean, no std (d1, wd1, SPG)."""
         return group_advantages(batch.rewards, batch.group_size)
@@ -236,9 +229,8 @@ class Objective:
         """Diagnostics at the current lp (ratios, clip fraction, KL, bound values), as 0-dim tensors."""
         return {}
 
-    def extra(self, batch: RolloutBatch, masks: MonteCarloMasks, micro_batch: int | None = None) -> dict[str, Any]:
-        """Constants of one update beyond advantages and old/ref lp (e.g. normalisers), computed once.
-        micro_batch: the call's pairs per backward graph (`LossInputs.micro_batch`)."""
+    def extra(self, batch: RolloutBatch, masks: MonteCarloMasks) -> dict[str, Any]:
+        """Constants of one update beyond advantages and old/ref lp (e.g. normalisers), computed once."""
         return {}
 
     # -- shared machinery -------------------------------------------------------------------------------------
@@ -283,15 +275,13 @@ class Objective:
         masks.check_sequences(batch.sequences)
 
     def prepare(self, batch: RolloutBatch, masks: MonteCarloMasks, *, lp_old: torch.Tensor | None = None,
-                lp_ref: torch.Tensor | None = None, micro_batch: int | None = None) -> LossInputs:
-        """The constants of one update. lp_old / lp_ref must have been scored on `masks` (checked). micro_batch:
-        the pairs per backward graph the update will run with (options that normalise per micro-batch)."""
+                lp_ref: torch.Tensor | None = None) -> LossInputs:
+        """The constants of one update. lp_old / lp_ref must have been scored on `masks` (checked)."""
         _check_batch(batch)
         self.check_masks(masks, batch)
-        return self._loss_inputs(batch, masks, lp_old, lp_ref, micro_batch)
+        return self._loss_inputs(batch, masks, lp_old, lp_ref)
 
-    def _loss_inputs(self, batch: RolloutBatch, masks: MonteCarloMasks, lp_old, lp_ref,
-                     micro_batch: int | None = None) -> LossInputs:
+    def _loss_inputs(self, batch: RolloutBatch, masks: MonteCarloMasks, lp_old, lp_ref) -> LossInputs:
         """`prepare` on masks already checked against the batch."""
         if lp_old is not None:
             masks.check_lp(lp_old, "lp_old")
@@ -300,11 +290,9 @@ class Objective:
         elif self.needs_reference:
             raise ValueError(f"{self.name} needs the reference policy's lp on the same masks (lp_ref=); "
                              f"{self._reference_hint()}")
-        if micro_batch is not None:
-            check_int("micro_batch", micro_batch, minimum=1, hint="(sequence, sample) pairs per backward graph")
         advantages = self.advantages(batch).to(batch.sequences.device)
         return LossInputs(masks=masks, batch=batch, advantages=advantages, lp_old=lp_old, lp_ref=lp_ref,
-                          extra=self.extra(batch, masks, micro_batch), micro_batch=micro_batch)
+                          extra=self.extra(batch, masks))
 
     def _reference_hint(self) -> str:
         return "give ref_model= or lp_ref=, or a PEFT model (the reference is the model with its adapters disabled)."
@@ -378,14 +366,14 @@ class Objective:
         if self.needs_reference and lp_ref is None:
             with torch.no_grad():
                 lp_ref = self._score_reference(model, ref_model, batch, masks, batching)
-        inputs = self._loss_inputs(batch, masks, update.lp_old, lp_ref, batching.micro_batch)
-        engine = dict(micro_batch=batching, attention_mask=batch.attention_mask, return_lp=True, hooks=hooks)
+        inputs = self._loss_inputs(batch, masks, update.lp_old, lp_ref)
+        engine = dict(micro_batch=batching, attention_mask=batch.attention_mask, hooks=hooks)
 
         def run() -> ObjectiveOutput:
             if self.separable and update.lp is None:  # a known current lp goes through the two-pass route
                 value, lp_now = streaming_backward(
-                    model, batch.sequences, masks, lambda rows, n, j: self.pair_loss(rows, n, j, inputs),
-                    separable=True, **engine)
+                    model, batch.sequences, masks, Separable(lambda rows, n, j: self.pair_loss(rows, n, j, inputs)),
+                    **engine)
             else:
                 value, lp_now = streaming_backward(model, batch.sequences, masks, lambda x: self.loss(x, inputs),
                                                    lp=update.lp, **engine)
@@ -410,8 +398,7 @@ class Objective:
 
 def _score(model, batch: RolloutBatch, masks: MonteCarloMasks, batching: MicroBatching) -> torch.Tensor:
     """A policy's lp on the batch's masks without a graph, in the no-grad scoring calls' micro-batches."""
-    return score(model, batch.sequences, masks, micro_batch=batching.scoring, attention_mask=batch.attention_mask,
-                 chunk_size=batching.chunk_size, compile=batching.compile)
+    return score(model, batch.sequences, masks, micro_batch=batching, attention_mask=batch.attention_mask)
 
 
 def _check_batch(batch) -> None:
@@ -462,13 +449,12 @@ def check_epsilon(name: str, value: float) -> float:
 NORMALIZE_PER = ("batch", "micro_batch")
 
 
-def micro_batch_index(masks: MonteCarloMasks, rows: int | None, micro_batch: int | None) -> torch.Tensor:
+def micro_batch_index(masks: MonteCarloMasks, rows: int | None) -> torch.Tensor:
     """[N] int64: the micro-batch each sequence falls in when the loss batch is cut, in order, into micro-batches
-    of `rows` whole sequences (None: the call's `micro_batch` pairs // n_t); all 0 when neither is given (the
-    whole batch is one micro-batch). The official d1 and SPG code and DARE normalise within each device
-    micro-batch and average the micro-batches' losses (gradient accumulation, data parallelism)."""
-    if rows is None and micro_batch is not None:
-        rows = max(1, micro_batch // masks.n_t)
+    of `rows` whole sequences; all 0 for None (the whole batch is one micro-batch). The official d1 and SPG code
+    and DARE normalise within each device micro-batch and average the micro-batches' losses (gradient
+    accumulation, data parallelism); here the rows are the objective's own (`micro_batch_rows`), never the
+    engine's memory micro-batch, so that a memory setting never changes the loss."""
     index = torch.arange(masks.num_sequences, device=masks.weight.device)
     return index // rows if rows is not None else torch.zeros_like(index)
 
@@ -479,12 +465,14 @@ def micro_batch_sums(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return totals[index]
 
 
-def rows_from_micro_batch(per_micro_batch: bool, rows: int | None, setting: str) -> str:
-    """`Objective.micro_batch_dependence` of an objective whose `setting` works per micro-batch: `setting` when
-    it is on and its rows come from the call's micro-batch (rows None), else ""."""
-    return setting if per_micro_batch and rows is None else ""
-
-
-def check_micro_batch_rows(rows: int | None) -> None:
+def check_micro_batch_rows(rows: int | None, per_micro_batch: bool, setting: str) -> None:
+    """micro_batch_rows (sequences per normalisation micro-batch) is required while `setting` (e.g.
+    "normalize_per='micro_batch'") cuts the loss batch: rows taken from the memory micro-batch would let a
+    memory setting change the loss."""
     if rows is not None:
         check_int("micro_batch_rows", rows, minimum=1, hint="sequences per normalisation micro-batch")
+    elif per_micro_batch:
+        raise ValueError(f"{setting} needs micro_batch_rows, the sequences per normalisation micro-batch (e.g. 6, "
+                         "one group of d1's recipe): the objective names its own rows, so that the memory "
+                         "micro-batch (--micro-batch) never changes the loss. Give micro_batch_rows, or "
+                         "normalise over the whole batch (the default).")

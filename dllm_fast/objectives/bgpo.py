@@ -14,9 +14,9 @@ compute_policy_loss_bgpo, dllm_core_algos.py L77-150): scale="padded_length" div
 width R (DARE), "response_length" by the sequence's counted length; clip_epsilon applies PPO's clip to the
 per-sample ratio (1 + d for A > 0, e^d for A < 0) and dual_clip bounds the A < 0 loss at dual_clip * |A| (DARE:
 0.2 and 3); aggregation="length_weighted" is verl's token-mean over each micro-batch of micro_batch_rows
-sequences (None: the call's micro_batch pairs / n_t): each sequence's mean bound weighted by its counted length
+sequences (required: never the memory micro-batch): each sequence's mean bound weighted by its counted length
 L_n, sum_n L_n g_n / sum_n L_n within the micro-batch, then the micro-batches averaged (equal to the plain mean
-for DARE's micro-batch of one sequence). preset="dare" sets all of these with LLaDA's stratified masks;
+for DARE's micro-batch of one sequence). preset="dare" sets all of these (rows 1) with LLaDA's stratified masks;
 preset="sudoku" the paper's n_t = 32 for Sudoku. Separable: one scoring pass.
 """
 
@@ -30,7 +30,7 @@ from dllm_fast.likelihood.masks import weighted_sum
 from dllm_fast.objectives.advantages import group_advantages
 from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows, clipped,
                                        clipped_surrogate, dual_clipped, micro_batch_index, micro_batch_sums,
-                                       rows_from_micro_batch, safe_exp)
+                                       safe_exp)
 from dllm_fast.validation import check_choice, check_float
 
 SCALES = ("none", "padded_length", "response_length")
@@ -50,14 +50,15 @@ class BGPOConfig(ObjectiveConfig):
     aggregation: str = field(default="mean", metadata={"help": "mean, or length_weighted (DARE's token-mean per "
                                                                "micro-batch)"})
     micro_batch_rows: int | None = field(default=None, metadata={"help": "sequences per length_weighted "
-                                                                         "micro-batch (default: the call's)"})
+                                                                         "micro-batch (required with it)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_float("std_epsilon", self.std_epsilon, minimum=0.0)
         check_choice("scale", self.scale, SCALES)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
-        check_micro_batch_rows(self.micro_batch_rows)
+        check_micro_batch_rows(self.micro_batch_rows, self.aggregation == "length_weighted",
+                               "aggregation='length_weighted'")
         if self.clip_epsilon is not None:
             check_float("clip_epsilon", self.clip_epsilon, minimum=0.0, open_minimum=True)
         if self.dual_clip is not None:
@@ -71,17 +72,13 @@ class BGPO(Objective):
     uses_old_policy = True
     separable = True
     presets = {"dare": dict(sampler="stratified_l", scale="padded_length", clip_epsilon=0.2, dual_clip=3.0,
-                            aggregation="length_weighted"),
+                            aggregation="length_weighted", micro_batch_rows=1),
                "sudoku": dict(n_t=32)}
-
-    def micro_batch_dependence(self) -> str:
-        return rows_from_micro_batch(self.config.aggregation == "length_weighted", self.config.micro_batch_rows,
-                                     "length weights (aggregation='length_weighted')")
 
     def advantages(self, batch):
         return group_advantages(batch.rewards, batch.group_size, scale="std", std_epsilon=self.config.std_epsilon)
 
-    def extra(self, batch, masks, micro_batch=None):
+    def extra(self, batch, masks):
         c = self.config
         device = masks.weight.device
         if c.scale == "padded_length":
@@ -91,7 +88,7 @@ class BGPO(Objective):
         else:
             divisor = torch.ones(masks.num_sequences, dtype=torch.float64)
         if c.aggregation == "length_weighted":  # L_n / (sum of L over its micro-batch x micro-batches)
-            index = micro_batch_index(masks, c.micro_batch_rows, micro_batch)
+            index = micro_batch_index(masks, c.micro_batch_rows)
             lengths = masks.num_counted.double()
             weight = lengths / micro_batch_sums(lengths, index) / (int(index.max()) + 1)
         else:

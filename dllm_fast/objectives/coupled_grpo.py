@@ -14,7 +14,7 @@ recipe's (apple/ml-diffucoder, recipes/config_coupled_code.yaml and src/open_r1/
 (n_t = 3), eps 0.5, beta 0.01 (k3 on lp_hat against the reference), the leave-one-out advantage r_i - mean_{j != i}
 without std (its _generate_and_score_completions hard-codes leave_one_out, scale_rewards false), and the token mean
 over the batch's counted tokens. normalize_per="micro_batch" normalises within micro-batches of micro_batch_rows
-sequences (None: the call's micro_batch pairs / n_t) and averages them, as its per-device loss under gradient
+sequences (required: never the memory micro-batch) and averages them, as its per-device loss under gradient
 accumulation does. Differences from the code, by design: t is drawn per sequence and pair (the code draws one t
 per call), and positions after the first EOS stay masked in every sample (the library's rule; the code masks
 them at random too but never scores them). Not separable (lp_hat mixes samples): two-pass engine.
@@ -30,7 +30,7 @@ from dllm_fast.likelihood import token_estimate
 from dllm_fast.objectives.advantages import BASELINES, group_advantages
 from dllm_fast.objectives.base import (NORMALIZE_PER, LossInputs, Objective, ObjectiveConfig, check_epsilon,
                                        check_micro_batch_rows, clipped, clipped_surrogate, kl_k3, micro_batch_index,
-                                       micro_batch_sums, rows_from_micro_batch)
+                                       micro_batch_sums)
 from dllm_fast.validation import check_bool, check_choice, check_float
 
 
@@ -46,7 +46,7 @@ class CoupledGRPOConfig(ObjectiveConfig):
     normalize_per: str = field(default="batch", metadata={"help": "batch, or micro_batch as the code (each "
                                                                   "micro-batch normalised, then averaged)"})
     micro_batch_rows: int | None = field(default=None, metadata={"help": "sequences per normalisation "
-                                                                         "micro-batch (default: the call's)"})
+                                                                         "micro-batch (required with micro_batch)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,17 +55,14 @@ class CoupledGRPOConfig(ObjectiveConfig):
         check_choice("advantage", self.advantage, BASELINES)
         check_bool("scale_rewards", self.scale_rewards)
         check_choice("normalize_per", self.normalize_per, NORMALIZE_PER)
-        check_micro_batch_rows(self.micro_batch_rows)
+        check_micro_batch_rows(self.micro_batch_rows, self.normalize_per == "micro_batch",
+                               "normalize_per='micro_batch'")
 
 
 class CoupledGRPO(Objective):
     name = "coupled_grpo"
     Config = CoupledGRPOConfig
     uses_old_policy = True
-
-    def micro_batch_dependence(self) -> str:
-        return rows_from_micro_batch(self.config.normalize_per == "micro_batch", self.config.micro_batch_rows,
-                                     "normalisation (normalize_per='micro_batch')")
 
     @property
     def needs_reference(self) -> bool:
@@ -76,12 +73,11 @@ class CoupledGRPO(Objective):
         return group_advantages(batch.rewards, batch.group_size, baseline=c.advantage,
                                 scale="std" if c.scale_rewards else "none", std_epsilon=1e-4)
 
-    def extra(self, batch, masks, micro_batch=None):
+    def extra(self, batch, masks):
         """Each token's share of the loss: 1 / (its micro-batch's counted tokens x micro-batches)."""
         c = self.config
         per_micro_batch = c.normalize_per == "micro_batch"
-        index = micro_batch_index(masks, c.micro_batch_rows if per_micro_batch else None,
-                                  micro_batch if per_micro_batch else None)
+        index = micro_batch_index(masks, c.micro_batch_rows if per_micro_batch else None)
         tokens = masks.num_counted.double()
         return {"token_share": 1.0 / (micro_batch_sums(tokens, index) * (int(index.max()) + 1))}
 

@@ -13,7 +13,7 @@ the mean over sequences (GRPO's form). Separable: every term belongs to one (seq
 Options reproducing the official code and DARE's re-implementation:
 - normalize_per="micro_batch": d1's trainer (diffu_grpo_trainer.py L121) divides by the scored tokens of each
   device micro-batch, and gradient accumulation then averages the micro-batches; micro_batch_rows sequences per
-  micro-batch (None: the call's micro_batch pairs / n_t; d1's per_device_train_batch_size is 6, one group).
+  micro-batch (required in that mode; d1's per_device_train_batch_size is 6, one group).
 - dual_clip=c: for A < 0 the surrogate is bounded below by c A (DARE's compute_policy_loss,
   verl/trainer/ppo/dllm_core_algos.py L382-454: pg_losses3 = -A c, taken where A < 0; c = 3).
 - scale_rewards=True: A = (r - mean) / (std + std_epsilon), verl's GRPO advantage that DARE's d1 recipe uses
@@ -30,7 +30,7 @@ import torch
 from dllm_fast.objectives.advantages import group_advantages
 from dllm_fast.objectives.base import (NORMALIZE_PER, LossInputs, Objective, ObjectiveConfig, check_epsilon,
                                        check_micro_batch_rows, clipped, clipped_surrogate, dual_clipped, kl_k3,
-                                       micro_batch_index, micro_batch_sums, rows_from_micro_batch)
+                                       micro_batch_index, micro_batch_sums)
 from dllm_fast.validation import check_bool, check_choice, check_float
 
 NORMALIZATIONS = ("token", "sequence")
@@ -49,7 +49,7 @@ class DiffuGRPOConfig(ObjectiveConfig):
     normalize_per: str = field(default="batch", metadata={"help": "batch, or micro_batch as d1's code (each "
                                                                   "micro-batch normalised, then averaged)"})
     micro_batch_rows: int | None = field(default=None, metadata={"help": "sequences per normalisation "
-                                                                         "micro-batch (default: the call's)"})
+                                                                         "micro-batch (required with micro_batch)"})
     dual_clip: float | None = field(default=None, metadata={"help": "DARE's dual clip c > 1 for A < 0 (3)"})
     scale_rewards: bool = field(default=False, metadata={"help": "divide advantages by the group std (DARE)"})
     std_epsilon: float = field(default=1e-6, metadata={"help": "added to the std when scale_rewards"})
@@ -60,7 +60,8 @@ class DiffuGRPOConfig(ObjectiveConfig):
         check_float("beta", self.beta, minimum=0.0, hint="KL coefficient")
         check_choice("normalization", self.normalization, NORMALIZATIONS)
         check_choice("normalize_per", self.normalize_per, NORMALIZE_PER)
-        check_micro_batch_rows(self.micro_batch_rows)
+        check_micro_batch_rows(self.micro_batch_rows, self.normalize_per == "micro_batch",
+                               "normalize_per='micro_batch'")
         if self.dual_clip is not None:
             check_float("dual_clip", self.dual_clip, minimum=1.0, open_minimum=True,
                         hint="DARE uses 3; it must exceed 1")
@@ -75,10 +76,6 @@ class DiffuGRPO(Objective):
     separable = True
     presets = {"dare": dict(epsilon=0.2, dual_clip=3.0, scale_rewards=True, beta=0.0, normalization="sequence")}
 
-    def micro_batch_dependence(self) -> str:
-        return rows_from_micro_batch(self.config.normalize_per == "micro_batch", self.config.micro_batch_rows,
-                                     "normalisation (normalize_per='micro_batch')")
-
     @property
     def needs_reference(self) -> bool:
         return self.config.beta > 0
@@ -88,13 +85,12 @@ class DiffuGRPO(Objective):
         return group_advantages(batch.rewards, batch.group_size, scale="std" if c.scale_rewards else "none",
                                 std_epsilon=c.std_epsilon)
 
-    def extra(self, batch, masks, micro_batch=None):
+    def extra(self, batch, masks):
         """The denominator of each sequence's terms: its micro-batch's scored tokens (token) or its own times
         the micro-batch's sequences (sequence), times the number of micro-batches (their losses are averaged)."""
         c = self.config
         per_micro_batch = c.normalize_per == "micro_batch"
-        index = micro_batch_index(masks, c.micro_batch_rows if per_micro_batch else None,
-                                  micro_batch if per_micro_batch else None)
+        index = micro_batch_index(masks, c.micro_batch_rows if per_micro_batch else None)
         tokens = masks.scored.sum((1, 2)).double()
         chunks = int(index.max()) + 1
         if c.normalization == "token":

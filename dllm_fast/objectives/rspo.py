@@ -13,8 +13,8 @@ such E is an ELBO estimate of the same log-likelihood, so delta keeps its meanin
 block or mean_field masks, which are not unbiased ELBO estimates) its bias follow the sampler.
 A = r - group mean (zero-sum per complete group); scale_rewards divides by the group std + 1e-4 (the paper's
 ablation). center="batch" centres over the loss batch (the paper's micro-batch B); "group" within each prompt
-group; "micro_batch" within each micro-batch of micro_batch_rows sequences (None: the call's micro_batch pairs /
-n_t), the paper's B when the loss batch holds several. The gradient equals that of the quadratic
+group; "micro_batch" within each micro-batch of micro_batch_rows sequences (required: never the memory
+micro-batch), the paper's B when the loss batch holds several. The gradient equals that of the quadratic
 l_quad = -<A, delta> + (lambda/2)||delta_hat||^2 (Theorem 1), and vanishes at delta_hat = A / lambda
 (Proposition 4.2). Var(delta) is reported as the paper's diagnostic.
 """
@@ -28,7 +28,7 @@ import torch
 from dllm_fast.likelihood import elbo
 from dllm_fast.objectives.advantages import group_advantages
 from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows,
-                                       micro_batch_index, micro_batch_sums, rows_from_micro_batch)
+                                       micro_batch_index, micro_batch_sums)
 from dllm_fast.validation import check_bool, check_choice, check_float
 
 CENTERS = ("batch", "group", "micro_batch")
@@ -44,23 +44,19 @@ class RSPOConfig(ObjectiveConfig):
                                                            "micro_batch"})
     scale_rewards: bool = field(default=False, metadata={"help": "divide advantages by the group std + 1e-4"})
     micro_batch_rows: int | None = field(default=None, metadata={"help": "sequences per centring micro-batch "
-                                                                         "(default: the call's)"})
+                                                                         "(required with center micro_batch)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_float("lam", self.lam, minimum=0.0, hint="RSPO's feedback coefficient lambda (0.01)")
         check_choice("center", self.center, CENTERS)
         check_bool("scale_rewards", self.scale_rewards)
-        check_micro_batch_rows(self.micro_batch_rows)
+        check_micro_batch_rows(self.micro_batch_rows, self.center == "micro_batch", "center='micro_batch'")
 
 
 class RSPO(Objective):
     name = "rspo"
     Config = RSPOConfig
-
-    def micro_batch_dependence(self) -> str:
-        return rows_from_micro_batch(self.config.center == "micro_batch", self.config.micro_batch_rows,
-                                     "centring (center='micro_batch')")
 
     @property
     def needs_reference(self) -> bool:
@@ -78,7 +74,7 @@ class RSPO(Objective):
             grouped = delta.view(-1, inputs.batch.group_size)
             centre = grouped.mean(-1, keepdim=True).expand_as(grouped).reshape(-1)
         elif self.config.center == "micro_batch":
-            index = micro_batch_index(masks, self.config.micro_batch_rows, inputs.micro_batch)
+            index = micro_batch_index(masks, self.config.micro_batch_rows)
             centre = micro_batch_sums(delta, index) / micro_batch_sums(torch.ones_like(delta), index)
         else:
             centre = delta.mean().expand_as(delta)

@@ -17,8 +17,8 @@ prompt perturbed with probability 0.15). A = r - group mean, no std. The EUBO is
 normalization="paper" (default) uses the sequence-scale bounds above. normalization="token" reproduces SPG's
 code: per-token means (ELBO_n / L_n; the EUBO averaged over the positions some sample masks) and the DAPO-style
 weighting sum_n A_n Lhat_n |C_n| / sum_n |C_n| with |C_n| = L_n counted tokens. normalize_per="micro_batch"
-takes those sums within each micro-batch of micro_batch_rows sequences (None: the call's micro_batch pairs /
-n_t) and averages the micro-batches, as the code's per-device loss (spg_trainer.py L87-126: per_device 6, or 3
+takes those sums within each micro-batch of micro_batch_rows sequences (required: never the memory
+micro-batch) and averages the micro-batches, as the code's per-device loss (spg_trainer.py L87-126: per_device 6, or 3
 for Sudoku) under gradient accumulation does; with normalization="paper" it is the plain mean. Not separable
 (the EUBO's log sits outside the mean over samples), so it runs on the two-pass engine.
 """
@@ -31,7 +31,7 @@ import torch
 
 from dllm_fast.likelihood import elbo, eubo_per_position
 from dllm_fast.objectives.base import (NORMALIZE_PER, LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows,
-                                       micro_batch_index, micro_batch_sums, rows_from_micro_batch)
+                                       micro_batch_index, micro_batch_sums)
 from dllm_fast.validation import check_choice, check_float, check_probability
 
 BOUNDS = ("mix", "eubo", "elbo", "zero")
@@ -54,7 +54,7 @@ class SPGConfig(ObjectiveConfig):
     normalize_per: str = field(default="batch", metadata={"help": "batch, or micro_batch as the code (each "
                                                                   "micro-batch normalised, then averaged)"})
     micro_batch_rows: int | None = field(default=None, metadata={"help": "sequences per normalisation "
-                                                                         "micro-batch (default: the call's)"})
+                                                                         "micro-batch (required with micro_batch)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -63,17 +63,14 @@ class SPGConfig(ObjectiveConfig):
         check_probability("omega", self.omega, hint="the mixture weight of the EUBO")
         check_choice("normalization", self.normalization, NORMALIZATIONS)
         check_choice("normalize_per", self.normalize_per, NORMALIZE_PER)
-        check_micro_batch_rows(self.micro_batch_rows)
+        check_micro_batch_rows(self.micro_batch_rows, self.normalize_per == "micro_batch",
+                               "normalize_per='micro_batch'")
 
 
 class SPG(Objective):
     name = "spg"
     Config = SPGConfig
     presets = {"sudoku": dict(beta=1.0)}
-
-    def micro_batch_dependence(self) -> str:
-        return rows_from_micro_batch(self.config.normalize_per == "micro_batch", self.config.micro_batch_rows,
-                                     "normalisation (normalize_per='micro_batch')")
 
     def bounds(self, lp, masks):
         """(ELBO, negative-advantage bound), [N] each, at the configured normalisation."""
@@ -102,7 +99,7 @@ class SPG(Objective):
         # Each sequence's share: L_n / sum L (token) or 1 / N (paper), within its micro-batch when asked.
         share = masks.num_counted.to(lp.dtype) if c.normalization == "token" else torch.ones_like(value)
         if c.normalize_per == "micro_batch":
-            index = micro_batch_index(masks, c.micro_batch_rows, inputs.micro_batch)
+            index = micro_batch_index(masks, c.micro_batch_rows)
             share = share / micro_batch_sums(share, index) / (int(index.max()) + 1)
         else:
             share = share / share.sum()

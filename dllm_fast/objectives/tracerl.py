@@ -56,7 +56,7 @@ class TraceRL(Objective):
     def advantages(self, batch):
         return group_advantages(batch.rewards, batch.group_size, scale="std", std_epsilon=0.0, unbiased=False)
 
-    def extra(self, batch, masks, micro_batch=None):
+    def extra(self, batch, masks):
         targets = masks.targets.sum(-1)  # [N, n_t] tokens of each state
         return {"state_tokens": targets.double(), "states": float((targets > 0).sum().clamp_min(1))}
 

@@ -41,7 +41,7 @@ class WD1(Objective):
     Config = WD1Config
     separable = True
 
-    def extra(self, batch, masks, micro_batch=None):
+    def extra(self, batch, masks):
         scaled = self.config.psi * self.advantages(batch).to(batch.sequences.device).view(-1, batch.group_size)
         positive, negative = scaled.softmax(-1), (-scaled).softmax(-1)
         if not self.config.negative_term:

@@ -25,7 +25,7 @@ from dllm_fast.planning.accounting import Target
 from dllm_fast.planning.fit import extrapolate
 from dllm_fast.planning.gpus import GPU, gpu as gpu_named
 from dllm_fast.planning.step import PHASES, UPDATE_PHASES, PhasePlan, Session, fixed_n_t, probe_n_t
-from dllm_fast.train.config import AUTO, DEFAULT_MICRO_BATCH, TrainConfig
+from dllm_fast.train.config import AUTO, DEFAULT_MICRO_BATCH, TrainConfig, micro_batching
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -101,9 +101,7 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
                       weights_dtype=None if weights_dtype is None else WEIGHT_DTYPES[weights_dtype])
     weights_dtype = str(session.precision.trainable).removeprefix("torch.")
     # --micro-batch auto: planned at the default; the search's largest is what train fits (train/micro_batch.py)
-    micro_batch = DEFAULT_MICRO_BATCH if config.micro_batch == AUTO else config.micro_batch
-    batching = MicroBatching(micro_batch, config.score_micro_batch, config.chunk_size,
-                             compile=session.compile_scoring)
+    batching = micro_batching(config, auto=DEFAULT_MICRO_BATCH)
     n_t = session.objective.config.n_t
     check_plannable(config, prompt_length, session.base, batching)
     with _readable_data_errors(), session:

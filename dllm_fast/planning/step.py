@@ -234,8 +234,7 @@ class Session:
     def _score_reference(self, batch: RolloutBatch, masks, batching: MicroBatching) -> torch.Tensor:
         """The reference policy's lp as Objective.backward scores it: the reference copy, or the PEFT model with
         its adapters disabled."""
-        kwargs = dict(micro_batch=batching.scoring, attention_mask=batch.attention_mask,
-                      chunk_size=batching.chunk_size, compile=batching.compile)
+        kwargs = dict(micro_batch=batching, attention_mask=batch.attention_mask)
         if self.reference is not None:
             return score(self.reference, batch.sequences, masks, **kwargs)
         with unwrap_model(self.policy).disable_adapter():
@@ -247,8 +246,8 @@ class Session:
             return
         # all_graphs: every micro-batch's graph kept until one backward of the whole loss
         inputs = objective.prepare(batch, update.masks, lp_old=update.lp_old, lp_ref=lp_ref)
-        lp = score(self.policy, batch.sequences, update.masks, micro_batch=batching.micro_batch,
-                   attention_mask=batch.attention_mask, chunk_size=batching.chunk_size, compile=batching.compile)
+        lp = score(self.policy, batch.sequences, update.masks, micro_batch=batching,  # its micro_batch: a graph
+                   attention_mask=batch.attention_mask)
         objective.loss(lp, inputs).backward()
 
 

@@ -466,3 +466,13 @@ def compiles_scoring(config: TrainConfig) -> bool:
     """Whether scoring micro-batches compile: --compile true only (auto leaves them eager: their graphs, padded
     to buckets, were not measured to pay on a GPU, and refuse active LoRA dropout)."""
     return config.compile is True
+
+
+def micro_batching(config: TrainConfig, *, auto: int):
+    """--micro-batch, --score-micro-batch, --chunk-size and the scoring half of --compile, packed once into the
+    `MicroBatching` that travels unchanged to the engine (the trainer's and the planner's). auto: what
+    --micro-batch auto stands for here (the device's fit in train, the default in a plan)."""
+    from dllm_fast.likelihood.settings import MicroBatching
+
+    return MicroBatching(auto if config.micro_batch == AUTO else config.micro_batch, config.score_micro_batch,
+                         config.chunk_size, compile=compiles_scoring(config))

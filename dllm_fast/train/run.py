@@ -19,7 +19,6 @@ import torch
 from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, block_length, check_rewards, unwrap_model
 from dllm_fast.files import settled_directory, write_text_atomic
-from dllm_fast.likelihood import MicroBatching
 from dllm_fast.models.loading import PRESETS, check_tokenizer, load_model, load_tokenizer, model_skeleton
 from dllm_fast.objectives import InnerUpdate
 from dllm_fast.rollout import generate
@@ -28,7 +27,7 @@ from dllm_fast.tasks.encoding import decode_completions, encode_prompts
 from dllm_fast.tasks.rewards import task_reward
 from dllm_fast.train.checkpoint import CHECKPOINT, load_checkpoint, seed_everything
 from dllm_fast.train.config import (AUTO, DEFAULT_MICRO_BATCH, TrainConfig, compiles_rollouts, compiles_scoring,
-                                    model_source, task_options)
+                                    micro_batching, model_source, task_options)
 from dllm_fast.train.data import PromptStream
 from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
@@ -86,15 +85,14 @@ class Run:
         self.setup_notes = [self.precision.describe(config.lora)] if self.bf16 else []
         # The trainer's flags for the engine's micro-batching, in one place; --micro-batch auto is fitted to the
         # device's free memory before the weights take their share of it.
-        micro_batch = config.micro_batch
-        if micro_batch == AUTO:
-            micro_batch, note = auto_micro_batch(config, self.objective, self.device, ranks)
+        fitted = DEFAULT_MICRO_BATCH
+        if config.micro_batch == AUTO:
+            fitted, note = auto_micro_batch(config, self.device, ranks)
             self.setup_notes += [note] if self.device.type == "cuda" else []
         if self.compiled_rollouts:
             self.setup_notes.append(f"--compile {str(config.compile).lower()}: rollouts compiled; the first step "
                                     "compiles the denoising step (compile_seconds in metrics.jsonl)")
-        self.batching = MicroBatching(micro_batch, config.score_micro_batch, config.chunk_size,
-                                      compile=compiles_scoring(config))
+        self.batching = micro_batching(config, auto=fitted)
         base = load_model(source, dtype=self.precision.base_dtype(config.lora), device=self.device,
                           seed=config.seed, tokenizer=self.tokenizer).train()
         take_block_length(config, base)
@@ -195,31 +193,18 @@ class Run:
 # Setup helpers
 
 
-def auto_micro_batch(config: TrainConfig, objective, device: torch.device, ranks: Ranks) -> tuple[int, str]:
+def auto_micro_batch(config: TrainConfig, device: torch.device, ranks: Ranks) -> tuple[int, str]:
     """--micro-batch auto: (the micro-batch, a line saying how it was chosen). On CPU the default; on CUDA the
     planner's fit (dllm_fast.train.micro_batch), the smallest over the ranks so that all cut pairs alike."""
     if device.type != "cuda":
         return DEFAULT_MICRO_BATCH, f"--micro-batch auto: {DEFAULT_MICRO_BATCH} on {device.type}"
     from dllm_fast.train.micro_batch import fitted_micro_batch
 
-    check_micro_batch_invariant(objective, config.objective)
     micro_batch, note = fitted_micro_batch(config, device)
     fitted = min(ranks.gather(micro_batch))
     if fitted != micro_batch:
         note += f"; {fitted} on every rank (the smallest fit)"
     return fitted, note
-
-
-def check_micro_batch_invariant(objective, name: str) -> None:
-    """A memory setting must not change the loss: an objective that normalises per micro-batch of the call's
-    micro-batch (micro_batch_rows None) is refused with an automatic micro-batch."""
-    dependence = objective.micro_batch_dependence()
-    if dependence:
-        raise ValueError(f"--micro-batch auto picks the micro-batch from the GPU's free memory, but objective {name} "
-                         f"takes its {dependence} from the micro-batch (micro_batch_rows is None), so the memory "
-                         "would change the loss. Fix the normalisation micro-batch with --objective-options "
-                         "'{\"micro_batch_rows\": 8}' (sequences per normalisation micro-batch), or give "
-                         "--micro-batch a number.")
 
 
 def load_model_and_tokenizer(config: TrainConfig, device: torch.device | str):
