@@ -226,20 +226,28 @@ def test_recorded_h200_points_are_predicted_within_25_percent(kind):
     points = [p for p in points if (p.kind == "head") == (kind == "head")]
     assert points
     for point in points:
-        predicted = predict.recorded(point, "h200")["predicted"]
-        assert close(point, predicted), (point.name, point.value, predicted)
+        predicted = predict.recorded(point, "h200")
+        assert close(point, predicted.get("predicted_then", predicted["predicted"])), (point.name, point.value,
+                                                                                       predicted)
+        if "predicted_then" in predicted:  # an eager rollout: today's layers launch fewer kernels
+            assert predicted["kernels_per_step"] < 0.8 * point.planned_kernels_then, (point.name, predicted)
+            assert predicted["predicted"] <= predicted["predicted_then"]
 
 
 def test_recorded_8b_rollouts_and_engine_are_predicted_within_25_percent():
     """LLaDA-8B rollouts at batch 8 (no cache and dual, eager: time and kernels per step) and the engine's two_pass
-    against naive per sample, as the H200 run measured them."""
+    against naive per sample, as the H200 run measured them. The rollouts ran b7790f6's layers: their time is
+    checked at the kernels the planner counted on that code (within 10% of bench_rollout's count then), and
+    today's fused layers must plan fewer."""
     for point in RECORDED:
         if point.kind == "head" or point.options.get("preset") == "small":
             continue
         predicted = predict.recorded(point, "h200")
-        assert close(point, predicted["predicted"]), (point.name, point.value, predicted)
+        assert close(point, predicted.get("predicted_then", predicted["predicted"])), (point.name, point.value,
+                                                                                       predicted)
         if point.kernels_per_step is not None:
-            assert 0.9 <= predicted["kernels_per_step"] / point.kernels_per_step <= 1.1, (point.name, predicted)
+            assert 0.9 <= point.planned_kernels_then / point.kernels_per_step <= 1.1, point.name
+            assert predicted["kernels_per_step"] < 0.8 * point.planned_kernels_then, (point.name, predicted)
 
 
 def test_the_uncalibrated_roofline_is_a_floor():

@@ -71,13 +71,16 @@ class Recorded:
     """One number the H200 run measured, and the calls that took it (dllm_fast.planning.predict): kind "head" or
     "rollout", `value` the median seconds of `predict.<kind>(gpu, **options)`; kind "engine", `value` two_pass's
     time per sample over naive's (bench_elbo --lora, micro-batch 1). kernels_per_step: bench_rollout's count,
-    where it has one."""
+    where it has one. planned_kernels_then: for an eager rollout, the planner's own count of kernels per step on
+    the code the GPU ran (b7790f6, before issue 29's fused layers), so that the launch cost is checked against
+    the kernels that were launched (predict.recorded's "predicted_then")."""
 
     name: str
     kind: str
     options: dict = field(hash=False)
     value: float
     kernels_per_step: float | None = None
+    planned_kernels_then: float | None = None
 
 
 def _head(M: int, provider: str, backward: bool, ms: float) -> Recorded:

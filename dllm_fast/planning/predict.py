@@ -146,15 +146,22 @@ def engine(gpu: str | GPU, *, provider: str, n_t: int, micro_batch: int = 1, pre
 
 
 def recorded(point: Recorded, gpu: str | GPU = "h200", calibration: Calibration = DEFAULT) -> dict:
-    """The planner's value for a recorded point (calibration.RECORDED): {"predicted": seconds or ratio, and the
-    parts: "device_s", "host_s", "kernels_per_step" where they apply}."""
+    """The planner's value for a recorded point (calibration.RECORDED): {"predicted": seconds or ratio on today's
+    code, and the parts: "device_s", "host_s", "kernels_per_step" where they apply; "predicted_then": an eager
+    rollout's seconds with the kernels the recorded code launched}."""
     if point.kind == "head":
         costs = head(gpu, calibration=calibration, **point.options)
         return dict(predicted=costs.seconds, device_s=costs.device_seconds, host_s=costs.host_seconds)
     if point.kind == "rollout":
         costs, nfe = rollout(gpu, calibration=calibration, **point.options)
-        return dict(predicted=costs.seconds, device_s=costs.device_seconds, host_s=costs.host_seconds,
-                    kernels_per_step=costs.kernels / nfe)
+        values = dict(predicted=costs.seconds, device_s=costs.device_seconds, host_s=costs.host_seconds,
+                      kernels_per_step=costs.kernels / nfe)
+        if point.planned_kernels_then is not None:
+            # The same call on the recorded code: the host launched planned_kernels_then per step instead (the
+            # device work of the removed kernels, small elementwise ones, is neglected); host and device overlap
+            host_then = costs.host_seconds * point.planned_kernels_then / values["kernels_per_step"]
+            values["predicted_then"] = max(costs.device_seconds, host_then)
+        return values
     if point.kind == "engine":
         n_t = point.options["n_t"]
         naive, two_pass = (engine(gpu, provider=p, calibration=calibration, **point.options).seconds / n_t
