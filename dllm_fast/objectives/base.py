@@ -36,8 +36,8 @@ from dllm_fast.likelihood import MonteCarloMasks, sample_masks, score, streaming
 from dllm_fast.likelihood.gradients import all_or_nothing
 from dllm_fast.likelihood.masks import COUNT_MODES, SAMPLERS
 from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
-from dllm_fast.objectives.advantages import group_advantages, zero_std_fraction
-from dllm_fast.validation import check_choice, check_float, check_int, check_probability
+from dllm_fast.objectives.advantages import BASELINES, group_advantages, zero_std_fraction
+from dllm_fast.validation import check_bool, check_choice, check_float, check_int, check_probability
 
 
 @dataclass
@@ -49,6 +49,10 @@ class ObjectiveConfig:
     "block" and "mean_field" samplers' settings; quadrature_points the "gauss" sampler's, coupled_t_min and
     coupled_t_max the "coupled" sampler's, shrink the "trajectory" sampler's (whose samples are the rollout's
     decoding states: n_t stays 1 and the batch must carry `unmask_step`).
+
+    advantage, scale_rewards, std_epsilon, population_std: the group-relative advantage
+    (`objectives.group_advantages`: baseline, std scaling, the std's epsilon and kind), which every objective
+    takes from these; a subclass re-declares them with its paper's defaults.
 
     A field's `metadata["help"]` is its one-line description on the command line (`train --objective NAME
     --help`); a subclass that re-declares one of these fields keeps the description given here.
@@ -68,6 +72,11 @@ class ObjectiveConfig:
     coupled_t_max: float = field(default=0.8, metadata={"help": "highest masking rate of the coupled sampler's "
                                                                  "pairs"})
     shrink: int = field(default=1, metadata={"help": "decoding steps merged per state of the trajectory sampler"})
+    advantage: str = field(default="mean", metadata={"help": "group baseline: mean, or leave_one_out (RLOO)"})
+    scale_rewards: bool = field(default=False, metadata={"help": "divide advantages by the group std + std_epsilon"})
+    std_epsilon: float = field(default=1e-6, metadata={"help": "added to the group std when scale_rewards"})
+    population_std: bool = field(default=False, metadata={"help": "scale by the population std (TraceRL's z-score) "
+                                                                  "instead of the unbiased one"})
 
     def __post_init__(self) -> None:
         check_int("n_t", self.n_t, minimum=1, hint="Monte Carlo masks per sequence")
@@ -76,6 +85,10 @@ class ObjectiveConfig:
         check_int("block_length", self.block_length, minimum=1)
         check_probability("perturb_prob", self.perturb_prob)
         check_int("shrink", self.shrink, minimum=1, hint="decoding steps merged per trajectory state")
+        check_choice("advantage", self.advantage, BASELINES)
+        check_bool("scale_rewards", self.scale_rewards)
+        check_float("std_epsilon", self.std_epsilon, minimum=0.0)
+        check_bool("population_std", self.population_std)
         check_probability("coupled_t_min", self.coupled_t_min)
         check_probability("coupled_t_max", self.coupled_t_max)
         if not 0.0 < self.coupled_t_min <= self.coupled_t_max < 1.0:
@@ -215,8 +228,12 @@ class Objective:
         return ""
 
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
-        """[N] float64. Default: reward minus the group mean, no std (d1, wd1, SPG)."""
-        return group_advantages(batch.rewards, batch.group_size)
+        """[N] float64 group-relative advantages, as the config's advantage options set them (each objective's
+        defaults are its paper's or code's)."""
+        c = self.config
+        return group_advantages(batch.rewards, batch.group_size, baseline=c.advantage,
+                                scale="std" if c.scale_rewards else "none", std_epsilon=c.std_epsilon,
+                                unbiased=not c.population_std)
 
     def loss(self, lp: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
         """The loss to minimise, a differentiable function of the current policy's lp [N, n_t, L]."""

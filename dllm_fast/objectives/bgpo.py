@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 
 from dllm_fast.likelihood.masks import weighted_sum
-from dllm_fast.objectives.advantages import group_advantages
 from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows, clipped,
                                        clipped_surrogate, dual_clipped, micro_batch_index, micro_batch_sums,
                                        rows_from_micro_batch, safe_exp)
@@ -42,7 +41,7 @@ class BGPOConfig(ObjectiveConfig):
     n_t: int = 16
     sampler: str = "random_t"
     count: str = "eos"
-    std_epsilon: float = field(default=1e-6, metadata={"help": "added to the group std"})
+    scale_rewards: bool = True  # A = (r - mean) / std (Eq. 18)
     scale: str = field(default="none", metadata={"help": "divide l by: none, padded_length (DARE) or "
                                                          "response_length"})
     clip_epsilon: float | None = field(default=None, metadata={"help": "PPO clip of the per-sample ratio (DARE 0.2)"})
@@ -54,7 +53,6 @@ class BGPOConfig(ObjectiveConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_float("std_epsilon", self.std_epsilon, minimum=0.0)
         check_choice("scale", self.scale, SCALES)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
         check_micro_batch_rows(self.micro_batch_rows)
@@ -77,9 +75,6 @@ class BGPO(Objective):
     def micro_batch_dependence(self) -> str:
         return rows_from_micro_batch(self.config.aggregation == "length_weighted", self.config.micro_batch_rows,
                                      "length weights (aggregation='length_weighted')")
-
-    def advantages(self, batch):
-        return group_advantages(batch.rewards, batch.group_size, scale="std", std_epsilon=self.config.std_epsilon)
 
     def extra(self, batch, masks, micro_batch=None):
         c = self.config

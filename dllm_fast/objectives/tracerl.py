@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm_fast.objectives.advantages import group_advantages
 from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_epsilon, clipped,
                                        clipped_surrogate, kl_k3)
 from dllm_fast.validation import check_float
@@ -36,6 +35,9 @@ class TraceRLConfig(ObjectiveConfig):
     sampler: str = "trajectory"
     count: str = "eos"
     shrink: int = 8
+    scale_rewards: bool = True  # the z-score with the population std, 0 for a group of equal rewards
+    std_epsilon: float = 0.0
+    population_std: bool = True
     epsilon: float = field(default=0.2, metadata={"help": "PPO clip range"})
     beta: float = field(default=0.01, metadata={"help": "k3 KL coefficient against the old policy"})
 
@@ -52,9 +54,6 @@ class TraceRL(Objective):
     separable = True
     # The official configs for SDAR/TraDo (configs/rl_sdar.yaml, rl_trado.yaml): every decoding step a state.
     presets = {"sdar": dict(shrink=1)}
-
-    def advantages(self, batch):
-        return group_advantages(batch.rewards, batch.group_size, scale="std", std_epsilon=0.0, unbiased=False)
 
     def extra(self, batch, masks, micro_batch=None):
         targets = masks.targets.sum(-1)  # [N, n_t] tokens of each state
