@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dllm_fast.likelihood import MaskSpec
 from dllm_fast.likelihood.masks import weighted_sum
 from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows, clipped,
-                                       clipped_surrogate, dual_clipped, micro_batch_index, micro_batch_sums,
-                                       rows_from_micro_batch, safe_exp)
+                                       clipped_surrogate, dual_clipped, mask_defaults, micro_batch_index,
+                                       micro_batch_sums, rows_from_micro_batch, safe_exp)
 from dllm_fast.validation import check_choice, check_float
 
 SCALES = ("none", "padded_length", "response_length")
@@ -38,9 +39,7 @@ AGGREGATIONS = ("mean", "length_weighted")
 
 @dataclass
 class BGPOConfig(ObjectiveConfig):
-    n_t: int = 16
-    sampler: str = "random_t"
-    count: str = "eos"
+    masks: MaskSpec = mask_defaults(n_t=16, sampler="random_t", count="eos")
     scale_rewards: bool = True  # A = (r - mean) / std (Eq. 18)
     scale: str = field(default="none", metadata={"help": "divide l by: none, padded_length (DARE) or "
                                                          "response_length"})

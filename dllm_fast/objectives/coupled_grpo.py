@@ -26,18 +26,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm_fast.likelihood import token_estimate
+from dllm_fast.likelihood import MaskSpec, token_estimate
 from dllm_fast.objectives.base import (NORMALIZE_PER, LossInputs, Objective, ObjectiveConfig, check_epsilon,
-                                       check_micro_batch_rows, clipped, clipped_surrogate, kl_k3, micro_batch_index,
-                                       micro_batch_sums, rows_from_micro_batch)
+                                       check_micro_batch_rows, clipped, clipped_surrogate, kl_k3, mask_defaults,
+                                       micro_batch_index, micro_batch_sums, rows_from_micro_batch)
 from dllm_fast.validation import check_choice, check_float
 
 
 @dataclass
 class CoupledGRPOConfig(ObjectiveConfig):
-    n_t: int = 3
-    sampler: str = "coupled"
-    count: str = "eos"
+    masks: MaskSpec = mask_defaults(n_t=3, sampler="coupled", count="eos")
     epsilon: float = field(default=0.5, metadata={"help": "PPO clip range"})
     beta: float = field(default=0.01, metadata={"help": "k3 KL coefficient (reference policy)"})
     advantage: str = "leave_one_out"  # the code's; "mean" the paper's

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dllm_fast.likelihood import MaskSpec
 from dllm_fast.objectives.base import (NORMALIZE_PER, LossInputs, Objective, ObjectiveConfig, check_epsilon,
                                        check_micro_batch_rows, clipped, clipped_surrogate, dual_clipped, kl_k3,
-                                       micro_batch_index, micro_batch_sums, rows_from_micro_batch)
+                                       mask_defaults, micro_batch_index, micro_batch_sums, rows_from_micro_batch)
 from dllm_fast.validation import check_choice, check_float
 
 NORMALIZATIONS = ("token", "sequence")
@@ -37,10 +38,7 @@ NORMALIZATIONS = ("token", "sequence")
 
 @dataclass
 class DiffuGRPOConfig(ObjectiveConfig):
-    n_t: int = 1
-    sampler: str = "mean_field"
-    count: str = "eos"
-    perturb_prob: float = 0.15
+    masks: MaskSpec = mask_defaults(n_t=1, sampler="mean_field", count="eos", perturb_prob=0.15)
     epsilon: float = field(default=0.5, metadata={"help": "PPO clip range"})
     beta: float = field(default=0.04, metadata={"help": "k3 KL coefficient (reference policy)"})
     normalization: str = field(default="token", metadata={"help": "token: mean over scored tokens; sequence: "

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm_fast.likelihood import elbo
-from dllm_fast.objectives.base import LossInputs, Objective, ObjectiveConfig, check_epsilon, clipped, clipped_surrogate
+from dllm_fast.likelihood import MaskSpec, elbo
+from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_epsilon, clipped,
+                                       clipped_surrogate, mask_defaults)
 from dllm_fast.validation import check_choice, check_float
 
 KL_ESTIMATORS = ("k2", "k1", "k3")
@@ -34,9 +35,7 @@ LENGTHS = ("fixed", "counted")
 
 @dataclass
 class ESPOConfig(ObjectiveConfig):
-    n_t: int = 4
-    sampler: str = "complementary"
-    count: str = "all"
+    masks: MaskSpec = mask_defaults(n_t=4, sampler="complementary", count="all")
     epsilon_low: float = field(default=0.2, metadata={"help": "clip range below 1"})
     epsilon_high: float = field(default=0.2, metadata={"help": "clip range above 1"})
     beta: float = field(default=1e-3, metadata={"help": "KL coefficient (reference policy)"})

@@ -22,15 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm_fast.likelihood import elbo
-from dllm_fast.objectives.base import LossInputs, Objective, ObjectiveConfig, check_epsilon, clipped, clipped_surrogate
+from dllm_fast.likelihood import MaskSpec, elbo
+from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_epsilon, clipped,
+                                       clipped_surrogate, mask_defaults)
 
 
 @dataclass
 class GDPOConfig(ObjectiveConfig):
-    n_t: int = 3
-    sampler: str = "gauss"
-    count: str = "eos"
+    masks: MaskSpec = mask_defaults(n_t=3, sampler="gauss", count="eos")
     epsilon_low: float = field(default=0.2, metadata={"help": "clip range below 1"})
     epsilon_high: float = field(default=0.2, metadata={"help": "clip range above 1"})
 

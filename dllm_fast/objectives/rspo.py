@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm_fast.likelihood import elbo
-from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows,
+from dllm_fast.likelihood import MaskSpec, elbo
+from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows, mask_defaults,
                                        micro_batch_index, micro_batch_sums, rows_from_micro_batch)
 from dllm_fast.validation import check_choice, check_float
 
@@ -35,9 +35,7 @@ CENTERS = ("batch", "group", "micro_batch")
 
 @dataclass
 class RSPOConfig(ObjectiveConfig):
-    n_t: int = 2
-    sampler: str = "stratified_l"
-    count: str = "eos"
+    masks: MaskSpec = mask_defaults(n_t=2, sampler="stratified_l", count="eos")
     lam: float = field(default=0.01, metadata={"help": "feedback coefficient lambda"})
     center: str = field(default="batch", metadata={"help": "centre delta over the batch, each group or each "
                                                            "micro_batch"})

@@ -24,17 +24,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dllm_fast.likelihood import MaskSpec
 from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_epsilon, clipped,
-                                       clipped_surrogate, kl_k3)
+                                       clipped_surrogate, kl_k3, mask_defaults)
 from dllm_fast.validation import check_float
 
 
 @dataclass
 class TraceRLConfig(ObjectiveConfig):
-    n_t: int = 1
-    sampler: str = "trajectory"
-    count: str = "eos"
-    shrink: int = 8
+    masks: MaskSpec = mask_defaults(n_t=1, sampler="trajectory", count="eos", shrink=8)
     scale_rewards: bool = True  # the z-score with the population std, 0 for a group of equal rewards
     std_epsilon: float = 0.0
     population_std: bool = True

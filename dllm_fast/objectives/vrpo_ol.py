@@ -16,15 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm_fast.likelihood import elbo
-from dllm_fast.objectives.base import LossInputs, Objective, ObjectiveConfig
+from dllm_fast.likelihood import MaskSpec, elbo
+from dllm_fast.objectives.base import LossInputs, Objective, ObjectiveConfig, mask_defaults
 
 
 @dataclass
 class VRPOOLConfig(ObjectiveConfig):
-    n_t: int = 4
-    sampler: str = "random_t"
-    count: str = "eos"
+    masks: MaskSpec = mask_defaults(n_t=4, sampler="random_t", count="eos")
     scale_rewards: bool = True  # BGPO Eq. 18; false: r - mean
 
 
