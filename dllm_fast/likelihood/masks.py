@@ -1,4 +1,4 @@
-"""Monte Carlo mask samplers and the stored mask object they return.
+"""The stored Monte Carlo masks (`MonteCarloMasks`) and what draws them (`sample_masks`, `draw_masks`).
 
 Every sampler draws from an explicit `torch.Generator` (never the global RNG) and returns a `MonteCarloMasks`.
 Replaying is reusing that object: the current, old and reference policies are scored on it, so they see

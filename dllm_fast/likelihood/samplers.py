@@ -103,6 +103,11 @@ class NTRule:
 ANY_N_T = NTRule()
 
 
+def any_n_t(spec) -> NTRule:
+    """The rule of a sampler that takes any n_t >= 1."""
+    return ANY_N_T
+
+
 class Drawn(NamedTuple):
     """What a draw function returns. chosen: [N, n_t, L] bool, the counted completion positions each sample
     masks and its estimate reads; weight [N, n_t] (or [N, n_t, L]) and t [N, n_t]: see MonteCarloMasks.
@@ -146,7 +151,7 @@ class Sampler:
 
     name: str
     draw: Callable[..., Drawn]
-    n_t_rule: Callable[..., NTRule] = lambda spec: ANY_N_T
+    n_t_rule: Callable[..., NTRule] = any_n_t
     random: bool = True
 
 
@@ -162,7 +167,7 @@ def register_sampler(name: str, draw: Callable[..., Drawn], *, n_t_rule: Callabl
         raise TypeError(f"register_sampler takes a name (str) and a draw function, got {name!r}, {draw!r}.")
     if name in SAMPLERS:
         raise ValueError(f"a sampler named {name!r} is already registered.")
-    SAMPLERS[name] = Sampler(name, draw, n_t_rule or (lambda spec: ANY_N_T), random)
+    SAMPLERS[name] = Sampler(name, draw, n_t_rule or any_n_t, random)
     return SAMPLERS[name]
 
 
