@@ -160,6 +160,11 @@ def test_objective_configs_embed_a_mask_spec():
         objectives.get("espo", nt=3)
     with pytest.raises(TypeError, match="masks must be a MaskSpec"):
         objectives.get("espo", masks={"n_t": 2})
+    assert objectives.nearest_valid_n_t("vrpo_ol", 3, masks=MaskSpec(sampler="complementary")) == 4
+    with pytest.raises(TypeError, match="masks must be a MaskSpec"):
+        objectives.nearest_valid_n_t("vrpo_ol", 3, masks={"sampler": "complementary"})
+    with pytest.raises(ValueError, match="vrpo_ol has no option 'nt'"):
+        objectives.nearest_valid_n_t("vrpo_ol", 3, nt=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         objective.config.masks.n_t = 3  # one object that travels: changed only through with_options
     assert objective.config.with_options(n_t=2).masks.n_t == 2 and objective.config.n_t == 8

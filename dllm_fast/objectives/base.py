@@ -97,14 +97,20 @@ class ObjectiveConfig:
         names = MaskSpec.names()
         return ({k: v for k, v in options.items() if k in names}, {k: v for k, v in options.items() if k not in names})
 
+    @classmethod
+    def masks_of(cls, options: dict[str, Any], masks: MaskSpec | None = None) -> tuple[MaskSpec, dict[str, Any]]:
+        """Options -> (the mask settings they give over `masks` (default: the config's defaults; an option `masks`
+        replaces it), unchecked; the other options)."""
+        settings, own = cls.split(options)
+        masks = own.pop("masks", cls.default_masks() if masks is None else masks)
+        if not isinstance(masks, MaskSpec):
+            raise TypeError(f"masks must be a MaskSpec, got {type(masks).__name__}; or set its fields (n_t, "
+                            "sampler, ...) as options.")
+        return dataclasses.replace(masks, **settings), own
+
     def with_options(self, **options: Any) -> ObjectiveConfig:
         """A copy with `options` set (mask settings by their own names, on top of a given `masks`), checked."""
-        settings, own = self.split(options)
-        masks = own.pop("masks", self.masks)
-        if settings:
-            if not isinstance(masks, MaskSpec):
-                raise TypeError(f"masks must be a MaskSpec, got {type(masks).__name__}.")
-            masks = dataclasses.replace(masks, **settings)
+        masks, own = self.masks_of(options, self.masks)
         return dataclasses.replace(self, masks=masks, **own)  # re-runs the checks
 
     def options(self) -> dict[str, tuple[Any, str]]:
@@ -230,8 +236,7 @@ class Objective:
     def mask_spec(cls, *, preset: str | None = None, **options: Any) -> MaskSpec:
         """The mask settings `objectives.get(name, preset=preset, **options)` would use, without building it (its
         n_t unchecked: `MaskSpec.valid_n_t` searches it)."""
-        settings, own = cls.Config.split(cls.resolve_options(preset, options))
-        return dataclasses.replace(own.get("masks", cls.Config.default_masks()), **settings)
+        return cls.Config.masks_of(cls.resolve_options(preset, options))[0]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"
