@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dllm_fast.likelihood import SAMPLERS, counted_positions, draw_masks, sample_masks, token_estimate
-from dllm_fast.likelihood.masks import RANDOM_SAMPLERS, gauss_legendre
+from dllm_fast.likelihood.masks import RANDOM_SAMPLERS
+from dllm_fast.likelihood.samplers import gauss_legendre
 
 EOS, MASK = 126, 127  # the tiny preset's ids
 
@@ -334,6 +335,6 @@ def test_trajectory_inputs_are_checked():
     with pytest.raises(ValueError, match="n_t=4 must be odd for sampler='coupled'"):
         sample_masks(sequences, prompt_length=3, n_t=4, sampler="coupled", generator=torch.Generator(),
                      eos_token_id=EOS)
-    with pytest.raises(ValueError, match=r"t_range=\(0.0, 0.8\) must satisfy"):
+    with pytest.raises(ValueError, match=r"coupled_t_min=0.0, coupled_t_max=0.8 must satisfy"):
         sample_masks(sequences, prompt_length=3, n_t=3, sampler="coupled", generator=torch.Generator(),
                      eos_token_id=EOS, t_range=(0.0, 0.8))

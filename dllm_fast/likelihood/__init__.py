@@ -1,8 +1,8 @@
 """The likelihood engine: Monte Carlo masks, per-token log-probs lp[N, n_t, L], estimators and the streaming
 backward that differentiates any objective of lp in memory independent of n_t.
 
-    masks = sample_masks(sequences, prompt_length=P, n_t=16, sampler="stratified_l", generator=g,
-                         eos_token_id=model.eos_token_id)
+    masks = sample_masks(sequences, MaskSpec(n_t=16, sampler="stratified_l"), prompt_length=P, generator=g,
+                         eos_token_id=model.eos_token_id)   # or the settings as keywords: n_t=16, sampler=...
     with torch.no_grad():
         lp_old = score(old_model, sequences, masks, micro_batch=8)        # same masks for old, ref, current
     def objective(lp):
@@ -14,14 +14,9 @@ backward that differentiates any objective of lp in memory independent of n_t.
 
 from dllm_fast.likelihood.engine import BackwardResult, Separable, streaming_backward
 from dllm_fast.likelihood.estimators import elbo, eubo, eubo_per_position, mean_field, mixture, token_estimate
-from dllm_fast.likelihood.masks import (
-    COUNT_MODES,
-    SAMPLERS,
-    MonteCarloMasks,
-    counted_positions,
-    draw_masks,
-    sample_masks,
-)
+from dllm_fast.likelihood.mask_spec import MaskSpec
+from dllm_fast.likelihood.masks import MonteCarloMasks, counted_positions, draw_masks, sample_masks
+from dllm_fast.likelihood.samplers import COUNT_MODES, SAMPLERS, register_sampler
 from dllm_fast.likelihood.scoring import active_pairs, score, score_pairs
 from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
 
@@ -31,6 +26,7 @@ __all__ = [
     "Separable",
     "BackwardHooks",
     "BackwardResult",
+    "MaskSpec",
     "MicroBatching",
     "MonteCarloMasks",
     "active_pairs",
@@ -41,6 +37,7 @@ __all__ = [
     "eubo_per_position",
     "mean_field",
     "mixture",
+    "register_sampler",
     "sample_masks",
     "score",
     "score_pairs",

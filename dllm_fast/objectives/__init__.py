@@ -91,15 +91,11 @@ def get(name: str, *, preset: str | None = None, **overrides: Any) -> Objective:
 def nearest_valid_n_t(name: str, n_t: int, *, down: bool = False, limit: int = 1 << 16, **options: Any) -> int | None:
     """The n_t nearest `n_t` (at or above it; at or below with down=True) that objective `name` accepts with
     `options` (complementary pairs need an even n_t, a full mask plus pairs an odd one, quadrature a multiple of
-    its nodes); None when there is none within [1, limit]."""
-    step = -1 if down else 1
-    for candidate in range(max(1, n_t), 0 if down else limit + 1, step):
-        try:
-            get(name, **{**options, "n_t": candidate})
-        except ValueError:
-            continue
-        return candidate
-    return None
+    its nodes); None when there is none within [1, limit]. Arithmetic on the mask settings the options give
+    (`MaskSpec.valid_n_t`): the objective is not built, and options other than the mask's are checked by name
+    only (`get` checks their values)."""
+    options.pop("n_t", None)  # searched
+    return _class(name).mask_spec(**options).valid_n_t(n_t, down=down, limit=limit)
 
 
 def presets(name: str) -> dict[str, dict[str, Any]]:

@@ -26,6 +26,7 @@ lp_old=lp gives ratios of exactly 1 too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
@@ -34,66 +35,100 @@ import torch
 from dllm_fast.contracts import RolloutBatch, block_length, check_reference_model, unwrap_model
 from dllm_fast.likelihood import MonteCarloMasks, Separable, sample_masks, score, streaming_backward
 from dllm_fast.likelihood.gradients import all_or_nothing
-from dllm_fast.likelihood.masks import COUNT_MODES, SAMPLERS
+from dllm_fast.likelihood.mask_spec import MaskSpec
 from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
-from dllm_fast.objectives.advantages import group_advantages, zero_std_fraction
-from dllm_fast.validation import check_choice, check_float, check_int, check_probability
+from dllm_fast.objectives.advantages import BASELINES, group_advantages, zero_std_fraction
+from dllm_fast.validation import check_bool, check_choice, check_float, check_int
+
+
+def mask_defaults(**settings: Any) -> Any:
+    """An objective config's `masks` field with its paper's mask settings (the other MaskSpec fields default)."""
+    return field(default_factory=functools.partial(MaskSpec, **settings))
 
 
 @dataclass
 class ObjectiveConfig:
-    """The likelihood estimator an objective needs. Subclasses add their own fields with their paper's defaults.
+    """What an objective needs besides its own options. Subclasses add their own fields with their paper's defaults.
 
-    n_t: Monte Carlo masks per sequence. sampler: one of dllm_fast.likelihood.SAMPLERS. count: which completion
-    positions count ("eos": through the first EOS; "all": every position). block_length, perturb_prob: the
-    "block" and "mean_field" samplers' settings; quadrature_points the "gauss" sampler's, coupled_t_min and
-    coupled_t_max the "coupled" sampler's, shrink the "trajectory" sampler's (whose samples are the rollout's
-    decoding states: n_t stays 1 and the batch must carry `unmask_step`).
+    masks: the likelihood estimator's mask settings (`MaskSpec`: sampler, n_t, count, block_length,
+    perturb_prob, quadrature_points, coupled_t_min, coupled_t_max, shrink), set in a subclass with
+    `mask_defaults(...)`. Each is also an option of its own: `objectives.get("vrpo_ol", n_t=8)`,
+    `config.with_options(n_t=8)`, and reads as `config.n_t`. The settings' rules (e.g. complementary pairs need
+    an even n_t) are the samplers' (`MaskSpec.validate`).
+
+    advantage, scale_rewards, std_epsilon, population_std: the group-relative advantage
+    (`objectives.group_advantages`: baseline, std scaling, the std's epsilon and kind), which every objective
+    takes from these; a subclass re-declares them with its paper's defaults.
 
     A field's `metadata["help"]` is its one-line description on the command line (`train --objective NAME
-    --help`); a subclass that re-declares one of these fields keeps the description given here.
+    --help`, from `options()`); a subclass that re-declares one of these fields keeps the description given here.
     """
 
-    n_t: int = field(default=1, metadata={"help": "Monte Carlo masks per sequence"})
-    sampler: str = field(default="stratified_l", metadata={"help": "mask sampler: " + ", ".join(SAMPLERS)})
-    count: str = field(default="eos", metadata={"help": "completion positions that count: eos (through the "
-                                                         "first EOS) or all"})
-    block_length: int = field(default=32, metadata={"help": "block size of the block sampler (block_elbo takes "
-                                                            "the model's)"})
-    perturb_prob: float = field(default=0.15, metadata={"help": "probability of masking a prompt token (block, "
-                                                                "mean_field) or an earlier block's (block)"})
-    quadrature_points: int | None = field(default=None, metadata={
-        "help": "Gauss-Legendre nodes of the gauss sampler (default n_t: one mask per node)"})
-    coupled_t_min: float = field(default=0.2, metadata={"help": "lowest masking rate of the coupled sampler's pairs"})
-    coupled_t_max: float = field(default=0.8, metadata={"help": "highest masking rate of the coupled sampler's "
-                                                                 "pairs"})
-    shrink: int = field(default=1, metadata={"help": "decoding steps merged per state of the trajectory sampler"})
+    masks: MaskSpec = field(default_factory=MaskSpec, metadata={"help": "the mask settings (MaskSpec)"})
+    advantage: str = field(default="mean", metadata={"help": "group baseline: mean, or leave_one_out (RLOO)"})
+    scale_rewards: bool = field(default=False, metadata={"help": "divide advantages by the group std + std_epsilon"})
+    std_epsilon: float = field(default=1e-6, metadata={"help": "added to the group std when scale_rewards"})
+    population_std: bool = field(default=False, metadata={"help": "scale by the population std (TraceRL's z-score) "
+                                                                  "instead of the unbiased one"})
 
     def __post_init__(self) -> None:
-        check_int("n_t", self.n_t, minimum=1, hint="Monte Carlo masks per sequence")
-        check_choice("sampler", self.sampler, SAMPLERS)
-        check_choice("count", self.count, COUNT_MODES)
-        check_int("block_length", self.block_length, minimum=1)
-        check_probability("perturb_prob", self.perturb_prob)
-        check_int("shrink", self.shrink, minimum=1, hint="decoding steps merged per trajectory state")
-        check_probability("coupled_t_min", self.coupled_t_min)
-        check_probability("coupled_t_max", self.coupled_t_max)
-        if not 0.0 < self.coupled_t_min <= self.coupled_t_max < 1.0:
-            raise ValueError(f"coupled_t_min={self.coupled_t_min}, coupled_t_max={self.coupled_t_max} must satisfy "
-                             "0 < min <= max < 1 (the coupled pairs' masking rates; DiffuCoder uses 0.2 and 0.8).")
-        if self.quadrature_points is not None:
-            check_int("quadrature_points", self.quadrature_points, minimum=1, hint="Gauss-Legendre nodes")
-        if self.sampler == "complementary" and self.n_t % 2:
-            raise ValueError(f"n_t={self.n_t} must be even for sampler='complementary' (masks come in pairs).")
-        if self.sampler == "coupled" and self.n_t % 2 == 0:
-            raise ValueError(f"n_t={self.n_t} must be odd for sampler='coupled' (the full mask plus complementary "
-                             "pairs: 1 + 2 lambda; DiffuCoder uses 3).")
-        if self.sampler == "gauss" and self.n_t % (self.quadrature_points or self.n_t):
-            raise ValueError(f"quadrature_points={self.quadrature_points} must divide n_t={self.n_t} (n_t / "
-                             "quadrature_points masks per Gauss node).")
-        if self.sampler == "trajectory" and self.n_t != 1:
-            raise ValueError(f"n_t={self.n_t} does not apply with sampler='trajectory': its samples are the "
-                             "rollout's decoding states (their number follows from shrink); leave n_t at 1.")
+        if not isinstance(self.masks, MaskSpec):
+            raise TypeError(f"masks must be a MaskSpec, got {type(self.masks).__name__}; or set its fields (n_t, "
+                            "sampler, ...) as options.")
+        self.masks.validate()
+        check_choice("advantage", self.advantage, BASELINES)
+        check_bool("scale_rewards", self.scale_rewards)
+        check_float("std_epsilon", self.std_epsilon, minimum=0.0)
+        check_bool("population_std", self.population_std)
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """Every option a caller may set: the mask settings, `masks` itself, and the config's own fields."""
+        return (*MaskSpec.names(), *(f.name for f in dataclasses.fields(cls)))
+
+    @classmethod
+    def default_masks(cls) -> MaskSpec:
+        """The mask settings of this config's defaults (nothing validated, nothing built)."""
+        return next(f for f in dataclasses.fields(cls) if f.name == "masks").default_factory()
+
+    @classmethod
+    def split(cls, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Options -> (the mask settings among them, the rest)."""
+        names = MaskSpec.names()
+        return ({k: v for k, v in options.items() if k in names}, {k: v for k, v in options.items() if k not in names})
+
+    @classmethod
+    def masks_of(cls, options: dict[str, Any], masks: MaskSpec | None = None) -> tuple[MaskSpec, dict[str, Any]]:
+        """Options -> (the mask settings they give over `masks` (default: the config's defaults; an option `masks`
+        replaces it), unchecked; the other options)."""
+        settings, own = cls.split(options)
+        masks = own.pop("masks", cls.default_masks() if masks is None else masks)
+        if not isinstance(masks, MaskSpec):
+            raise TypeError(f"masks must be a MaskSpec, got {type(masks).__name__}; or set its fields (n_t, "
+                            "sampler, ...) as options.")
+        return dataclasses.replace(masks, **settings), own
+
+    def with_options(self, **options: Any) -> ObjectiveConfig:
+        """A copy with `options` set (mask settings by their own names, on top of a given `masks`), checked."""
+        masks, own = self.masks_of(options, self.masks)
+        return dataclasses.replace(self, masks=masks, **own)  # re-runs the checks
+
+    def options(self) -> dict[str, tuple[Any, str]]:
+        """Each option's value and one-line description (the mask settings first), for `--help`."""
+        shared = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(ObjectiveConfig)}
+        described = {f.name: (getattr(self.masks, f.name), f.metadata.get("help", ""))
+                     for f in dataclasses.fields(MaskSpec)}
+        for config_field in dataclasses.fields(self):
+            if config_field.name != "masks":
+                described[config_field.name] = (getattr(self, config_field.name),
+                                                config_field.metadata.get("help") or shared.get(config_field.name, ""))
+        return described
+
+
+# Each mask setting reads through the config (config.n_t is config.masks.n_t); set them with with_options.
+for _setting in MaskSpec.names():
+    setattr(ObjectiveConfig, _setting, property(lambda self, _name=_setting: getattr(self.masks, _name),
+                                                doc=f"masks.{_setting}"))
 
 
 @dataclass(frozen=True, eq=False)
@@ -178,19 +213,29 @@ class Objective:
             config = self.Config()
         elif not isinstance(config, self.Config):
             raise TypeError(f"{self.name} takes a {self.Config.__name__}, got {type(config).__name__}.")
+        overrides = self.resolve_options(preset, overrides)
+        self.config = config.with_options(**overrides) if overrides else config
+
+    @classmethod
+    def resolve_options(cls, preset: str | None, options: dict[str, Any]) -> dict[str, Any]:
+        """The options `preset` sets with `options` over them, every name checked."""
         if preset is not None:
-            if preset not in self.presets:
-                known = ", ".join(self.presets) or "none"
-                raise ValueError(f"{self.name} has no preset {preset!r}; its presets: {known}.")
-            overrides = {**self.presets[preset], **overrides}
-        if overrides:
-            names = {f.name for f in dataclasses.fields(self.Config)}
-            unknown = sorted(set(overrides) - names)
-            if unknown:
-                raise ValueError(f"{self.name} has no option {', '.join(map(repr, unknown))}; its options are "
-                                 f"{sorted(names)}.")
-            config = dataclasses.replace(config, **overrides)  # re-runs the config's checks
-        self.config = config
+            if preset not in cls.presets:
+                known = ", ".join(cls.presets) or "none"
+                raise ValueError(f"{cls.name} has no preset {preset!r}; its presets: {known}.")
+            options = {**cls.presets[preset], **options}
+        names = cls.Config.option_names()
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise ValueError(f"{cls.name} has no option {', '.join(map(repr, unknown))}; its options are "
+                             f"{sorted(set(names))}.")
+        return options
+
+    @classmethod
+    def mask_spec(cls, *, preset: str | None = None, **options: Any) -> MaskSpec:
+        """The mask settings `objectives.get(name, preset=preset, **options)` would use, without building it (its
+        n_t unchecked: `MaskSpec.valid_n_t` searches it)."""
+        return cls.Config.masks_of(cls.resolve_options(preset, options))[0]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"
@@ -208,8 +253,12 @@ class Objective:
         return self.config.sampler == "trajectory"
 
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
-        """[N] float64. Default: reward minus the group mean, no std (d1, wd1, SPG)."""
-        return group_advantages(batch.rewards, batch.group_size)
+        """[N] float64 group-relative advantages, as the config's advantage options set them (each objective's
+        defaults are its paper's or code's)."""
+        c = self.config
+        return group_advantages(batch.rewards, batch.group_size, baseline=c.advantage,
+                                scale="std" if c.scale_rewards else "none", std_epsilon=c.std_epsilon,
+                                unbiased=not c.population_std)
 
     def loss(self, lp: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
         """The loss to minimise, a differentiable function of the current policy's lp [N, n_t, L]."""
@@ -239,24 +288,22 @@ class Objective:
         """The Monte Carlo masks this objective's estimator needs, for the batch's sequences. model_block_length:
         the policy's block size when it is a block-diffusion model (contracts.block_length), which the
         "block_elbo" sampler cuts the completion by (plan_updates and backward pass it)."""
-        c = self.config
-        options = dict(n_t=c.n_t, block_length=c.block_length, perturb_prob=c.perturb_prob,
-                       quadrature_points=c.quadrature_points, t_range=(c.coupled_t_min, c.coupled_t_max))
-        if c.sampler == "block_elbo":
+        spec = self.config.masks
+        unmask_step = None
+        if spec.sampler == "block_elbo":
             if model_block_length is None:
                 raise ValueError(f"{self.name} with sampler='block_elbo' estimates a block-diffusion model's ELBO, "
                                  "block by block: the policy must be one (model.block_length, e.g. SDAR), passed "
                                  "as model_block_length; for a bidirectional model use e.g. 'stratified_l'.")
-            options.update(block_length=model_block_length)
-        if c.sampler == "trajectory":
+            spec = spec.replace(block_length=model_block_length)
+        if spec.sampler == "trajectory":
             if batch.unmask_step is None:
                 raise ValueError(f"{self.name} replays the rollout's decoding states, but the batch has no "
                                  "unmask_step: roll out with generate(..., record_unmask_step=True) and build the "
                                  "batch with RolloutBatch.from_generation.")
-            options.update(n_t=None, unmask_step=batch.unmask_step, shrink=c.shrink)
-        return sample_masks(batch.sequences, prompt_length=batch.prompt_length, sampler=c.sampler,
-                            generator=generator, eos_token_id=eos_token_id, count=c.count,
-                            attention_mask=batch.attention_mask, **options)
+            unmask_step = batch.unmask_step
+        return sample_masks(batch.sequences, spec, prompt_length=batch.prompt_length, generator=generator,
+                            eos_token_id=eos_token_id, attention_mask=batch.attention_mask, unmask_step=unmask_step)
 
     def check_masks(self, masks: MonteCarloMasks, batch: RolloutBatch) -> None:
         if not isinstance(masks, MonteCarloMasks):

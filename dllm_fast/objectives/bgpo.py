@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dllm_fast.likelihood import MaskSpec
 from dllm_fast.likelihood.masks import weighted_sum
-from dllm_fast.objectives.advantages import group_advantages
 from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows, clipped,
-                                       clipped_surrogate, dual_clipped, micro_batch_index, micro_batch_sums,
-                                       safe_exp)
+                                       clipped_surrogate, dual_clipped, mask_defaults, micro_batch_index,
+                                       micro_batch_sums, safe_exp)
 from dllm_fast.validation import check_choice, check_float
 
 SCALES = ("none", "padded_length", "response_length")
@@ -39,10 +39,8 @@ AGGREGATIONS = ("mean", "length_weighted")
 
 @dataclass
 class BGPOConfig(ObjectiveConfig):
-    n_t: int = 16
-    sampler: str = "random_t"
-    count: str = "eos"
-    std_epsilon: float = field(default=1e-6, metadata={"help": "added to the group std"})
+    masks: MaskSpec = mask_defaults(n_t=16, sampler="random_t", count="eos")
+    scale_rewards: bool = True  # A = (r - mean) / std (Eq. 18)
     scale: str = field(default="none", metadata={"help": "divide l by: none, padded_length (DARE) or "
                                                          "response_length"})
     clip_epsilon: float | None = field(default=None, metadata={"help": "PPO clip of the per-sample ratio (DARE 0.2)"})
@@ -54,7 +52,6 @@ class BGPOConfig(ObjectiveConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_float("std_epsilon", self.std_epsilon, minimum=0.0)
         check_choice("scale", self.scale, SCALES)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
         check_micro_batch_rows(self.micro_batch_rows, self.aggregation == "length_weighted",
@@ -74,9 +71,6 @@ class BGPO(Objective):
     presets = {"dare": dict(sampler="stratified_l", scale="padded_length", clip_epsilon=0.2, dual_clip=3.0,
                             aggregation="length_weighted", micro_batch_rows=1),
                "sudoku": dict(n_t=32)}
-
-    def advantages(self, batch):
-        return group_advantages(batch.rewards, batch.group_size, scale="std", std_epsilon=self.config.std_epsilon)
 
     def extra(self, batch, masks):
         c = self.config

@@ -26,23 +26,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm_fast.likelihood import token_estimate
-from dllm_fast.objectives.advantages import BASELINES, group_advantages
+from dllm_fast.likelihood import MaskSpec, token_estimate
 from dllm_fast.objectives.base import (NORMALIZE_PER, LossInputs, Objective, ObjectiveConfig, check_epsilon,
-                                       check_micro_batch_rows, clipped, clipped_surrogate, kl_k3, micro_batch_index,
-                                       micro_batch_sums)
-from dllm_fast.validation import check_bool, check_choice, check_float
+                                       check_micro_batch_rows, clipped, clipped_surrogate, kl_k3, mask_defaults,
+                                       micro_batch_index, micro_batch_sums)
+from dllm_fast.validation import check_choice, check_float
 
 
 @dataclass
 class CoupledGRPOConfig(ObjectiveConfig):
-    n_t: int = 3
-    sampler: str = "coupled"
-    count: str = "eos"
+    masks: MaskSpec = mask_defaults(n_t=3, sampler="coupled", count="eos")
     epsilon: float = field(default=0.5, metadata={"help": "PPO clip range"})
     beta: float = field(default=0.01, metadata={"help": "k3 KL coefficient (reference policy)"})
-    advantage: str = field(default="leave_one_out", metadata={"help": "baseline: leave_one_out (code) or mean"})
-    scale_rewards: bool = field(default=False, metadata={"help": "divide advantages by the group std + 1e-4"})
+    advantage: str = "leave_one_out"  # the code's; "mean" the paper's
+    std_epsilon: float = 1e-4
     normalize_per: str = field(default="batch", metadata={"help": "batch, or micro_batch as the code (each "
                                                                   "micro-batch normalised, then averaged)"})
     micro_batch_rows: int | None = field(default=None, metadata={"help": "sequences per normalisation "
@@ -52,8 +49,6 @@ class CoupledGRPOConfig(ObjectiveConfig):
         super().__post_init__()
         check_epsilon("epsilon", self.epsilon)
         check_float("beta", self.beta, minimum=0.0, hint="KL coefficient")
-        check_choice("advantage", self.advantage, BASELINES)
-        check_bool("scale_rewards", self.scale_rewards)
         check_choice("normalize_per", self.normalize_per, NORMALIZE_PER)
         check_micro_batch_rows(self.micro_batch_rows, self.normalize_per == "micro_batch",
                                "normalize_per='micro_batch'")
@@ -67,11 +62,6 @@ class CoupledGRPO(Objective):
     @property
     def needs_reference(self) -> bool:
         return self.config.beta > 0
-
-    def advantages(self, batch):
-        c = self.config
-        return group_advantages(batch.rewards, batch.group_size, baseline=c.advantage,
-                                scale="std" if c.scale_rewards else "none", std_epsilon=1e-4)
 
     def extra(self, batch, masks):
         """Each token's share of the loss: 1 / (its micro-batch's counted tokens x micro-batches)."""

@@ -27,21 +27,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm_fast.objectives.advantages import group_advantages
+from dllm_fast.likelihood import MaskSpec
 from dllm_fast.objectives.base import (NORMALIZE_PER, LossInputs, Objective, ObjectiveConfig, check_epsilon,
                                        check_micro_batch_rows, clipped, clipped_surrogate, dual_clipped, kl_k3,
-                                       micro_batch_index, micro_batch_sums)
-from dllm_fast.validation import check_bool, check_choice, check_float
+                                       mask_defaults, micro_batch_index, micro_batch_sums)
+from dllm_fast.validation import check_choice, check_float
 
 NORMALIZATIONS = ("token", "sequence")
 
 
 @dataclass
 class DiffuGRPOConfig(ObjectiveConfig):
-    n_t: int = 1
-    sampler: str = "mean_field"
-    count: str = "eos"
-    perturb_prob: float = 0.15
+    masks: MaskSpec = mask_defaults(n_t=1, sampler="mean_field", count="eos", perturb_prob=0.15)
     epsilon: float = field(default=0.5, metadata={"help": "PPO clip range"})
     beta: float = field(default=0.04, metadata={"help": "k3 KL coefficient (reference policy)"})
     normalization: str = field(default="token", metadata={"help": "token: mean over scored tokens; sequence: "
@@ -51,8 +48,6 @@ class DiffuGRPOConfig(ObjectiveConfig):
     micro_batch_rows: int | None = field(default=None, metadata={"help": "sequences per normalisation "
                                                                          "micro-batch (required with micro_batch)"})
     dual_clip: float | None = field(default=None, metadata={"help": "DARE's dual clip c > 1 for A < 0 (3)"})
-    scale_rewards: bool = field(default=False, metadata={"help": "divide advantages by the group std (DARE)"})
-    std_epsilon: float = field(default=1e-6, metadata={"help": "added to the std when scale_rewards"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,8 +60,6 @@ class DiffuGRPOConfig(ObjectiveConfig):
         if self.dual_clip is not None:
             check_float("dual_clip", self.dual_clip, minimum=1.0, open_minimum=True,
                         hint="DARE uses 3; it must exceed 1")
-        check_bool("scale_rewards", self.scale_rewards)
-        check_float("std_epsilon", self.std_epsilon, minimum=0.0)
 
 
 class DiffuGRPO(Objective):
@@ -79,11 +72,6 @@ class DiffuGRPO(Objective):
     @property
     def needs_reference(self) -> bool:
         return self.config.beta > 0
-
-    def advantages(self, batch):
-        c = self.config
-        return group_advantages(batch.rewards, batch.group_size, scale="std" if c.scale_rewards else "none",
-                                std_epsilon=c.std_epsilon)
 
     def extra(self, batch, masks):
         """The denominator of each sequence's terms: its micro-batch's scored tokens (token) or its own times

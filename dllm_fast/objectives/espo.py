@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm_fast.likelihood import elbo
-from dllm_fast.objectives.advantages import BASELINES, group_advantages
-from dllm_fast.objectives.base import LossInputs, Objective, ObjectiveConfig, check_epsilon, clipped, clipped_surrogate
-from dllm_fast.validation import check_bool, check_choice, check_float
+from dllm_fast.likelihood import MaskSpec, elbo
+from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_epsilon, clipped,
+                                       clipped_surrogate, mask_defaults)
+from dllm_fast.validation import check_choice, check_float
 
 KL_ESTIMATORS = ("k2", "k1", "k3")
 LENGTHS = ("fixed", "counted")
@@ -35,14 +35,11 @@ LENGTHS = ("fixed", "counted")
 
 @dataclass
 class ESPOConfig(ObjectiveConfig):
-    n_t: int = 4
-    sampler: str = "complementary"
-    count: str = "all"
+    masks: MaskSpec = mask_defaults(n_t=4, sampler="complementary", count="all")
     epsilon_low: float = field(default=0.2, metadata={"help": "clip range below 1"})
     epsilon_high: float = field(default=0.2, metadata={"help": "clip range above 1"})
     beta: float = field(default=1e-3, metadata={"help": "KL coefficient (reference policy)"})
-    advantage: str = field(default="mean", metadata={"help": "baseline: mean (paper) or leave_one_out (code)"})
-    scale_rewards: bool = field(default=False, metadata={"help": "divide advantages by the group std + 1e-4"})
+    std_epsilon: float = 1e-4  # the code's, when scale_rewards
     kl_estimator: str = field(default="k2", metadata={"help": "KL estimator on the sequence ELBO: k2, k1 or k3"})
     length: str = field(default="fixed", metadata={"help": "the ratio's and KL's length: fixed width L or the "
                                                            "counted length L_n"})
@@ -52,8 +49,6 @@ class ESPOConfig(ObjectiveConfig):
         check_epsilon("epsilon_low", self.epsilon_low)
         check_epsilon("epsilon_high", self.epsilon_high)
         check_float("beta", self.beta, minimum=0.0, hint="KL coefficient")
-        check_choice("advantage", self.advantage, BASELINES)
-        check_bool("scale_rewards", self.scale_rewards)
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("length", self.length, LENGTHS)
 
@@ -68,11 +63,6 @@ class ESPO(Objective):
     @property
     def needs_reference(self) -> bool:
         return self.config.beta > 0
-
-    def advantages(self, batch):
-        c = self.config
-        return group_advantages(batch.rewards, batch.group_size, baseline=c.advantage,
-                                scale="std" if c.scale_rewards else "none", std_epsilon=1e-4)
 
     def lengths(self, lp, masks) -> torch.Tensor | float:
         """The per-token normaliser: the fixed completion width L, or each sequence's counted length L_n."""

@@ -22,35 +22,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm_fast.likelihood import elbo
-from dllm_fast.objectives.advantages import group_advantages
-from dllm_fast.objectives.base import LossInputs, Objective, ObjectiveConfig, check_epsilon, clipped, clipped_surrogate
-from dllm_fast.validation import check_bool
+from dllm_fast.likelihood import MaskSpec, elbo
+from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_epsilon, clipped,
+                                       clipped_surrogate, mask_defaults)
 
 
 @dataclass
 class GDPOConfig(ObjectiveConfig):
-    n_t: int = 3
-    sampler: str = "gauss"
-    count: str = "eos"
+    masks: MaskSpec = mask_defaults(n_t=3, sampler="gauss", count="eos")
     epsilon_low: float = field(default=0.2, metadata={"help": "clip range below 1"})
     epsilon_high: float = field(default=0.2, metadata={"help": "clip range above 1"})
-    scale_rewards: bool = field(default=False, metadata={"help": "divide advantages by the group std + 1e-6"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_epsilon("epsilon_low", self.epsilon_low)
         check_epsilon("epsilon_high", self.epsilon_high)
-        check_bool("scale_rewards", self.scale_rewards)
 
 
 class GDPO(Objective):
     name = "gdpo"
     Config = GDPOConfig
     uses_old_policy = True
-
-    def advantages(self, batch):
-        return group_advantages(batch.rewards, batch.group_size, scale="std" if self.config.scale_rewards else "none")
 
     def ratio(self, lp, inputs: LossInputs) -> torch.Tensor:
         masks = inputs.masks

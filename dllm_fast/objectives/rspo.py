@@ -25,24 +25,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm_fast.likelihood import elbo
-from dllm_fast.objectives.advantages import group_advantages
-from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows,
+from dllm_fast.likelihood import MaskSpec, elbo
+from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows, mask_defaults,
                                        micro_batch_index, micro_batch_sums)
-from dllm_fast.validation import check_bool, check_choice, check_float
+from dllm_fast.validation import check_choice, check_float
 
 CENTERS = ("batch", "group", "micro_batch")
 
 
 @dataclass
 class RSPOConfig(ObjectiveConfig):
-    n_t: int = 2
-    sampler: str = "stratified_l"
-    count: str = "eos"
+    masks: MaskSpec = mask_defaults(n_t=2, sampler="stratified_l", count="eos")
     lam: float = field(default=0.01, metadata={"help": "feedback coefficient lambda"})
     center: str = field(default="batch", metadata={"help": "centre delta over the batch, each group or each "
                                                            "micro_batch"})
-    scale_rewards: bool = field(default=False, metadata={"help": "divide advantages by the group std + 1e-4"})
+    std_epsilon: float = 1e-4  # the paper's ablation, when scale_rewards
     micro_batch_rows: int | None = field(default=None, metadata={"help": "sequences per centring micro-batch "
                                                                          "(required with center micro_batch)"})
 
@@ -50,7 +47,6 @@ class RSPOConfig(ObjectiveConfig):
         super().__post_init__()
         check_float("lam", self.lam, minimum=0.0, hint="RSPO's feedback coefficient lambda (0.01)")
         check_choice("center", self.center, CENTERS)
-        check_bool("scale_rewards", self.scale_rewards)
         check_micro_batch_rows(self.micro_batch_rows, self.center == "micro_batch", "center='micro_batch'")
 
 
@@ -61,10 +57,6 @@ class RSPO(Objective):
     @property
     def needs_reference(self) -> bool:
         return True
-
-    def advantages(self, batch):
-        return group_advantages(batch.rewards, batch.group_size, scale="std" if self.config.scale_rewards else "none",
-                                std_epsilon=1e-4)
 
     def relative_score(self, lp, inputs: LossInputs):
         """(delta, delta_hat), [N] each."""

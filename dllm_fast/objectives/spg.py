@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm_fast.likelihood import elbo, eubo_per_position
+from dllm_fast.likelihood import MaskSpec, elbo, eubo_per_position
 from dllm_fast.objectives.base import (NORMALIZE_PER, LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows,
-                                       micro_batch_index, micro_batch_sums)
+                                       mask_defaults, micro_batch_index, micro_batch_sums)
 from dllm_fast.validation import check_choice, check_float, check_probability
 
 BOUNDS = ("mix", "eubo", "elbo", "zero")
@@ -40,11 +40,7 @@ NORMALIZATIONS = ("paper", "token")
 
 @dataclass
 class SPGConfig(ObjectiveConfig):
-    n_t: int = 2
-    sampler: str = "block"
-    count: str = "eos"
-    block_length: int = 32
-    perturb_prob: float = 0.15
+    masks: MaskSpec = mask_defaults(n_t=2, sampler="block", count="eos", block_length=32, perturb_prob=0.15)
     bound: str = field(default="mix", metadata={"help": "negative-advantage bound: mix, eubo, elbo or zero (no "
                                                         "negative term)"})
     beta: float = field(default=1.5, metadata={"help": "the EUBO's beta (1.5 main setting; preset sudoku: 1.0)"})

@@ -24,18 +24,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm_fast.objectives.advantages import group_advantages
+from dllm_fast.likelihood import MaskSpec
 from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_epsilon, clipped,
-                                       clipped_surrogate, kl_k3)
+                                       clipped_surrogate, kl_k3, mask_defaults)
 from dllm_fast.validation import check_float
 
 
 @dataclass
 class TraceRLConfig(ObjectiveConfig):
-    n_t: int = 1
-    sampler: str = "trajectory"
-    count: str = "eos"
-    shrink: int = 8
+    masks: MaskSpec = mask_defaults(n_t=1, sampler="trajectory", count="eos", shrink=8)
+    scale_rewards: bool = True  # the z-score with the population std, 0 for a group of equal rewards
+    std_epsilon: float = 0.0
+    population_std: bool = True
     epsilon: float = field(default=0.2, metadata={"help": "PPO clip range"})
     beta: float = field(default=0.01, metadata={"help": "k3 KL coefficient against the old policy"})
 
@@ -52,9 +52,6 @@ class TraceRL(Objective):
     separable = True
     # The official configs for SDAR/TraDo (configs/rl_sdar.yaml, rl_trado.yaml): every decoding step a state.
     presets = {"sdar": dict(shrink=1)}
-
-    def advantages(self, batch):
-        return group_advantages(batch.rewards, batch.group_size, scale="std", std_epsilon=0.0, unbiased=False)
 
     def extra(self, batch, masks):
         targets = masks.targets.sum(-1)  # [N, n_t] tokens of each state

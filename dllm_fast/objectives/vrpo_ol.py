@@ -12,40 +12,24 @@ Eq. 18; VRPO-OL has no public code).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from dllm_fast.likelihood import elbo
-from dllm_fast.objectives.advantages import group_advantages
-from dllm_fast.objectives.base import LossInputs, Objective, ObjectiveConfig
-from dllm_fast.validation import check_bool, check_float
+from dllm_fast.likelihood import MaskSpec, elbo
+from dllm_fast.objectives.base import LossInputs, Objective, ObjectiveConfig, mask_defaults
 
 
 @dataclass
 class VRPOOLConfig(ObjectiveConfig):
-    n_t: int = 4
-    sampler: str = "random_t"
-    count: str = "eos"
-    std_epsilon: float = field(default=1e-6, metadata={"help": "added to the group std"})
-    scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group std (false: r - "
-                                                                  "mean)"})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_float("std_epsilon", self.std_epsilon, minimum=0.0)
-        check_bool("scale_rewards", self.scale_rewards)
+    masks: MaskSpec = mask_defaults(n_t=4, sampler="random_t", count="eos")
+    scale_rewards: bool = True  # BGPO Eq. 18; false: r - mean
 
 
 class VRPOOL(Objective):
     name = "vrpo_ol"
     Config = VRPOOLConfig
     uses_old_policy = True
-
-    def advantages(self, batch):
-        c = self.config
-        return group_advantages(batch.rewards, batch.group_size, scale="std" if c.scale_rewards else "none",
-                                std_epsilon=c.std_epsilon)
 
     def log_ratio(self, lp, inputs: LossInputs) -> torch.Tensor:
         return elbo(lp, inputs.masks) - elbo(inputs.old(lp), inputs.masks)

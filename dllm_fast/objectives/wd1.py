@@ -17,16 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dllm_fast.objectives.base import LossInputs, Objective, ObjectiveConfig
+from dllm_fast.likelihood import MaskSpec
+from dllm_fast.objectives.base import LossInputs, Objective, ObjectiveConfig, mask_defaults
 from dllm_fast.validation import check_bool, check_float
 
 
 @dataclass
 class WD1Config(ObjectiveConfig):
-    n_t: int = 1
-    sampler: str = "mean_field"
-    count: str = "eos"
-    perturb_prob: float = 0.15
+    masks: MaskSpec = mask_defaults(n_t=1, sampler="mean_field", count="eos", perturb_prob=0.15)
     psi: float = field(default=1.0, metadata={"help": "inverse temperature of the softmax(psi A) weights"})
     negative_term: bool = field(default=True, metadata={"help": "false: the positive-only variant (no w- term)"})
 

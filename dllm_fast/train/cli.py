@@ -165,19 +165,16 @@ def _plain(error: BaseException) -> str:
 def objective_help(name: str) -> str:
     """The objective's one-line summary and its options with their defaults (its paper's), for --help."""
     from dllm_fast import objectives
-    from dllm_fast.objectives import ObjectiveConfig
 
     if name not in objectives.available():
         return f"unknown objective {name!r}; the objectives are {', '.join(objectives.available())}."
     objective = objectives.get(name)
     module = sys.modules[type(objective).__module__]
     summary = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
-    shared = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(ObjectiveConfig)}
     lines = [textwrap.fill(f"objective {name}: {summary}", width=100), "",
              f"its options, with the paper's defaults (set them with --objective-options '{{\"name\": value}}'):"]
-    for config_field in dataclasses.fields(objective.Config):
-        default = f"{config_field.name}={getattr(objective.config, config_field.name)!r}"
-        description = config_field.metadata.get("help") or shared.get(config_field.name, "")
+    for option, (value, description) in objective.config.options().items():
+        default = f"{option}={value!r}"
         lines.append(f"  {default:<28} {description}".rstrip())
     for preset, options in objectives.presets(name).items():  # named settings of the official scripts
         settings = ", ".join(f"{key}={value!r}" for key, value in options.items())
