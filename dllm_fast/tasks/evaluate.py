@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 from dllm_fast.rollout import generate
+from dllm_fast.rollout.config import GenerateConfig, rollout_config
 from dllm_fast.tasks.base import Example, Task
 from dllm_fast.tasks.encoding import decode_completions, encode_prompts
 from dllm_fast.tasks.rewards import task_reward
@@ -33,18 +34,19 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, task: Task, examples: Sequence[Example] | None = None, *, gen_length: int,
-             block_length: int, steps: int | None, batch_size: int = 256, temperature: float = 0.0,
-             seed: int = 0, **generate_options) -> Evaluation:
+def evaluate(model, tokenizer, task: Task, examples: Sequence[Example] | None = None, *,
+             config: GenerateConfig | None = None, batch_size: int = 256, seed: int = 0,
+             **settings) -> Evaluation:
     """Generate one completion per example (greedy by default) and score it with the task.
 
     Args:
         examples: default `task.test_examples()`.
-        gen_length, block_length, steps, temperature and `generate_options` (cache, threshold, remasking,
-            ...): passed to `dllm_fast.generate`.
+        config, settings: the rollout settings, as `dllm_fast.generate` takes them (a GenerateConfig, keywords
+            such as gen_length, block_length, steps, temperature, cache over it); temperature 0 unless set.
         batch_size: prompts per `generate` call.
         seed: seeds the sampling generator when temperature > 0 (greedy decoding draws nothing).
     """
+    config = rollout_config(config, settings, "evaluate")
     check_int("batch_size", batch_size, minimum=1)
     examples = list(task.test_examples() if examples is None else examples)
     if not examples:
@@ -61,8 +63,7 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example] | None = 
             chunk = examples[first:first + batch_size]
             input_ids, attention_mask = encode_prompts(tokenizer, [task.prompt(e, tokenizer) for e in chunk],
                                                        device=device)
-            result = generate(model, input_ids, attention_mask, gen_length=gen_length, block_length=block_length,
-                              steps=steps, temperature=temperature, generator=generator, **generate_options)
+            result = generate(model, input_ids, attention_mask, config, generator=generator)
             completions += decode_completions(tokenizer, result)
     finally:
         if was_training:
