@@ -18,11 +18,12 @@ from dllm_fast.validation import (check_binary_mask, check_bool, check_float, ch
 
 @dataclass(frozen=True)
 class DecodingPlan:
-    """A checked generate() call: steps_per_block is None when threshold sets the steps adaptively; temperature
-    is the one to sample at (0.0 for greedy, including temperatures too small to sample at);
-    assumed_steps_per_block, in threshold mode, replaces the per-step read of the masked count. Both
-    steps_per_block and threshold (block-diffusion models only): SDAR's "low_confidence_dynamic" rule, each step
-    unmasks every candidate above the threshold and at least the fixed schedule's count."""
+    """A checked generate() call (its GenerateConfig and record_unmask_step): steps_per_block is None when
+    threshold sets the steps adaptively; temperature is the one to sample at (0.0 for greedy, including
+    temperatures too small to sample at); assumed_steps_per_block, in threshold mode, replaces the per-step read of
+    the masked count. Both steps_per_block and threshold (block-diffusion models only): SDAR's
+    "low_confidence_dynamic" rule, each step unmasks every candidate above the threshold and at least the fixed
+    schedule's count."""
 
     steps_per_block: int | None
     temperature: float
