@@ -18,6 +18,7 @@ _EXPORTS = {
     "RolloutBatch": "dllm_fast.contracts",
     "HAS_EXTENSION": "dllm_fast._extension",
     "build_info": "dllm_fast._extension",
+    "GenerateConfig": "dllm_fast.rollout",
     "generate": "dllm_fast.rollout",
     "masked_logprobs": "dllm_fast.ops",
     "sample_tokens": "dllm_fast.ops",
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from dllm_fast._extension import HAS_EXTENSION, build_info
     from dllm_fast.contracts import DiffusionLM, GenerationResult, RolloutBatch
     from dllm_fast.ops import masked_logprobs, sample_tokens, select_transfer
-    from dllm_fast.rollout import generate
+    from dllm_fast.rollout import GenerateConfig, generate
 
 
 def __getattr__(name: str):

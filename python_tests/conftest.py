@@ -73,10 +73,11 @@ def generate_recording_unmask_step():
             self.canvases.append(input_ids.clone())
             return self.model(input_ids, *args, **kwargs)
 
-    def generate(model, input_ids, attention_mask=None, *, record_unmask_step=False, **options):
-        assert options.get("cache", "none") == "none" and not options.get("cfg_scale"), "whole canvases only"
+    def generate(model, input_ids, attention_mask=None, config=None, *, record_unmask_step=False, **options):
+        settings = {**(vars(config) if config is not None else {}), **options}  # a GenerateConfig, keywords over it
+        assert settings.get("cache", "none") == "none" and not settings.get("cfg_scale"), "whole canvases only"
         recorder = CanvasRecorder(model)
-        result = dllm_fast.generate(recorder, input_ids, attention_mask, **options)
+        result = dllm_fast.generate(recorder, input_ids, attention_mask, config, **options)
         if record_unmask_step:
             P = result.prompt_length
             canvases = torch.stack([c[:, P:] for c in recorder.canvases[1:]] + [result.completion_ids])

@@ -19,6 +19,7 @@ from dllm_fast.train.distributed import Ranks
 from dllm_fast.train.precision import training_models, training_precision
 
 run_module = importlib.import_module("dllm_fast.train.run")
+config_module = importlib.import_module("dllm_fast.train.config")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 QUICK = dict(steps=2, prompts_per_step=2, group_size=4, eval_every=10, checkpoint_every=10, eval_examples=4,
@@ -182,8 +183,9 @@ def test_an_automatic_micro_batch_never_changes_a_loss_that_normalises_per_micro
 def test_compile_auto_compiles_the_rollouts_on_cuda_and_nothing_on_cpu():
     auto, on, off = TrainConfig(), TrainConfig(compile=True), TrainConfig(compile=False)
     assert auto.compile == "auto"
-    assert run_module.compiles_rollouts(auto, "cuda") and not run_module.compiles_rollouts(auto, "cpu")
-    assert run_module.compiles_rollouts(on, "cpu") and not run_module.compiles_rollouts(off, "cuda")
+    assert config_module.compiles_rollouts(auto, "cuda") and not config_module.compiles_rollouts(auto, "cpu")
+    assert config_module.compiles_rollouts(on, "cpu") and not config_module.compiles_rollouts(off, "cuda")
+    assert auto.generate_config("cuda").compile and not auto.generate_config("cpu").compile
     assert not run_module.compiles_scoring(auto) and run_module.compiles_scoring(on)
     with pytest.raises(ValueError, match="--compile takes true or false or auto"):
         from dllm_fast.train.cli import parse_overrides
@@ -192,8 +194,8 @@ def test_compile_auto_compiles_the_rollouts_on_cuda_and_nothing_on_cpu():
 
 @pytest.mark.compile
 def test_a_compiled_first_rollout_reports_its_compile_time_apart(tmp_path, monkeypatch):
-    """With the rollouts compiled (as --compile auto does on CUDA: the run asks compiles_rollouts with its device,
-    answered True here), the first step's row holds the compile time and the second compiles nothing."""
+    """With the rollouts compiled (as --compile auto does on CUDA: the run's GenerateConfig asks compiles_rollouts
+    with its device, answered True here), the first step's row holds the compile time and the second compiles nothing."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from dllm_fast.rollout.step import denoise_step
@@ -203,7 +205,7 @@ def test_a_compiled_first_rollout_reports_its_compile_time_apart(tmp_path, monke
     step = torch.compile(denoise_step, fullgraph=True, dynamic=False, backend=counter)
     monkeypatch.setattr(importlib.import_module("dllm_fast.rollout.generate"), "compiled_step", lambda device: step)
     asked = []
-    monkeypatch.setattr(run_module, "compiles_rollouts",
+    monkeypatch.setattr(config_module, "compiles_rollouts",
                         lambda config, device_type: asked.append((config.compile, device_type)) or True)
     result = train(fit_config(**QUICK, output_dir=str(tmp_path / "run")))
     rows = [row for row in result.history if "loss" in row]

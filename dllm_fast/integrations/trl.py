@@ -58,6 +58,7 @@ from dllm_fast.models.loading import check_tokenizer
 from dllm_fast.objectives import InnerUpdate
 from dllm_fast.rollout import generate
 from dllm_fast.rollout.cache import CACHE_POLICIES
+from dllm_fast.rollout.config import GenerateConfig, rollout_settings
 from dllm_fast.tasks.encoding import left_pad
 from dllm_fast.tasks.rewards import MAX_ABS_REWARD, reward_value
 from dllm_fast.train.precision import frozen_copy
@@ -70,43 +71,50 @@ __all__ = ["DiffusionGRPOTrainer", "DiffusionPreTrainedModel", "DiffusionPreTrai
 # Rollouts through TRL's rollout_func hook
 
 
-def make_rollout_func(*, gen_length: int | None = None, block_length: int | None = None, steps: int | None = None,
-                      temperature: float | None = None, remasking: str = "low_confidence", cfg_scale: float = 0.0,
-                      threshold: float | None = None, logits_eos_inf: bool = False,
-                      confidence_eos_eot_inf: bool = False, cache: str = "none", compile: bool = False,
-                      seed: int = 0):
+def make_rollout_func(config: GenerateConfig | None = None, *, seed: int = 0, **settings):
     """A TRL `rollout_func(prompts, trainer)` that decodes with `dllm_fast.generate` (block diffusion).
 
-    gen_length defaults to the trainer's `max_completion_length`, steps to gen_length (one token per step; none
-    with a threshold), temperature to the trainer's `temperature`; block_length to a block-diffusion model's own
-    block (SDAR; a threshold with steps is its dynamic rule), else 32, capped at gen_length. cache ("none",
-    "prefix", "dual": Fast-dLLM's KV caches) and compile (each denoising step through torch.compile, CUDA graphs on
-    a GPU; the first rollout compiles) are generate's. Prompts are tokenized with the trainer's processing_class
-    (the chat template for conversational prompts), left-padded, and decoded in
-    one batch under `model.eval()`. Each completion is returned through its first EOS, as TRL expects; its
-    sampling log-probs are not available from a diffusion sampler (None). Noise comes from a generator seeded
-    with seed + the process index, so runs are reproducible. For an objective that replays the decoding order
-    (`needs_unmask_step`, TraceRL) the rollout records it, and the trainer builds the RolloutBatch with it.
+    The settings are generate's: a GenerateConfig (`config`, e.g. a TrainConfig's `generate_config(device)`),
+    keywords (its fields: cache, compile, threshold, ...), or both, the keywords overriding the config's fields;
+    each rollout passes generate one GenerateConfig. Left out or None, gen_length is the trainer's
+    `max_completion_length`, steps gen_length (one token per step; none with a threshold), temperature the
+    trainer's `temperature`; block_length a block-diffusion model's own block (SDAR; a threshold with steps is its
+    dynamic rule), else 32, capped at gen_length. cache ("none", "prefix", "dual": Fast-dLLM's KV caches) and
+    compile (each denoising step through torch.compile, CUDA graphs on a GPU; the first rollout compiles) are
+    generate's. Prompts are tokenized with the trainer's processing_class (the chat template for conversational
+    prompts), left-padded, and decoded in one batch under `model.eval()`. Each completion is returned through its
+    first EOS, as TRL expects; its sampling log-probs are not available from a diffusion sampler (None). Noise
+    comes from a generator seeded with seed + the process index, so runs are reproducible. For an objective that
+    replays the decoding order (`needs_unmask_step`, TraceRL) the rollout records it, and the trainer builds the
+    RolloutBatch with it.
     """
-    if block_length is not None:
-        check_int("block_length", block_length, minimum=1)  # generate checks the sampling options when it runs
+    given = rollout_settings(config, settings, "make_rollout_func")
+    if given.get("block_length") is not None:
+        check_int("block_length", given["block_length"], minimum=1)  # generate checks the rest when it runs
     check_int("seed", seed, minimum=0)
-    check_bool("compile", compile)
+    check_bool("compile", given.get("compile", False))
+    cache = given.get("cache", "none")
     if not isinstance(cache, str) or cache not in CACHE_POLICIES:
         raise ValueError(f"cache={cache!r} is not one of {', '.join(CACHE_POLICIES)}.")
     generators: dict[torch.device, torch.Generator] = {}
 
     def rollout_func(prompts: list, trainer) -> dict:
         args = trainer.args
-        length = gen_length if gen_length is not None else args.max_completion_length
+        length = given.get("gen_length")
+        length = length if length is not None else args.max_completion_length
         check_int("gen_length", length, minimum=1, hint="tokens per completion (GRPOConfig.max_completion_length)")
         device = trainer.accelerator.device
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
         model = trainer.model
         core = unwrap_model(model)
         # A block-diffusion model decodes its own blocks (generate names a block_length that differs).
-        own = block_length_of(core)
+        own, block_length = block_length_of(core), given.get("block_length")
         block = (block_length or own) if own is not None else min(block_length or 32, length)
+        steps, temperature = given.get("steps"), given.get("temperature")
+        rollouts = GenerateConfig(**{
+            **given, "gen_length": length, "block_length": block,
+            "steps": steps if steps is not None or given.get("threshold") is not None else length,
+            "temperature": temperature if temperature is not None else args.temperature})
         prompt_ids = tokenize_prompts(prompts, tokenizer, getattr(trainer, "chat_template_kwargs", None) or {})
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else core.eos_token_id
         input_ids, attention_mask = left_pad(prompt_ids, pad, device)
@@ -115,15 +123,10 @@ def make_rollout_func(*, gen_length: int | None = None, block_length: int | None
         was_training = model.training
         model.eval()  # no dropout while sampling
         objective = getattr(trainer, "objective", None)
-        record = {"record_unmask_step": True} if getattr(objective, "needs_unmask_step", False) else {}
         try:
             with torch.no_grad(), trainer.accelerator.autocast():
-                result = generate(model, input_ids, attention_mask, gen_length=length, block_length=block,
-                                  steps=steps if steps is not None or threshold is not None else length,
-                                  temperature=temperature if temperature is not None else args.temperature,
-                                  remasking=remasking, cfg_scale=cfg_scale, threshold=threshold,
-                                  logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf,
-                                  cache=cache, compile=compile, generator=generators[device], **record)
+                result = generate(model, input_ids, attention_mask, rollouts, generator=generators[device],
+                                  record_unmask_step=getattr(objective, "needs_unmask_step", False))
         finally:
             model.train(was_training)
         # Trajectory objectives (TraceRL) replay the decoding order: kept for this generation batch's plan.

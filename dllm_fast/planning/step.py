@@ -23,7 +23,7 @@ every pair a nonzero gradient weight (the most work).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -35,7 +35,7 @@ from dllm_fast.planning.accounting import CATEGORIES, Accountant, Costs, Target
 from dllm_fast.planning.fake import Assumptions, PlanningFakeMode, fake_module, fake_world
 from dllm_fast.planning.replay import Replayer
 from dllm_fast.rollout import generate
-from dllm_fast.train.config import TrainConfig, compiles_rollouts, compiles_scoring, model_source
+from dllm_fast.train.config import TrainConfig, compiles_scoring, model_source
 from dllm_fast.train.precision import Precision, training_models, training_precision
 
 ENGINES = ("streaming", "all_graphs")
@@ -110,7 +110,8 @@ class Session:
         self.mode = PlanningFakeMode(assumptions)
         self.accountant = Accountant(target)
         self.bf16 = self.precision.compute is not None
-        self.compile = compiles_rollouts(config, target.device_type)  # the rollouts, as train runs them
+        self.generate_config = config.generate_config(target.device_type)  # the rollouts, as train runs them
+        self.compile = self.generate_config.compile
         self.compile_scoring = compiles_scoring(config)
         self._models = [m for m in (self.policy, self.reference) if m is not None]
         for module in self._models:
@@ -191,15 +192,14 @@ class Session:
         plan = PhasePlan("rollout")
         with self.phase(plan):
             self.policy.eval()
-            # as train does: trajectory objectives (TraceRL) ask generate to record the decoding order
-            record = {"record_unmask_step": True} if getattr(self.objective, "needs_unmask_step", False) else {}
-            if c.threshold is not None:  # confidences below the threshold: one token a step (see Assumptions)
-                record["assumed_steps_per_block"] = c.block_length
+            rollouts = self.generate_config
+            if rollouts.threshold is not None:  # confidences below the threshold: one token a step (see Assumptions)
+                rollouts = replace(rollouts, assumed_steps_per_block=rollouts.block_length)
             with torch.no_grad(), self.autocast():
-                result = generate(self.policy, input_ids, attention_mask, gen_length=c.gen_length,
-                                  block_length=c.block_length, steps=c.diffusion_steps, temperature=c.temperature,
-                                  remasking=c.remasking, cache=c.cache, threshold=c.threshold, compile=self.compile,
-                                  generator=torch.Generator().manual_seed(c.seed + 1), **record)
+                # as train does: trajectory objectives (TraceRL) ask generate to record the decoding order
+                result = generate(self.policy, input_ids, attention_mask, rollouts,
+                                  generator=torch.Generator().manual_seed(c.seed + 1),
+                                  record_unmask_step=getattr(self.objective, "needs_unmask_step", False))
             self.policy.train()
         rewards = torch.arange(input_ids.shape[0], dtype=torch.float32) % 2
         return Rollout(plan, RolloutBatch.from_generation(result, rewards, group_size=group_size), int(result.nfe))

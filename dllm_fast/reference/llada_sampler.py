@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dllm_fast.contracts import GenerationResult, completion_mask, logit_shift
+from dllm_fast.rollout.config import GenerateConfig, rollout_config
 from dllm_fast.rollout.plan import check_generate_args, initial_canvas
 from dllm_fast.rollout.rules import check_block_done, confidence_excluded_ids, raise_if_not_finite, suppressed_ids
 
@@ -22,9 +23,8 @@ def transfer_schedule(masked_in_block: torch.Tensor, steps: int) -> torch.Tensor
 
 
 @torch.no_grad()
-def generate(model, input_ids, attention_mask=None, *, gen_length, block_length, steps=None, temperature=0.0,
-             remasking="low_confidence", cfg_scale=0.0, cache="none", threshold=None, logits_eos_inf=False,
-             confidence_eos_eot_inf=False, generator=None) -> GenerationResult:
+def generate(model, input_ids, attention_mask=None, config: GenerateConfig | None = None, *, generator=None,
+             **settings) -> GenerationResult:
     """Reference block diffusion sampler (LLaDA generate.py + Fast-dLLM), the oracle for dllm_fast.generate.
 
     Differences from the published code, each deliberate: batches with left padding and an attention mask;
@@ -35,11 +35,19 @@ def generate(model, input_ids, attention_mask=None, *, gen_length, block_length,
     forward; Gumbel-max runs in the log domain, argmax(logits / T - log(-log u)), the same argmax as LLaDA's
     exp(logits) / (-log u)^T without its overflow; a decoded position without a defined confidence (a NaN or
     +inf logit among the tokens that may be decoded) raises, as in the fused sampler.
+
+    Takes the settings as dllm_fast.generate does (a GenerateConfig, keywords over it), but runs eagerly on values:
+    compile and assumed_steps_per_block (the fused sampler's) are refused.
     """
-    plan = check_generate_args(
-        model, input_ids, attention_mask, gen_length=gen_length, block_length=block_length, steps=steps,
-        temperature=temperature, remasking=remasking, cfg_scale=cfg_scale, cache=cache, threshold=threshold,
-        logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, generator=generator)
+    config = rollout_config(config, settings, "reference.generate")
+    if config.compile is not False:
+        raise ValueError(f"compile={config.compile!r}: the reference sampler runs eagerly; pass compile=False (or "
+                         "use dllm_fast.generate).")
+    if config.assumed_steps_per_block is not None:
+        raise ValueError(f"assumed_steps_per_block={config.assumed_steps_per_block}: the reference sampler reads "
+                         "the masked count at every step; drop it (or use dllm_fast.generate).")
+    plan = check_generate_args(model, input_ids, attention_mask, config, generator=generator)
+    gen_length, block_length = config.gen_length, config.block_length
     mask_id, device = model.mask_token_id, input_ids.device
     B, P = input_ids.shape
     total = P + gen_length

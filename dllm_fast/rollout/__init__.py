@@ -2,6 +2,7 @@
 
 - `generate` (generate.py): the fused sampler;
 - `step.py`: one denoising step as one function, without a host sync, run eagerly or through torch.compile;
+- `config.py`: `GenerateConfig`, a rollout's settings as one object (unchecked);
 - `plan.py`: a generate call checked once into a `DecodingPlan` (schedule, temperature, cache, remasking);
 - `cache.py`: the cache policies (none, prefix, dual; block for block-diffusion models); `remasking.py`: the
   remasking rules;
@@ -18,6 +19,7 @@ from dllm_fast._lazy import lazy_attributes
 if TYPE_CHECKING:
     from dllm_fast.rollout.cache import (BLOCK_CACHE_POLICIES, CACHE_POLICIES, BlockCache, CachePolicy, DualCache,
                                          NoCache, PrefixCache, cache_policy)
+    from dllm_fast.rollout.config import GenerateConfig
     from dllm_fast.rollout.generate import generate
     from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, masked_count_schedule
     from dllm_fast.rollout.remasking import REMASKING, LowConfidence, RandomRemasking, Remasking, remasking_rule
@@ -27,13 +29,14 @@ if TYPE_CHECKING:
 _EXPORTS = {
     **dict.fromkeys(("BLOCK_CACHE_POLICIES", "CACHE_POLICIES", "BlockCache", "CachePolicy", "DualCache", "NoCache",
                      "PrefixCache", "cache_policy"), "cache"),
+    "GenerateConfig": "config",
     "generate": "generate",
     **dict.fromkeys(("DecodingPlan", "check_generate_args", "masked_count_schedule"), "plan"),
     **dict.fromkeys(("REMASKING", "LowConfidence", "RandomRemasking", "Remasking", "remasking_rule"), "remasking"),
 }
 
 __all__ = ["BLOCK_CACHE_POLICIES", "CACHE_POLICIES", "REMASKING", "BlockCache", "CachePolicy", "DecodingPlan",
-           "DualCache", "LowConfidence", "NoCache", "PrefixCache", "RandomRemasking", "Remasking", "cache_policy",
-           "check_generate_args", "generate", "masked_count_schedule", "remasking_rule"]
+           "DualCache", "GenerateConfig", "LowConfidence", "NoCache", "PrefixCache", "RandomRemasking", "Remasking",
+           "cache_policy", "check_generate_args", "generate", "masked_count_schedule", "remasking_rule"]
 
 __getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -24,8 +24,8 @@ from dllm_fast.contracts import (GenerationResult, block_length as block_length_
                                  mixed_dtypes_named)
 from dllm_fast.ops.backend import default_chunk_size
 from dllm_fast.rollout.cache import CachePolicy
+from dllm_fast.rollout.config import GenerateConfig, rollout_config
 from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, initial_canvas, masked_count_schedule
-from dllm_fast.rollout.remasking import Remasking
 from dllm_fast.rollout.rules import (check_block_done, confidence_excluded_ids,
                                      raise_if_not_finite, suppressed_ids)
 from dllm_fast.rollout.step import (NOISE_STEP, STEP_IN_BLOCK, RolloutState, StepConstants, compiled_step,
@@ -43,29 +43,24 @@ def generate(
     model,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
+    config: GenerateConfig | None = None,
     *,
-    gen_length: int,
-    block_length: int,
-    steps: int | None = None,
-    temperature: float = 0.0,
-    remasking: str | Remasking = "low_confidence",
-    cfg_scale: float = 0.0,
-    cache: str | CachePolicy = "none",
-    threshold: float | None = None,
-    logits_eos_inf: bool = False,
-    confidence_eos_eot_inf: bool = False,
     generator: torch.Generator | None = None,
-    compile: bool = False,
     record_unmask_step: bool = False,
-    assumed_steps_per_block: int | None = None,
+    **settings,
 ) -> GenerationResult:
     """Generate `gen_length` tokens after each prompt by block diffusion.
+
+    The settings come as one `GenerateConfig` (`config`), as keywords (`gen_length=..., block_length=...`, each a
+    GenerateConfig field), or both: keywords override the config's fields (dataclasses.replace), so
+    `generate(model, ids, mask, config, temperature=0.0)` decodes `config` greedily. An unknown keyword is refused.
 
     Args:
         model: a diffusion LM with the dllm_fast model contract (hidden-state forward, lm_head_weight,
             mask_token_id, eos_token_id; eot_token_id for confidence_eos_eot_inf; new_cache for cache modes).
         input_ids: [B, P] prompts, left-padded; attention_mask: [B, P] bool, or integer 0/1 (1 on tokens, 0 on
             padding); float masks are rejected.
+        config: the rollout settings below (rollout.GenerateConfig); settings: the same, as keywords.
         gen_length, block_length: the completion is decoded in gen_length / block_length blocks, left to right.
         steps: total denoising steps (a multiple of the number of blocks); each step of a block unmasks
             block_length / steps_per_block tokens (the remainder goes to the first steps). A block is left as
@@ -117,11 +112,10 @@ def generate(
     Returns: GenerationResult(sequences [B, P+G], completion_ids [B, G], completion_mask [B, G] (up to and
         including the first EOS), nfe (forwards that unmasked something), attention_mask, unmask_step).
     """
-    plan = check_generate_args(
-        model, input_ids, attention_mask, gen_length=gen_length, block_length=block_length, steps=steps,
-        temperature=temperature, remasking=remasking, cfg_scale=cfg_scale, cache=cache, threshold=threshold,
-        logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, generator=generator,
-        compile=compile, record_unmask_step=record_unmask_step, assumed_steps_per_block=assumed_steps_per_block)
+    config = rollout_config(config, settings, "generate")
+    plan = check_generate_args(model, input_ids, attention_mask, config, generator=generator,
+                               record_unmask_step=record_unmask_step)
+    gen_length, block_length = config.gen_length, config.block_length
     reads_values = data_checks_enabled(input_ids, attention_mask, model.lm_head_weight)
     if plan.threshold is not None and plan.assumed_steps_per_block is None and not reads_values:
         raise ValueError("threshold decoding reads the masked count after every step, and these tensors hold no "

@@ -1,6 +1,6 @@
-"""What a `generate` call means, checked once at the boundary into a `DecodingPlan`: the schedule, the
-temperature, the cache policy and the remasking rule. Shared by the fused sampler (dllm_fast.rollout.generate)
-and its reference twin (dllm_fast.reference.llada_sampler)."""
+"""What a `generate` call means: its GenerateConfig (rollout/config.py) checked once at the boundary into a
+`DecodingPlan`, the schedule, the temperature, the cache policy and the remasking rule. Shared by the fused sampler
+(dllm_fast.rollout.generate) and its reference twin (dllm_fast.reference.llada_sampler)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from dllm_fast.contracts import block_length as block_length_of, check_positions, max_positions, unwrap_model
 from dllm_fast.rollout.cache import CachePolicy, cache_policy
+from dllm_fast.rollout.config import GenerateConfig
 from dllm_fast.rollout.remasking import Remasking, remasking_rule
 from dllm_fast.validation import (check_binary_mask, check_bool, check_float, check_int, check_same_device,
                                   check_temperature, check_threshold, data_checks_enabled, non_binary)
@@ -17,11 +18,12 @@ from dllm_fast.validation import (check_binary_mask, check_bool, check_float, ch
 
 @dataclass(frozen=True)
 class DecodingPlan:
-    """A checked generate() call: steps_per_block is None when threshold sets the steps adaptively; temperature
-    is the one to sample at (0.0 for greedy, including temperatures too small to sample at);
-    assumed_steps_per_block, in threshold mode, replaces the per-step read of the masked count. Both
-    steps_per_block and threshold (block-diffusion models only): SDAR's "low_confidence_dynamic" rule, each step
-    unmasks every candidate above the threshold and at least the fixed schedule's count."""
+    """A checked generate() call (its GenerateConfig and record_unmask_step): steps_per_block is None when
+    threshold sets the steps adaptively; temperature is the one to sample at (0.0 for greedy, including
+    temperatures too small to sample at); assumed_steps_per_block, in threshold mode, replaces the per-step read of
+    the masked count. Both steps_per_block and threshold (block-diffusion models only): SDAR's
+    "low_confidence_dynamic" rule, each step unmasks every candidate above the threshold and at least the fixed
+    schedule's count."""
 
     steps_per_block: int | None
     temperature: float
@@ -63,13 +65,15 @@ def initial_canvas(input_ids, attention_mask, gen_length: int, mask_id: int):
     return x, attention_mask
 
 
-def check_generate_args(model, input_ids, attention_mask, *, gen_length, block_length, steps, temperature,
-                        remasking, cfg_scale, cache, threshold, logits_eos_inf=False, confidence_eos_eot_inf=False,
-                        generator=None, compile=False, record_unmask_step=False,
-                        assumed_steps_per_block=None) -> DecodingPlan:
-    """Validate a generate() call, once, and return its plan. The checks that read the prompts' values cost one
-    host sync (and the model's own token-id check, `check_input_ids`, one more); they are skipped where
-    validation.data_checks_enabled says values cannot be read (fake tensors, torch.compile tracing)."""
+def check_generate_args(model, input_ids, attention_mask, config: GenerateConfig, *, generator=None,
+                        record_unmask_step=False) -> DecodingPlan:
+    """Validate a generate() call, once, and return its plan: the one check of a GenerateConfig (errors name the
+    field as generate's keyword). The checks that read the prompts' values cost one host sync (and the model's own
+    token-id check, `check_input_ids`, one more); they are skipped where validation.data_checks_enabled says
+    values cannot be read (fake tensors, torch.compile tracing)."""
+    if not isinstance(config, GenerateConfig):
+        raise TypeError(f"config must be a GenerateConfig, got {type(config).__name__}.")
+    gen_length, block_length, steps, threshold = config.gen_length, config.block_length, config.steps, config.threshold
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a [B, P] tensor of prompt token ids, got {getattr(input_ids, 'shape', input_ids)!r}.")
     check_same_device("generate", **{"input_ids": input_ids, "attention_mask": attention_mask,
@@ -112,23 +116,24 @@ def check_generate_args(model, input_ids, attention_mask, *, gen_length, block_l
             raise ValueError(f"steps={steps} is not a multiple of the number of blocks {num_blocks} "
                              f"(gen_length / block_length); use e.g. steps={num_blocks * max(1, steps // num_blocks)}.")
         steps_per_block = steps // num_blocks
-    temperature = check_temperature("temperature", temperature)
-    cfg_scale = check_float("cfg_scale", cfg_scale, minimum=0.0, hint="0 disables classifier-free guidance")
-    policy = cache_policy(cache)
+    temperature = check_temperature("temperature", config.temperature)
+    cfg_scale = check_float("cfg_scale", config.cfg_scale, minimum=0.0, hint="0 disables classifier-free guidance")
+    policy = cache_policy(config.cache)
     policy.check_model(model)
-    rule = remasking_rule(remasking)
-    check_bool("logits_eos_inf", logits_eos_inf)
-    check_bool("confidence_eos_eot_inf", confidence_eos_eot_inf)
+    rule = remasking_rule(config.remasking)
+    logits_eos_inf = check_bool("logits_eos_inf", config.logits_eos_inf)
+    confidence_eos_eot_inf = check_bool("confidence_eos_eot_inf", config.confidence_eos_eot_inf)
     if confidence_eos_eot_inf and getattr(model, "eot_token_id", None) is None:
-        raise ValueError("confidence_eos_eot_inf needs the model's end-of-turn id; set config.eot_token_id.")
+        raise ValueError("confidence_eos_eot_inf needs the model's end-of-turn id; set its config's eot_token_id.")
     if generator is not None:
         if not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
         if generator.device.type != input_ids.device.type:
             raise ValueError(f"generator is on {generator.device} but input_ids on {input_ids.device}; pass "
                              f"torch.Generator(device={str(input_ids.device)!r}).manual_seed(seed).")
-    check_bool("compile", compile)
+    compile = check_bool("compile", config.compile)
     check_bool("record_unmask_step", record_unmask_step)
+    assumed_steps_per_block = config.assumed_steps_per_block
     if assumed_steps_per_block is not None:
         check_int("assumed_steps_per_block", assumed_steps_per_block, minimum=1, maximum=block_length,
                   hint="steps a threshold-decoded block is assumed to take, at most block_length")

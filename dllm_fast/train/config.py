@@ -243,6 +243,16 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def generate_config(self, device_type: str):
+        """The rollouts' settings as one GenerateConfig, for a run on `device_type` (which --compile auto needs):
+        what the trainer, its evaluation, the planner and the TRL rollout function decode with."""
+        from dllm_fast.rollout.config import GenerateConfig
+
+        return GenerateConfig(gen_length=self.gen_length, block_length=self.block_length,
+                              steps=self.diffusion_steps, temperature=self.temperature, remasking=self.remasking,
+                              cache=self.cache, threshold=self.threshold,
+                              compile=compiles_rollouts(self, device_type))
+
 
 def flag(name: str) -> str:
     """A field's command-line flag: inner_updates -> --inner-updates."""

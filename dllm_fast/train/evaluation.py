@@ -5,13 +5,14 @@ rollouts' schedule (`evaluate_lengths`)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 
 from dllm_fast.contracts import block_length
 from dllm_fast.rollout import generate
+from dllm_fast.rollout.config import GenerateConfig, rollout_config
 from dllm_fast.tasks.base import Example, Task
 from dllm_fast.tasks.encoding import decode_completions, encode_prompts
 from dllm_fast.tasks.rewards import task_reward
@@ -23,16 +24,23 @@ def evaluate_lengths(run) -> dict:
     c = run.config
     row = {"step": run.step}
     for length in c.eval_gen_lengths:
-        block, steps = eval_schedule(c, length)
-        # A block-diffusion model takes a threshold with steps too (SDAR's dynamic rule).
-        threshold = c.threshold if steps is None or block_length(run.core) is not None else None
         with run.autocast():
-            result = evaluate(run.core, run.tokenizer, run.task, run.test_examples, gen_length=length,
-                              block_length=block, steps=steps, batch_size=c.eval_batch_size,
-                              threshold=threshold, cache=c.cache)
+            result = evaluate(run.core, run.tokenizer, run.task, run.test_examples,
+                              config=eval_config(run.generate_config, c, length, run.core),
+                              batch_size=c.eval_batch_size)
         row[f"eval_accuracy@{length}"] = result.accuracy
         row[f"eval_reward@{length}"] = result.mean_reward
     return row
+
+
+def eval_config(rollouts: GenerateConfig, config, length: int, model) -> GenerateConfig:
+    """The rollouts' settings for evaluating at `length` tokens: greedy, eval_schedule's block and steps, and
+    eager (evaluation's batch and lengths are not the rollouts': each would compile graphs of its own)."""
+    block, steps = eval_schedule(config, length)
+    # A block-diffusion model takes a threshold with steps too (SDAR's dynamic rule).
+    threshold = rollouts.threshold if steps is None or block_length(model) is not None else None
+    return replace(rollouts, gen_length=length, block_length=block, steps=steps, threshold=threshold,
+                   temperature=0.0, compile=False)
 
 
 def eval_schedule(config, length: int) -> tuple[int, int | None]:
@@ -64,18 +72,19 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, task: Task, examples: Sequence[Example] | None = None, *, gen_length: int,
-             block_length: int, steps: int | None, batch_size: int = 256, temperature: float = 0.0,
-             seed: int = 0, **generate_options) -> Evaluation:
+def evaluate(model, tokenizer, task: Task, examples: Sequence[Example] | None = None, *,
+             config: GenerateConfig | None = None, batch_size: int = 256, seed: int = 0,
+             **settings) -> Evaluation:
     """Generate one completion per example (greedy by default) and score it with the task.
 
     Args:
         examples: default `task.test_examples()`.
-        gen_length, block_length, steps, temperature and `generate_options` (cache, threshold, remasking,
-            ...): passed to `dllm_fast.generate`.
+        config, settings: the rollout settings, as `dllm_fast.generate` takes them (a GenerateConfig, keywords
+            such as gen_length, block_length, steps, temperature, cache over it); temperature 0 unless set.
         batch_size: prompts per `generate` call.
         seed: seeds the sampling generator when temperature > 0 (greedy decoding draws nothing).
     """
+    config = rollout_config(config, settings, "evaluate")
     check_int("batch_size", batch_size, minimum=1)
     examples = list(task.test_examples() if examples is None else examples)
     if not examples:
@@ -92,8 +101,7 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example] | None = 
             chunk = examples[first:first + batch_size]
             input_ids, attention_mask = encode_prompts(tokenizer, [task.prompt(e, tokenizer) for e in chunk],
                                                        device=device)
-            result = generate(model, input_ids, attention_mask, gen_length=gen_length, block_length=block_length,
-                              steps=steps, temperature=temperature, generator=generator, **generate_options)
+            result = generate(model, input_ids, attention_mask, config, generator=generator)
             completions += decode_completions(tokenizer, result)
     finally:
         if was_training:

@@ -26,8 +26,7 @@ from dllm_fast.tasks import get_task
 from dllm_fast.tasks.encoding import decode_completions, encode_prompts
 from dllm_fast.tasks.rewards import task_reward
 from dllm_fast.train.checkpoint import CHECKPOINT, load_checkpoint, seed_everything
-from dllm_fast.train.config import (AUTO, DEFAULT_MICRO_BATCH, TrainConfig, compiles_rollouts, compiles_scoring,
-                                    micro_batching, model_source, task_options)
+from dllm_fast.train.config import AUTO, DEFAULT_MICRO_BATCH, TrainConfig, micro_batching, model_source, task_options
 from dllm_fast.train.data import PromptStream
 from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
@@ -70,7 +69,9 @@ class Run:
         # The dtype of every weight and the compute dtype (precision.py), and what compiles (--compile).
         self.precision = training_precision(config, self.device.type)
         self.bf16 = self.precision.compute is not None
-        self.compiled_rollouts = compiles_rollouts(config, self.device.type)
+        # The rollouts' settings, one object: every rollout and evaluation decodes with it.
+        self.generate_config = config.generate_config(self.device.type)
+        self.compiled_rollouts = self.generate_config.compile
         self.task = get_task(config.task, **task_options(config))
         self.objective = objectives.get(config.objective, **config.objective_options)
         check_rollout_records(self.objective, config.objective)
@@ -143,15 +144,12 @@ class Run:
         input_ids, attention_mask = encode_prompts(self.tokenizer, prompts, device=self.device,
                                                    pad_token_id=self.core.eos_token_id)
         started = time.perf_counter()
-        # Trajectory objectives (TraceRL) replay the decoding order: only they ask generate to record it.
-        record = {"record_unmask_step": True} if self.objective.needs_unmask_step else {}
         self.model.eval()  # no dropout while sampling
         with torch.no_grad(), self.autocast():  # core: DDP's wrapper adds nothing to sampling; FSDP2's is the model
-            result = generate(self.core, input_ids, attention_mask, gen_length=c.gen_length,
-                              block_length=c.block_length, steps=c.diffusion_steps, temperature=c.temperature,
-                              remasking=c.remasking, cache=c.cache, threshold=c.threshold,
-                              compile=self.compiled_rollouts,
-                              generator=self.rollout_generator, **record)
+            # Trajectory objectives (TraceRL) replay the decoding order: only they ask generate to record it.
+            result = generate(self.core, input_ids, attention_mask, self.generate_config,
+                              generator=self.rollout_generator,
+                              record_unmask_step=self.objective.needs_unmask_step)
         self.model.train()
         return result, decode_completions(self.tokenizer, result), time.perf_counter() - started
 
