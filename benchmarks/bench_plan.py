@@ -203,7 +203,8 @@ def gpu_points(gpu: str, names: list[str] | None = None) -> list[dict]:
         unit = "x naive" if point.kind == "engine" else "s"
         row = dict(point=point.name, recorded=point.value, predicted=predicted.pop("predicted"), unit=unit,
                    **predicted)
-        row["ratio"] = row["predicted"] / row["recorded"]
+        # an eager rollout ran b7790f6's layers: compared at the kernels that code launched (predicted_then)
+        row["ratio"] = row.get("predicted_then", row["predicted"]) / row["recorded"]
         if point.kernels_per_step is not None:
             row["recorded_kernels_per_step"] = point.kernels_per_step
         rows.append(row)
@@ -276,7 +277,8 @@ def fit(gpu: str) -> None:
         nonlocal calibration
         point = next(p for p in RECORDED if p.name == point_name)
         for _ in range(rounds):
-            predicted = predict.recorded(point, gpu, calibration)["predicted"]
+            values = predict.recorded(point, gpu, calibration)
+            predicted = values.get("predicted_then", values["predicted"])  # eager rollouts: the code recorded
             ratio = point.value / predicted
             print(f"  {name} = {getattr(calibration, name):.4g}: {point_name} predicted {predicted:.4g} s, "
                   f"recorded {point.value:.4g} s")

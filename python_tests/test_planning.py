@@ -243,6 +243,17 @@ def test_plan_leaves_real_scoring_working():
     assert torch.isfinite(lp).all() and type(lp) is torch.Tensor
 
 
+def test_a_plan_after_real_scoring_of_the_same_lengths_works():
+    """The reverse order: real masks of 24 positions first (the library caches their fingerprint multipliers as a
+    real tensor), then a plan that draws masks of 24 positions on fake tensors."""
+    from dllm_fast.likelihood.masks import sequence_fingerprint
+
+    sequence_fingerprint(torch.randint(0, TINY.mask_token_id, (2, 24)))
+    with session() as s:
+        batch = s.rollout(prompts=2, group_size=4, prompt_length=8).batch
+        s.updates(batch, n_t=2, batching=MicroBatching(4))
+
+
 def test_phase_memory_adds_up_by_category():
     with session() as s:
         rollout = s.rollout(prompts=2, group_size=4, prompt_length=8)

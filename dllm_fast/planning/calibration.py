@@ -100,12 +100,15 @@ RECORDED = (
     _head(8192, "dllm_fast", False, 14.5), _head(8192, "dllm_fast", True, 91.5),
     # bench_rollout.py --device cuda --batch 8: LLaDA-8B shapes, random bf16 weights, prompt 200, gen 256,
     # block 32, 128 steps, T = 0 (the reference sampler is not planned: it reads the logits it samples from)
-    Recorded("rollout 8B none, eager", "rollout", dict(cache="none"), 14.68, kernels_per_step=1538),
-    Recorded("rollout 8B dual, eager", "rollout", dict(cache="dual"), 4.13, kernels_per_step=1653),
+    Recorded("rollout 8B none, eager", "rollout", dict(cache="none"), 14.68, kernels_per_step=1538,
+             planned_kernels_then=1622.3),
+    Recorded("rollout 8B dual, eager", "rollout", dict(cache="dual"), 4.13, kernels_per_step=1653,
+             planned_kernels_then=1689.2),
+    # planned_kernels_then: the planner's count on b7790f6's code (planner branch 3dde9fa, predict.recorded)
     # smoke.py generate_compiled: the small preset in fp32 (TF32 off), batch 8, prompt 64, gen 128, 64 steps
-    Recorded("rollout small dual, eager", "rollout", dict(_SMALL, cache="dual"), 0.341),
+    Recorded("rollout small dual, eager", "rollout", dict(_SMALL, cache="dual"), 0.341, planned_kernels_then=227.3),
     Recorded("rollout small dual, compiled", "rollout", dict(_SMALL, cache="dual", compile=True), 0.111),
-    Recorded("rollout small none, eager", "rollout", dict(_SMALL, cache="none"), 0.241),
+    Recorded("rollout small none, eager", "rollout", dict(_SMALL, cache="none"), 0.241, planned_kernels_then=216.4),
     Recorded("rollout small none, compiled", "rollout", dict(_SMALL, cache="none", compile=True), 0.176),
     # bench_elbo.py --device cuda --lora (r128 on q, k, v, up; bf16; prompt 200 + completion 512), micro-batch 1
     Recorded("engine two_pass / naive per sample, n_t=1", "engine", dict(n_t=1, micro_batch=1), 1.85),

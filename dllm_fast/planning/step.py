@@ -360,11 +360,13 @@ def _compiled_calls_planned(accountant: Accountant):
 
 @contextlib.contextmanager
 def _library_caches_kept():
-    """Leave the library's module-level tensor caches as they were: tensors cached during a plan are fake and
+    """Plan with the library's module-level tensor caches empty, and leave them as they were: a real tensor cached
+    by an earlier real call would meet fake ones inside the plan, and tensors cached during a plan are fake and
     would poison later real calls in the process (likelihood.masks caches its fingerprint multipliers)."""
     from dllm_fast.likelihood import masks
 
     kept = dict(masks._fingerprint_multipliers)
+    masks._fingerprint_multipliers.clear()
     try:
         yield
     finally:
