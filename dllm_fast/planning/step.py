@@ -35,7 +35,7 @@ from dllm_fast.planning.accounting import CATEGORIES, Accountant, Costs, Target
 from dllm_fast.planning.fake import Assumptions, PlanningFakeMode, fake_module, fake_world
 from dllm_fast.planning.replay import Replayer
 from dllm_fast.rollout import generate
-from dllm_fast.train.config import TrainConfig, compiles_scoring, model_source
+from dllm_fast.train.config import TrainConfig, check_block_length, compiles_scoring, model_source, take_block_length
 from dllm_fast.train.precision import Precision, training_models, training_precision
 
 ENGINES = ("streaming", "all_graphs")
@@ -297,8 +297,6 @@ def _build_models(config: TrainConfig, objective, precision: Precision):
             base = family.from_pretrained(source, device="meta")
     base = base.to(precision.base_dtype(config.lora)).train()
     base.set_gradient_checkpointing(config.gradient_checkpointing)
-    from dllm_fast.train.run import check_block_length, take_block_length
-
     check_block_length(config, base, evaluated=False)  # a block-diffusion model as train takes it: a preset in
     take_block_length(config, base)  # --block-length's blocks, a checkpoint in its own
     with torch.device("meta"):  # the adapters' layers too: no initialisation on the host

@@ -45,11 +45,10 @@ import torch
 
 from dllm_fast.contracts import GenerationResult, block_length as block_length_of, completion_mask
 from dllm_fast.rollout.cache import BlockCache, NoCache
-from dllm_fast.rollout.generate import (_KEPT_STATES, COMPILED_STEP_GRAPHS, _graph_limit, masked_left_and_bad,
-                                        step_constants)
 from dllm_fast.rollout.plan import DecodingPlan, masked_count_schedule
 from dllm_fast.rollout.rules import check_block_done, raise_if_not_finite
-from dllm_fast.rollout.step import NOISE_STEP, STEP_IN_BLOCK, RolloutState, compiled_step, denoise_step
+from dllm_fast.rollout.step import (_KEPT_STATES, COMPILED_STEP_GRAPHS, NOISE_STEP, STEP_IN_BLOCK, RolloutState,
+                                    _graph_limit, compiled_step, denoise_step, masked_left_and_bad, step_constants)
 from dllm_fast.validation import data_checks_enabled, values_checked
 
 

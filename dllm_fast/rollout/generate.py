@@ -15,27 +15,19 @@ skipped: a fixed schedule, or threshold decoding with assumed_steps_per_block, r
 
 from __future__ import annotations
 
-import weakref
 from contextlib import nullcontext
 
 import torch
 
-from dllm_fast.contracts import (GenerationResult, block_length as block_length_of, completion_mask, logit_shift,
-                                 mixed_dtypes_named)
-from dllm_fast.ops.backend import default_chunk_size
+from dllm_fast.contracts import GenerationResult, block_length as block_length_of, completion_mask, mixed_dtypes_named
 from dllm_fast.rollout.cache import CachePolicy
 from dllm_fast.rollout.config import GenerateConfig, rollout_config
 from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, initial_canvas, masked_count_schedule
-from dllm_fast.rollout.rules import (check_block_done, confidence_excluded_ids,
-                                     raise_if_not_finite, suppressed_ids)
-from dllm_fast.rollout.step import (NOISE_STEP, STEP_IN_BLOCK, RolloutState, StepConstants, compiled_step,
-                                    denoise_step)
+from dllm_fast.rollout.rules import check_block_done, raise_if_not_finite
+from dllm_fast.rollout.step import (_KEPT_STATES, COMPILED_STEP_GRAPHS, NOISE_STEP, STEP_IN_BLOCK, RolloutState,
+                                    StepConstants, _graph_limit, compiled_step, denoise_step, masked_left_and_bad,
+                                    step_constants)
 from dllm_fast.validation import data_checks_enabled, values_checked
-
-
-# Graphs the compiled step may hold (dynamo's default is 8, then fullgraph fails): each configuration of a call
-# (model, batch and lengths, temperature, threshold, cache policy, remasking) compiles one or two.
-COMPILED_STEP_GRAPHS = 64
 
 
 @torch.no_grad()
@@ -144,13 +136,6 @@ def generate(
                             result_mask, unmask_step)
 
 
-def _graph_limit(graphs: int):
-    """Dynamo's per-function graph limit raised while the compiled step runs (named cache_size_limit before
-    torch 2.6)."""
-    config = torch._dynamo.config
-    return config.patch(**{"recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit": graphs})
-
-
 def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConstants, step_fn, P: int,
            gen_length: int, block_length: int, generator) -> int:
     """The block loop: runs the steps of every block, and returns the number of forwards."""
@@ -222,11 +207,6 @@ class FedPositions:
         return drawn
 
 
-# Compiled, the buffers of a model's last call are kept for its next call of the same shapes: a CUDA graph
-# replays on the addresses it recorded (new buffers would re-record it), and the KV cache is not reallocated.
-_KEPT_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def start_rollout(model, plan: DecodingPlan, input_ids, attention_mask, gen_length: int, block_length: int,
                   generator) -> tuple[RolloutState, torch.Tensor | None]:
     """The buffers of a call (no host-to-device copy, which would sync on a GPU; compiled, the model's last
@@ -270,17 +250,6 @@ def start_rollout(model, plan: DecodingPlan, input_ids, attention_mask, gen_leng
     return state, result_mask
 
 
-def step_constants(model, plan: DecodingPlan, prompt_length: int, block_length: int, batch: int) -> StepConstants:
-    weight = model.lm_head_weight
-    return StepConstants(
-        prompt_length=prompt_length, block_length=block_length, mask_id=model.mask_token_id,
-        logit_shift=logit_shift(model), temperature=plan.temperature, threshold=plan.threshold,
-        cfg_scale=plan.cfg_scale, cache=plan.cache, remasking=plan.remasking,
-        suppress_ids=tuple(suppressed_ids(model, plan)), exclude_ids=tuple(confidence_excluded_ids(model, plan)),
-        chunk_size=default_chunk_size(batch * block_length, weight.shape[0], weight.device),
-        decode_whole_block=plan.compile)
-
-
 def reused_spans(policy: CachePolicy, prompt_length: int, gen_length: int, block_length: int):
     """The (lo, hi) span of every block that a step reusing the cache feeds (none for a policy without one)."""
     if not policy.uses_cache:
@@ -288,14 +257,6 @@ def reused_spans(policy: CachePolicy, prompt_length: int, gen_length: int, block
     total = prompt_length + gen_length
     starts = range(prompt_length, total, block_length)
     return [policy.reused_span(start, start + block_length, total) for start in starts]
-
-
-def masked_left_and_bad(state: RolloutState, positions: torch.Tensor, mask_id: int) -> tuple[int, bool]:
-    """The most masked positions left in a row of the block, and whether any output was non-finite: one host
-    sync."""
-    left = (state.canvas.index_select(1, positions) == mask_id).sum(dim=1).max()
-    masked, any_bad = torch.stack([left, state.not_finite.any().long()]).tolist()
-    return masked, bool(any_bad)
 
 
 def check_block_end(state: RolloutState, plan: DecodingPlan, positions, block: int, model) -> None:

@@ -25,13 +25,18 @@ What lets one compiled graph serve every step, block and call:
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from dllm_fast import ops
+from dllm_fast.contracts import logit_shift
+from dllm_fast.ops.backend import default_chunk_size
 from dllm_fast.rollout.cache import CachePolicy
+from dllm_fast.rollout.plan import DecodingPlan
 from dllm_fast.rollout.remasking import Remasking
+from dllm_fast.rollout.rules import confidence_excluded_ids, suppressed_ids
 
 # Counters a step advances in place: the noise step (the Philox step word), forwards so far, step in the block.
 NOISE_STEP, FORWARDS, STEP_IN_BLOCK = 0, 1, 2
@@ -175,3 +180,39 @@ def compiled_step(device_type: str, backend: str = "inductor"):
     prefix cache's span, is marked by generate."""
     mode = "reduce-overhead" if device_type == "cuda" and backend == "inductor" else None
     return torch.compile(denoise_step, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+
+
+# Graphs the compiled step may hold (dynamo's default is 8, then fullgraph fails): each configuration of a call
+# (model, batch and lengths, temperature, threshold, cache policy, remasking) compiles one or two.
+COMPILED_STEP_GRAPHS = 64
+
+
+def _graph_limit(graphs: int):
+    """Dynamo's per-function graph limit raised while the compiled step runs (named cache_size_limit before
+    torch 2.6)."""
+    config = torch._dynamo.config
+    return config.patch(**{"recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit": graphs})
+
+
+# Compiled, the buffers of a model's last call are kept for its next call of the same shapes: a CUDA graph
+# replays on the addresses it recorded (new buffers would re-record it), and the KV cache is not reallocated.
+_KEPT_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def step_constants(model, plan: DecodingPlan, prompt_length: int, block_length: int, batch: int) -> StepConstants:
+    weight = model.lm_head_weight
+    return StepConstants(
+        prompt_length=prompt_length, block_length=block_length, mask_id=model.mask_token_id,
+        logit_shift=logit_shift(model), temperature=plan.temperature, threshold=plan.threshold,
+        cfg_scale=plan.cfg_scale, cache=plan.cache, remasking=plan.remasking,
+        suppress_ids=tuple(suppressed_ids(model, plan)), exclude_ids=tuple(confidence_excluded_ids(model, plan)),
+        chunk_size=default_chunk_size(batch * block_length, weight.shape[0], weight.device),
+        decode_whole_block=plan.compile)
+
+
+def masked_left_and_bad(state: RolloutState, positions: torch.Tensor, mask_id: int) -> tuple[int, bool]:
+    """The most masked positions left in a row of the block, and whether any output was non-finite: one host
+    sync."""
+    left = (state.canvas.index_select(1, positions) == mask_id).sum(dim=1).max()
+    masked, any_bad = torch.stack([left, state.not_finite.any().long()]).tolist()
+    return masked, bool(any_bad)

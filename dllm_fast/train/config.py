@@ -486,3 +486,34 @@ def micro_batching(config: TrainConfig, *, auto: int):
 
     return MicroBatching(auto if config.micro_batch == AUTO else config.micro_batch, config.score_micro_batch,
                          config.chunk_size, compile=compiles_scoring(config))
+
+
+def check_block_length(config: TrainConfig, model, *, evaluated: bool = True) -> None:
+    """A block-diffusion model decodes and scores in its own blocks (contracts.block_length): a checkpoint's
+    (config.json block_size, the size it was trained with) must be --block-length; a preset's random weights were
+    trained with none, so it takes --block-length (`take_block_length`). Every generation length (with
+    `evaluated`, the evaluation's too) is a whole number of blocks."""
+    from dllm_fast.contracts import block_length
+    from dllm_fast.models.loading import PRESETS
+
+    size = block_length(model)
+    if size is None:
+        return
+    if config.model not in PRESETS and size != config.block_length:
+        raise ValueError(f"--block-length {config.block_length}, but --model {config.model} is a block-diffusion "
+                         f"model trained with blocks of {size} (its config.json block_size), which its rollouts "
+                         f"and likelihoods use; pass --block-length {size}.")
+    evaluations = [("--eval-gen-lengths", n) for n in config.eval_gen_lengths] if evaluated else []
+    for option, length in [("--gen-length", config.gen_length)] + evaluations:
+        if length % config.block_length:
+            raise ValueError(f"{option} {length} is not a multiple of --block-length {config.block_length}, the "
+                             "block-diffusion model's block: every completion is decoded in whole blocks.")
+
+
+def take_block_length(config: TrainConfig, model) -> None:
+    """A block-diffusion preset (random weights) attends in blocks of --block-length."""
+    from dllm_fast.contracts import block_length
+    from dllm_fast.models.loading import PRESETS
+
+    if block_length(model) is not None and config.model in PRESETS:
+        model.block_length = config.block_length

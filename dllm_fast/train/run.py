@@ -17,16 +17,17 @@ import time
 import torch
 
 from dllm_fast import objectives
-from dllm_fast.contracts import RolloutBatch, block_length, check_rewards, unwrap_model
+from dllm_fast.contracts import RolloutBatch, check_rewards, unwrap_model
 from dllm_fast.files import settled_directory, write_text_atomic
-from dllm_fast.models.loading import PRESETS, check_tokenizer, load_model, load_tokenizer, model_skeleton
+from dllm_fast.models.loading import check_tokenizer, load_model, load_tokenizer, model_skeleton
 from dllm_fast.objectives import InnerUpdate
 from dllm_fast.rollout import generate
 from dllm_fast.tasks import get_task
 from dllm_fast.tasks.encoding import decode_completions, encode_prompts
 from dllm_fast.tasks.rewards import task_reward
 from dllm_fast.train.checkpoint import CHECKPOINT, load_checkpoint, seed_everything
-from dllm_fast.train.config import AUTO, DEFAULT_MICRO_BATCH, TrainConfig, micro_batching, model_source, task_options
+from dllm_fast.train.config import (AUTO, DEFAULT_MICRO_BATCH, TrainConfig, check_block_length, micro_batching,
+                                    model_source, take_block_length, task_options)
 from dllm_fast.train.data import PromptStream
 from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
@@ -230,31 +231,6 @@ def check_rollout_records(objective, name: str) -> None:
         raise ValueError(f"--objective {name} replays the rollout's decoding order, which this build's "
                          "dllm_fast.generate cannot record (it has no record_unmask_step option); use another "
                          "objective or a dllm_fast whose generate records it.")
-
-
-def check_block_length(config: TrainConfig, model, *, evaluated: bool = True) -> None:
-    """A block-diffusion model decodes and scores in its own blocks (contracts.block_length): a checkpoint's
-    (config.json block_size, the size it was trained with) must be --block-length; a preset's random weights were
-    trained with none, so it takes --block-length (`take_block_length`). Every generation length (with
-    `evaluated`, the evaluation's too) is a whole number of blocks."""
-    size = block_length(model)
-    if size is None:
-        return
-    if config.model not in PRESETS and size != config.block_length:
-        raise ValueError(f"--block-length {config.block_length}, but --model {config.model} is a block-diffusion "
-                         f"model trained with blocks of {size} (its config.json block_size), which its rollouts "
-                         f"and likelihoods use; pass --block-length {size}.")
-    evaluations = [("--eval-gen-lengths", n) for n in config.eval_gen_lengths] if evaluated else []
-    for option, length in [("--gen-length", config.gen_length)] + evaluations:
-        if length % config.block_length:
-            raise ValueError(f"{option} {length} is not a multiple of --block-length {config.block_length}, the "
-                             "block-diffusion model's block: every completion is decoded in whole blocks.")
-
-
-def take_block_length(config: TrainConfig, model) -> None:
-    """A block-diffusion preset (random weights) attends in blocks of --block-length."""
-    if block_length(model) is not None and config.model in PRESETS:
-        model.block_length = config.block_length
 
 
 def check_lengths(config: TrainConfig, task, train_examples, test_examples, tokenizer, model) -> None:
