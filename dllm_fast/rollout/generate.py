@@ -5,7 +5,7 @@ current block, inside the fused `sample_tokens` op (Gumbel-max and confidence in
 never a [B, L, V] tensor); `select_transfer` picks the positions to unmask without a Python loop over rows. The
 step itself is one function (rollout/step.py) that runs eagerly or compiled whole (`compile=True`).
 
-Host syncs (the host reading a value; counted by dllm_fast.syncs, pinned by the tests): with a fixed schedule
+Host syncs (the host reading a value; counted by dllm_fast.testing.syncs, pinned by the tests): with a fixed schedule
 none per step and one per block (the non-finite check); threshold decoding one per step (the largest number of
 masked positions left in a row, zero ends the block, read with the non-finite flag), or, with
 assumed_steps_per_block, none per step and one per block. At the boundary, the prompt checks read the values in
