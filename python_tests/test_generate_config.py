@@ -150,7 +150,7 @@ def test_a_train_config_gives_its_rollouts_settings_as_one_config():
 def test_the_trainer_and_its_evaluation_pass_generate_the_train_configs_one_object(tmp_path, monkeypatch):
     from dllm_fast.train import train
 
-    rollouts = spy_on_generate(monkeypatch, "dllm_fast.train.run")
+    rollouts = spy_on_generate(monkeypatch, "dllm_fast.train.step")
     evaluations = spy_on_generate(monkeypatch, "dllm_fast.train.evaluation")
     config = TrainConfig(model="tiny", task="synthetic", task_options={"prompt_length": 16}, prompts_per_step=2,
                          group_size=2, gen_length=8, block_length=4, diffusion_steps=4, temperature=0.7,
@@ -171,7 +171,7 @@ def test_the_planner_passes_generate_the_train_configs_one_object(threshold, mon
     from dllm_fast.planning.accounting import Target
     from dllm_fast.planning.step import Session
 
-    calls = spy_on_generate(monkeypatch, "dllm_fast.planning.step")
+    calls = spy_on_generate(monkeypatch, "dllm_fast.train.step")
     config = TrainConfig(model="tiny", prompts_per_step=1, group_size=2, gen_length=8, block_length=4,
                          diffusion_steps=None if threshold else 4, threshold=threshold, cache="dual", micro_batch=4,
                          objective="vrpo_ol", bf16=False)
@@ -188,7 +188,7 @@ def test_the_trl_rollout_function_passes_generate_one_object(monkeypatch):
     from dllm_fast.integrations import trl_example
     from dllm_fast.integrations.trl import make_rollout_func
 
-    calls = spy_on_generate(monkeypatch, "dllm_fast.integrations.trl")
+    calls = spy_on_generate(monkeypatch, "dllm_fast.train.step")
     accelerator = types.SimpleNamespace(device=torch.device("cpu"), process_index=0, autocast=contextlib.nullcontext)
     trainer = types.SimpleNamespace(args=types.SimpleNamespace(max_completion_length=8, temperature=0.5),
                                     accelerator=accelerator, processing_class=trl_example.build_tokenizer(),

@@ -75,9 +75,10 @@ def test_recorded_order_replays_the_rollouts_states(generate_recording_unmask_st
 
 
 def test_the_trainer_replays_the_decoding_order_for_tracerl(tmp_path, monkeypatch, generate_recording_unmask_step):
-    """run.generate is asked for the order only by objectives that need it; TraceRL trains on it without NaN."""
+    """The training rollouts' generate (train/step.py's) is asked for the order only by objectives that need it;
+    TraceRL trains on it without NaN."""
     from dllm_fast.train import TrainConfig, train
-    from dllm_fast.train import run as run_module
+    from dllm_fast.train import step as step_module
 
     asked = []
 
@@ -85,7 +86,7 @@ def test_the_trainer_replays_the_decoding_order_for_tracerl(tmp_path, monkeypatc
         asked.append(record_unmask_step)
         return generate_recording_unmask_step(*args, record_unmask_step=record_unmask_step, **kwargs)
 
-    monkeypatch.setattr(run_module, "generate", generate)
+    monkeypatch.setattr(step_module, "generate", generate)
     drawn = []
     original = objectives.TraceRL.draw_masks
 
@@ -118,8 +119,9 @@ def test_the_trl_adapter_replays_the_decoding_order_for_tracerl(tmp_path, monkey
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from dllm_fast.integrations import trl as adapter
     from dllm_fast.integrations import trl_example
+    from dllm_fast.train import step as step_module
 
-    monkeypatch.setattr(adapter, "generate", generate_recording_unmask_step)
+    monkeypatch.setattr(step_module, "generate", generate_recording_unmask_step)
     trainer = trl_example.build_trainer(str(tmp_path), objective="tracerl", steps=2)
     trainer.train()
     rows = [row for row in trainer.state.log_history if "loss" in row]

@@ -56,11 +56,11 @@ from dllm_fast.likelihood import BackwardHooks, MicroBatching
 from dllm_fast.models.hf_pretrained import DiffusionPreTrainedConfig, DiffusionPreTrainedModel
 from dllm_fast.models.loading import check_tokenizer
 from dllm_fast.objectives import InnerUpdate
-from dllm_fast.rollout import generate
 from dllm_fast.rollout.cache import CACHE_POLICIES
 from dllm_fast.rollout.config import GenerateConfig, rollout_settings
 from dllm_fast.tasks.encoding import left_pad
 from dllm_fast.tasks.rewards import MAX_ABS_REWARD, reward_value
+from dllm_fast.train import step as train_step
 from dllm_fast.train.precision import frozen_copy
 from dllm_fast.validation import check_bool, check_int
 
@@ -120,15 +120,10 @@ def make_rollout_func(config: GenerateConfig | None = None, *, seed: int = 0, **
         input_ids, attention_mask = left_pad(prompt_ids, pad, device)
         if device not in generators:
             generators[device] = torch.Generator(device).manual_seed(seed + trainer.accelerator.process_index)
-        was_training = model.training
-        model.eval()  # no dropout while sampling
         objective = getattr(trainer, "objective", None)
-        try:
-            with torch.no_grad(), trainer.accelerator.autocast():
-                result = generate(model, input_ids, attention_mask, rollouts, generator=generators[device],
-                                  record_unmask_step=getattr(objective, "needs_unmask_step", False))
-        finally:
-            model.train(was_training)
+        result = train_step.roll_out(model, input_ids, attention_mask, rollouts, generator=generators[device],
+                                     record_unmask_step=getattr(objective, "needs_unmask_step", False),
+                                     hooks=train_step.StepHooks(autocast=trainer.accelerator.autocast))
         # Trajectory objectives (TraceRL) replay the decoding order: kept for this generation batch's plan.
         trainer._unmask_step = getattr(result, "unmask_step", None)
         lengths = result.completion_mask.sum(-1).tolist()
@@ -240,6 +235,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             "likelihood_micro_batch", likelihood_micro_batch if likelihood_micro_batch is not None
             else self.args.per_device_train_batch_size, minimum=1, hint="(sequence, sample) pairs per backward graph")
         self._batching = MicroBatching(self.likelihood_micro_batch)
+        self._step_hooks = train_step.StepHooks(autocast=self.accelerator.autocast)  # train/step.py's phases
         seed = self.args.seed if mask_seed is None else mask_seed
         self._mask_generator = torch.Generator().manual_seed(seed + self.accelerator.process_index)
         self._rewards: torch.Tensor | None = None
@@ -300,9 +296,9 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps
         hooks = BackwardHooks(sync_gradients=self.accelerator.sync_gradients,
                               backward=lambda loss: self.accelerator.backward(loss / accumulation))
-        with self.accelerator.autocast():
-            out = self.objective.backward(model, update.batch, update.update, micro_batch=self._batching,
-                                          ref_model=self._reference, hooks=hooks)
+        # TRL's loop clips and steps the optimizer (accelerate): the shared step's phases up to the inner update
+        out = train_step.inner_update(self.objective, model, update.batch, update.update, batching=self._batching,
+                                      ref_model=self._reference, backward_hooks=hooks, hooks=self._step_hooks)
         for name, value in out.stats.items():
             self._metrics["train"][f"objective/{name}"].append(value)
         self._step += 1
@@ -331,9 +327,9 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             micro = batch.groups(i * groups, (i + 1) * groups)
             used_at = [generated_at + k * self.args.steps_per_generation + i for k in range(self.num_iterations)]
             moved = [at // accumulation != generated_at // accumulation for at in used_at]
-            with self.accelerator.autocast():
-                plan = self.objective.plan_updates(self.model, micro, moved=moved, generator=self._mask_generator,
-                                                   micro_batch=self._batching)
+            plan = train_step.plan_updates(self.objective, self.model, micro, moved=moved,
+                                           generator=self._mask_generator, batching=self._batching,
+                                           hooks=self._step_hooks)
             updates.append([_Use(micro, update) for update in plan])
         return updates
 

@@ -411,8 +411,7 @@ class Objective:
         masks = update.masks
         self.check_masks(masks, batch)
         if self.needs_reference and lp_ref is None:
-            with torch.no_grad():
-                lp_ref = self._score_reference(model, ref_model, batch, masks, batching)
+            lp_ref = self.reference_lp(model, batch, masks, micro_batch=batching, ref_model=ref_model)
         inputs = self._loss_inputs(batch, masks, update.lp_old, lp_ref)
         engine = dict(micro_batch=batching, attention_mask=batch.attention_mask, hooks=hooks)
 
@@ -431,6 +430,13 @@ class Objective:
             return ObjectiveOutput(loss=value, stats=stats, masks=masks, lp=lp_now)
 
         return all_or_nothing(model, run)  # the stats too: an interrupt there leaves .grad as before the call
+
+    def reference_lp(self, model, batch: RolloutBatch, masks: MonteCarloMasks, *, micro_batch: int | MicroBatching,
+                     ref_model=None) -> torch.Tensor:
+        """The reference policy's lp on `masks`, without a graph, as `backward` scores it when given no lp_ref:
+        `ref_model`, or for a PEFT model the model with its adapters disabled."""
+        with torch.no_grad():
+            return self._score_reference(model, ref_model, batch, masks, MicroBatching.of(micro_batch))
 
     def _score_reference(self, model, ref_model, batch, masks, batching: MicroBatching) -> torch.Tensor:
         if ref_model is not None:

@@ -1,6 +1,7 @@
-"""One trainer step on fake tensors, phase by phase, as `dllm_fast.train` runs it.
+"""One trainer step on fake tensors, phase by phase, as `dllm_fast.train` runs it: the phases are train/step.py's
+own functions, the ones the trainer calls, each accounted through their phase hook.
 
-The phases, in the order of train/loop.py and train/run.py:
+The phases:
 
 1. rollout: `generate` with the configured cache and schedule, under no_grad and the trainer's autocast;
 2. old-policy scoring: `Objective.plan_updates` (the old policy's lp for the updates after the first);
@@ -23,24 +24,25 @@ every pair a nonzero gradient weight (the most work).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from dllm_fast import objectives
-from dllm_fast.contracts import RolloutBatch, unwrap_model
+from dllm_fast.contracts import RolloutBatch
 from dllm_fast.likelihood import MicroBatching, score
 from dllm_fast.ops.backend import chunks_sized_for
 from dllm_fast.planning.accounting import CATEGORIES, Accountant, Costs, Target
 from dllm_fast.planning.fake import Assumptions, PlanningFakeMode, fake_module, fake_world
 from dllm_fast.planning.replay import Replayer
-from dllm_fast.rollout import generate
+from dllm_fast.train import step as train_step
 from dllm_fast.train.config import TrainConfig, check_block_length, compiles_scoring, model_source, take_block_length
 from dllm_fast.train.precision import Precision, training_models, training_precision
 
 ENGINES = ("streaming", "all_graphs")
-UPDATE_PHASES = ("old-policy scoring", "reference scoring", "inner update", "optimizer step")
-PHASES = ("rollout", *UPDATE_PHASES)
+PHASES = train_step.PHASES  # rollout, then per step the update phases
+UPDATE_PHASES = PHASES[1:]
 
 
 @dataclass
@@ -190,17 +192,14 @@ class Session:
         input_ids = input_ids.repeat_interleave(group_size, dim=0)
         attention_mask = torch.ones_like(input_ids)
         plan = PhasePlan("rollout")
-        with self.phase(plan):
-            self.policy.eval()
-            rollouts = self.generate_config
-            if rollouts.threshold is not None:  # confidences below the threshold: one token a step (see Assumptions)
-                rollouts = replace(rollouts, assumed_steps_per_block=rollouts.block_length)
-            with torch.no_grad(), self.autocast():
-                # as train does: trajectory objectives (TraceRL) ask generate to record the decoding order
-                result = generate(self.policy, input_ids, attention_mask, rollouts,
-                                  generator=torch.Generator().manual_seed(c.seed + 1),
-                                  record_unmask_step=getattr(self.objective, "needs_unmask_step", False))
-            self.policy.train()
+        rollouts = self.generate_config
+        if rollouts.threshold is not None:  # confidences below the threshold: one token a step (see Assumptions)
+            rollouts = replace(rollouts, assumed_steps_per_block=rollouts.block_length)
+        # as train does: trajectory objectives (TraceRL) ask generate to record the decoding order
+        result = train_step.roll_out(self.policy, input_ids, attention_mask, rollouts,
+                                     generator=torch.Generator().manual_seed(c.seed + 1),
+                                     record_unmask_step=getattr(self.objective, "needs_unmask_step", False),
+                                     hooks=self._hooks({"rollout": plan}))
         rewards = torch.arange(input_ids.shape[0], dtype=torch.float32) % 2
         return Rollout(plan, RolloutBatch.from_generation(result, rewards, group_size=group_size), int(result.nfe))
 
@@ -210,45 +209,32 @@ class Session:
         c = self.config
         objective = objectives.get(c.objective, **{**c.objective_options, "n_t": n_t})
         phases = {name: PhasePlan(name) for name in UPDATE_PHASES}
-        moved = [k > 0 for k in range(c.inner_updates)]
-        with self.phase(phases["old-policy scoring"]), self.autocast():
-            plan = objective.plan_updates(self.policy, batch, moved=moved,
-                                          generator=torch.Generator().manual_seed(c.seed + 2), micro_batch=batching)
-        for update in plan:
-            lp_ref = None
-            if objective.needs_reference:
-                with self.phase(phases["reference scoring"]), torch.no_grad(), self.autocast():
-                    lp_ref = self._score_reference(batch, update.masks, batching)
-            with self.phase(phases["inner update"]), self.autocast():
-                self._update(objective, batch, update, lp_ref, batching)
-            with self.phase(phases["optimizer step"]):
-                norm = torch.nn.utils.clip_grad_norm_(self.trainable, c.grad_clip)
-                if not torch.isfinite(norm):  # the trainer's check (a host sync; the plan assumes it passes)
-                    raise FloatingPointError("the planned gradient norm is not finite.")
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+        hooks = self._hooks(phases)
+        plan = train_step.plan_updates(objective, self.policy, batch,
+                                       moved=train_step.moved_after_first(c.inner_updates),
+                                       generator=torch.Generator().manual_seed(c.seed + 2), batching=batching,
+                                       hooks=hooks)
+        optimization = train_step.Optimization(self.trainable, self.optimizer, c.grad_clip)
+        backward = None if self.engine == "streaming" else functools.partial(_all_graphs_backward, objective)
+        for update in plan:  # the trainer's check of a finite gradient norm is a host sync; the plan assumes it passes
+            train_step.run_update(objective, self.policy, batch, update, batching=batching, optimization=optimization,
+                                  ref_model=self.reference, hooks=hooks, backward=backward)
         if phases["old-policy scoring"].calls_run + phases["old-policy scoring"].calls_replayed == 0:
             phases["old-policy scoring"].runs = 0  # mu = 1, or an objective without a ratio: nothing scored
         return phases
 
-    def _score_reference(self, batch: RolloutBatch, masks, batching: MicroBatching) -> torch.Tensor:
-        """The reference policy's lp as Objective.backward scores it: the reference copy, or the PEFT model with
-        its adapters disabled."""
-        kwargs = dict(micro_batch=batching, attention_mask=batch.attention_mask)
-        if self.reference is not None:
-            return score(self.reference, batch.sequences, masks, **kwargs)
-        with unwrap_model(self.policy).disable_adapter():
-            return score(self.policy, batch.sequences, masks, **kwargs)
+    def _hooks(self, phases: dict[str, PhasePlan]) -> train_step.StepHooks:
+        """train/step.py's hooks for this session: each phase of the step accounted into its PhasePlan."""
+        return train_step.StepHooks(phase=lambda name: self.phase(phases[name]), autocast=self.autocast)
 
-    def _update(self, objective, batch: RolloutBatch, update, lp_ref, batching: MicroBatching) -> None:
-        if self.engine == "streaming":
-            objective.backward(self.policy, batch, update, micro_batch=batching, lp_ref=lp_ref)
-            return
-        # all_graphs: every micro-batch's graph kept until one backward of the whole loss
-        inputs = objective.prepare(batch, update.masks, lp_old=update.lp_old, lp_ref=lp_ref)
-        lp = score(self.policy, batch.sequences, update.masks, micro_batch=batching,  # its micro_batch: a graph
-                   attention_mask=batch.attention_mask)
-        objective.loss(lp, inputs).backward()
+
+def _all_graphs_backward(objective, model, batch: RolloutBatch, update, *, micro_batch: MicroBatching,
+                         lp_ref, hooks) -> None:
+    """engine="all_graphs": every micro-batch's graph kept until one backward of the whole loss (the naive way)."""
+    inputs = objective.prepare(batch, update.masks, lp_old=update.lp_old, lp_ref=lp_ref)
+    lp = score(model, batch.sequences, update.masks, micro_batch=micro_batch,  # its micro_batch: a graph
+               attention_mask=batch.attention_mask)
+    objective.loss(lp, inputs).backward()
 
 
 def valid_n_t(config: TrainConfig, n_t: int, *, down: bool = False, limit: int = 1 << 16) -> int | None:

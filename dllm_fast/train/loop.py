@@ -3,7 +3,7 @@
     python -m dllm_fast train                                    # the embedded default: sudoku4 on CPU
     python -m dllm_fast train --task countdown --objective espo --model path/to/checkpoint --lora true
 
-Each step:
+Each step (steps 2, 4 and 5 are the phases of dllm_fast.train.step, which the planner and the TRL trainer run too):
   1. take the next prompts (a seeded, resumable order over the task's training examples);
   2. roll out G completions per prompt with `dllm_fast.generate`;
   3. score them with the task's reward and build the RolloutBatch;

@@ -34,6 +34,7 @@ from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
 from dllm_fast.train.precision import add_lora  # noqa: F401  (re-exported: the planner and tests import it here)
 from dllm_fast.train.precision import Precision, short_name, training_models, training_precision
 from dllm_fast.train.resume import CONFIG, check_resumable, saved_config
+from dllm_fast.train import step as train_step
 from dllm_fast.train.run_dir import RunDirectory
 
 
@@ -108,6 +109,7 @@ class Run:
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, betas=tuple(config.betas),
                                            weight_decay=config.weight_decay)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, learning_rate_factor(config))
+        self.step_hooks = train_step.StepHooks(autocast=self.autocast)  # train/step.py's phases in this precision
         self.rollout_generator = torch.Generator(self.device).manual_seed(config.seed + 7919 * ranks.rank)
         self.mask_generator = torch.Generator().manual_seed(config.seed + 1 + 7919 * ranks.rank)
         self.step = 0
@@ -145,13 +147,10 @@ class Run:
         input_ids, attention_mask = encode_prompts(self.tokenizer, prompts, device=self.device,
                                                    pad_token_id=self.core.eos_token_id)
         started = time.perf_counter()
-        self.model.eval()  # no dropout while sampling
-        with torch.no_grad(), self.autocast():  # core: DDP's wrapper adds nothing to sampling; FSDP2's is the model
-            # Trajectory objectives (TraceRL) replay the decoding order: only they ask generate to record it.
-            result = generate(self.core, input_ids, attention_mask, self.generate_config,
-                              generator=self.rollout_generator,
-                              record_unmask_step=self.objective.needs_unmask_step)
-        self.model.train()
+        # core: DDP's wrapper adds nothing to sampling; FSDP2's is the model
+        result = train_step.roll_out(self.core, input_ids, attention_mask, self.generate_config,
+                                     generator=self.rollout_generator,
+                                     record_unmask_step=self.objective.needs_unmask_step, hooks=self.step_hooks)
         return result, decode_completions(self.tokenizer, result), time.perf_counter() - started
 
     def rollout_batch(self, examples, rollout, completions) -> RolloutBatch:
@@ -167,24 +166,16 @@ class Run:
     def plan_updates(self, batch: RolloutBatch) -> list[InnerUpdate]:
         """The objective's plan of this batch's mu inner updates: each one's masks, and the old policy's lp on
         the masks of every update after the first (the policy moves at each update)."""
-        moved = [k > 0 for k in range(self.config.inner_updates)]
-        with self.autocast():
-            return self.objective.plan_updates(self.model, batch, moved=moved, generator=self.mask_generator,
-                                               micro_batch=self.batching)
+        return train_step.plan_updates(self.objective, self.model, batch,
+                                       moved=train_step.moved_after_first(self.config.inner_updates),
+                                       generator=self.mask_generator, batching=self.batching, hooks=self.step_hooks)
 
     def update(self, batch: RolloutBatch, update: InnerUpdate) -> dict:
         """One inner update: the objective's gradient, clipping, an AdamW step and the schedule."""
-        with self.autocast():
-            out = self.objective.backward(self.model, batch, update, micro_batch=self.batching,
-                                          ref_model=self.ref_model)
-        norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.config.grad_clip)
-        if not torch.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"the gradient norm is {float(norm)} at step {self.step + 1}; no update was "
-                                     "taken. Lower the learning rate or check the objective's options.")
-        self.optimizer.step()
-        self.schedule.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimization = train_step.Optimization(self.trainable, self.optimizer, self.config.grad_clip, self.schedule)
+        out, norm = train_step.run_update(self.objective, self.model, batch, update, batching=self.batching,
+                                          optimization=optimization, ref_model=self.ref_model,
+                                          hooks=self.step_hooks, when=f" at step {self.step + 1}")
         return {**out.stats, "grad_norm": float(norm)}
 
 
