@@ -275,8 +275,9 @@ def count_micro_batch_kernels(call) -> float:
     events = profile.events()
     ranges = [event for event in events if event.name == MICRO_BATCH_RANGE]
     backward = [event for event in events if event.name.startswith("autograd::engine::evaluate_function")]
-    forward = sum(_launches(child) for event in ranges for child in event.cpu_children)
-    return (forward + sum(_launches(event) for event in backward)) / max(len(ranges), 1)
+    tally: dict[str, int] = {}
+    forward = sum(_launches(child, tally) for event in ranges for child in event.cpu_children)
+    return (forward + sum(_launches(event, tally) for event in backward)) / max(len(ranges), 1)
 
 
 def _traced(function):
@@ -304,7 +305,7 @@ def count_micro_batch_syncs(call, compiled: bool = False) -> float:
 
     engine = importlib.import_module("dllm_fast.likelihood.engine")
     targets = [(importlib.import_module("dllm_fast.likelihood.compiled"), "pad_pairs", False)] if compiled else [
-        (engine, "score_pairs", False), (engine, "score_pairs_with_known_gradient", False),
+        (engine, "score_batch_of_pairs", False), (engine, "score_pairs_with_known_gradient", False),
         (engine._Backward, "__call__", True)]
     with contextlib.ExitStack() as restore:
         for owner, name, backward in targets:

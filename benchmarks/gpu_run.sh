@@ -6,6 +6,7 @@
 # give the command about 40 s more than that, under 9 minutes in all).
 #
 #   bash benchmarks/gpu_run.sh [SECONDS] [WHEEL_DIR]        # from anywhere; it runs in the project's root
+#   GPU_RUN_STEPS="engine train8b" bash benchmarks/gpu_run.sh 300   # only those steps (after the build)
 #
 # WHEEL_DIR (or $DLLM_FAST_PEER_WHEELS; default .gpu/whl): the peers' wheels (cut_cross_entropy, liger_kernel),
 # installed offline into a temporary folder; they are not part of the project. A missing peer is left out.
@@ -20,6 +21,12 @@ OUT=${OUT:-$ROOT/gpu-out}; mkdir -p "$OUT"
 WHEELS=${2:-${DLLM_FAST_PEER_WHEELS:-$ROOT/.gpu/whl}}
 S=$(date +%s); DEADLINE=$(( S + ${1:-520} ))
 t() { echo "=== [$(( $(date +%s) - S ))s] $*"; }
+# A step runs when GPU_RUN_STEPS is unset or names it (to rerun the steps a short run missed).
+STEPS=" tests smoke peers rollout engine train8b roofline "
+for step in ${GPU_RUN_STEPS:-}; do
+  [[ $STEPS == *" $step "* ]] || { echo "GPU_RUN_STEPS: no step '$step'; the steps are:$STEPS"; exit 2; }
+done
+want() { [ -z "${GPU_RUN_STEPS:-}" ] || [[ " $GPU_RUN_STEPS " == *" $1 "* ]]; }
 # The time a step may take: its own cap, or what is left before the deadline (less a margin to pack results).
 cap() { local l=$(( DEADLINE - $(date +%s) - 8 )); [ "$1" -lt "$l" ] && echo "$1" || echo $(( l > 1 ? l : 1 )); }
 WORK=$(mktemp -d); RES=$WORK/res; mkdir -p "$RES"
@@ -51,27 +58,38 @@ fi
 python3 -c "import dllm_fast;print(dllm_fast.build_info())" || { pack; exit 1; }
 strip --strip-debug -o "$OUT/_C.so" dllm_fast/_C*.so 2>/dev/null
 
+if want tests; then
 t tests
 timeout "$(cap 70)" python3 -m pytest python_tests -q -rfE --tb=short -p no:cacheprovider -k "cuda and not emulated" \
   > "$RES/tests.log" 2>&1
 echo "tests rc=$?"; tail -4 "$RES/tests.log"; pack
+fi
 
+if want smoke; then
 t smoke
 timeout "$(cap 110)" python3 benchmarks/gpu_smoke.py "$RES"; pack
+fi
 
+if want peers; then
 t peers
 timeout "$(cap 80)" python3 benchmarks/peers_logprob.py "$RES/peers_logprob.json" 2048 8192; pack
+fi
 
+if want rollout; then
 t rollout
 timeout "$(cap 170)" python3 benchmarks/bench_rollout.py --device cuda --batch 8 \
   --providers "dllm_fast dual" "compiled dual" --results-dir "$RES" 2>&1 | grep -v -i warn | tail -6; pack
+fi
 
+if want engine; then
 t engine
 # Issue 29 item 4: two_pass against naive at equal pairs per graph and at the fitted micro-batch (bench_elbo's
 # CUDA defaults: LLaDA-8B, prompt 200, completion 512), LoRA r128 on q, k, v and up.
 timeout "$(cap 120)" python3 benchmarks/bench_elbo.py --device cuda --lora --nt 1 16 --micro-batch equal fitted \
   --repeats 1 --providers naive two_pass --results-dir "$RES" 2>&1 | tail -8; pack
+fi
 
+if want train8b; then
 t train8b
 # Issue 29 item 5: whole LLaDA-8B LoRA training steps (random weights; LLaDA-8B's 126,464-row output layer through
 # a character tokenizer padded with reserved tokens; a synthetic reward that differs within groups). metrics.jsonl
@@ -85,9 +103,12 @@ timeout "$(cap 150)" python3 -m dllm_fast train "${STEP_FLAGS[@]}" --steps 3 --e
   --eval-gen-lengths 32 --checkpoint-every 1000 --plot false --output-dir "$RES/train8b" --overwrite true 2>&1 | tail -6
 rm -rf "$RES/llada_vocab" "$RES/train8b"/checkpoint* 2>/dev/null
 pack
+fi
 
+if want roofline; then
 t roofline
 timeout "$(cap 60)" python3 benchmarks/bench_logprob.py --device cuda --roofline --m 2048 8192 --results-dir "$RES" \
   2>&1 | tail -12; pack
+fi
 
 t done

@@ -113,7 +113,9 @@ def generate_cross_device():
         a = dllm_fast.generate(m_cpu, prompts, **kw, cache=cache).completion_ids
         b = dllm_fast.generate(m_gpu, prompts.to(gpu), **kw, cache=cache).completion_ids.cpu()
         out[f"{cache}_cpu_vs_cuda_agree"] = (a == b).double().mean().item()
-    r = dllm_fast.reference.generate(m_gpu, prompts.to(gpu), **kw).completion_ids.cpu()
+    from dllm_fast import reference  # a submodule the package does not import by itself
+
+    r = reference.generate(m_gpu, prompts.to(gpu), **kw).completion_ids.cpu()
     b = dllm_fast.generate(m_gpu, prompts.to(gpu), **kw, cache="none").completion_ids.cpu()
     out["none_vs_reference_cuda_agree"] = (r == b).double().mean().item()
     t = dllm_fast.generate(m_gpu, prompts.to(gpu), gen_length=64, block_length=32, steps=None, threshold=0.9, temperature=0.0, cache="dual")

@@ -15,7 +15,6 @@ import torch
 import dllm_fast
 from dllm_fast import objectives
 from dllm_fast.assets import SUDOKU4_DIR
-from dllm_fast.integrations.trl import make_rollout_func
 from dllm_fast.models import HFDiffusionLM, SDARConfig, SDARModel
 from dllm_fast.models.hf_pretrained import DiffusionPreTrainedModel
 from dllm_fast.train import TrainConfig, train
@@ -101,6 +100,8 @@ def test_the_trl_wrapper_and_rollout_use_the_models_blocks():
     model = SDARModel.with_random_weights(SDARConfig.preset("sdar-tiny"))
     wrapped = DiffusionPreTrainedModel(model)
     assert wrapped.block_length == 4 and dllm_fast.contracts.block_length(wrapped) == 4
+    pytest.importorskip("trl")
+    from dllm_fast.integrations.trl import make_rollout_func
     from test_trl_integration import fake_trainer, trl_example
 
     out = make_rollout_func()(["a1 b70 a5", "b99"], fake_trainer(wrapped, trl_example.build_tokenizer()))

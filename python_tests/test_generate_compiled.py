@@ -121,9 +121,11 @@ def test_compile_must_be_a_bool():
         dllm_fast.generate(model, ids, mask, gen_length=4, block_length=4, steps=2, compile="yes")
 
 
-def test_train_with_compile_true_compiles_its_rollouts_and_scoring(tmp_path, fresh_dynamo, monkeypatch):
+@pytest.mark.parametrize("lora", [False, True])
+def test_train_with_compile_true_compiles_its_rollouts_and_scoring(lora, tmp_path, fresh_dynamo, monkeypatch):
     """--compile true reaches the trainer's rollouts and its scoring micro-batches (the engine's passes): both
-    compile, and the run is the run without it."""
+    compile, and the run is the run without it. With LoRA too: PEFT's wrapping leaves no hook dynamo cannot trace
+    (its input-embedding hook broke the 8B rollout's graph on the H200)."""
     from test_trainer import quick_config
 
     from dllm_fast.likelihood import compiled as scoring_module
@@ -136,7 +138,7 @@ def test_train_with_compile_true_compiles_its_rollouts_and_scoring(tmp_path, fre
     graphs = {name: torch.compile(getattr(scoring_module, name), fullgraph=True, dynamic=False,
                                   backend=scoring_counter) for name in ("score_padded", "known_gradient_padded")}
     monkeypatch.setattr(scoring_module, "compiled", lambda name, backend="inductor": graphs[name])
-    runs = [train(quick_config(tmp_path / str(compile), compile=compile, steps=2, eval_every=10,
+    runs = [train(quick_config(tmp_path / str(compile), compile=compile, steps=2, eval_every=10, lora=lora,
                                checkpoint_every=10, plot=False)) for compile in (True, False)]
     assert counter.frame_count == 1  # the trainer's default cache="none": one kind of step
     assert scoring_counter.frame_count >= 1

@@ -104,7 +104,15 @@ def add_lora(model, config):
 
     lora = peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                            target_modules=model.lora_target_pattern(lora_targets(type(model), config)))
-    return peft.get_peft_model(model, lora)
+    # PEFT hooks the input embeddings so that their output requires grad, which reentrant checkpointing needs. The
+    # models' checkpointing is non-reentrant, and the hook's requires_grad_ breaks the compiled rollout step's graph
+    # (dynamo cannot trace it): take back the hooks the wrapping added.
+    embeddings = model.get_input_embeddings()
+    hooks_before = set(embeddings._forward_hooks)
+    wrapped = peft.get_peft_model(model, lora)
+    for key in set(embeddings._forward_hooks) - hooks_before:
+        del embeddings._forward_hooks[key]
+    return wrapped
 
 
 def short_name(dtype: torch.dtype) -> str:
