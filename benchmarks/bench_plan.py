@@ -26,8 +26,8 @@ On a GPU (no GPU needed: every number is a PLANNER ESTIMATE made on fake tensors
     python benchmarks/bench_plan.py --gpu h200 --preset llada-8b --lora --prompt 200 --completion 512 --nt 16 \
         --micro-batch 8 --provider naive two_pass [--json]   # bench_elbo's case: predicted ms per sample
 
-The recorded points (dllm_fast.planning.calibration.RECORDED) are the first GPU run's; the calls are
-dllm_fast.planning.predict's, each the benchmark's own call run on fake tensors. The estimates: the fused head
+The recorded points are the first GPU run's (dllm_fast.planning.calibration.RECORDED, run 1: fitted) and the
+second's (RECORDED_AFTER, run 2: predicted by the fit, not in it); the calls are dllm_fast.planning.predict's, each the benchmark's own call run on fake tensors. The estimates: the fused head
 with bf16 gradient GEMMs (issue 28) against naive and the known-gradient walk; LLaDA-8B rollouts at batch 8,
 eager and compiled (CUDA graphs); the engine's two_pass against naive at equal pairs per graph.
 """
@@ -193,15 +193,15 @@ POINTS = {
 def gpu_points(gpu: str, names: list[str] | None = None) -> list[dict]:
     """Each recorded point (or those named) with the planner's prediction and their ratio."""
     from dllm_fast.planning import predict
-    from dllm_fast.planning.calibration import RECORDED
+    from dllm_fast.planning.calibration import RECORDED, RECORDED_AFTER
 
     rows = []
-    for point in RECORDED:
+    for run, point in [(1, p) for p in RECORDED] + [(2, p) for p in RECORDED_AFTER]:
         if names and point.name not in names:
             continue
         predicted = predict.recorded(point, gpu)
         unit = "x naive" if point.kind == "engine" else "s"
-        row = dict(point=point.name, recorded=point.value, predicted=predicted.pop("predicted"), unit=unit,
+        row = dict(run=run, point=point.name, recorded=point.value, predicted=predicted.pop("predicted"), unit=unit,
                    **predicted)
         # an eager rollout ran b7790f6's layers: compared at the kernels that code launched (predicted_then)
         row["ratio"] = row.get("predicted_then", row["predicted"]) / row["recorded"]
@@ -315,7 +315,7 @@ def engine_case(args) -> list[dict]:
 
 
 def gpu_main(args) -> None:
-    from dllm_fast.planning.calibration import DEFAULT, H200_RUN
+    from dllm_fast.planning.calibration import DEFAULT, H200_RUN, H200_RUN_2
 
     label = "PLANNER ESTIMATE (fake tensors, calibration " + DEFAULT.name + ")"
     if args.fit:
@@ -333,15 +333,16 @@ def gpu_main(args) -> None:
     points = gpu_points(args.gpu, args.points)
     estimates = [] if args.points else gpu_estimates(args.gpu)
     if args.json:
-        print(json.dumps(dict(label=label, recorded_on=H200_RUN, points=points, estimates=estimates), indent=2))
+        print(json.dumps(dict(label=label, recorded_on=[H200_RUN, H200_RUN_2], points=points, estimates=estimates),
+                         indent=2))
         return
-    print(f"{label}; recorded: {H200_RUN}")
-    print_table(points, ["point", "unit", "recorded", "predicted", "ratio", "device_s", "host_s", "kernels_per_step",
-                         "recorded_kernels_per_step"])
+    print(f"{label}; recorded: run 1 {H200_RUN}; run 2 {H200_RUN_2}")
+    print_table(points, ["run", "point", "unit", "recorded", "predicted", "ratio", "device_s", "host_s",
+                         "kernels_per_step", "recorded_kernels_per_step"])
     if estimates:
         print_table(estimates, ["estimate", "value", "unit", "naive_ms", "speedup_vs_naive", "seconds",
                                 "kernels_per_step", "naive_ms_per_sample", "two_pass_ms_per_sample"])
-    config = dict(gpu=args.gpu, calibration=DEFAULT.name, recorded_on=H200_RUN, label=label)
+    config = dict(gpu=args.gpu, calibration=DEFAULT.name, recorded_on=[H200_RUN, H200_RUN_2], label=label)
     print(f"wrote {write_results(f'plan_{args.gpu}', config, points + estimates, args.results_dir)}")
 
 

@@ -177,7 +177,7 @@ def count_step_kernels(run: Callable[[], Any], by_op: dict | None = None) -> flo
     type queries (NO_KERNEL); a dllm_fast op, an inductor-generated kernel (named on the trace with inductor's
     cpp.enable_kernel_profile) and an op of ONE_KERNEL_ON_GPU count as one. `by_op`, if given, receives the
     average count per step of each op name."""
-    generate_module = importlib.import_module("dllm_fast.rollout.generate")  # the package exports the function
+    generate_module = importlib.import_module("dllm_fast.rollout.sampler")
 
     def traced(step):
         def run_step(*args):

@@ -329,7 +329,7 @@ def test_lora_rollouts_compile_whole_and_equal_eager(loaded, one_thread):
     inner = adapted.get_base_model().eval()
     ids = torch.randint(0, 90, (2, 5), generator=torch.Generator().manual_seed(10))
     run = dict(gen_length=8, block_length=4, steps=4, cache="dual")
-    generate_module = importlib.import_module("dllm_fast.rollout.generate")
+    generate_module = importlib.import_module("dllm_fast.rollout.sampler")
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     step = torch.compile(denoise_step, fullgraph=True, dynamic=False, backend=counter)
@@ -342,3 +342,30 @@ def test_lora_rollouts_compile_whole_and_equal_eager(loaded, one_thread):
         torch._dynamo.reset()
     assert counter.frame_count == 2
     assert torch.equal(compiled.sequences, dllm_fast.generate(inner, ids, **run).sequences)
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lora_wrapping_leaves_no_hook_on_the_input_embeddings(family, checkpointing):
+    """PEFT hooks the input embeddings with a requires_grad_ call when it finds (or assumes) checkpointing, and
+    torch 2.11's dynamo cannot trace that call: the compiled LoRA rollouts broke on the H200 and in CI's CUDA build.
+    The models report their checkpointing state, so a plain PEFT wrap adds no hook without checkpointing, and the
+    trainer's add_lora takes back the one it adds with checkpointing on (the models checkpoint non-reentrantly)."""
+    from types import SimpleNamespace
+
+    from dllm_fast.models import LLaDAConfig, SDARConfig, SDARModel
+    from dllm_fast.train.precision import add_lora
+
+    def fresh():
+        model = (LLaDAModel.with_random_weights(LLaDAConfig.preset("tiny")) if family == "llada"
+                 else SDARModel.with_random_weights(SDARConfig.preset("sdar-tiny")))
+        model.set_gradient_checkpointing(checkpointing)
+        return model
+
+    options = SimpleNamespace(lora_rank=2, lora_alpha=4, lora_dropout=0.0, lora_targets=None)
+    wrapped = add_lora(fresh(), options)
+    assert not wrapped.get_input_embeddings()._forward_hooks
+    plain = fresh()
+    assert plain.is_gradient_checkpointing is checkpointing
+    peft_wrapped = peft.get_peft_model(plain, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert bool(peft_wrapped.get_input_embeddings()._forward_hooks) is checkpointing

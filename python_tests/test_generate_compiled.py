@@ -18,7 +18,7 @@ from dllm_fast.rollout.step import denoise_step
 from test_generate import prompts, tiny_model
 
 pytestmark = pytest.mark.compile
-generate_module = importlib.import_module("dllm_fast.rollout.generate")  # the package exports the function
+generate_module = importlib.import_module("dllm_fast.rollout.sampler")
 
 CONFIGS = {
     "none": dict(cache="none", steps=9),

@@ -80,7 +80,7 @@ def test_keywords_over_a_config_override_its_fields(monkeypatch):
     replaced = dllm_fast.generate(model, ids, mask, dataclasses.replace(config, temperature=0.0, steps=8))
     assert torch.equal(overridden.sequences, replaced.sequences)
     checked = []
-    module = importlib.import_module("dllm_fast.rollout.generate")
+    module = importlib.import_module("dllm_fast.rollout.sampler")
     real = module.check_generate_args
     monkeypatch.setattr(module, "check_generate_args", lambda *args, **kw: checked.append(args[3]) or real(*args, **kw))
     dllm_fast.generate(model, ids, mask, config)

@@ -1,5 +1,5 @@
 """dllm_fast.testing.syncs counts host syncs; generate's syncs per step, per block and per call are pinned at their
-documented values (dllm_fast/rollout/generate.py), for each cache policy and for threshold decoding."""
+documented values (dllm_fast/rollout/sampler.py), for each cache policy and for threshold decoding."""
 
 import pytest
 import torch

@@ -203,7 +203,7 @@ def test_a_compiled_first_rollout_reports_its_compile_time_apart(tmp_path, monke
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     step = torch.compile(denoise_step, fullgraph=True, dynamic=False, backend=counter)
-    monkeypatch.setattr(importlib.import_module("dllm_fast.rollout.generate"), "compiled_step", lambda device: step)
+    monkeypatch.setattr(importlib.import_module("dllm_fast.rollout.sampler"), "compiled_step", lambda device: step)
     asked = []
     monkeypatch.setattr(config_module, "compiles_rollouts",
                         lambda config, device_type: asked.append((config.compile, device_type)) or True)

@@ -176,7 +176,7 @@ def test_the_rollout_function_passes_cache_and_compile_to_generate(cache, monkey
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     step = torch.compile(denoise_step, fullgraph=True, dynamic=False, backend=counter)
-    monkeypatch.setattr(importlib.import_module("dllm_fast.rollout.generate"), "compiled_step", lambda device: step)
+    monkeypatch.setattr(importlib.import_module("dllm_fast.rollout.sampler"), "compiled_step", lambda device: step)
     tokenizer = trl_example.build_tokenizer()
     model = LLaDAModel.with_random_weights(LLaDAConfig.preset("tiny"), seed=3).eval()
     trainer = fake_trainer(model, tokenizer)

@@ -283,6 +283,13 @@ class LLaDAModel(nn.Module):
         """Recompute each block in backward instead of storing its activations."""
         self.gradient_checkpointing = enabled
 
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """transformers' name for the state, which PEFT reads: when it cannot, it assumes checkpointing and hooks
+        the input embeddings with a requires_grad_ call (for reentrant checkpointing; ours is non-reentrant) that
+        torch.compile cannot trace, which broke compiled LoRA rollouts under torch 2.11."""
+        return self.gradient_checkpointing
+
     # -- hooks for trainers (dllm_fast.train, the TRL adapter): what they need to know of this architecture ----
     # The modules LoRA may adapt, all of them by default. The LM head is also called ff_out; lora_target_pattern
     # keeps adapters off it, since the fused ops read lm_head_weight directly and would ignore one.

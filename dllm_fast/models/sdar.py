@@ -265,6 +265,7 @@ class SDARModel(nn.Module):
     new_cache = LLaDAModel.new_cache
     logits = LLaDAModel.logits
     set_gradient_checkpointing = LLaDAModel.set_gradient_checkpointing
+    is_gradient_checkpointing = LLaDAModel.is_gradient_checkpointing
 
     # -- hooks for trainers (models/loading.py) ---------------------------------------------------------------
     lora_target_modules = LORA_TARGETS

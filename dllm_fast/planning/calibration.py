@@ -64,6 +64,10 @@ DEFAULT = H200_FIT
 
 H200_RUN = ("NVIDIA H200 SXM 141GB, driver 580.159.04, CUDA 13.0, torch 2.11.0+cu130, 16 CPU cores, commit b7790f6, "
             "2026-11-26 (../shared/gpu/measurements-h200-2026-11-26.md)")
+# The second run, after issues 28 and 29: the bf16 gradient GEMMs, 17-kernel layers, compiled 8B rollouts. Its
+# points (RECORDED_AFTER) entered no fit: the model fitted on the first run predicted them (benchmarks/RESULTS.md).
+H200_RUN_2 = ("NVIDIA H200 SXM 141GB, driver 580.159.04, CUDA 13.0, torch 2.11.0+cu130, 16 CPU cores, the code of "
+              "commit c0a5d6b, 2026-11-26 15:10-15:30 UTC (benchmarks/gpu_run.sh; benchmarks/RESULTS.md)")
 
 
 @dataclass(frozen=True)
@@ -83,11 +87,11 @@ class Recorded:
     planned_kernels_then: float | None = None
 
 
-def _head(M: int, provider: str, backward: bool, ms: float) -> Recorded:
+def _head(M: int, provider: str, backward: bool, ms: float, tf32_grad_gemms: bool = True) -> Recorded:
     # At b7790f6 the fused backward's two gradient GEMMs ran in TF32 on fp32 copies (tf32_grad_gemms).
     name = f"head {provider} {'forward + backward' if backward else 'forward'} M={M}"
     return Recorded(name, "head", dict(M=M, provider=provider, backward=backward,
-                                       tf32_grad_gemms=provider == "dllm_fast"), ms / 1e3)
+                                       tf32_grad_gemms=tf32_grad_gemms and provider == "dllm_fast"), ms / 1e3)
 
 
 _SMALL = dict(preset="small", batch=8, prompt=64, gen=128, block=32, steps=64, dtype=torch.float32)
@@ -113,4 +117,29 @@ RECORDED = (
     # bench_elbo.py --device cuda --lora (r128 on q, k, v, up; bf16; prompt 200 + completion 512), micro-batch 1
     Recorded("engine two_pass / naive per sample, n_t=1", "engine", dict(n_t=1, micro_batch=1), 1.85),
     Recorded("engine two_pass / naive per sample, n_t=16", "engine", dict(n_t=16, micro_batch=1), 2.5),
+)
+
+_8B_ROLLOUT = dict(preset="llada-8b", batch=8, prompt=200, gen=256, block=32, steps=128, cache="dual")
+
+# The second H200 run (H200_RUN_2), on today's code: entered no fit (see above).
+RECORDED_AFTER = (
+    # peers_logprob.py: forward + backward, bf16, d = 4096, V = 126464, median of 5; the gradients in bf16 GEMMs
+    *(_head(M, provider, True, ms, tf32_grad_gemms=False) for M, provider, ms in (
+        (2048, "naive", 11.53), (2048, "dllm_fast", 13.73), (2048, "dllm_grad", 15.18),
+        (2048, "dllm_grad_lse", 13.37), (8192, "naive", 47.26), (8192, "dllm_fast", 56.12),
+        (8192, "dllm_grad", 58.99), (8192, "dllm_grad_lse", 43.18))),
+    # bench_rollout.py --device cuda --batch 8 (as in RECORDED), eager and compiled (CUDA graphs)
+    Recorded("rollout 8B dual, eager (17-kernel layers)", "rollout", dict(_8B_ROLLOUT), 2.416, kernels_per_step=603.8),
+    Recorded("rollout 8B dual, compiled", "rollout", dict(_8B_ROLLOUT, compile=True), 1.966),
+    # gpu_smoke.py generate_compiled (as in RECORDED)
+    Recorded("rollout small dual, eager (17-kernel layers)", "rollout", dict(_SMALL, cache="dual"), 0.161),
+    Recorded("rollout small dual, compiled (17-kernel layers)", "rollout", dict(_SMALL, cache="dual", compile=True),
+             0.107),
+    Recorded("rollout small none, eager (17-kernel layers)", "rollout", dict(_SMALL, cache="none"), 0.238),
+    Recorded("rollout small none, compiled (17-kernel layers)", "rollout", dict(_SMALL, cache="none", compile=True),
+             0.180),
+    # bench_elbo.py --device cuda --lora --micro-batch equal: naive and two_pass with n_t pairs per graph
+    Recorded("engine two_pass / naive per sample, n_t=1, micro-batch 1", "engine", dict(n_t=1, micro_batch=1), 1.65),
+    Recorded("engine two_pass / naive per sample, n_t=16, micro-batch 16", "engine", dict(n_t=16, micro_batch=16),
+             1.35),
 )

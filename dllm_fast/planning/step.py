@@ -320,8 +320,8 @@ def _compiled_calls_planned(accountant: Accountant):
     import importlib
 
     step_module = importlib.import_module("dllm_fast.rollout.step")
-    # the modules that call the compiled step (the package exports `generate` under the module's name)
-    rollout_modules = [importlib.import_module(f"dllm_fast.rollout.{name}") for name in ("generate", "blocks")]
+    # the modules that call the compiled step
+    rollout_modules = [importlib.import_module(f"dllm_fast.rollout.{name}") for name in ("sampler", "blocks")]
     compiled_module = importlib.import_module("dllm_fast.likelihood.compiled")
 
     def graph_step(*args):

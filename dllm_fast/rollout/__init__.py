@@ -1,6 +1,7 @@
 """Rollouts: block semi-autoregressive diffusion sampling with Fast-dLLM's caches and parallel decoding.
 
-- `generate` (generate.py): the fused sampler;
+- `generate` (sampler.py): the fused sampler (a module named apart from its function, so that importing the
+  module never hides the function behind the package attribute);
 - `step.py`: one denoising step as one function, without a host sync, run eagerly or through torch.compile;
 - `config.py`: `GenerateConfig`, a rollout's settings as one object (unchecked);
 - `plan.py`: a generate call checked once into a `DecodingPlan` (schedule, temperature, cache, remasking);
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from dllm_fast.rollout.cache import (BLOCK_CACHE_POLICIES, CACHE_POLICIES, BlockCache, CachePolicy, DualCache,
                                          NoCache, PrefixCache, cache_policy)
     from dllm_fast.rollout.config import GenerateConfig
-    from dllm_fast.rollout.generate import generate
+    from dllm_fast.rollout.sampler import generate
     from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, masked_count_schedule
     from dllm_fast.rollout.remasking import REMASKING, LowConfidence, RandomRemasking, Remasking, remasking_rule
 
@@ -30,7 +31,7 @@ _EXPORTS = {
     **dict.fromkeys(("BLOCK_CACHE_POLICIES", "CACHE_POLICIES", "BlockCache", "CachePolicy", "DualCache", "NoCache",
                      "PrefixCache", "cache_policy"), "cache"),
     "GenerateConfig": "config",
-    "generate": "generate",
+    "generate": "sampler",
     **dict.fromkeys(("DecodingPlan", "check_generate_args", "masked_count_schedule"), "plan"),
     **dict.fromkeys(("REMASKING", "LowConfidence", "RandomRemasking", "Remasking", "remasking_rule"), "remasking"),
 }

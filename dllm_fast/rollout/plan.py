@@ -1,6 +1,6 @@
 """What a `generate` call means: its GenerateConfig (rollout/config.py) checked once at the boundary into a
 `DecodingPlan`, the schedule, the temperature, the cache policy and the remasking rule. Shared by the fused sampler
-(dllm_fast.rollout.generate) and its reference twin (dllm_fast.reference.llada_sampler)."""
+(dllm_fast.rollout.sampler) and its reference twin (dllm_fast.reference.llada_sampler)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ device, so counting them in a CPU run tells what a GPU run will do:
     with SyncCounter() as syncs:
         dllm_fast.generate(model, prompts, gen_length=64, block_length=32, steps=32)
     syncs.count           # how many
-    syncs.by_site()       # {"dllm_fast/rollout/generate.py:210 in generate": 2, ...}: where they come from
+    syncs.by_site()       # {"dllm_fast/rollout/sampler.py:210 in generate": 2, ...}: where they come from
 
 What counts as one sync:
 

@@ -104,9 +104,9 @@ def add_lora(model, config):
 
     lora = peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                            target_modules=model.lora_target_pattern(lora_targets(type(model), config)))
-    # PEFT hooks the input embeddings so that their output requires grad, which reentrant checkpointing needs. The
-    # models' checkpointing is non-reentrant, and the hook's requires_grad_ breaks the compiled rollout step's graph
-    # (dynamo cannot trace it): take back the hooks the wrapping added.
+    # With checkpointing on, PEFT hooks the input embeddings so that their output requires grad, which reentrant
+    # checkpointing needs. The models' checkpointing is non-reentrant, and the hook's requires_grad_ breaks the
+    # compiled rollout step's graph (torch 2.11's dynamo cannot trace it): take back the hooks the wrapping added.
     embeddings = model.get_input_embeddings()
     hooks_before = set(embeddings._forward_hooks)
     wrapped = peft.get_peft_model(model, lora)
