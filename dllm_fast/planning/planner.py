@@ -200,7 +200,8 @@ def task_prompt_length(config: TrainConfig, *, candidates: int = 32) -> int:
     the `candidates` longest in characters (tokenizing every prompt of a large task takes long)."""
     from dllm_fast.models.loading import load_tokenizer
     from dllm_fast.tasks import get_task
-    from dllm_fast.train.config import model_source, task_options
+    from dllm_fast.train.config import task_options
+    from dllm_fast.train.sources import model_source
 
     _, _, tokenizer_dir = model_source(config)
     task = get_task(config.task, **task_options(config))

@@ -37,7 +37,8 @@ from dllm_fast.planning.accounting import CATEGORIES, Accountant, Costs, Target
 from dllm_fast.planning.fake import Assumptions, PlanningFakeMode, fake_module, fake_world
 from dllm_fast.planning.replay import Replayer
 from dllm_fast.train import step as train_step
-from dllm_fast.train.config import TrainConfig, check_block_length, compiles_scoring, model_source, take_block_length
+from dllm_fast.train.config import TrainConfig, check_block_length, compiles_scoring, take_block_length
+from dllm_fast.train.sources import model_source
 from dllm_fast.train.precision import Precision, training_models, training_precision
 
 ENGINES = ("streaming", "all_graphs")

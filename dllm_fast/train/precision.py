@@ -100,7 +100,7 @@ def add_lora(model, config):
     """The model with PEFT LoRA adapters on --lora-targets (default: every module its family allows)."""
     import peft
 
-    from dllm_fast.train.config import lora_targets
+    from dllm_fast.train.sources import lora_targets
 
     lora = peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                            target_modules=model.lora_target_pattern(lora_targets(type(model), config)))

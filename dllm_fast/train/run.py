@@ -27,7 +27,7 @@ from dllm_fast.tasks.encoding import decode_completions, encode_prompts
 from dllm_fast.tasks.rewards import task_reward
 from dllm_fast.train.checkpoint import CHECKPOINT, load_checkpoint, seed_everything
 from dllm_fast.train.config import (AUTO, DEFAULT_MICRO_BATCH, TrainConfig, check_block_length, micro_batching,
-                                    model_source, take_block_length, task_options)
+                                    take_block_length, task_options)
 from dllm_fast.train.data import PromptStream
 from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
@@ -36,6 +36,7 @@ from dllm_fast.train.precision import Precision, short_name, training_models, tr
 from dllm_fast.train.resume import CONFIG, check_resumable, saved_config
 from dllm_fast.train import step as train_step
 from dllm_fast.train.run_dir import RunDirectory
+from dllm_fast.train.sources import model_source
 
 
 class Run:

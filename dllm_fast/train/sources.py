@@ -1,0 +1,91 @@
+"""What a training configuration's names point at, checked without loading weights: the model family and
+tokenizer directory behind --model and --tokenizer (`model_source`), whether that family decodes in blocks, the
+device behind --device (`check_device`) and the modules --lora-targets adapts (`lora_targets`). The trainer,
+the planner and TrainConfig.validate call them; config.py holds the configuration alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dllm_fast.train.config import TrainConfig
+
+
+def model_source(config: TrainConfig) -> tuple[Any, type, Path]:
+    """(what to load: a preset name or a checkpoint directory, the model family's class, the tokenizer directory),
+    checked without reading any weight; with --lora true, --lora-targets against the family's modules too."""
+    from dllm_fast.assets import SUDOKU4_DIR
+    from dllm_fast.models.loading import PRESETS, model_family
+
+    source = SUDOKU4_DIR if config.model == "sudoku4" else config.model
+    try:
+        family = model_family(source)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--model {config.model!r} is neither a preset ({', '.join(PRESETS)}), 'sudoku4' "
+                                "(the embedded default), nor a directory holding config.json.") from None
+    except ValueError as error:
+        raise ValueError(f"--model {config.model!r}: {error}") from None
+    if config.lora:
+        lora_targets(family, config)
+    tokenizer = Path(config.tokenizer or (SUDOKU4_DIR if config.model in PRESETS else source))
+    option = "--tokenizer" if config.tokenizer else "--model"
+    if not tokenizer.is_dir():
+        raise FileNotFoundError(f"{option} {str(tokenizer)!r} is not a directory (one holding a tokenizer's "
+                                "tokenizer_config.json and files).")
+    if not any((tokenizer / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{option} {str(tokenizer)!r} holds no tokenizer (none of "
+                                f"{', '.join(TOKENIZER_FILES)}); point --tokenizer at the model's tokenizer directory.")
+    return source, family, tokenizer
+
+
+def block_diffusion_model(config: TrainConfig) -> bool:
+    """Whether --model is of a block-diffusion family (SDAR): its rollouts decode the model's own blocks, and
+    --threshold with --diffusion-steps is SDAR's dynamic rule. False when the model cannot be found (the setup
+    checks name that)."""
+    from dllm_fast.assets import SUDOKU4_DIR
+    from dllm_fast.models.loading import model_family
+
+    try:
+        family = model_family(SUDOKU4_DIR if config.model == "sudoku4" else config.model)
+    except (FileNotFoundError, ValueError):
+        return False
+    return bool(getattr(family, "block_diffusion", False))
+
+
+# A directory holds a tokenizer when it has one of these (transformers' fast, configured or SentencePiece files).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def check_device(device: str):
+    """--device as a torch device the trainer can run on (cpu, cuda, cuda:N; auto), or a ValueError naming it."""
+    import torch
+
+    if device == "auto":
+        return
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device!r} is not a torch device; use auto, cpu, cuda or cuda:N.") from None
+    if parsed.type == "cpu" and parsed.index not in (None, 0):
+        raise ValueError(f"--device {device!r}: the CPU has no index; use --device cpu.")
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {device!r}, but this torch sees no CUDA device; use --device cpu (or auto).")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"--device {device!r}, but this machine has {count} CUDA device(s), cuda:0 to "
+                             f"cuda:{count - 1}.")
+    elif parsed.type != "cpu":
+        raise ValueError(f"--device {device!r}: the trainer runs on cpu or cuda (meta tensors hold no data).")
+
+
+def lora_targets(family: type, config: TrainConfig) -> tuple[str, ...]:
+    """--lora-targets, checked against the modules the model family lets LoRA adapt (all of them by default)."""
+    allowed = tuple(family.lora_target_modules)
+    targets = allowed if config.lora_targets is None else tuple(config.lora_targets)
+    unknown = sorted(set(targets) - set(allowed))
+    if unknown or not targets:
+        raise ValueError(f"--lora-targets {' '.join(targets) or '(none)'}: {family.__name__}'s adaptable modules "
+                         f"are {' '.join(allowed)}; name some of them.")
+    return targets
