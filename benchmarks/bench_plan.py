@@ -203,7 +203,7 @@ def gpu_points(gpu: str, names: list[str] | None = None) -> list[dict]:
         unit = "x naive" if point.kind == "engine" else "s"
         row = dict(run=run, point=point.name, recorded=point.value, predicted=predicted.pop("predicted"), unit=unit,
                    **predicted)
-        # an eager rollout ran b7790f6's layers: compared at the kernels that code launched (predicted_then)
+        # run 1 ran b7790f6's layers: its eager points compared at the kernels that code launched (predicted_then)
         row["ratio"] = row.get("predicted_then", row["predicted"]) / row["recorded"]
         if point.kernels_per_step is not None:
             row["recorded_kernels_per_step"] = point.kernels_per_step

@@ -13,14 +13,31 @@ the largest total alive at once, with its split by category.
 Cost. FLOPs come from torch.utils.flop_counter's formulas (the compiled ops register theirs in
 dllm_fast.ops.costs, and declare their GEMMs by operand type); bytes moved are the distinct bytes an op reads and
 writes (a view moves none; a compiled op adds its declared workspace traffic). Each op that moves or computes
-something is one kernel. On a GPU target, time has three parts (calibration.py holds the fitted factors):
+something is one kernel, except where the GPU runs it in another form than the fake CPU tensors a plan runs on
+(the rules of benchmarks/bench_rollout.py's profiler count, which matched the GPU's within 1%):
+
+- an op whose output aliases its input's storage without the schema calling it a view (`_unsafe_view`, the
+  reshape of a GEMM's output) is a view: no kernel, no bytes;
+- a function CUDA runs as one fused kernel that decomposes into several ops on CPU (`rms_norm`: pow, mean, add,
+  rsqrt, mul on CPU) is one kernel reading its inputs and writing its output; the ops of its CPU form still
+  allocate, but count nothing (`_FUSED_ON_GPU`; its backward, if any, is counted op by op);
+- an op whose CUDA implementation dispatches a copy or a fill before its own kernel (out-of-place masked_fill:
+  a clone, then the fill; sort: the values' copy, the indices' fill, the sort) counts them (`_GPU_KERNELS`);
+- a value check the plan answers without computing it (isfinite on a model output, fake.FiniteValues) counts
+  the kernels the GPU launches for it (`count_kernels`).
+
+On a GPU target, time has three parts (calibration.py holds the fitted factors):
 
 - device: max(GEMM FLOPs / (the peak of their operand type x its efficiency), bytes / (bandwidth x its
   efficiency)); a compiled op runs its GEMMs, then its chunk traffic;
 - host: eager PyTorch spends `eager_launch` seconds launching each kernel; inside a CUDA graph
   (`graph_replay`, a compiled rollout step) kernels cost no host time and the replay costs `graph_launch`;
 - wall (`Costs.seconds`): host and device overlap between host syncs (the launch queue runs ahead of the GPU),
-  so each stretch of work between two syncs takes max(host, device), and the stretches add up.
+  so each stretch of work between two syncs takes max(host, device), and the stretches add up. The queue is
+  bounded (`launch_queue` pending launches; then cudaLaunchKernel blocks until the GPU frees an entry), so the
+  host runs at most that many launches ahead: a stretch also ends every `launch_queue` launches (a barrier: the
+  host waits, but reads nothing back), and a GPU-bound stretch (a denoising step that refreshes the cache) no
+  longer hides the launches of the host-bound ones around it.
 
 `roofline_seconds` keeps the datasheet floor: every kernel at its peak, launches free. A host sync is an op whose
 result the host must wait for (.item(), a bool of a tensor, nonzero).
@@ -34,6 +51,8 @@ import weakref
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
@@ -58,6 +77,11 @@ _INDEXED_WRITES = {aten.index_copy_, aten.index_put_, aten._index_put_impl_, ate
 _METADATA = {torch.ops.prim.device.default, aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
              aten.sym_storage_offset.default, aten.is_contiguous.default}
 _FACTORIES = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided}
+# Ops whose CUDA implementation launches kernels of its own before the op's (see the module docstring): an
+# out-of-place masked_fill clones, then fills; a sort copies the values and fills the indices, then sorts.
+_GPU_KERNELS = {aten.masked_fill: 2, aten.sort: 3}
+# Functions a GPU runs as one fused kernel, which decompose into several ops on the CPU tensors a plan runs on.
+_FUSED_ON_GPU = {torch.rms_norm, F.rms_norm}
 
 
 # torch's flop counter has no formula for the CPU flash attention kernel SDPA runs on fake CPU tensors; it does the
@@ -82,10 +106,11 @@ class Costs:
     """What some ops cost: FLOPs, bytes moved, kernels, host syncs, and time on the target GPU.
 
     device_seconds / host_seconds: the GPU's busy time and the host's launch time, summed. roofline_seconds: the
-    datasheet floor. `seconds`: the wall-time estimate, host and device overlapping between syncs. To compose a
-    stretch of work with the next, Costs keep the ends of their timeline open: the host and device time before
-    their first sync (head_*, when `synced`) and after their last (open_*); `closed` are the stretches between,
-    already settled. `a + b` is a then b."""
+    datasheet floor. `seconds`: the wall-time estimate, host and device overlapping between syncs (and barriers:
+    a full launch queue). To compose a stretch of work with the next, Costs keep the ends of their timeline open:
+    the host and device time before their first sync or barrier (head_*, when `synced`) and after their last
+    (open_*, with open_launches the launches queued since); `closed` are the stretches between, already settled.
+    `a + b` is a then b."""
 
     flops: float = 0.0
     bytes: float = 0.0
@@ -100,6 +125,7 @@ class Costs:
     open_host: float = 0.0
     open_device: float = 0.0
     synced: bool = False
+    open_launches: int = 0
 
     @property
     def seconds(self) -> float:
@@ -119,35 +145,48 @@ class Costs:
                 self.head_host, self.head_device = self.open_host + other.head_host, self.open_device + other.head_device
                 self.closed, self.synced = other.closed, True
             self.open_host, self.open_device = other.open_host, other.open_device
+            self.open_launches = other.open_launches
         else:
             self.open_host += other.open_host
             self.open_device += other.open_device
+            self.open_launches += other.open_launches
         return self
 
-    def add_kernel(self, flops: float, moved: float, device: float, host: float, roofline: float) -> None:
-        """In place: one kernel more (hot path: no object made)."""
+    def add_kernel(self, flops: float, moved: float, device: float, host: float, roofline: float,
+                   kernels: int = 1) -> None:
+        """In place: one kernel more, or `kernels` together (hot path: no object made); launched from the host
+        (an entry each in the launch queue) when `host` time launches them."""
         self.flops += flops
         self.bytes += moved
-        self.kernels += 1
+        self.kernels += kernels
         self.device_seconds += device
         self.host_seconds += host
         self.roofline_seconds += roofline
         self.open_host += host
         self.open_device += device
+        if host:
+            self.open_launches += kernels
 
     def add_launch(self, host: float) -> None:
-        """In place: host time that launches no kernel of its own (a CUDA graph's replay)."""
+        """In place: host time that launches no kernel of its own (a CUDA graph's replay: one queue entry)."""
         self.host_seconds += host
         self.open_host += host
+        self.open_launches += 1
 
     def sync(self) -> None:
-        """In place: the host waits for the device here."""
+        """In place: the host waits for the device here (and reads something back)."""
         self.syncs += 1
+        self.barrier()
+
+    def barrier(self) -> None:
+        """In place: the host waits for the device here without reading anything (a full launch queue): the
+        stretch ends as at a sync."""
         if self.synced:
             self.closed += max(self.open_host, self.open_device)
         else:
             self.head_host, self.head_device, self.synced = self.open_host, self.open_device, True
         self.open_host = self.open_device = 0.0
+        self.open_launches = 0
 
     def __add__(self, other: "Costs") -> "Costs":
         return replace(self).add_(other)
@@ -214,6 +253,8 @@ class Accountant(TorchDispatchMode):
         self._host: dict[int, weakref.ref] = {}  # storages on the host: no device memory, no kernels
         self._graphs = 0  # > 0 inside a CUDA graph's replay (graph_replay)
         self.split: dict[str, float] | None = None  # when a dict: device seconds by what bounds them (see _count)
+        self._fused = 0  # > 0 inside a function the GPU runs as one kernel (_FUSED_ON_GPU): its ops count nothing
+        self._gpu_forms = _GPUForms(self) if target.device_type == "cuda" else None
 
     # -- memory -------------------------------------------------------------------------------------------
     def _bytes(self, storage) -> int:
@@ -350,6 +391,14 @@ class Accountant(TorchDispatchMode):
         """Costs of work not run op by op (a replayed call), as if its ops ran now."""
         for ledger in (self.costs, *(mark.costs for mark in self._marks)):
             ledger.add_(costs)
+        self._bound_run_ahead()
+
+    def _bound_run_ahead(self) -> None:
+        """A full launch queue (`launch_queue` launches since the last sync or barrier): the host waits for the
+        GPU, in every ledger at once (see the module docstring)."""
+        if self.costs.open_launches >= self.target.calibration.launch_queue:
+            for ledger in (self.costs, *(mark.costs for mark in self._marks)):
+                ledger.barrier()
 
     @contextlib.contextmanager
     def graph_replay(self):
@@ -358,6 +407,7 @@ class Accountant(TorchDispatchMode):
         if self._graphs == 0 and self.target.gpu is not None:
             for ledger in (self.costs, *(mark.costs for mark in self._marks)):
                 ledger.add_launch(self.target.calibration.graph_launch)
+            self._bound_run_ahead()
         self._graphs += 1
         try:
             yield
@@ -368,10 +418,14 @@ class Accountant(TorchDispatchMode):
     def __enter__(self):
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
         self._saved.__enter__()
+        if self._gpu_forms is not None:
+            self._gpu_forms.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
+        if self._gpu_forms is not None:
+            self._gpu_forms.__exit__(*exc)
         self._saved.__exit__(*exc)
         return out
 
@@ -418,21 +472,48 @@ class Accountant(TorchDispatchMode):
         sync = packet in HOST_SYNCS
         if not outputs and not sync:  # a metadata query (device, size): no kernel
             return
-        flop_formula = flop_registry.get(packet)
-        flops = flop_formula(*args, **kwargs, out_val=outputs[0] if len(outputs) == 1 else tuple(outputs)) \
-            if flop_formula is not None else 0
-        moved = 0 if (func.is_view or packet in _FACTORIES) else _moved_bytes(packet, args, kwargs, outputs)
-        traffic = extra.traffic if extra is not None else 0
-        if flops or moved or traffic:
-            device = host = roofline = 0.0
-            if self.target.gpu is not None:
-                device, roofline = self._device_seconds(packet, args, flops, moved, traffic)
-                host = 0.0 if self._graphs else self.target.calibration.eager_launch
-            for ledger in (self.costs, *(mark.costs for mark in self._marks)):
-                ledger.add_kernel(flops, moved + traffic, device, host, roofline)
+        if not self._fused:
+            flop_formula = flop_registry.get(packet)
+            flops = flop_formula(*args, **kwargs, out_val=outputs[0] if len(outputs) == 1 else tuple(outputs)) \
+                if flop_formula is not None else 0
+            moved = 0 if (func.is_view or packet in _FACTORIES or _aliases(func, args, outputs)) \
+                else _moved_bytes(packet, args, kwargs, outputs)
+            traffic = extra.traffic if extra is not None else 0
+            if flops or moved or traffic:
+                self._add_kernels(packet, args, flops, moved, traffic, _GPU_KERNELS.get(packet, 1))
         if sync:
             for ledger in (self.costs, *(mark.costs for mark in self._marks)):
                 ledger.sync()
+
+    def _add_kernels(self, packet, args, flops: float, moved: float, traffic: float, kernels: int = 1) -> None:
+        device = host = roofline = 0.0
+        if self.target.gpu is not None:
+            device, roofline = self._device_seconds(packet, args, flops, moved, traffic)
+            host = 0.0 if self._graphs else kernels * self.target.calibration.eager_launch
+        for ledger in (self.costs, *(mark.costs for mark in self._marks)):
+            ledger.add_kernel(flops, moved + traffic, device, host, roofline, kernels)
+        if host:
+            self._bound_run_ahead()
+
+    def count_kernels(self, kernels: int, moved: float) -> None:
+        """`kernels` memory-bound kernels moving `moved` bytes in all, as if they ran now: work the GPU does that
+        the plan does not run op by op (a value check the plan answers without computing it)."""
+        if kernels and not self._fused:
+            self._add_kernels(None, (), 0, moved, 0, kernels)
+
+    def fused_call(self, func, args, kwargs):
+        """Call `func`, a function the GPU runs as one kernel (_FUSED_ON_GPU), counting one kernel that reads its
+        tensor arguments and writes its outputs; its ops on the CPU tensors count nothing (they still allocate)."""
+        inputs = _tensors((args, kwargs))
+        self._fused += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self._fused -= 1
+        if not self._fused and not self._on_host(inputs):
+            moved = sum(_distinct_bytes(t) for t in (*inputs, *_tensors(out)))
+            self._add_kernels(None, (), 0, moved, 0)
+        return out
 
     def _device_seconds(self, packet, args, flops: float, moved: float, traffic: float) -> tuple[float, float]:
         """(calibrated, datasheet) seconds the kernel keeps the GPU busy: its GEMMs at the peak of their operand
@@ -467,6 +548,27 @@ class Accountant(TorchDispatchMode):
             self.split["bandwidth"] = self.split.get("bandwidth", 0.0) + traffic_seconds
         roofline = max(compute_floor, moved / gpu.bandwidth) + traffic / gpu.bandwidth
         return max(compute, memory) + traffic_seconds, roofline
+
+
+class _GPUForms(TorchFunctionMode):
+    """Functions the GPU runs as one kernel (_FUSED_ON_GPU), counted as such by the accountant (fused_call)."""
+
+    def __init__(self, accountant: Accountant):
+        super().__init__()
+        self.accountant = accountant
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FUSED_ON_GPU:
+            return self.accountant.fused_call(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _aliases(func, args, outputs) -> bool:
+    """Whether an op that the schema calls neither a view nor in place returns its first argument's storage (a
+    view by another name: `_unsafe_view`, which reshapes a GEMM's output)."""
+    return (len(outputs) == 1 and args and isinstance(args[0], torch.Tensor) and not func._schema.is_mutable
+            and outputs[0].untyped_storage() is args[0].untyped_storage())
 
 
 def flat_values(tree):

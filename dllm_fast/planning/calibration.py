@@ -6,7 +6,8 @@ efficiency)); a fused op (dllm_fast::masked_logprobs and its kin) runs its GEMMs
 after another. The host launches each kernel of eager PyTorch (Python, the dispatcher, cudaLaunchKernel) for
 `eager_launch` seconds; a CUDA graph (a compiled rollout step) costs `graph_launch` per replay and nothing per
 kernel. Host and device overlap between host syncs (the launch queue runs ahead), so a stretch of work between two
-syncs takes max(host, device) (accounting.py).
+syncs takes max(host, device); the queue holds `launch_queue` launches, so a stretch also ends when it is full
+(accounting.py).
 
 `H200_FIT` is fitted on the first GPU run (H200_RUN below; the points in RECORDED), one factor per physical
 cause, each from the points it dominates (`python benchmarks/bench_plan.py --gpu h200 --fit` redoes it and
@@ -16,7 +17,8 @@ prints the derivation):
   fused op, forward and forward + backward, each point's device time split by what bounds each kernel: bf16
   GEMMs, the fused backward's TF32 gradient GEMMs (the CUDA kernels at b7790f6), and memory traffic (naive's fp32
   logits and log-softmax, the fused op's chunk logits);
-- eager_launch: the 8B dual-cache rollout, host-bound (its planned kernels per step at the measured time);
+- eager_launch: the 8B dual-cache rollout, host-bound but for the steps that refresh the cache (the kernels per
+  step its code launched, `kernels_then`, at the measured time);
 - fp32: the `small` preset's compiled rollout without a cache (device-bound; its GEMMs in fp32, TF32 off);
 - graph_launch: the `small` preset's compiled dual-cache rollout (CUDA graphs), host-bound.
 
@@ -44,6 +46,10 @@ class Calibration:
     bandwidth: float  # memory-bound kernels, fraction of the HBM bandwidth
     eager_launch: float  # host seconds per kernel eager PyTorch launches
     graph_launch: float  # host seconds per CUDA graph replay (a compiled rollout step: guards, replay)
+    # launches the host may queue ahead of the GPU before cudaLaunchKernel blocks: CUDA's pending-launch queue per
+    # stream, about 1,000 entries (not fitted; NVIDIA developer forums, "CUDA stream are blocked when launch lots
+    # of kernels (>1000)", https://forums.developer.nvidia.com/t/68937)
+    launch_queue: int = 1024
 
     def gemm_efficiency(self, dtype: torch.dtype, compute: str) -> float:
         if dtype in (torch.bfloat16, torch.float16):
@@ -55,9 +61,13 @@ class Calibration:
 ROOFLINE = Calibration("roofline", tensor_core=1.0, tf32=1.0, fp32=1.0, bandwidth=1.0, eager_launch=0.0,
                        graph_launch=0.0)
 
-# Fitted on the H200 run (see the module docstring; bench_plan.py --fit prints how).
-H200_FIT = Calibration("h200-2026-11-26", tensor_core=0.69, tf32=0.55, fp32=0.47, bandwidth=0.86,
-                       eager_launch=19.1e-6, graph_launch=1.72e-3)
+# Fitted on the H200 run (see the module docstring; bench_plan.py --fit prints how). Refitted when the planner's
+# kernel count was corrected (a view by another name, rms_norm's CPU form and the composite ops it counted unlike
+# the GPU: accounting.py) and the host's run-ahead bounded by the launch queue: eager_launch 19.1 -> 19.7 us (the
+# 8B dual rollout at its corrected 1,472 kernels a step, the refreshing steps GPU-bound), fp32 0.47 -> 0.46 (the
+# small preset's compiled rollout without a cache no longer moves the bytes of views and of rms_norm's CPU form).
+H200_FIT = Calibration("h200-2026-11-26", tensor_core=0.69, tf32=0.55, fp32=0.46, bandwidth=0.86,
+                       eager_launch=19.7e-6, graph_launch=1.72e-3)
 
 DEFAULT = H200_FIT
 
@@ -75,9 +85,13 @@ class Recorded:
     """One number the H200 run measured, and the calls that took it (dllm_fast.planning.predict): kind "head" or
     "rollout", `value` the median seconds of `predict.<kind>(gpu, **options)`; kind "engine", `value` two_pass's
     time per sample over naive's (bench_elbo --lora, micro-batch 1). kernels_per_step: bench_rollout's count,
-    where it has one. planned_kernels_then: for an eager rollout, the planner's own count of kernels per step on
-    the code the GPU ran (b7790f6, before issue 29's fused layers), so that the launch cost is checked against
-    the kernels that were launched (predict.recorded's "predicted_then")."""
+    where it has one (run 1's by that time's rule, which also counted type queries, promote_types and
+    result_type, as kernels). For the eager points of run 1, on the code the GPU ran (b7790f6, before issue 29's
+    fused layers): kernels_then, the kernels that code launched as today's planner counts them (run on that code;
+    for the rollouts bench_rollout's rule of today counts the same on it within 0.1%): a rollout's per step, an
+    engine point's per call of each provider; so that the launch cost is checked against the kernels that were
+    launched (predict.recorded's "predicted_then"). planned_kernels_then: a rollout's count by the planner of the
+    time (it took `_unsafe_view`, a view, for a kernel: 7 a layer), kept as recorded."""
 
     name: str
     kind: str
@@ -85,6 +99,7 @@ class Recorded:
     value: float
     kernels_per_step: float | None = None
     planned_kernels_then: float | None = None
+    kernels_then: float | dict[str, float] | None = field(default=None, hash=False)
 
 
 def _head(M: int, provider: str, backward: bool, ms: float, tf32_grad_gemms: bool = True) -> Recorded:
@@ -105,18 +120,25 @@ RECORDED = (
     # bench_rollout.py --device cuda --batch 8: LLaDA-8B shapes, random bf16 weights, prompt 200, gen 256,
     # block 32, 128 steps, T = 0 (the reference sampler is not planned: it reads the logits it samples from)
     Recorded("rollout 8B none, eager", "rollout", dict(cache="none"), 14.68, kernels_per_step=1538,
-             planned_kernels_then=1622.3),
+             planned_kernels_then=1622.3, kernels_then=1405.3),
     Recorded("rollout 8B dual, eager", "rollout", dict(cache="dual"), 4.13, kernels_per_step=1653,
-             planned_kernels_then=1689.2),
-    # planned_kernels_then: the planner's count on b7790f6's code (planner branch 3dde9fa, predict.recorded)
+             planned_kernels_then=1689.2, kernels_then=1472.2),
+    # planned_kernels_then: the planner's count on b7790f6's code (planner branch 3dde9fa, predict.recorded);
+    # kernels_then: today's planner (the count of accounting.py's rules) run on 3dde9fa's tree (b7790f6's models);
+    # bench_rollout's rule of today on that tree, CPU: 1406.0, 1472.8, 205.8, 195.0
     # smoke.py generate_compiled: the small preset in fp32 (TF32 off), batch 8, prompt 64, gen 128, 64 steps
-    Recorded("rollout small dual, eager", "rollout", dict(_SMALL, cache="dual"), 0.341, planned_kernels_then=227.3),
+    Recorded("rollout small dual, eager", "rollout", dict(_SMALL, cache="dual"), 0.341, planned_kernels_then=227.3,
+             kernels_then=206.3),
     Recorded("rollout small dual, compiled", "rollout", dict(_SMALL, cache="dual", compile=True), 0.111),
-    Recorded("rollout small none, eager", "rollout", dict(_SMALL, cache="none"), 0.241, planned_kernels_then=216.4),
+    Recorded("rollout small none, eager", "rollout", dict(_SMALL, cache="none"), 0.241, planned_kernels_then=216.4,
+             kernels_then=195.4),
     Recorded("rollout small none, compiled", "rollout", dict(_SMALL, cache="none", compile=True), 0.176),
     # bench_elbo.py --device cuda --lora (r128 on q, k, v, up; bf16; prompt 200 + completion 512), micro-batch 1
-    Recorded("engine two_pass / naive per sample, n_t=1", "engine", dict(n_t=1, micro_batch=1), 1.85),
-    Recorded("engine two_pass / naive per sample, n_t=16", "engine", dict(n_t=16, micro_batch=1), 2.5),
+    # kernels_then: each provider's kernels per call, today's planner on 3dde9fa's tree
+    Recorded("engine two_pass / naive per sample, n_t=1", "engine", dict(n_t=1, micro_batch=1), 1.85,
+             kernels_then=dict(naive=5184, two_pass=7379)),
+    Recorded("engine two_pass / naive per sample, n_t=16", "engine", dict(n_t=16, micro_batch=1), 2.5,
+             kernels_then=dict(naive=5184, two_pass=121304)),
 )
 
 _8B_ROLLOUT = dict(preset="llada-8b", batch=8, prompt=200, gen=256, block=32, steps=128, cache="dual")

@@ -150,27 +150,37 @@ def _assumed_outputs() -> dict:
 class FiniteValues(TorchFunctionMode):
     """isfinite / isnan / isinf of a fake, non-constant tensor answer as for finite values (constants), so that
     finiteness checks on model outputs pass and the data they steer stays known. isfinite decomposes into
-    several ops below the Python API, so it is answered here, at the API."""
+    several ops below the Python API, so it is answered here, at the API. `count(kernels, bytes)`, if given,
+    receives the work a GPU does for each answered check: isfinite is (x == x) * (x.abs() != inf), four
+    elementwise kernels; isnan x != x, one; isinf x.abs() == inf, two (each reads x and writes a bool per
+    element)."""
 
     _ANSWERS = {torch.isfinite: True, torch.Tensor.isfinite: True, torch.isnan: False, torch.Tensor.isnan: False,
                 torch.isinf: False, torch.Tensor.isinf: False}
+    _KERNELS = {torch.isfinite: 4, torch.Tensor.isfinite: 4, torch.isnan: 1, torch.Tensor.isnan: 1,
+                torch.isinf: 2, torch.Tensor.isinf: 2}
 
-    def __init__(self, mode: PlanningFakeMode):
+    def __init__(self, mode: PlanningFakeMode, count=None):
         super().__init__()
         self.mode = mode
+        self.count = count
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         answer = self._ANSWERS.get(func)
         if answer is not None and args and isinstance(args[0], FakeTensor) and not is_constant(args[0]):
-            return self.mode.filled(args[0].shape, torch.bool, answer, broadcast=True)
+            x = args[0]
+            if self.count is not None and x.is_floating_point():  # an integer tensor's answer is a constant
+                kernels = self._KERNELS[func]
+                self.count(kernels, kernels * x.numel() * (x.element_size() + 1))
+            return self.mode.filled(x.shape, torch.bool, answer, broadcast=True)
         return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def fake_world(mode: PlanningFakeMode):
-    """Enter the fake mode and its finiteness answers."""
-    with mode, FiniteValues(mode):
+def fake_world(mode: PlanningFakeMode, count=None):
+    """Enter the fake mode and its finiteness answers (`count`: see FiniteValues)."""
+    with mode, FiniteValues(mode, count):
         yield mode
 
 

@@ -15,6 +15,8 @@ Each returns the call's Costs (dllm_fast.planning.accounting): `.seconds` is the
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from dllm_fast.planning.accounting import Costs, Target
@@ -145,10 +147,18 @@ def engine(gpu: str | GPU, *, provider: str, n_t: int, micro_batch: int = 1, pre
 
 
 
+def _launching(calibration: Calibration, scale: float) -> Calibration:
+    """`calibration` for a call whose code launched `scale` times the kernels planned today (a recorded point of
+    older code): each kernel stands for `scale` of them, in host time and in launch-queue entries. The device work
+    of the kernels since removed (small elementwise ones) is neglected."""
+    return replace(calibration, eager_launch=calibration.eager_launch * scale,
+                   launch_queue=max(1, round(calibration.launch_queue / scale)))
+
+
 def recorded(point: Recorded, gpu: str | GPU = "h200", calibration: Calibration = DEFAULT) -> dict:
     """The planner's value for a recorded point (calibration.RECORDED): {"predicted": seconds or ratio on today's
-    code, and the parts: "device_s", "host_s", "kernels_per_step" where they apply; "predicted_then": an eager
-    rollout's seconds with the kernels the recorded code launched}."""
+    code, and the parts: "device_s", "host_s", "kernels_per_step" where they apply; "predicted_then": the value
+    with the kernels the recorded code launched, where the point records them (Recorded.kernels_then)}."""
     if point.kind == "head":
         costs = head(gpu, calibration=calibration, **point.options)
         return dict(predicted=costs.seconds, device_s=costs.device_seconds, host_s=costs.host_seconds)
@@ -156,16 +166,20 @@ def recorded(point: Recorded, gpu: str | GPU = "h200", calibration: Calibration 
         costs, nfe = rollout(gpu, calibration=calibration, **point.options)
         values = dict(predicted=costs.seconds, device_s=costs.device_seconds, host_s=costs.host_seconds,
                       kernels_per_step=costs.kernels / nfe)
-        if point.planned_kernels_then is not None:
-            # The same call on the recorded code: the host launched planned_kernels_then per step instead (the
-            # device work of the removed kernels, small elementwise ones, is neglected); host and device overlap
-            host_then = costs.host_seconds * point.planned_kernels_then / values["kernels_per_step"]
-            values["predicted_then"] = max(costs.device_seconds, host_then)
+        if point.kernels_then is not None:  # the same call on the recorded code, which launched kernels_then a step
+            then = _launching(calibration, point.kernels_then / values["kernels_per_step"])
+            values["predicted_then"] = rollout(gpu, calibration=then, **point.options)[0].seconds
         return values
     if point.kind == "engine":
         n_t = point.options["n_t"]
-        naive, two_pass = (engine(gpu, provider=p, calibration=calibration, **point.options).seconds / n_t
-                           for p in ENGINE_PROVIDERS)
-        return dict(predicted=two_pass / naive, naive_ms_per_sample=1e3 * naive,
-                    two_pass_ms_per_sample=1e3 * two_pass)
+        costs = {p: engine(gpu, provider=p, calibration=calibration, **point.options) for p in ENGINE_PROVIDERS}
+        naive, two_pass = (costs[p].seconds / n_t for p in ENGINE_PROVIDERS)
+        values = dict(predicted=two_pass / naive, naive_ms_per_sample=1e3 * naive,
+                      two_pass_ms_per_sample=1e3 * two_pass)
+        if point.kernels_then is not None:  # each provider on the recorded code, which launched kernels_then[p]
+            naive, two_pass = (engine(gpu, provider=p, calibration=_launching(
+                calibration, point.kernels_then[p] / costs[p].kernels), **point.options).seconds
+                for p in ENGINE_PROVIDERS)
+            values["predicted_then"] = two_pass / naive
+        return values
     raise ValueError(f"a recorded point of kind {point.kind!r}: expected head, rollout or engine.")

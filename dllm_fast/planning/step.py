@@ -128,7 +128,7 @@ class Session:
         stack.enter_context(chunks_sized_for(self.target.device_type))
         stack.enter_context(_library_caches_kept())
         stack.enter_context(_compiled_calls_planned(self.accountant))
-        stack.enter_context(fake_world(self.mode))
+        stack.enter_context(fake_world(self.mode, self.accountant.count_kernels))
         stack.enter_context(self.accountant)
         stack.callback(self.accountant.close)
         for module in self._models:
