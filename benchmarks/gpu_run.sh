@@ -22,7 +22,7 @@ WHEELS=${2:-${DLLM_FAST_PEER_WHEELS:-$ROOT/.gpu/whl}}
 S=$(date +%s); DEADLINE=$(( S + ${1:-520} ))
 t() { echo "=== [$(( $(date +%s) - S ))s] $*"; }
 # A step runs when GPU_RUN_STEPS is unset or names it (to rerun the steps a short run missed).
-STEPS=" tests smoke peers rollout train8b engine roofline "
+STEPS=" tests smoke peers rollout profile train8b engine roofline "
 for step in ${GPU_RUN_STEPS:-}; do
   [[ $STEPS == *" $step "* ]] || { echo "GPU_RUN_STEPS: no step '$step'; the steps are:$STEPS"; exit 2; }
 done
@@ -81,6 +81,16 @@ timeout "$(cap 170)" python3 benchmarks/bench_rollout.py --device cuda --batch 8
   --providers "dllm_fast dual" "compiled dual" --results-dir "$RES" 2>&1 | grep -v -i warn | tail -6; pack
 fi
 
+if want profile; then
+t profile
+# Where a dual-cache denoising step at LLaDA-8B shapes spends the GPU, eager and compiled: kernels by kind.
+for mode in "" --compile; do
+  timeout "$(cap 100)" python3 benchmarks/profile_rollout.py --device cuda $mode --results-dir "$RES" 2>&1 \
+    | grep -v -i "warn\|usdt" | tail -24
+done
+pack
+fi
+
 if want train8b; then
 t train8b
 # Issue 29 item 5: whole LLaDA-8B LoRA training steps (random weights; LLaDA-8B's 126,464-row output layer through
@@ -92,7 +102,7 @@ STEP_FLAGS=(--model llada-8b --tokenizer "$RES/llada_vocab" --lora true --lora-r
   --task-options '{"prompt_length": 200}' --prompts-per-step 4 --group-size 8 --gen-length 256 --block-length 32
   --diffusion-steps 128 --cache dual --temperature 1.0 --micro-batch 31)
 timeout "$(cap 60)" python3 -m dllm_fast plan "${STEP_FLAGS[@]}" --gpu h200 --search false > "$RES/train8b_plan.txt" 2>&1
-timeout "$(cap 220)" python3 -m dllm_fast train "${STEP_FLAGS[@]}" --steps 2 --eval-every 1000 --eval-examples 8 \
+timeout "$(cap 280)" python3 -m dllm_fast train "${STEP_FLAGS[@]}" --steps 2 --eval-every 1000 --eval-examples 8 \
   --eval-gen-lengths 32 --checkpoint-every 1000 --plot false --output-dir "$RES/train8b" --overwrite true 2>&1 | tail -6
 rm -rf "$RES/llada_vocab" "$RES/train8b"/checkpoint* 2>/dev/null
 pack

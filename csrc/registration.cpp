@@ -20,6 +20,7 @@ TORCH_LIBRARY_IMPL(dllm_fast, CPU, m) {
   m.impl("masked_logprobs_grad", &dllm_fast::masked_logprobs_grad_cpu);
   m.impl("sample_tokens", &dllm_fast::sample_tokens_cpu);
   m.impl("select_transfer", &dllm_fast::select_transfer_cpu);
+  m.impl("rope", &dllm_fast::rope_cpu);
 }
 
 #ifdef DLLM_FAST_WITH_CUDA

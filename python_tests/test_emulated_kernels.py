@@ -45,6 +45,8 @@ def test_every_kernel_strides_over_rows_beyond_the_grid_limit(emulated, dtype):
     targets = torch.randint(0, 37, (10,))
     confidence, candidates = torch.rand(10, 12), torch.rand(10, 12) > 0.3
     counts = torch.randint(0, 5, (10,))
+    qkv = torch.randn(2, 5, 4, 8).to(dtype)  # ten (b, l) rows
+    tables = torch.randn(2, 2, 5, 1, 8)
 
     def run():
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -54,7 +56,8 @@ def test_every_kernel_strides_over_rows_beyond_the_grid_limit(emulated, dtype):
         known = ops.masked_logprobs_grad(hidden, weight, targets, torch.ones(10), grad_weight=buffer, chunk_size=16)
         sample = ops.sample_tokens(hidden, weight, temperature=0.8, seed=4, chunk_size=16)
         chosen = ops.select_transfer(confidence, candidates, counts=counts)
-        return [logp, *grads, *known, buffer, *sample, chosen]
+        rotated = ops.rope(qkv, tables, 3)
+        return [logp, *grads, *known, buffer, *sample, chosen, rotated]
 
     expected = run()  # the CPU kernels
     emulated.set_grid_limit_x(3)
@@ -70,7 +73,7 @@ def test_every_kernel_strides_over_rows_beyond_the_grid_limit(emulated, dtype):
 
 def test_the_emulated_module_holds_every_op(emulated):
     assert sorted(emulated.ops) == ["masked_logprobs", "masked_logprobs_backward", "masked_logprobs_grad",
-                                   "sample_tokens", "select_transfer"]
+                                   "rope", "sample_tokens", "select_transfer"]
 
 
 def test_every_kernel_source_launches_and_shares_memory_the_emulatable_way():

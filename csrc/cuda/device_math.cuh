@@ -25,6 +25,16 @@ __device__ __forceinline__ void store_rounded(double* out, double v) { *out = v;
 __device__ __forceinline__ void store_rounded(__nv_bfloat16* out, float v) { *out = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_rounded(__half* out, float v) { *out = __float2half_rn(v); }
 
+// Loads a value of the input's type as the accumulator type (bf16 and fp16 widen exactly).
+template <typename acc_t>
+__device__ __forceinline__ acc_t to_acc(float v) { return static_cast<acc_t>(v); }
+template <typename acc_t>
+__device__ __forceinline__ acc_t to_acc(double v) { return static_cast<acc_t>(v); }
+template <typename acc_t>
+__device__ __forceinline__ acc_t to_acc(__nv_bfloat16 v) { return static_cast<acc_t>(__bfloat162float(v)); }
+template <typename acc_t>
+__device__ __forceinline__ acc_t to_acc(__half v) { return static_cast<acc_t>(__half2float(v)); }
+
 // The online logsumexp. A pair (m, s) stands for logsumexp = m + log(s) of the values folded into it, with
 // s = sum of exp(x - m); it starts empty at (-inf, 0). A -inf value adds nothing, so a thread, warp or whole
 // vocabulary chunk that saw only -inf stays (-inf, 0) instead of computing exp(-inf - -inf) = NaN. A NaN

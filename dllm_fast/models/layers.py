@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dllm_fast.ops import twins
+
 
 def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
     """Norms and RoPE run in fp32; an fp64 model (gradcheck, exact tests) keeps fp64."""
@@ -62,20 +64,14 @@ def rope_tables(position_ids: torch.Tensor, head_dim: int, theta: float,
     return tables.unflatten(-1, (2, 1, head_dim)).movedim(-3, 0)
 
 
-def apply_rope(x: torch.Tensor, tables: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE of x [B, L, heads, D] (queries and keys together: one call for both), computed in the
-    tables' dtype and rounded once to x's: three kernels, a product with both tables, a roll, a sum.
+    tables' dtype and rounded once to x's: a product with both tables, a roll, a sum (differentiable; without a
+    gradient, dllm_fast.ops.rope computes the same values in one kernel).
 
     x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1), equals x * cos + roll(x * s) where
-    s = cat(sin, -sin) (tables[1]) and roll moves the halves: the same products and sums, bit for bit. `out`
-    (no autograd; e.g. x itself, in place) receives the result in its dtype."""
-    products = x.unsqueeze(0) * tables  # [2, B, L, heads, D]
-    rotated = products[1].roll(x.shape[-1] // 2, dims=-1)
-    if out is None:
-        return (products[0] + rotated).to(x.dtype)
-    if torch.compiler.is_compiling():  # dynamo takes no strided out=; inductor fuses the sum and the copy anyway
-        return out.copy_(products[0] + rotated)
-    return torch.add(products[0], rotated, out=out)
+    s = cat(sin, -sin) (tables[1]) and roll moves the halves: the same products and sums, bit for bit."""
+    return twins.rotate_half_rope(x, tables)
 
 
 def rotary_tables(

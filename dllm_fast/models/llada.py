@@ -38,6 +38,7 @@ from torch import nn
 from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import checkpoint
 
+from dllm_fast import ops
 from dllm_fast.models.config import LLaDAConfig
 from dllm_fast.models.kv_cache import KVCache
 from dllm_fast.models.layers import (RMSNorm, apply_rope, apply_rotary, at_least_fp32, attention, fuse_linears,
@@ -101,12 +102,12 @@ class LLaDABlock(nn.Module):
         n = self.attn_norm(x)
         qkv = projection_outputs(n, self.fused_qkv, (self.q_proj, self.k_proj, self.v_proj))
         qkv = qkv.view(B, L, H + 2 * Hkv, self.head_dim)
-        rotated = qkv[:, :, :H + Hkv]
-        if torch.is_grad_enabled() and qkv.requires_grad:
-            rotated = apply_rope(rotated, rope)
-        else:  # in place: keys and values stay side by side in qkv, and one copy writes both to the cache
-            apply_rope(rotated, rope, out=rotated)
-        q, k, v = rotated[:, :, :H], rotated[:, :, H:], qkv[:, :, H + Hkv:]
+        if torch.is_grad_enabled() and qkv.requires_grad:  # the composite, for autograd
+            rotated = apply_rope(qkv[:, :, :H + Hkv], rope)
+            q, k, v = rotated[:, :, :H], rotated[:, :, H:], qkv[:, :, H + Hkv:]
+        else:  # one kernel, bit for bit the composite; keys and values stay side by side for one cache copy
+            qkv = ops.rope(qkv, rope, H + Hkv)
+            q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
         if cached is not None:
             layer, at, attend = cached
             if isinstance(at, torch.Tensor):  # positions on the device: one graph for every block (torch.compile)

@@ -170,6 +170,11 @@ def _select_transfer(device_type, confidence, candidates, counts, threshold) -> 
     return Workspace(confidence.numel() * 8)  # the CPU kernel ranks a float64 copy of the confidences
 
 
+@declare_workspace("rope")
+def _rope(device_type, x, tables, rotated_heads) -> Workspace:
+    return Workspace()  # one pass: reads x and the tables, writes the output
+
+
 # FLOPs of the GEMMs inside each op (2 per multiply-add), in torch.utils.flop_counter's formula convention: the
 # tensor arguments arrive as their shapes.
 def _masked_logprobs_flops(hidden_shape, weight_shape, targets_shape, chunk_size, *args, out_shape=None, **kwargs):

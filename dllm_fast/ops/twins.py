@@ -137,3 +137,18 @@ def select_transfer(confidence, candidates, counts, threshold):
     if threshold is not None and threshold >= 0:
         return candidates & ((ranks == 0) | (confidence >= threshold))
     return candidates & (ranks < counts[:, None])
+
+
+
+def rotate_half_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of every head of x [B, L, heads, D]: x * cos + rotate_half(x) * sin written as
+    x * tables[0] + roll(x * tables[1], D / 2) (tables from layers.rope_tables, [2, B, L, 1, D], sin's sign
+    folded in), each product and the sum in the tables' dtype, rounded once to x's. Differentiable."""
+    products = x.unsqueeze(0) * tables  # [2, B, L, heads, D]
+    return (products[0] + products[1].roll(x.shape[-1] // 2, dims=-1)).to(x.dtype)
+
+
+def rope(x: torch.Tensor, tables: torch.Tensor, rotated_heads: int) -> torch.Tensor:
+    """The rope op: `rotate_half_rope` of the first `rotated_heads` heads of x [B, L, heads, D], the others
+    copied; a new contiguous tensor."""
+    return torch.cat((rotate_half_rope(x[:, :, :rotated_heads], tables), x[:, :, rotated_heads:]), dim=2)

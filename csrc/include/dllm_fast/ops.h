@@ -45,7 +45,8 @@ auto dispatch_accumulate(at::ScalarType input, Fn&& fn) {
       const Tensor& hidden, const Tensor& weight, const Tensor& row_ids, double temperature, int64_t seed,         \
       int64_t offset, at::IntArrayRef suppress_ids, at::IntArrayRef confidence_exclude_ids, int64_t chunk_size);   \
   Tensor select_transfer_##backend(const Tensor& confidence, const Tensor& candidates, const Tensor& counts,        \
-                                   double threshold);
+                                   double threshold);                                                              \
+  Tensor rope_##backend(const Tensor& x, const Tensor& tables, int64_t rotated_heads);
 
 DLLM_FAST_DECLARE_KERNELS(cpu)
 #ifdef DLLM_FAST_WITH_CUDA

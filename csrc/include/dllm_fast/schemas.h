@@ -46,7 +46,13 @@
      when threshold < 0, else the most confident one plus every candidate whose confidence >= threshold. A     \
      NaN confidence ranks as -inf. */                                                                          \
   X(select_transfer,                                                                                           \
-    "select_transfer(Tensor confidence, Tensor candidates, Tensor counts, float threshold) -> Tensor")
+    "select_transfer(Tensor confidence, Tensor candidates, Tensor counts, float threshold) -> Tensor")         \
+  /* Rotary position embedding of the first rotated_heads heads of x [B, L, heads, D] (D even, last dimension  \
+     contiguous), in one pass: out = x * tables[0] + roll(x * tables[1], D / 2) along D, each product and the  \
+     sum rounded in the tables' dtype (fp32; fp64 for fp64 x), then once to x's dtype; the other heads are     \
+     copied. tables [2, B, L, 1, D] (layers.rope_tables; any strides, the last contiguous). out: a new          \
+     contiguous tensor shaped like x. */                                                                      \
+  X(rope, "rope(Tensor x, Tensor tables, int rotated_heads) -> Tensor")
 
 // The CUDA implementation of each op that has one: X(name, function). The emulated build runs these on CPU.
 #define DLLM_FAST_CUDA_KERNELS(X)                               \
@@ -54,4 +60,5 @@
   X(masked_logprobs_backward, masked_logprobs_backward_cuda)    \
   X(masked_logprobs_grad, masked_logprobs_grad_cuda)            \
   X(sample_tokens, sample_tokens_cuda)                          \
-  X(select_transfer, select_transfer_cuda)
+  X(select_transfer, select_transfer_cuda)                      \
+  X(rope, rope_cuda)

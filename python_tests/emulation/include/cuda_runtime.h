@@ -39,6 +39,13 @@ constexpr T max(T a, T b) {
   return a < b ? b : a;
 }
 
+// Arithmetic rounded to nearest and never contracted into a multiply-add: the host build targets plain x86-64
+// (no -mfma), so the host compiler has no fused multiply-add to contract into.
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __dadd_rn(double a, double b) { return a + b; }
+
 inline void __syncthreads(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
   ::dllm_fast::emulation::barrier(file, line);
 }
