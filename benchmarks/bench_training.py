@@ -41,7 +41,7 @@ def one_run(objective: str, seed: int, steps: int, output_dir: str, options: dic
     config = TrainConfig(objective=objective, seed=seed, steps=steps, output_dir=output_dir, threads=1,
                          progress=False, eval_every=steps, objective_options=options or {})
     result = train(config)
-    length = config.eval_gen_lengths[0]
+    length = config.eval.gen_lengths[0]
     steps_rows = [row for row in result.history if "step_seconds" in row]
     return dict(objective=objective, seed=seed, steps=result.steps,
                 base_accuracy=result.base_accuracy[length], final_accuracy=result.final_accuracy[length],

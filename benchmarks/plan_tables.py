@@ -50,9 +50,9 @@ def step_rows(gpu, setups) -> list[dict]:
         for engine in ("streaming", "all_graphs"):
             config = TrainConfig(**BASE, lora=lora, objective_options={"n_t": N_T[0]})
             session = Session(config, target=Target("cuda", gpu), weights_dtype=weights, engine=engine)
-            batching = MicroBatching(config.micro_batch)
+            batching = MicroBatching(config.objective.micro_batch)
             with session:
-                rollout = session.rollout(prompts=1, group_size=config.group_size, prompt_length=PROMPT)
+                rollout = session.rollout(prompts=1, group_size=config.run.group_size, prompt_length=PROMPT)
                 probes = probe_n_t(config, rollout.batch.num_rollouts, batching.micro_batch)
                 fresh = session.updates(rollout.batch, n_t=probes[0], batching=batching)
                 low, high = (session.updates(rollout.batch, n_t=x, batching=batching) for x in probes)

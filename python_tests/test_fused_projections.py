@@ -355,6 +355,7 @@ def test_lora_wrapping_leaves_no_hook_on_the_input_embeddings(family, checkpoint
 
     from dllm_fast.models import LLaDAConfig, SDARConfig, SDARModel
     from dllm_fast.train.precision import add_lora
+    from dllm_fast.train.settings import LoraSettings
 
     def fresh():
         model = (LLaDAModel.with_random_weights(LLaDAConfig.preset("tiny")) if family == "llada"
@@ -362,7 +363,7 @@ def test_lora_wrapping_leaves_no_hook_on_the_input_embeddings(family, checkpoint
         model.set_gradient_checkpointing(checkpointing)
         return model
 
-    options = SimpleNamespace(lora_rank=2, lora_alpha=4, lora_dropout=0.0, lora_targets=None)
+    options = SimpleNamespace(lora=LoraSettings(enabled=True, rank=2, alpha=4, dropout=0.0, targets=None))
     wrapped = add_lora(fresh(), options)
     assert not wrapped.get_input_embeddings()._forward_hooks
     plain = fresh()

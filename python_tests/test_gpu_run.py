@@ -93,5 +93,6 @@ def test_the_8b_training_steps_configuration_validates(tmp_path):
     parser = new_parser()
     add_config_arguments(parser)
     config = config_from_arguments(parse(parser, words + ["--steps", "3", "--output-dir", str(tmp_path / "run")]))
-    assert (config.model, config.lora, config.task, config.micro_batch) == ("llada-8b", True, "synthetic", 31)
-    assert config.prompts_per_step * config.group_size == 32
+    assert (config.model.name, config.lora.enabled, config.run.task, config.objective.micro_batch) == (
+        "llada-8b", True, "synthetic", 31)
+    assert config.run.prompts_per_step * config.run.group_size == 32

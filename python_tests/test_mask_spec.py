@@ -174,5 +174,5 @@ def test_trainer_objective_options_set_mask_settings():
     from dllm_fast.train.config import TrainConfig
 
     config = TrainConfig(objective="bgpo", objective_options={"n_t": 16, "sampler": "stratified_l"})
-    built = objectives.get(config.objective, **config.objective_options)
+    built = objectives.get(config.objective.name, **config.objective.options)
     assert built.config.masks == MaskSpec(n_t=16, sampler="stratified_l")

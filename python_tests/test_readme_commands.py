@@ -78,8 +78,9 @@ def test_every_train_command_parses_and_validates(command, tmp_path, monkeypatch
         parser = new_parser()
         add_config_arguments(parser, arguments)
         config = config_from_arguments(parse(parser, arguments))  # every check `train` makes before loading
-        if arguments and not config.resume:  # after the Quickstart, runs/default holds a run a new one may not replace
-            assert config.output_dir != "runs/default", f"{command}: name another --output-dir"
+        # after the Quickstart, runs/default holds a run a new one may not replace
+        if arguments and not config.run.resume:
+            assert config.run.output_dir != "runs/default", f"{command}: name another --output-dir"
 
 
 def test_the_pip_commands_name_extras_that_exist():

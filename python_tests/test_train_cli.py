@@ -11,7 +11,7 @@ import pytest
 from dllm_fast import objectives
 from dllm_fast.train import TrainConfig
 from dllm_fast.train.cli import main, parse_overrides
-from dllm_fast.train.config import flag
+from dllm_fast.train.settings import OPTIONS
 
 
 def test_top_level_help_lists_the_commands_and_loads_no_torch():
@@ -28,9 +28,9 @@ def test_train_help_describes_every_option_with_its_choices(capsys):
         main(["--help"])
     assert exit.value.code == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    for config_field in dataclasses.fields(TrainConfig):
-        assert flag(config_field.name) in out, config_field.name
-        assert " ".join(config_field.metadata["help"].split()[:4]) in out, config_field.name
+    for setting in OPTIONS.values():
+        assert setting.flag in out, setting.key
+        assert " ".join(setting.field.metadata["help"].split()[:4]) in out, setting.key
     assert "one of " + ", ".join(objectives.available()) in out
     assert "one of none, prefix, dual" in out and "countdown, gsm8k, math, sudoku4" in out
     assert "--objective NAME --help" in out
@@ -93,4 +93,4 @@ def test_flags_with_underscores_and_typed_lists():
                               "--eval-gen-lengths", "24", "48", "--diffusion-steps", "none", "--threshold", "0.9"])
     assert values == {"inner_updates": 2, "betas": [0.8, 0.9], "lora_targets": ["q_proj"],
                       "eval_gen_lengths": [24, 48], "diffusion_steps": None, "threshold": 0.9}
-    assert TrainConfig(**values).betas == [0.8, 0.9]
+    assert TrainConfig(**values).optim.betas == [0.8, 0.9]

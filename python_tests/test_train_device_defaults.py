@@ -132,7 +132,7 @@ def fit_config(**overrides):
 
 def test_micro_batch_auto_is_the_default_and_64_on_cpu():
     config = fit_config()
-    assert config.micro_batch == "auto"
+    assert config.objective.micro_batch == "auto"
     assert run_module.auto_micro_batch(config, torch.device("cpu"), Ranks())[0] == 64
 
 
@@ -182,7 +182,7 @@ def test_an_automatic_micro_batch_never_changes_a_loss_that_normalises_per_micro
 
 def test_compile_auto_compiles_the_rollouts_on_cuda_and_nothing_on_cpu():
     auto, on, off = TrainConfig(), TrainConfig(compile=True), TrainConfig(compile=False)
-    assert auto.compile == "auto"
+    assert auto.rollout.compile == "auto"
     assert config_module.compiles_rollouts(auto, "cuda") and not config_module.compiles_rollouts(auto, "cpu")
     assert config_module.compiles_rollouts(on, "cpu") and not config_module.compiles_rollouts(off, "cuda")
     assert auto.generate_config("cuda").compile and not auto.generate_config("cpu").compile
@@ -206,7 +206,7 @@ def test_a_compiled_first_rollout_reports_its_compile_time_apart(tmp_path, monke
     monkeypatch.setattr(importlib.import_module("dllm_fast.rollout.sampler"), "compiled_step", lambda device: step)
     asked = []
     monkeypatch.setattr(config_module, "compiles_rollouts",
-                        lambda config, device_type: asked.append((config.compile, device_type)) or True)
+                        lambda config, device_type: asked.append((config.rollout.compile, device_type)) or True)
     result = train(fit_config(**QUICK, output_dir=str(tmp_path / "run")))
     rows = [row for row in result.history if "loss" in row]
     assert asked == [("auto", "cpu")] and counter.frame_count == 1

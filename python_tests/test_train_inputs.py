@@ -207,5 +207,5 @@ def test_running_out_of_memory_names_the_options_that_size_the_run(tmp_path, cap
 
 def test_paths_are_taken_as_text_from_python(tmp_path):
     config = TrainConfig(output_dir=tmp_path / "run", tokenizer=SUDOKU4_DIR)
-    assert (config.output_dir, config.tokenizer) == (str(tmp_path / "run"), str(SUDOKU4_DIR))
-    assert json.loads(json.dumps(config.to_dict()))["output_dir"] == str(tmp_path / "run")  # config.json
+    assert (config.run.output_dir, config.model.tokenizer) == (str(tmp_path / "run"), str(SUDOKU4_DIR))
+    assert json.loads(json.dumps(config.to_dict()))["run"]["output_dir"] == str(tmp_path / "run")  # config.json

@@ -216,14 +216,14 @@ def test_a_yaml_number_without_a_dot_is_a_number(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("lr: 1e-4\nbf16: false\n")  # YAML 1.1 reads 1e-4 as a string
     config = TrainConfig.from_file(path)
-    assert config.lr == 1e-4 and config.bf16 is False
+    assert config.optim.lr == 1e-4 and config.model.bf16 is False
 
 
 # -- resume continues the run that was started ------------------------------------------------------------------
 
 def test_resume_takes_the_saved_configuration(run_dir):
     resumed = cli_config("--output-dir", str(run_dir), "--resume", "true", "--steps", "3", "--threads", "1")
-    assert (resumed.objective, resumed.objective_options, resumed.steps) == ("vrpo_ol", {"n_t": 2}, 3)
+    assert (resumed.objective.name, resumed.objective.options, resumed.run.steps) == ("vrpo_ol", {"n_t": 2}, 3)
     with pytest.raises(ValueError, match=r"these options differ from it: --seed 5 \(saved: 0\), --lr 0.001 "
                                          r"\(saved: 0.0001\)\. On resume only --steps"):
         cli_config("--output-dir", str(run_dir), "--resume", "true", "--lr", "1e-3", "--seed", "5")
@@ -234,7 +234,7 @@ def test_resume_takes_the_saved_configuration(run_dir):
     result = train(resumed)
     assert result.steps == 3 and [row["step"] for row in result.history] == [0, 1, 2, 3]
     written = json.loads((run_dir / "config.json").read_text())
-    assert written["objective"] == "vrpo_ol" and written["steps"] == 3  # what ran
+    assert written["objective"]["name"] == "vrpo_ol" and written["run"]["steps"] == 3  # what ran
 
 
 def test_an_overwrite_run_killed_before_its_first_checkpoint_leaves_nothing_to_resume(run_dir, monkeypatch):
@@ -247,9 +247,9 @@ def test_an_overwrite_run_killed_before_its_first_checkpoint_leaves_nothing_to_r
     with pytest.raises(KeyboardInterrupt):
         train(config(run_dir, overwrite=True, objective="bgpo"))
     assert not (run_dir / "checkpoint").exists()
-    assert json.loads((run_dir / "config.json").read_text())["objective"] == "bgpo"
+    assert json.loads((run_dir / "config.json").read_text())["objective"]["name"] == "bgpo"
     # --resume now finds no checkpoint: the old vrpo_ol run is not continued.
-    assert cli_config("--output-dir", str(run_dir), "--resume", "true", "--objective", "bgpo").objective == "bgpo"
+    assert cli_config("--output-dir", str(run_dir), "--resume", "true", "--objective", "bgpo").objective.name == "bgpo"
 
 
 # -- lengths, permissions, a full disk --------------------------------------------------------------------------

@@ -40,10 +40,10 @@ def test_config_from_file_and_command_line(tmp_path):
     path.write_text("objective: bgpo\nlr: 0.001\nobjective_options:\n  n_t: 4\n")
     config = TrainConfig.from_file(path, **parse_overrides(["--lr", "2e-4", "--eval-gen-lengths", "24", "48",
                                                             "--lora", "true", "--threshold", "none"]))
-    assert (config.objective, config.lr, config.objective_options) == ("bgpo", 2e-4, {"n_t": 4})
-    assert config.eval_gen_lengths == [24, 48] and config.lora is True and config.threshold is None
+    assert (config.objective.name, config.optim.lr, config.objective.options) == ("bgpo", 2e-4, {"n_t": 4})
+    assert config.eval.gen_lengths == [24, 48] and config.lora.enabled is True and config.rollout.threshold is None
     (tmp_path / "run.json").write_text(json.dumps({"steps": 3}))
-    assert TrainConfig.from_file(tmp_path / "run.json").steps == 3
+    assert TrainConfig.from_file(tmp_path / "run.json").run.steps == 3
     with pytest.raises(ValueError, match="unknown training option --learning-rate"):
         parse_overrides(["--learning-rate", "1"])
     with pytest.raises(ValueError, match="--steps takes an integer, got 'many'"):
@@ -128,7 +128,7 @@ def test_a_nan_reward_names_the_prompt(tmp_path, monkeypatch):
 def test_a_new_run_never_replaces_an_earlier_runs_checkpoint_unless_told(tmp_path):
     config = quick_config(tmp_path, steps=1, eval_every=10, checkpoint_every=1)
     train(config)
-    checkpoint = Path(config.output_dir) / "checkpoint"
+    checkpoint = Path(config.run.output_dir) / "checkpoint"
     written = {p: p.read_bytes() for p in checkpoint.rglob("*") if p.is_file()}
     with pytest.raises(FileExistsError, match="--resume true.*--overwrite true"):
         train(config)

@@ -107,8 +107,7 @@ def test_the_trainer_replays_the_decoding_order_for_tracerl(tmp_path, monkeypatc
     steps, masks = drawn[0]
     assert steps is not None and steps.max() < 12 and masks.sampler == "trajectory"
     asked.clear()
-    train(TrainConfig(**{**config.to_dict(), "objective": "espo", "steps": 1, "inner_updates": 1,
-                         "output_dir": str(tmp_path / "espo")}))
+    train(config.replace(objective="espo", steps=1, inner_updates=1, output_dir=str(tmp_path / "espo")))
     assert asked and not any(asked)  # no other objective pays for the record
 
 

@@ -83,8 +83,8 @@ def main(argv: typing.Sequence[str] = ()) -> None:
     from dllm_fast.planning.planner import plan_step
     from dllm_fast.planning.report import as_dict, text
 
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
+    if config.run.threads is not None:
+        torch.set_num_threads(config.run.threads)
     try:
         plan = plan_step(config, gpu=args.gpu, prompt_length=args.prompt_length, engine=args.engine,
                          weights_dtype=args.weights_dtype, search=args.search)

@@ -25,7 +25,8 @@ from dllm_fast.planning.accounting import Target
 from dllm_fast.planning.fit import extrapolate
 from dllm_fast.planning.gpus import GPU, gpu as gpu_named
 from dllm_fast.planning.step import PHASES, UPDATE_PHASES, PhasePlan, Session, fixed_n_t, probe_n_t
-from dllm_fast.train.config import AUTO, DEFAULT_MICRO_BATCH, TrainConfig, micro_batching
+from dllm_fast.train.config import TrainConfig, micro_batching
+from dllm_fast.train.settings import AUTO, DEFAULT_MICRO_BATCH
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -105,7 +106,7 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     n_t = session.objective.config.n_t
     check_plannable(config, prompt_length, session.base, batching)
     with _readable_data_errors(), session:
-        rollout = session.rollout(prompts=config.prompts_per_step, group_size=config.group_size,
+        rollout = session.rollout(prompts=config.run.prompts_per_step, group_size=config.run.group_size,
                                   prompt_length=prompt_length)
         probes = probe_n_t(config, rollout.batch.num_rollouts, batching.micro_batch)
         fresh = session.updates(rollout.batch, n_t=probes[0], batching=batching)
@@ -120,7 +121,7 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
                        for name in UPDATE_PHASES}
         plan = Plan(config, gpu, engine, weights_dtype, prompt_length, {"rollout": rollout.phase, **updates},
                     dict(rollouts=rollout.batch.num_rollouts, prompt_length=prompt_length,
-                         completion_length=config.gen_length, n_t=n_t, pairs=rollout.batch.num_rollouts * n_t,
+                         completion_length=config.rollout.gen_length, n_t=n_t, pairs=rollout.batch.num_rollouts * n_t,
                          micro_batch=batching.micro_batch, score_micro_batch=batching.scoring),
                     rollout.nfe, session.weight_bytes, autocast=session.bf16, compiled=session.compile)
         plan.notes += _notes(plan, probes, n_t, session)
@@ -146,7 +147,7 @@ def check_plannable(config: TrainConfig, prompt_length: int, model, batching: Mi
     from dllm_fast.planning.fake import DEFAULT_CONSTANT_BYTES
 
     positions = getattr(model, "max_sequence_length", None) or UNBOUNDED_POSITIONS
-    G = config.gen_length
+    G = config.rollout.gen_length
     if G >= positions:
         raise ValueError(f"--gen-length {G} leaves no room for a prompt: the model has {positions} positions "
                          "(max_sequence_length); lower --gen-length.")
@@ -154,14 +155,14 @@ def check_plannable(config: TrainConfig, prompt_length: int, model, batching: Mi
         raise ValueError(f"--prompt-length {prompt_length} with --gen-length {G} needs {prompt_length + G} "
                          f"positions; the model has {positions} (max_sequence_length). Lower --prompt-length "
                          f"(at most {positions - G} with this --gen-length) or --gen-length.")
-    forwards = G if config.threshold is not None else config.diffusion_steps
+    forwards = G if config.rollout.threshold is not None else config.rollout.steps
     if forwards > MAX_PLANNED_FORWARDS:
         raise ValueError(f"the rollout runs {forwards} denoising steps (--diffusion-steps, or --gen-length under "
                          f"--threshold), more than the {MAX_PLANNED_FORWARDS} a plan replays; plan fewer steps "
                          "(the rollout's time is about linear in them).")
-    rollouts, length = config.prompts_per_step * config.group_size, prompt_length + G
+    rollouts, length = config.run.prompts_per_step * config.run.group_size, prompt_length + G
     if fixed_n_t(config):  # the rollout's decoding states: one per `shrink` steps
-        shrink = max(1, getattr(objectives.get(config.objective, **config.objective_options).config, "shrink", 1))
+        shrink = max(1, getattr(objectives.get(config.objective.name, **config.objective.options).config, "shrink", 1))
         samples = -(-forwards // shrink)
     else:
         samples = probe_n_t(config, rollouts, batching.micro_batch)[1]
@@ -171,11 +172,11 @@ def check_plannable(config: TrainConfig, prompt_length: int, model, batching: Mi
                          f"{pairs} (sequence, sample) pairs to plan the updates at, exceed the token ids and masks "
                          f"a plan keeps as real data ({DEFAULT_CONSTANT_BYTES >> 20} MiB each); plan fewer "
                          "rollouts per step (the step's costs grow about linearly with them).")
-    calls = config.inner_updates * (-(-pairs // batching.micro_batch) + 3 * -(-pairs // batching.scoring))
+    calls = config.objective.inner_updates * (-(-pairs // batching.micro_batch) + 3 * -(-pairs // batching.scoring))
     if calls > MAX_PLANNED_CALLS:
         raise ValueError(f"planning this step would run about {calls} scoring and update micro-batches on fake "
                          f"tensors ({pairs} pairs per update at n_t = {samples}, --micro-batch "
-                         f"{batching.micro_batch}, --inner-updates {config.inner_updates}), more than "
+                         f"{batching.micro_batch}, --inner-updates {config.objective.inner_updates}), more than "
                          f"{MAX_PLANNED_CALLS}: minutes of CPU. Raise --micro-batch (and --score-micro-batch), or "
                          "plan fewer rollouts or --inner-updates 1 (each inner update costs the same).")
 
@@ -204,9 +205,9 @@ def task_prompt_length(config: TrainConfig, *, candidates: int = 32) -> int:
     from dllm_fast.train.sources import model_source
 
     _, _, tokenizer_dir = model_source(config)
-    task = get_task(config.task, **task_options(config))
+    task = get_task(config.run.task, **task_options(config))
     tokenizer = load_tokenizer(tokenizer_dir)
-    prompts = sorted({task.prompt(example, tokenizer) for example in task.train_examples(seed=config.seed)},
+    prompts = sorted({task.prompt(example, tokenizer) for example in task.train_examples(seed=config.run.seed)},
                      key=len, reverse=True)[:candidates]
     return max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
 
@@ -233,8 +234,9 @@ def _notes(plan: Plan, probes, n_t: int, session: Session) -> list[str]:
                      + "; host and device overlap between host syncs. No credit for fusion under torch.compile")
     notes.append("assumed: sampled tokens are never EOS (completions fill gen_length), every group's rewards differ "
                  "(every pair has a gradient weight), model outputs are finite"
-                 + (", threshold decoding unmasks one token per step" if plan.config.threshold is not None else ""))
-    if plan.config.micro_batch == AUTO:
+                 + (", threshold decoding unmasks one token per step" if plan.config.rollout.threshold is not None
+                    else ""))
+    if plan.config.objective.micro_batch == AUTO:
         notes.append(f"--micro-batch auto: planned at {plan.shapes['micro_batch']}; on a GPU train takes the largest "
                      "that fits 90% of the free memory (the search's, dllm_fast/train/micro_batch.py)")
     if plan.autocast and plan.weights_dtype == "float32":

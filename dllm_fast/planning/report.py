@@ -17,18 +17,22 @@ def _gb(value: float) -> str:
 
 def summary(plan: Plan) -> str:
     c, shapes = plan.config, plan.shapes
-    schedule = (f"threshold {c.threshold}" if c.threshold is not None else f"{c.diffusion_steps} steps")
-    lora = f"LoRA r{c.lora_rank}" if c.lora else "full fine-tune"
+    rollout = c.rollout
+    schedule = f"threshold {rollout.threshold}" if rollout.threshold is not None else f"{rollout.steps} steps"
+    lora = f"LoRA r{c.lora.rank}" if c.lora.enabled else "full fine-tune"
     # float32 with autocast is train's precision (train/precision.py): trained weights fp32, frozen ones bf16
     weights = "fp32 trained, bf16 frozen + bf16 autocast" if plan.weights_dtype == "float32" and plan.autocast else \
         plan.weights_dtype
     target = plan.gpu.description if plan.gpu is not None else "this CPU"
     compiled = ", compiled" if plan.compiled else ""
-    return (f"{c.model}, {lora}, weights {weights}, gradient checkpointing {'on' if c.gradient_checkpointing else 'off'}"
-            f"; {c.objective} n_t={shapes['n_t']}, mu={c.inner_updates}, {plan.engine} engine, micro-batch "
+    checkpointing = "on" if c.model.gradient_checkpointing else "off"
+    return (f"{c.model.name}, {lora}, weights {weights}, gradient checkpointing {checkpointing}"
+            f"; {c.objective.name} n_t={shapes['n_t']}, mu={c.objective.inner_updates}, {plan.engine} engine, "
+            "micro-batch "
             f"{shapes['micro_batch']} (scoring {shapes['score_micro_batch']})\n"
-            f"{c.prompts_per_step} prompts x G={c.group_size} = {shapes['rollouts']} rollouts, prompt "
-            f"{plan.prompt_length} + gen {c.gen_length} tokens (block {c.block_length}, {schedule}, cache {c.cache}"
+            f"{c.run.prompts_per_step} prompts x G={c.run.group_size} = {shapes['rollouts']} rollouts, prompt "
+            f"{plan.prompt_length} + gen {rollout.gen_length} tokens (block {rollout.block_length}, {schedule}, cache "
+            f"{rollout.cache}"
             f"{compiled})"
             f"; on {target}")
 

@@ -30,7 +30,7 @@ def largest_settings(session, plan, rollout, runs, probes, batching: MicroBatchi
     largest = {}
     if probes[0] == probes[1]:  # a fixed n_t (the rollout's decoding states): not a setting to search
         n_slopes = dict.fromkeys(UPDATE_PHASES, 0.0)
-        notes = [f"largest n_t: not searched, {config.objective}'s samples are the rollout's decoding states"]
+        notes = [f"largest n_t: not searched, {config.objective.name}'s samples are the rollout's decoding states"]
     else:
         n_slopes = {name: max(0.0, (runs[probes[1]][name].peak - runs[probes[0]][name].peak) /
                               (probes[1] - probes[0])) for name in UPDATE_PHASES}
@@ -69,9 +69,9 @@ def largest_settings(session, plan, rollout, runs, probes, batching: MicroBatchi
     largest["micro_batch"] = best
 
     # group size: the rollout and the updates at a second group size
-    g0 = config.group_size
+    g0 = config.run.group_size
     g1 = g0 // 2 if g0 > 1 else 2
-    other = session.rollout(prompts=config.prompts_per_step, group_size=g1, prompt_length=plan.prompt_length)
+    other = session.rollout(prompts=config.run.prompts_per_step, group_size=g1, prompt_length=plan.prompt_length)
     other_probes = probe_n_t(config, other.batch.num_rollouts, batching.micro_batch)
     first = session.updates(other.batch, n_t=other_probes[0], batching=batching)
     second = first if other_probes[0] == other_probes[1] else session.updates(other.batch, n_t=other_probes[1],

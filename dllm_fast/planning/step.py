@@ -100,14 +100,15 @@ class Session:
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is not one of {', '.join(ENGINES)}.")
         self.config, self.target, self.engine = config, target, engine
-        self.objective = objectives.get(config.objective, **config.objective_options)
+        self.objective = objectives.get(config.objective.name, **config.objective.options)
         self.precision = training_precision(config, target.device_type, weights=weights_dtype)
         self.policy, self.reference, self.base = _build_models(config, self.objective, self.precision)
         base = self.base
         if assumptions is None:
             special = (base.mask_token_id, base.eos_token_id, getattr(base, "eot_token_id", None))
             # threshold decoding: every confidence below the threshold, so a step unmasks one token (the most steps)
-            confidence = config.threshold / 2 if config.threshold is not None else Assumptions.confidence
+            threshold = config.rollout.threshold
+            confidence = threshold / 2 if threshold is not None else Assumptions.confidence
             assumptions = Assumptions(confidence=confidence,
                                       avoid_ids=frozenset(i for i in special if i is not None))
         self.mode = PlanningFakeMode(assumptions)
@@ -145,8 +146,8 @@ class Session:
         c = self.config
         self.optimizer = None
         if self.with_optimizer:
-            self.optimizer = torch.optim.AdamW(self.trainable, lr=c.lr, betas=tuple(c.betas),
-                                               weight_decay=c.weight_decay,
+            self.optimizer = torch.optim.AdamW(self.trainable, lr=c.optim.lr, betas=tuple(c.optim.betas),
+                                               weight_decay=c.optim.weight_decay,
                                                foreach=True if self.target.device_type == "cuda" else None)
             _prime_optimizer(self.optimizer, self.trainable, self.accountant)
         return self
@@ -187,7 +188,7 @@ class Session:
     def rollout(self, *, prompts: int, group_size: int, prompt_length: int) -> Rollout:
         """Generate `group_size` completions for each of `prompts` prompts of `prompt_length` tokens."""
         c = self.config
-        generator = torch.Generator().manual_seed(c.seed)
+        generator = torch.Generator().manual_seed(c.run.seed)
         vocab = min(self.base.lm_head_weight.shape[0], self.base.mask_token_id)
         input_ids = torch.randint(0, vocab, (prompts, prompt_length), generator=generator)
         input_ids = input_ids.repeat_interleave(group_size, dim=0)
@@ -198,7 +199,7 @@ class Session:
             rollouts = replace(rollouts, assumed_steps_per_block=rollouts.block_length)
         # as train does: trajectory objectives (TraceRL) ask generate to record the decoding order
         result = train_step.roll_out(self.policy, input_ids, attention_mask, rollouts,
-                                     generator=torch.Generator().manual_seed(c.seed + 1),
+                                     generator=torch.Generator().manual_seed(c.run.seed + 1),
                                      record_unmask_step=getattr(self.objective, "needs_unmask_step", False),
                                      hooks=self._hooks({"rollout": plan}))
         rewards = torch.arange(input_ids.shape[0], dtype=torch.float32) % 2
@@ -208,14 +209,14 @@ class Session:
         """The phases after the rollout: the objective's plan of the mu inner updates (old-policy scoring), then
         for each update the reference scoring, the update itself and the optimizer step."""
         c = self.config
-        objective = objectives.get(c.objective, **{**c.objective_options, "n_t": n_t})
+        objective = objectives.get(c.objective.name, **{**c.objective.options, "n_t": n_t})
         phases = {name: PhasePlan(name) for name in UPDATE_PHASES}
         hooks = self._hooks(phases)
         plan = train_step.plan_updates(objective, self.policy, batch,
-                                       moved=train_step.moved_after_first(c.inner_updates),
-                                       generator=torch.Generator().manual_seed(c.seed + 2), batching=batching,
+                                       moved=train_step.moved_after_first(c.objective.inner_updates),
+                                       generator=torch.Generator().manual_seed(c.run.seed + 2), batching=batching,
                                        hooks=hooks)
-        optimization = train_step.Optimization(self.trainable, self.optimizer, c.grad_clip)
+        optimization = train_step.Optimization(self.trainable, self.optimizer, c.optim.grad_clip)
         backward = None if self.engine == "streaming" else functools.partial(_all_graphs_backward, objective)
         for update in plan:  # the trainer's check of a finite gradient norm is a host sync; the plan assumes it passes
             train_step.run_update(objective, self.policy, batch, update, batching=batching, optimization=optimization,
@@ -240,8 +241,8 @@ def _all_graphs_backward(objective, model, batch: RolloutBatch, update, *, micro
 
 def valid_n_t(config: TrainConfig, n_t: int, *, down: bool = False, limit: int = 1 << 16) -> int | None:
     """The n_t nearest `n_t` that the configured objective accepts (`objectives.nearest_valid_n_t`)."""
-    options = {name: value for name, value in config.objective_options.items() if name != "n_t"}  # n_t is searched
-    return objectives.nearest_valid_n_t(config.objective, n_t, down=down, limit=limit, **options)
+    options = {name: value for name, value in config.objective.options.items() if name != "n_t"}  # n_t is searched
+    return objectives.nearest_valid_n_t(config.objective.name, n_t, down=down, limit=limit, **options)
 
 
 def smallest_n_t(config: TrainConfig) -> int:
@@ -252,7 +253,7 @@ def smallest_n_t(config: TrainConfig) -> int:
 def fixed_n_t(config: TrainConfig) -> bool:
     """Whether the objective's samples are not n_t masks drawn per sequence but the rollout's own decoding states
     (TraceRL's trajectory sampler): its n_t stays as configured, and its work follows the rollout instead."""
-    return objectives.get(config.objective, **config.objective_options).config.sampler == "trajectory"
+    return objectives.get(config.objective.name, **config.objective.options).config.sampler == "trajectory"
 
 
 def probe_n_t(config: TrainConfig, rollouts: int, micro_batch: int) -> tuple[int, int]:
@@ -260,7 +261,7 @@ def probe_n_t(config: TrainConfig, rollouts: int, micro_batch: int) -> tuple[int
     which every kind of micro-batch runs (at least two micro-batches of pairs), and the first valid one from four
     times it. An objective with a fixed n_t is planned at it, twice the same."""
     if fixed_n_t(config):
-        n_t = objectives.get(config.objective, **config.objective_options).config.n_t
+        n_t = objectives.get(config.objective.name, **config.objective.options).config.n_t
         return n_t, n_t
     low = valid_n_t(config, -(-2 * micro_batch // max(rollouts, 1)))
     return low, valid_n_t(config, 4 * low)
@@ -282,8 +283,8 @@ def _build_models(config: TrainConfig, objective, precision: Precision):
             base = family(family.preset_config(PRESETS[str(source)][1]))
         else:
             base = family.from_pretrained(source, device="meta")
-    base = base.to(precision.base_dtype(config.lora)).train()
-    base.set_gradient_checkpointing(config.gradient_checkpointing)
+    base = base.to(precision.base_dtype(config.lora.enabled)).train()
+    base.set_gradient_checkpointing(config.model.gradient_checkpointing)
     check_block_length(config, base, evaluated=False)  # a block-diffusion model as train takes it: a preset in
     take_block_length(config, base)  # --block-length's blocks, a checkpoint in its own
     with torch.device("meta"):  # the adapters' layers too: no initialisation on the host

@@ -2,11 +2,13 @@
 its directory (`run_dir.py`: one run at a time, no write through a link out of it), its checkpoints
 (`checkpoint.py`) and what resuming may change (`resume.py`), scaling out (`distributed.py`), its metrics and
 curves (`metrics.py`), the prompts (`data.py`), evaluation (`evaluation.py`, `evaluate`), the configuration
-(`config.py`, its values' types in `typed.py`) and the command line (`cli.py`). Nothing here names a model
+(`config.py`: `TrainConfig`, nested by role into the sections of `settings.py`; its values' types in `typed.py`)
+and the command line (`cli.py`). Nothing here names a model
 family: their knowledge sits behind the hooks of dllm_fast.models.
 
     from dllm_fast.train import TrainConfig, train
-    result = train(TrainConfig(objective="spg", steps=100))
+    result = train(TrainConfig(objective="spg", steps=100))          # flat keys, or sections:
+    result = train(TrainConfig(objective={"name": "spg"}, run={"steps": 100}))
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import torch
 
 from dllm_fast.files import atomic_directory, disk_full, follow_umask, write_text_atomic
 from dllm_fast.models.loading import family_of, load_model
-from dllm_fast.train.config import AUTO
+from dllm_fast.train.settings import AUTO
 from dllm_fast.train.distributed import full_state, set_full_state
 from dllm_fast.train.resume import CONFIG, saved_config
 
@@ -42,7 +42,7 @@ def save_checkpoint(run) -> None:
         target = run.run_dir.path(CHECKPOINT)
         try:
             with atomic_directory(target) as directory:
-                if run.config.lora:
+                if run.config.lora.enabled:
                     run.core.save_pretrained(str(directory / "adapter"), save_embedding_layers=False)
                     for file in (directory / "adapter").iterdir():
                         follow_umask(file)
@@ -65,10 +65,10 @@ def load_checkpoint(run) -> None:
     directory = run.run_dir.path(CHECKPOINT)
     state = read_state(directory / STATE)
     check_state_matches(state, saved_config(directory), directory / STATE)
-    if run.config.steps < state["step"]:
-        raise ValueError(f"--steps {run.config.steps} is below the step {state['step']} the checkpoint in "
+    if run.config.run.steps < state["step"]:
+        raise ValueError(f"--steps {run.config.run.steps} is below the step {state['step']} the checkpoint in "
                          f"{run.output_dir} reached; give more --steps to train further.")
-    weights = directory / ("adapter" if run.config.lora else "model")
+    weights = directory / ("adapter" if run.config.lora.enabled else "model")
     if not weights.is_dir():
         raise FileNotFoundError(f"{weights} is missing: the checkpoint is incomplete and cannot be resumed; start "
                                 "afresh with --overwrite true.")
@@ -82,7 +82,7 @@ def load_checkpoint(run) -> None:
                          f"{' '.join(str(error).split())[:300]}); it is damaged or was altered: start afresh with "
                          "--overwrite true.") from error
     run.step, run.data.position = state["step"], state["data_position"]
-    if run.config.micro_batch == AUTO and isinstance(state.get("micro_batch"), int):
+    if run.config.objective.micro_batch == AUTO and isinstance(state.get("micro_batch"), int):
         # --micro-batch auto resumes with the micro-batch it ran with (a refit to other free memory would cut the
         # pairs differently, and the run would not continue bit for bit)
         run.batching = dataclasses.replace(run.batching, micro_batch=state["micro_batch"])
@@ -93,7 +93,7 @@ def load_checkpoint(run) -> None:
 
 def _restore(run, directory: Path, state: dict) -> None:
     """The weights, optimizer, schedule and this rank's random streams of `state` into `run`."""
-    if run.config.lora:
+    if run.config.lora.enabled:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
@@ -102,7 +102,7 @@ def _restore(run, directory: Path, state: dict) -> None:
     else:
         saved = load_model(directory / "model", dtype=torch.float32, device="cpu").state_dict()
         set_full_state(run.core, run.optimizer, saved, state["optimizer"], run.sharded)
-    if run.config.lora or not run.sharded:
+    if run.config.lora.enabled or not run.sharded:
         run.optimizer.load_state_dict(state["optimizer"])
     run.schedule.load_state_dict(state["schedule"])
     streams = state["streams"][run.ranks.rank]
@@ -175,12 +175,13 @@ def _state_problem(state: dict) -> str | None:
 def check_state_matches(state: dict, config, path: Path) -> None:
     """The state continues the run `config` describes: its step within the saved run's --steps, and its data
     position the prompts those steps took."""
-    if state["step"] > config.steps:
-        raise ValueError(f"{path} is at step {state['step']}, past the --steps {config.steps} the run was saved with; "
-                         "the checkpoint was altered: start afresh with --overwrite true.")
-    if state["data_position"] != state["step"] * config.prompts_per_step:
+    if state["step"] > config.run.steps:
+        raise ValueError(f"{path} is at step {state['step']}, past the --steps {config.run.steps} the run was saved "
+                         "with; the checkpoint was altered: start afresh with --overwrite true.")
+    if state["data_position"] != state["step"] * config.run.prompts_per_step:
         raise ValueError(f"{path} has taken {state['data_position']} prompts in {state['step']} steps of "
-                         f"{config.prompts_per_step}; the checkpoint was altered: start afresh with --overwrite true.")
+                         f"{config.run.prompts_per_step}; the checkpoint was altered: start afresh with --overwrite "
+                         "true.")
 
 
 def unsharded_copy(model, state: dict | None):

@@ -1,4 +1,5 @@
-"""The `train` command: every TrainConfig field is a flag, described by its field's help, with its choices.
+"""The `train` command: every TrainConfig setting is a flag, described by its field's help, with its choices, grouped
+by the section that holds it (run, model, rollout, objective, optim, lora, eval).
 
     python -m dllm_fast train --help                        # every option, its default and its choices
     python -m dllm_fast train --objective spg --help        # and the objective's own options, the paper's defaults
@@ -21,13 +22,13 @@ import sys
 import textwrap
 import typing
 
-from dllm_fast.train.config import TrainConfig, field_choices, flag, read_config_file, registry_choices
+from dllm_fast.train.config import TrainConfig, read_config_file
+from dllm_fast.train.settings import OPTIONS, SECTIONS, Option, field_choices, flag, registry_choices
 from dllm_fast.train.typed import literal_words
 
 PROG = "python -m dllm_fast train"
 DESCRIPTION = """RL training. With no options: the embedded default, RL from a tiny sudoku4 model on CPU, printing
 base vs final greedy test accuracy and writing the curves (python -m dllm_fast train --help for this list)."""
-_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
 
 
@@ -39,31 +40,41 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, argv: typing.Sequence[str] = ()) -> None:
-    """Add `--config FILE` and one flag per TrainConfig field to `parser`. With `--objective NAME` in `argv`,
-    the help also lists that objective's own options and their defaults."""
-    parser.add_argument("--config", metavar="FILE", help="a YAML or JSON file of options; flags override it")
-    group = parser.add_argument_group("training options (the file's values, then these, override the defaults)")
-    hints = typing.get_type_hints(TrainConfig)
-    for name, config_field in _FIELDS.items():
-        hint = hints[name]
-        kind = _element_type(hint)
-        metavar = config_field.metadata.get("metavar") or _metavar(kind, field_choices(config_field))
-        options = dict(dest=name, default=argparse.SUPPRESS,
-                       type=_converter(name, kind, _optional(hint), literal_words(hint)),
-                       help=_help_line(config_field), metavar=metavar)
-        if _is_list(hint):
-            options["nargs"] = "+"
-        group.add_argument(flag(name), **options)
+    """Add `--config FILE` and one flag per TrainConfig setting to `parser`, in one group per section. With
+    `--objective NAME` in `argv`, the help also lists that objective's own options and their defaults."""
+    parser.add_argument("--config", metavar="FILE", help="a YAML or JSON file of options, flat (lr: 1e-4) or nested "
+                                                         "by section (optim: {lr: 1e-4}); the file's values, then "
+                                                         "the flags, override the defaults")
+    groups = {name: parser.add_argument_group(f"{name} settings (config.{name})", _summary(cls))
+              for name, cls in SECTIONS.items()}
+    for key, setting in OPTIONS.items():
+        groups[setting.section].add_argument(setting.flag, **_argument(setting))
     objective = _given(argv, "--objective")
     parser.epilog = objective_help(objective) if objective else (
         "`--objective NAME --help` also lists that objective's own options and their defaults.")
+
+
+def _argument(setting: Option) -> dict:
+    """argparse's keywords for one setting's flag."""
+    kind = _element_type(setting.hint)
+    options = dict(dest=setting.key, default=argparse.SUPPRESS, help=_help_line(setting.field),
+                   type=_converter(setting.key, kind, _optional(setting.hint), literal_words(setting.hint)),
+                   metavar=setting.field.metadata.get("metavar") or _metavar(kind, field_choices(setting.field)))
+    if _is_list(setting.hint):
+        options["nargs"] = "+"
+    return options
+
+
+def _summary(cls: type) -> str:
+    """A section's --help line: its docstring's first sentence."""
+    return " ".join((cls.__doc__ or "").split()).split(": ")[0].split(". ")[0].rstrip(".") + "."
 
 
 def config_from_arguments(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig of parsed flags: the defaults, then --config's file, then the flags given. With --resume
     true and a checkpoint in --output-dir, the saved run's configuration, of which only the options that may change
     on resume (CHANGEABLE_ON_RESUME) may be given differently."""
-    given = {name: getattr(args, name) for name in _FIELDS if hasattr(args, name)}
+    given = {key: getattr(args, key) for key in OPTIONS if hasattr(args, key)}
     config_file = getattr(args, "config", None)
     if config_file:
         given = {**read_config_file(config_file), **given}
@@ -73,7 +84,7 @@ def config_from_arguments(args: argparse.Namespace) -> TrainConfig:
         from dllm_fast.train.resume import CONFIG, resumed_config, saved_config
         from dllm_fast.train.run_dir import RunDirectory
 
-        checkpoint = RunDirectory(given.get("output_dir", _FIELDS["output_dir"].default)).path(CHECKPOINT)
+        checkpoint = RunDirectory(given.get("output_dir", OPTIONS["output_dir"].field.default)).path(CHECKPOINT)
         if settled_directory(checkpoint).is_dir():
             return resumed_config(saved_config(checkpoint), given, str(checkpoint / CONFIG))
     return TrainConfig.from_dict(given)
@@ -84,7 +95,7 @@ def parse_overrides(arguments: typing.Sequence[str]) -> dict:
     parser = new_parser()
     add_config_arguments(parser)
     args = parse(parser, arguments)
-    return {name: getattr(args, name) for name in _FIELDS if hasattr(args, name)}
+    return {key: getattr(args, key) for key in OPTIONS if hasattr(args, key)}
 
 
 def new_parser(**options) -> argparse.ArgumentParser:
@@ -100,7 +111,7 @@ def parse(parser: argparse.ArgumentParser, arguments: typing.Sequence[str]) -> a
         first = next((a for a in unknown if a.startswith("-")), unknown[0])
         if not first.startswith("--"):
             raise ValueError(f"expected an option such as --lr, got {first!r}.")
-        known = [flag(name) for name in _FIELDS] + ["--config"]
+        known = [setting.flag for setting in OPTIONS.values()] + ["--config"]
         close = difflib.get_close_matches(first.split("=")[0], known, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ValueError(f"unknown training option {first}{hint}; `{PROG} --help` lists the options.")
@@ -132,7 +143,7 @@ def main(argv: typing.Sequence[str] = ()) -> None:
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"{PROG}: interrupted; a checkpoint already in {config.output_dir} is intact (continue from it with "
+        print(f"{PROG}: interrupted; a checkpoint already in {config.run.output_dir} is intact (continue from it with "
               "--resume true).", file=sys.stderr)
         raise SystemExit(130) from None
     except (ValueError, TypeError, OSError, RuntimeError, FloatingPointError, MemoryError) as error:
@@ -145,7 +156,7 @@ def main(argv: typing.Sequence[str] = ()) -> None:
     for length in sorted(result.final_accuracy):
         base, final = result.base_accuracy.get(length, float("nan")), result.final_accuracy[length]
         print(f"greedy test accuracy at {length} tokens: base {base:.3f} -> final {final:.3f} ({final - base:+.3f})")
-    written = f"metrics, checkpoint and {PLOT}" if config.plot else "metrics and checkpoint"
+    written = f"metrics, checkpoint and {PLOT}" if config.run.plot else "metrics and checkpoint"
     ran = result.steps - result.resumed_at
     done = f"{ran} step{'s' * (ran != 1)}"
     if result.resumed_at:  # this process's steps and time, not the run's
@@ -267,11 +278,11 @@ value_converter = _converter  # the planner's own flags read values the same way
 
 
 def _dashed(arguments: typing.Sequence[str]) -> list[str]:
-    """`--inner_updates` -> `--inner-updates` (the field name spelt with underscores), other tokens as given."""
+    """`--inner_updates` -> `--inner-updates` (the flat key spelt with underscores), other tokens as given."""
     out = []
     for token in arguments:
         head, sep, tail = token.partition("=")
-        if head.startswith("--") and head[2:] in _FIELDS:
+        if head.startswith("--") and head[2:] in OPTIONS:
             token = flag(head[2:]) + sep + tail
         out.append(token)
     return out

@@ -1,10 +1,18 @@
-"""The trainer's configuration: one flat dataclass, loadable from a YAML or JSON file, with command-line overrides.
+"""The trainer's configuration: `TrainConfig`, one settings object per role (dllm_fast.train.settings), loadable
+from a YAML or JSON file, with command-line overrides.
 
     python -m dllm_fast train --task sudoku4 --objective espo --model sudoku4 --config run.yaml --lr 1e-4
 
-Precedence: the dataclass defaults, then the file, then `--key value` flags. Every field is a flag (see
-`dllm_fast.train.cli`), described by the `help` of its field below; `choices` name the registry a value must come
-from.
+    config = TrainConfig(model="small", lr=1e-3, gen_length=32)            # flat keywords, as the flags name them
+    config = TrainConfig(optim={"lr": 1e-3}, rollout=RolloutSettings(gen_length=32, block_length=32))
+    config.optim.lr, config.rollout.gen_length, config.lora.rank           # what the library reads
+
+The sections are the source of truth: `run`, `model`, `rollout`, `objective`, `optim`, `lora` and `eval`. Every
+setting also has a flat key (its flag without the dashes: `lr`, `gen_length`, `lora_rank`), which `TrainConfig(...)`,
+`from_dict` and config files accept beside, or instead of, the nested form (`optim: {lr: 1e-4}`); one setting
+given both ways is an error naming it. config.json is written nested; a flat one (runs of earlier versions) loads
+too. Precedence: the defaults, then the file, then `--key value` flags. Every setting is a flag (see
+`dllm_fast.train.cli`), described by the `help` of its field; `choices` name the registry a value must come from.
 """
 
 from __future__ import annotations
@@ -13,160 +21,57 @@ import dataclasses
 import difflib
 import importlib.util
 import json
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable
 
 from dllm_fast.contracts import MAX_PAIRS
+from dllm_fast.train.settings import (AUTO, OPTIONS, SECTIONS, EvalSettings, LoraSettings, ModelSettings,
+                                      ObjectiveSettings, OptimSettings, RolloutSettings, RunSettings)
 from dllm_fast.train.typed import check_type
-from dllm_fast.validation import check_float, check_int
 
-SCHEDULES = ("constant", "cosine", "linear")
-PARALLEL = ("ddp", "fsdp2")
-# A setting the run decides for its device: `--compile auto`, `--micro-batch auto`.
-AUTO = "auto"
-Auto = Literal["auto"]
-# --micro-batch auto on CPU, and the micro-batch a planner fit starts from.
-DEFAULT_MICRO_BATCH = 64
+__all__ = ["TrainConfig", "RunSettings", "ModelSettings", "RolloutSettings", "ObjectiveSettings", "OptimSettings",
+           "LoraSettings", "EvalSettings", "read_config_file", "task_options", "compiles_rollouts",
+           "compiles_scoring", "micro_batching", "check_block_length", "take_block_length"]
 
 
-def option(default=dataclasses.MISSING, *, help: str, choices: str | tuple | None = None, factory=None,
-           metavar: str | None = None, names: str | None = None):
-    """A config field with its one-line description; `choices` is a tuple of values or the name of a registry
-    (`objectives`, `tasks`, `caches`, `remasking`) that the command line lists; `names`, a registry of names the
-    field takes besides other values (`presets`); `metavar` names its value there."""
-    metadata = {"help": help, "choices": choices, "metavar": metavar, "names": names}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-@dataclass
+@dataclass(init=False)
 class TrainConfig:
-    # What to train: the embedded default (sudoku4) unless told otherwise.
-    task: str = option("sudoku4", help="the task to train on", choices="tasks")
-    task_options: dict = option(help="the task's options as JSON, e.g. '{\"train_path\": \"train.jsonl\"}'",
-                                factory=dict)
-    objective: str = option("espo", help="the RL objective (the one that gained most on the embedded default)",
-                            choices="objectives")
-    objective_options: dict = option(help="the objective's options as JSON, e.g. '{\"n_t\": 4}'; "
-                                          "`--objective NAME --help` lists them", factory=dict)
-    model: str = option("sudoku4", help="'sudoku4' (the embedded default), a checkpoint directory, or a preset "
-                                        "with random weights (the tokenizer's vocabulary and special ids)",
-                        metavar="NAME|DIR", names="presets")
-    tokenizer: str | None = option(None, help="tokenizer directory (default: the model's; the embedded one for "
-                                              "presets)", metavar="DIR")
-    output_dir: str = option("runs/default", help="run directory: metrics.jsonl, config.json, checkpoint/, "
-                                                  "curves.png", metavar="DIR")
-    seed: int = option(0, help="seeds the data order, rollouts, masks and any random weights")
-    device: str = option("auto", help="torch device; auto: cuda when available", metavar="DEVICE")
-    threads: int | None = option(None, help="CPU threads (default: torch's)")
+    """A training run's settings by role. Built from sections (objects or mappings of their fields) and/or flat
+    keywords; then checked as a whole: what needs several sections, the objective, the task, the model's files
+    and the device (without loading any weight), so that a wrong name fails before anything runs."""
 
-    # The loop.
-    steps: int = option(300, help="optimisation steps (each: rollouts, then the inner updates)")
-    prompts_per_step: int = option(8, help="prompts per step (a multiple of the number of ranks)")
-    group_size: int = option(8, help="G: completions per prompt")
-    inner_updates: int = option(1, help="mu: optimizer steps per rollout batch")
-    micro_batch: int | Auto = option(AUTO, help="(sequence, sample) pairs per backward graph; memory scales with "
-                                              "it. auto: on CUDA the largest the planner fits in 90% of the free "
-                                              f"memory (see dllm_fast.train.micro_batch), on CPU {DEFAULT_MICRO_BATCH}",
-                                     metavar="N|auto")
-    score_micro_batch: int | None = option(None, help="pairs per model call when scoring without a graph "
-                                                      "(default: --micro-batch)")
-    chunk_size: int | None = option(None, help="vocabulary rows per chunk of the fused LM head (default: by device)")
+    run: RunSettings = field(default_factory=RunSettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    objective: ObjectiveSettings = field(default_factory=ObjectiveSettings)
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    eval: EvalSettings = field(default_factory=EvalSettings)
 
-    # Rollouts (dllm_fast.generate).
-    gen_length: int = option(24, help="tokens generated per completion")
-    block_length: int = option(24, help="block of semi-autoregressive decoding (divides --gen-length); for a "
-                                        "block-diffusion model its attention block: a preset takes it, a "
-                                        "checkpoint's own must match")
-    diffusion_steps: int | None = option(12, help="denoising steps per completion (none: with --threshold; both: "
-                                                  "SDAR's dynamic rule on block-diffusion models)")
-    temperature: float = option(1.0, help="rollout sampling temperature (0: greedy)")
-    remasking: str = option("low_confidence", help="which positions a step unmasks", choices="remasking")
-    cache: str = option("none", help="KV-cache mode of the rollouts (Fast-dLLM)", choices="caches")
-    threshold: float | None = option(None, help="confidence threshold of parallel decoding, in (0, 1]")
-    compile: bool | Auto = option(AUTO, help="true: compile each denoising step of the rollouts (torch.compile; "
-                                             "CUDA graphs on GPU) and each scoring micro-batch whole; the first "
-                                             "ones compile (metrics: compile_seconds). auto: the rollouts on CUDA, "
-                                             "where CUDA graphs pay, nothing on CPU",
-                                  metavar="true|false|auto")
-
-    # Optimisation.
-    lr: float = option(1e-4, help="AdamW learning rate")
-    weight_decay: float = option(0.0, help="AdamW weight decay")
-    betas: list[float] = option(help="AdamW beta1 beta2", factory=lambda: [0.9, 0.99])
-    grad_clip: float = option(1.0, help="gradient-norm clip")
-    warmup_steps: int = option(0, help="linear warm-up, in optimizer steps")
-    schedule: str = option("constant", help="learning-rate schedule after the warm-up", choices=SCHEDULES)
-
-    # Setups.
-    lora: bool = option(False, help="train LoRA adapters (PEFT); the reference is the model without them")
-    lora_rank: int = option(16, help="LoRA rank")
-    lora_alpha: int = option(32, help="LoRA alpha")
-    lora_dropout: float = option(0.0, help="LoRA dropout, in [0, 1)")
-    lora_targets: list[str] | None = option(None, help="module names to adapt (default: every one the model "
-                                                       "family allows)", metavar="MODULE")
-    gradient_checkpointing: bool = option(False, help="recompute each block in backward")
-    bf16: bool | None = option(None, help="autocast to bf16 (default: on CUDA, not on CPU)")
-    parallel: str = option("ddp", help="under torchrun: ddp, or fsdp2 (full fine-tunes; sharded weights)",
-                           choices=PARALLEL)
-
-    # State and reporting.
-    checkpoint_every: int = option(50, help="steps between checkpoints (and the last step)")
-    resume: bool = option(False, help="continue from --output-dir's checkpoint")
-    overwrite: bool = option(False, help="start afresh in an --output-dir that holds another run's checkpoint")
-    eval_every: int = option(100, help="steps between greedy evaluations (and the last step)")
-    eval_gen_lengths: list[int] = option(help="generation lengths to evaluate at", factory=lambda: [24])
-    eval_examples: int | None = option(None, help="test examples to evaluate on (default: the whole test split)")
-    eval_batch_size: int = option(256, help="prompts per evaluation batch")
-    plot: bool = option(True, help="write curves.png at the end")
-    progress: bool = option(True, help="show a progress bar")
-
-    def __post_init__(self) -> None:
-        """Every field's type, then its range and its consistency with the others; errors name the flag."""
-        for name, value in vars(self).items():
-            setattr(self, name, _typed(name, value, flag(name)))
-        for name in ("steps", "prompts_per_step", "group_size", "inner_updates", "gen_length",
-                     "block_length", "checkpoint_every", "eval_every", "eval_batch_size", "lora_rank",
-                     "lora_alpha"):
-            check_int(flag(name), getattr(self, name), minimum=1)
-        if self.micro_batch != AUTO:
-            check_int("--micro-batch", self.micro_batch, minimum=1, hint="or auto")
-        for name in ("score_micro_batch", "chunk_size", "threads", "eval_examples", "diffusion_steps"):
-            if getattr(self, name) is not None:
-                check_int(flag(name), getattr(self, name), minimum=1)
-        check_int("--seed", self.seed, minimum=0, maximum=MAX_SEED)
-        check_int("--warmup-steps", self.warmup_steps, minimum=0)
-        check_float("--lr", self.lr, minimum=0.0, maximum=1.0, open_minimum=True,
-                    hint="AdamW's learning rates lie around 1e-6 to 1e-3")
-        check_float("--grad-clip", self.grad_clip, minimum=0.0, open_minimum=True)
-        check_float("--weight-decay", self.weight_decay, minimum=0.0)
-        if self.lr * self.weight_decay >= 1.0:
-            raise ValueError(f"--lr {self.lr} x --weight-decay {self.weight_decay} = {self.lr * self.weight_decay:g}: "
-                             "AdamW multiplies the weights by 1 - lr x weight_decay at every step, which must stay "
-                             "positive; lower --weight-decay (e.g. 0.01 to 0.1).")
-        check_float("--temperature", self.temperature, minimum=0.0, hint="0 is greedy")
-        check_float("--lora-dropout", self.lora_dropout, minimum=0.0, maximum=1.0, open_maximum=True)
-        if self.threshold is not None:
-            check_float("--threshold", self.threshold, minimum=0.0, maximum=1.0, open_minimum=True)
-        if len(self.betas) != 2:
-            raise ValueError(f"--betas {' '.join(map(str, self.betas))} must be two numbers (AdamW's beta1 beta2).")
-        for beta in self.betas:
-            check_float("--betas", beta, minimum=0.0, maximum=1.0, open_maximum=True)
-        if not self.eval_gen_lengths:
-            raise ValueError("--eval-gen-lengths must list at least one generation length.")
-        for length in self.eval_gen_lengths:
-            check_int("--eval-gen-lengths", length, minimum=1)
-        if not self.output_dir.strip():
-            raise ValueError("--output-dir is empty; name the run directory (e.g. runs/default).")
-        for name in ("schedule", "parallel", "objective", "task", "cache", "remasking"):
-            choices = field_choices(_FIELDS[name])
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{flag(name)} {getattr(self, name)!r} is not one of {', '.join(choices)}.")
+    def __init__(self, **settings: Any) -> None:
+        """`TrainConfig(lr=1e-3, rollout={"gen_length": 32, "block_length": 32}, lora=LoraSettings(...))`: flat
+        keys, sections as mappings or objects, or both; an unknown key is a TypeError naming the closest one."""
+        values = flat_values(settings, _keyword_error)
+        by_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, (value, _) in values.items():
+            by_section[OPTIONS[key].section][OPTIONS[key].name] = value
+        for name, cls in SECTIONS.items():
+            setattr(self, name, cls(**by_section[name]))
         self._check_consistency()
         self._check_setup()
+
+    def _check_consistency(self) -> None:
+        """What no one section can check alone."""
+        if self.run.parallel == "fsdp2" and self.lora.enabled:
+            raise ValueError("--parallel fsdp2 shards a full fine-tune; with --lora true use --parallel ddp.")
+        rollout = self.rollout
+        from dllm_fast.train.sources import block_diffusion_model
+
+        if rollout.threshold is not None and rollout.steps is not None and not block_diffusion_model(self):
+            raise ValueError(f"--threshold {rollout.threshold} sets the steps adaptively; pass --diffusion-steps none "
+                             "with it (or drop --threshold for a fixed schedule; both together are SDAR's dynamic "
+                             "rule, for block-diffusion models).")
 
     def _check_setup(self) -> None:
         """The objective and the task with their options, the model and the tokenizer: built or found without
@@ -174,107 +79,115 @@ class TrainConfig:
         from dllm_fast import objectives
         from dllm_fast.tasks import get_task
 
+        run = self.run
         with _prefixed("--objective-options"):
-            objective = objectives.get(self.objective, **self.objective_options)
-        samples = self.prompts_per_step * self.group_size * objective.config.n_t
+            objective = objectives.get(self.objective.name, **self.objective.options)
+        samples = run.prompts_per_step * run.group_size * objective.config.n_t
         if samples > MAX_PAIRS:  # the library's own bound (sample_masks refuses more)
-            raise ValueError(f"--prompts-per-step {self.prompts_per_step} x --group-size {self.group_size} x "
-                             f"{self.objective}'s n_t {objective.config.n_t} = {samples} Monte Carlo samples per "
-                             f"update, more than {MAX_PAIRS} (2^20); lower n_t (--objective-options "
+            raise ValueError(f"--prompts-per-step {run.prompts_per_step} x --group-size {run.group_size} x "
+                             f"{self.objective.name}'s n_t {objective.config.n_t} = {samples} Monte Carlo samples "
+                             f"per update, more than {MAX_PAIRS} (2^20); lower n_t (--objective-options "
                              "'{\"n_t\": 4}') or the rollouts per step.")
         with _prefixed("--task-options"):
-            get_task(self.task, **task_options(self))
+            get_task(run.task, **task_options(self))
         from dllm_fast.train.sources import check_device, model_source
 
         model_source(self)
-        check_device(self.device)
-        if self.lora and importlib.util.find_spec("peft") is None:
+        check_device(run.device)
+        if self.lora.enabled and importlib.util.find_spec("peft") is None:
             raise ValueError("--lora true needs the peft package, which is missing here; install it with "
                              "`pip install peft` (dllm_fast depends on it: `pip install -e .` installs it).")
 
-    def _check_consistency(self) -> None:
-        if self.parallel == "fsdp2" and self.lora:
-            raise ValueError("--parallel fsdp2 shards a full fine-tune; with --lora true use --parallel ddp.")
-        if self.resume and self.overwrite:
-            raise ValueError("--resume true continues the run in --output-dir and --overwrite true replaces it; "
-                             "give one of them.")
-        if self.gen_length % self.block_length:
-            raise ValueError(f"--gen-length {self.gen_length} is not a multiple of --block-length "
-                             f"{self.block_length}; choose a block length that divides it.")
-        blocks = self.gen_length // self.block_length
-        from dllm_fast.train.sources import block_diffusion_model
-
-        if self.threshold is not None and self.diffusion_steps is not None and not block_diffusion_model(self):
-            raise ValueError(f"--threshold {self.threshold} sets the steps adaptively; pass --diffusion-steps none "
-                             "with it (or drop --threshold for a fixed schedule; both together are SDAR's dynamic "
-                             "rule, for block-diffusion models).")
-        if self.threshold is None and self.diffusion_steps is None:
-            raise ValueError("--diffusion-steps none needs --threshold (adaptive steps); give one of them.")
-        if self.diffusion_steps is not None:
-            if self.diffusion_steps % blocks:
-                raise ValueError(f"--diffusion-steps {self.diffusion_steps} is not a multiple of the {blocks} "
-                                 "blocks (--gen-length / --block-length); use e.g. --diffusion-steps "
-                                 f"{blocks * max(1, self.diffusion_steps // blocks)}.")
-            if self.diffusion_steps > self.gen_length:
-                raise ValueError(f"--diffusion-steps {self.diffusion_steps} exceeds --gen-length {self.gen_length}: "
-                                 "a step unmasks at least one token, so steps beyond the completion's length run no "
-                                 f"model call; use at most {self.gen_length}.")
-        rollouts = self.prompts_per_step * self.group_size
-        if rollouts > MAX_ROLLOUTS_PER_STEP:
-            raise ValueError(f"--prompts-per-step {self.prompts_per_step} x --group-size {self.group_size} = "
-                             f"{rollouts} rollouts per step, more than {MAX_ROLLOUTS_PER_STEP} (2^20); lower them.")
-        if self.inner_updates > MAX_INNER_UPDATES:
-            raise ValueError(f"--inner-updates {self.inner_updates} is more than {MAX_INNER_UPDATES} optimizer steps "
-                             "per rollout batch (papers use 1-12); lower it.")
-
-    # -- loading --------------------------------------------------------------------------------------------
+    # -- loading and saving -----------------------------------------------------------------------------------
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> "TrainConfig":
-        """Load a YAML (.yaml/.yml) or JSON file of field values, then apply `overrides`. Every value of the file
-        is checked for its field's type, naming the file and the key."""
-        values = read_config_file(path)
-        return cls.from_dict({**values, **overrides})
+        """Load a YAML (.yaml/.yml) or JSON file of settings, flat or nested, then apply `overrides` (flat keys).
+        Every value of the file is checked for its field's type, naming the file and the key."""
+        return cls.from_dict({**read_config_file(path), **overrides})
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
-        unknown = sorted(set(values) - set(_FIELDS))
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], list(_FIELDS), n=1)
-            raise ValueError(f"unknown training option(s) {unknown}"
-                             f"{f' (did you mean {close[0]}?)' if close else ''}; the options are {sorted(_FIELDS)}.")
-        return cls(**values)
+        """The configuration of a mapping, flat (`{"lr": 1e-4}`), nested (`{"optim": {"lr": 1e-4}}`, as `to_dict`
+        writes it) or both; an unknown key is a ValueError naming the closest one."""
+        return cls(**{key: value for key, (value, _) in flat_values(values, _option_error).items()})
 
     def to_dict(self) -> dict[str, Any]:
+        """Nested, section by section: what config.json holds, and what `from_dict` reads back to an equal config."""
         return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by its flat key (`lr`, `lora_rank`), in --help order: what the command line and the resume
+        check compare option by option."""
+        return {key: getattr(getattr(self, option.section), option.name) for key, option in OPTIONS.items()}
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A copy with `changes` (flat keys or sections, as the constructor takes them) over this one's settings,
+        checked again."""
+        changed = {key: value for key, (value, _) in flat_values(changes, _keyword_error).items()}
+        return TrainConfig(**{**self.flat(), **changed})
 
     def generate_config(self, device_type: str):
         """The rollouts' settings as one GenerateConfig, for a run on `device_type` (which --compile auto needs):
         what the trainer, its evaluation, the planner and the TRL rollout function decode with."""
-        from dllm_fast.rollout.config import GenerateConfig
-
-        return GenerateConfig(gen_length=self.gen_length, block_length=self.block_length,
-                              steps=self.diffusion_steps, temperature=self.temperature, remasking=self.remasking,
-                              cache=self.cache, threshold=self.threshold,
-                              compile=compiles_rollouts(self, device_type))
+        return self.rollout.generate_config(compile=compiles_rollouts(self, device_type))
 
 
-def flag(name: str) -> str:
-    """A field's command-line flag: inner_updates -> --inner-updates."""
-    return "--" + name.replace("_", "-")
+# -- flat and nested keys -----------------------------------------------------------------------------------------
+def flat_values(values: dict[str, Any], unknown: Callable[[str, list[str]], Exception]) -> dict[str, tuple[Any, str]]:
+    """Settings given flat (`lr`), nested (`optim: {lr: ...}`, a mapping or a section object) or both, by flat key:
+    {key: (value, the key as it was given)}. A section's name with a mapping (or its object) is the section, with
+    any other value the flat setting of that name (`lora: true`, `model: small`). The same setting given both flat
+    and in a mapping is a ValueError naming it; a section object is a base that both override (so that
+    `dataclasses.replace(config, lr=...)` works). An unknown name is `unknown(name, the valid names)`."""
+    out: dict[str, tuple[Any, str]] = {}
+    base: dict[str, tuple[Any, str]] = {}  # a section object's values, which any other way of giving them overrides
+
+    def put(key: str, value: Any, spelt: str) -> None:
+        if key in out:
+            raise ValueError(f"{OPTIONS[key].path} is given twice, as {out[key][1]} and as {spelt}; keep one "
+                             f"(flat: {key}, nested: {OPTIONS[key].path}).")
+        out[key] = (value, spelt)
+
+    for name, value in values.items():
+        section = SECTIONS.get(name) if isinstance(name, str) else None
+        if section is not None and isinstance(value, (dict, section)):
+            fields = {f.name: f for f in dataclasses.fields(section)}
+            if not isinstance(value, dict):
+                base.update({f.metadata.get("key") or f.name: (getattr(value, f.name), f"{name}.{f.name}")
+                             for f in fields.values()})
+                continue
+            for field_name, item in value.items():
+                if field_name not in fields:
+                    raise unknown(f"{name}.{field_name}", [f"{name}.{other}" for other in fields])
+                put(fields[field_name].metadata.get("key") or field_name, item, f"{name}.{field_name}")
+        elif name in OPTIONS:
+            put(name, value, name)
+        elif section is not None:  # `run: 3`: a section that is neither a mapping nor a flat setting
+            raise TypeError(f"{name} = {value!r} must be a mapping of the {name} settings (e.g. "
+                            f"{name}: {{{next(iter(f.name for f in dataclasses.fields(section)))}: ...}}).")
+        else:
+            raise unknown(str(name), list(OPTIONS) + list(SECTIONS))
+    return {**base, **out}
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-_HINTS = typing.get_type_hints(TrainConfig)
-# Sizes beyond these are mistakes, not runs: refused at once instead of minutes of silence.
-MAX_ROLLOUTS_PER_STEP = 2**20
-MAX_INNER_UPDATES = 2**10
-MAX_SEED = 2**63 - 1
-_EXAMPLES = {"betas": "[0.9, 0.99]", "eval_gen_lengths": "[24, 48]", "lora_targets": "[q_proj, v_proj]"}
+def _closest(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _keyword_error(name: str, valid: list[str]) -> Exception:
+    return TypeError(f"TrainConfig() got an unexpected keyword argument {name!r}{_closest(name, valid)}; the "
+                     f"settings are {sorted(OPTIONS)}, or the sections {', '.join(SECTIONS)}.")
+
+
+def _option_error(name: str, valid: list[str]) -> Exception:
+    return ValueError(f"unknown training option(s) [{name!r}]{_closest(name, valid)}; the options are "
+                      f"{sorted(OPTIONS)}, or nested by section ({', '.join(SECTIONS)}).")
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The field values of a YAML or JSON config file, each checked for its field's type (the message names the
-    file and the key)."""
+    """The settings of a YAML or JSON config file, flat or nested, by flat key, each checked for its field's type
+    (the message names the file and the key as the file writes it)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist.")
@@ -303,12 +216,21 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ValueError(f"config file {path} must hold a mapping of option names to values, got a "
                          f"{type(values).__name__}.")
-    unknown = sorted(str(k) for k in values if k not in _FIELDS)
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], list(_FIELDS), n=1)
-        raise ValueError(f"config file {path}: unknown option(s) {unknown}"
-                         f"{f' (did you mean {close[0]}?)' if close else ''}; the options are {sorted(_FIELDS)}.")
-    return {key: _typed(key, value, f"{path}: {key}", from_file=True) for key, value in values.items()}
+
+    def unknown(name: str, valid: list[str]) -> Exception:
+        return ValueError(f"config file {path}: unknown option(s) [{name!r}]{_closest(name, valid)}; the options "
+                          f"are {sorted(OPTIONS)}, or nested by section ({', '.join(SECTIONS)}).")
+
+    try:
+        given = flat_values(values, unknown)
+    except TypeError as error:
+        raise TypeError(f"config file {path}: {error}") from None
+    except ValueError as error:
+        if str(error).startswith(f"config file {path}"):
+            raise
+        raise ValueError(f"config file {path}: {error}") from None
+    return {key: check_type(OPTIONS[key].hint, value, f"{path}: {spelt}", from_file=True,
+                            example=OPTIONS[key].example) for key, (value, spelt) in given.items()}
 
 
 MAX_CONFIG_BYTES = 2**20
@@ -329,46 +251,11 @@ def _config_loader():
     return ConfigLoader
 
 
-def _typed(name: str, value: Any, where: str, *, from_file: bool = False) -> Any:
-    return check_type(_HINTS[name], value, where, from_file=from_file, example=_EXAMPLES.get(name, ""))
-
-
-# The registries a field's `choices` may name; imported when asked (they need torch).
-def registry_choices(name: str) -> tuple[str, ...]:
-    if name == "objectives":
-        from dllm_fast import objectives
-
-        return tuple(objectives.available())
-    if name == "tasks":
-        from dllm_fast.tasks import available_tasks
-
-        return tuple(available_tasks())
-    if name == "caches":
-        from dllm_fast.rollout.cache import BLOCK_CACHE_POLICIES, CACHE_POLICIES
-
-        return tuple(CACHE_POLICIES) + tuple(BLOCK_CACHE_POLICIES)
-    if name == "remasking":
-        from dllm_fast.rollout.remasking import REMASKING
-
-        return tuple(REMASKING)
-    if name == "presets":
-        from dllm_fast.models.loading import PRESETS
-
-        return tuple(PRESETS)
-    raise KeyError(f"no registry named {name!r}")
-
-
-def field_choices(config_field: dataclasses.Field) -> tuple | None:
-    """The values a field may take, when they are a fixed set (its own tuple or a registry's names)."""
-    choices = config_field.metadata.get("choices")
-    return registry_choices(choices) if isinstance(choices, str) else choices
-
-
 # -- what the names of a config mean ----------------------------------------------------------------------------
 def task_options(config: TrainConfig) -> dict[str, Any]:
     """--task-options, and for the embedded model on its own task the prompt style it was trained on."""
-    options = dict(config.task_options)
-    if config.task == "sudoku4" and config.model == "sudoku4":
+    options = dict(config.run.task_options)
+    if config.run.task == "sudoku4" and config.model.name == "sudoku4":
         from dllm_fast.assets import SUDOKU4_TASK_OPTIONS
 
         options = {**SUDOKU4_TASK_OPTIONS, **options}
@@ -394,13 +281,13 @@ def compiles_rollouts(config: TrainConfig, device_type: str) -> bool:
     """Whether the rollouts run through the compiled denoising step: --compile true, or auto on CUDA (CUDA graphs
     replay a step without the host's per-kernel dispatch: 3.07x on dual-cache rollouts of the `small` preset on an
     H200; on CPU there is no launch overhead to save and compiling costs seconds)."""
-    return config.compile is True or (config.compile == AUTO and device_type == "cuda")
+    return config.rollout.compile is True or (config.rollout.compile == AUTO and device_type == "cuda")
 
 
 def compiles_scoring(config: TrainConfig) -> bool:
     """Whether scoring micro-batches compile: --compile true only (auto leaves them eager: their graphs, padded
     to buckets, were not measured to pay on a GPU, and refuse active LoRA dropout)."""
-    return config.compile is True
+    return config.rollout.compile is True
 
 
 def micro_batching(config: TrainConfig, *, auto: int):
@@ -409,8 +296,9 @@ def micro_batching(config: TrainConfig, *, auto: int):
     --micro-batch auto stands for here (the device's fit in train, the default in a plan)."""
     from dllm_fast.likelihood.settings import MicroBatching
 
-    return MicroBatching(auto if config.micro_batch == AUTO else config.micro_batch, config.score_micro_batch,
-                         config.chunk_size, compile=compiles_scoring(config))
+    settings = config.objective
+    return MicroBatching(auto if settings.micro_batch == AUTO else settings.micro_batch, settings.score_micro_batch,
+                         settings.chunk_size, compile=compiles_scoring(config))
 
 
 def check_block_length(config: TrainConfig, model, *, evaluated: bool = True) -> None:
@@ -424,14 +312,15 @@ def check_block_length(config: TrainConfig, model, *, evaluated: bool = True) ->
     size = block_length(model)
     if size is None:
         return
-    if config.model not in PRESETS and size != config.block_length:
-        raise ValueError(f"--block-length {config.block_length}, but --model {config.model} is a block-diffusion "
+    block = config.rollout.block_length
+    if config.model.name not in PRESETS and size != block:
+        raise ValueError(f"--block-length {block}, but --model {config.model.name} is a block-diffusion "
                          f"model trained with blocks of {size} (its config.json block_size), which its rollouts "
                          f"and likelihoods use; pass --block-length {size}.")
-    evaluations = [("--eval-gen-lengths", n) for n in config.eval_gen_lengths] if evaluated else []
-    for option, length in [("--gen-length", config.gen_length)] + evaluations:
-        if length % config.block_length:
-            raise ValueError(f"{option} {length} is not a multiple of --block-length {config.block_length}, the "
+    evaluations = [("--eval-gen-lengths", n) for n in config.eval.gen_lengths] if evaluated else []
+    for option, length in [("--gen-length", config.rollout.gen_length)] + evaluations:
+        if length % block:
+            raise ValueError(f"{option} {length} is not a multiple of --block-length {block}, the "
                              "block-diffusion model's block: every completion is decoded in whole blocks.")
 
 
@@ -440,5 +329,5 @@ def take_block_length(config: TrainConfig, model) -> None:
     from dllm_fast.contracts import block_length
     from dllm_fast.models.loading import PRESETS
 
-    if block_length(model) is not None and config.model in PRESETS:
-        model.block_length = config.block_length
+    if block_length(model) is not None and config.model.name in PRESETS:
+        model.block_length = config.rollout.block_length

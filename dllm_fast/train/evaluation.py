@@ -23,11 +23,11 @@ def evaluate_lengths(run) -> dict:
     """A metrics row: `eval_accuracy@<length>` and `eval_reward@<length>` for each of --eval-gen-lengths."""
     c = run.config
     row = {"step": run.step}
-    for length in c.eval_gen_lengths:
+    for length in c.eval.gen_lengths:
         with run.autocast():
             result = evaluate(run.core, run.tokenizer, run.task, run.test_examples,
                               config=eval_config(run.generate_config, c, length, run.core),
-                              batch_size=c.eval_batch_size)
+                              batch_size=c.eval.batch_size)
         row[f"eval_accuracy@{length}"] = result.accuracy
         row[f"eval_reward@{length}"] = result.mean_reward
     return row
@@ -46,11 +46,11 @@ def eval_config(rollouts: GenerateConfig, config, length: int, model) -> Generat
 def eval_schedule(config, length: int) -> tuple[int, int | None]:
     """Block length and diffusion steps for evaluating at `length` tokens: the training block when it divides the
     length, and the training rollout's steps per token."""
-    block = config.block_length if length % config.block_length == 0 else length
-    if config.diffusion_steps is None:
+    block = config.rollout.block_length if length % config.rollout.block_length == 0 else length
+    if config.rollout.steps is None:
         return block, None
     blocks = length // block
-    per_block = max(1, round(config.diffusion_steps * length / config.gen_length / blocks))
+    per_block = max(1, round(config.rollout.steps * length / config.rollout.gen_length / blocks))
     return block, blocks * per_block
 
 

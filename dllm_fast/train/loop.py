@@ -54,20 +54,21 @@ class TrainResult:
 def train(config: TrainConfig) -> TrainResult:
     """Run the training `config` describes (see the module docstring). The run directory is locked for the run:
     a second trainer on it is refused."""
-    with distributed_session(config.device) as ranks, RunDirectory(config.output_dir, ranks).locked() as run_dir:
+    with (distributed_session(config.run.device) as ranks,
+          RunDirectory(config.run.output_dir, ranks).locked() as run_dir):
         return _train(Run(config, ranks, run_dir))
 
 
 def _train(run: Run) -> TrainResult:
     config = run.config
     started, resumed_at = time.perf_counter(), run.step
-    if config.progress and run.ranks.writer:
+    if config.run.progress and run.ranks.writer:
         for note in run.setup_notes:
             print(note, file=sys.stderr)
     if run.step == 0:
         run.metrics.append(evaluate_lengths(run))  # the base model
-    progress = progress_bar(range(run.step, config.steps), show=config.progress and run.ranks.writer,
-                            description=f"{config.objective} on {config.task}", total=config.steps)
+    progress = progress_bar(range(run.step, config.run.steps), show=config.run.progress and run.ranks.writer,
+                            description=f"{config.objective.name} on {config.run.task}", total=config.run.steps)
     for step in progress:
         step_started = time.perf_counter()
         phases = PhaseMeter(run.device)  # each phase's seconds, peak memory and compile time
@@ -75,7 +76,7 @@ def _train(run: Run) -> TrainResult:
             progress.set_postfix_str("compiling the rollouts' denoising step")
 
         # 1-2. Prompts (this rank's share), then G rollouts each.
-        examples = run.data.take(config.prompts_per_step)[run.share]
+        examples = run.data.take(config.run.prompts_per_step)[run.share]
         with phases.phase("rollout"):
             rollout, completions, rollout_seconds = run.roll_out(examples)
 
@@ -90,24 +91,25 @@ def _train(run: Run) -> TrainResult:
         with phases.phase("update"):
             updates = [run.update(batch, update) for update in plan]
 
-        correct = [run.task.correct(examples[row // config.group_size], text) for row, text in enumerate(completions)]
+        group_size = config.run.group_size
+        correct = [run.task.correct(examples[row // group_size], text) for row, text in enumerate(completions)]
         pairs = sum(update.masks.num_sequences * update.masks.n_t for update in plan)
         row = step_metrics(step + 1, batch, correct, updates, rollout, rollout_seconds,
                            time.perf_counter() - step_started, run.schedule.get_last_lr()[0], phases, pairs,
                            run.batching.micro_batch)
         run.step = step + 1
-        if run.step % config.eval_every == 0 or run.step == config.steps:
+        if run.step % config.eval.every == 0 or run.step == config.run.steps:
             row.update(evaluate_lengths(run))
         row = run.ranks.average(row)
         run.metrics.append(row)
         compiled = {"compile": f"{row['compile_seconds']:.1f}s"} if row["compile_seconds"] > 0 else {}
         progress.set_postfix(reward=f"{row['reward_mean']:.3f}", accuracy=f"{row['accuracy']:.3f}", **compiled)
-        if run.step % config.checkpoint_every == 0 or run.step == config.steps:
+        if run.step % config.run.checkpoint_every == 0 or run.step == config.run.steps:
             save_checkpoint(run)
 
     base, final = run.metrics.accuracies()
     result = TrainResult(run.output_dir, base, final, run.step, time.perf_counter() - started, run.metrics.history,
                          run.ranks.rank, resumed_at)
-    if config.plot and run.ranks.writer:
+    if config.run.plot and run.ranks.writer:
         plot_curves(result.history, run.run_dir.path(PLOT))
     return result

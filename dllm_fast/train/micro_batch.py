@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from dllm_fast.train.config import DEFAULT_MICRO_BATCH, TrainConfig
+from dllm_fast.train.config import TrainConfig
+from dllm_fast.train.settings import DEFAULT_MICRO_BATCH
 
 MARGIN = 0.9  # of the device's free memory, for the plan's peak
 
@@ -38,7 +39,7 @@ def fitted_micro_batch(config: TrainConfig, device: torch.device | None = None, 
                                  description=f"{gpu.description}, {MARGIN:.0%} of {gpu.memory / 1e9:.1f} GB free")
     started = time.perf_counter()
     # The plan starts from the default micro-batch; compiled scoring is planned as eager (what the planner prices).
-    planned = dataclasses.replace(config, micro_batch=DEFAULT_MICRO_BATCH, compile=False)
+    planned = config.replace(objective={"micro_batch": DEFAULT_MICRO_BATCH}, rollout={"compile": False})
     plan = plan_step(planned, gpu=budget, prompt_length=prompt_length, search=True)
     fitted = plan.largest.get("micro_batch")
     if fitted is None:

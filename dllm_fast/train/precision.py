@@ -60,7 +60,7 @@ def training_precision(config, device_type: str, *, weights: torch.dtype | None 
     --bf16 says so (default: on CUDA), and then frozen weights in bf16 and trained ones in fp32 (module
     docstring). weights: every weight in this dtype instead, trained or not (the planner's what-if of a pure
     bf16 run, which train does not offer)."""
-    bf16 = config.bf16 if config.bf16 is not None else device_type == "cuda"
+    bf16 = config.model.bf16 if config.model.bf16 is not None else device_type == "cuda"
     compute = torch.bfloat16 if bf16 else None
     if weights is not None:
         return Precision(compute, weights, weights)
@@ -68,16 +68,16 @@ def training_precision(config, device_type: str, *, weights: torch.dtype | None 
 
 
 def training_models(base, config, precision: Precision, *, needs_reference: bool):
-    """(policy, reference or None) of a run, from its base model loaded in `precision.base_dtype(config.lora)`:
+    """(policy, reference or None) of a run, from its base model loaded in `precision.base_dtype(config.lora.enabled)`:
     the base with LoRA adapters in the trainable dtype (--lora true; the reference is then the base with the
     adapters disabled), or the base itself with, when the objective needs one, a frozen copy in the frozen
     dtype. On the meta device (the planner) nothing is initialised."""
-    expected = precision.base_dtype(config.lora)
+    expected = precision.base_dtype(config.lora.enabled)
     floating = {p.dtype for p in base.parameters() if p.is_floating_point()}
     if floating != {expected}:
         raise ValueError(f"the base model holds {sorted(map(short_name, floating))} weights; load it in "
                          f"{short_name(expected)} (Precision.base_dtype) before building the run's models.")
-    if config.lora:
+    if config.lora.enabled:
         policy = add_lora(base, config)
         for parameter in policy.parameters():
             if parameter.requires_grad and parameter.dtype != precision.trainable:
@@ -102,7 +102,7 @@ def add_lora(model, config):
 
     from dllm_fast.train.sources import lora_targets
 
-    lora = peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+    lora = peft.LoraConfig(r=config.lora.rank, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
                            target_modules=model.lora_target_pattern(lora_targets(type(model), config)))
     # With checkpointing on, PEFT hooks the input embeddings so that their output requires grad, which reentrant
     # checkpointing needs. The models' checkpointing is non-reentrant, and the hook's requires_grad_ breaks the

@@ -1,17 +1,17 @@
 """What a resumed run is: the saved run's configuration, of which only how long it runs and how it reports may
-change. `--resume true` never silently continues with other settings, and config.json says what runs."""
+change. `--resume true` never silently continues with other settings, and config.json says what runs. Options are
+compared by their flat keys (the flags' names); config.json is read nested or flat (as earlier versions wrote it)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
-from dllm_fast.train.config import TrainConfig, flag
+from dllm_fast.train.config import TrainConfig
+from dllm_fast.train.settings import OPTIONS, flag
 
 CONFIG = "config.json"  # the configuration that ran, in the run directory and in each checkpoint
-_FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
 # What a resumed run may change: how long it runs and how it reports. Everything else must be the saved run's.
 CHANGEABLE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "progress", "plot", "threads")
 # Where and how to start, not what runs.
@@ -22,31 +22,35 @@ def resumed_config(saved: TrainConfig, given: dict[str, Any], where: str) -> Tra
     """The configuration of a resumed run: the saved one (`where` names its file), with the options `given` on the
     command line or in a config file that may change on resume; any other given option that differs is an error
     listing them all."""
-    differing = [name for name in _FIELDS if name in given  # in the order of --help
-                 and name not in CHANGEABLE_ON_RESUME + RUN_CONTROL and given[name] != getattr(saved, name)]
+    settings = saved.flat()
+    differing = [name for name in OPTIONS if name in given  # in the order of --help
+                 and name not in CHANGEABLE_ON_RESUME + RUN_CONTROL and given[name] != settings[name]]
     if differing:
         raise ValueError(_resume_refusal(saved, given, differing, where))
     kept = {name: value for name, value in given.items() if name in CHANGEABLE_ON_RESUME + RUN_CONTROL}
-    return dataclasses.replace(saved, **kept)
+    return saved.replace(**kept)
 
 
 def check_resumable(config: TrainConfig, saved: TrainConfig, where: str) -> None:
     """Raise unless `config` continues the run `saved` describes (only CHANGEABLE_ON_RESUME may differ)."""
-    differing = [name for name in _FIELDS if name not in CHANGEABLE_ON_RESUME + RUN_CONTROL
-                 and getattr(config, name) != getattr(saved, name)]
+    settings, saved_settings = config.flat(), saved.flat()
+    differing = [name for name in OPTIONS if name not in CHANGEABLE_ON_RESUME + RUN_CONTROL
+                 and settings[name] != saved_settings[name]]
     if differing:
-        raise ValueError(_resume_refusal(saved, config.to_dict(), differing, where))
+        raise ValueError(_resume_refusal(saved, settings, differing, where))
 
 
 def _resume_refusal(saved: TrainConfig, given: dict[str, Any], differing: list[str], where: str) -> str:
-    listed = ", ".join(f"{flag(name)} {given[name]!r} (saved: {getattr(saved, name)!r})" for name in differing)
+    settings = saved.flat()
+    listed = ", ".join(f"{flag(name)} {given[name]!r} (saved: {settings[name]!r})" for name in differing)
     return (f"--resume true continues the run saved in {where}, but these options differ from it: {listed}. On "
             f"resume only {', '.join(map(flag, CHANGEABLE_ON_RESUME))} may change; drop the others, or start a new "
             "run with --overwrite true or another --output-dir.")
 
 
 def saved_config(checkpoint: Path) -> TrainConfig:
-    """The configuration the checkpoint directory's run was trained with (its config.json)."""
+    """The configuration the checkpoint directory's run was trained with (its config.json, nested, or flat as
+    earlier versions wrote it)."""
     path = checkpoint / CONFIG
     try:
         values = json.loads(path.read_text())

@@ -26,8 +26,7 @@ from dllm_fast.tasks import get_task
 from dllm_fast.tasks.encoding import decode_completions, encode_prompts
 from dllm_fast.tasks.rewards import task_reward
 from dllm_fast.train.checkpoint import CHECKPOINT, load_checkpoint, seed_everything
-from dllm_fast.train.config import (AUTO, DEFAULT_MICRO_BATCH, TrainConfig, check_block_length, micro_batching,
-                                    take_block_length, task_options)
+from dllm_fast.train.config import TrainConfig, check_block_length, micro_batching, take_block_length, task_options
 from dllm_fast.train.data import PromptStream
 from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
@@ -36,6 +35,7 @@ from dllm_fast.train.precision import Precision, short_name, training_models, tr
 from dllm_fast.train.resume import CONFIG, check_resumable, saved_config
 from dllm_fast.train import step as train_step
 from dllm_fast.train.run_dir import RunDirectory
+from dllm_fast.train.settings import AUTO, DEFAULT_MICRO_BATCH
 from dllm_fast.train.sources import model_source
 
 
@@ -45,78 +45,78 @@ class Run:
 
     def __init__(self, config: TrainConfig, ranks: Ranks = Ranks(), run_dir: RunDirectory | None = None):
         self.config, self.ranks = config, ranks
-        self.run_dir = run_dir if run_dir is not None else RunDirectory(config.output_dir, ranks)
+        self.run_dir = run_dir if run_dir is not None else RunDirectory(config.run.output_dir, ranks)
         self.output_dir = self.run_dir.root
-        self.device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
-                                   else ("cpu" if config.device == "auto" else config.device))
+        self.device = torch.device("cuda" if config.run.device == "auto" and torch.cuda.is_available()
+                                   else ("cpu" if config.run.device == "auto" else config.run.device))
         if self.device.type == "cuda" and ranks.world > 1:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if config.prompts_per_step % ranks.world:
-            raise ValueError(f"--prompts-per-step {config.prompts_per_step} must be a multiple of the {ranks.world} "
-                             "ranks: each rank rolls out its own complete prompt groups.")
-        self.share = ranks.share(config.prompts_per_step)
-        self.sharded = sharded(config.parallel, ranks)
-        if self.sharded and config.threshold is not None:
+        if config.run.prompts_per_step % ranks.world:
+            raise ValueError(f"--prompts-per-step {config.run.prompts_per_step} must be a multiple of the "
+                             f"{ranks.world} ranks: each rank rolls out its own complete prompt groups.")
+        self.share = ranks.share(config.run.prompts_per_step)
+        self.sharded = sharded(config.run.parallel, ranks)
+        if self.sharded and config.rollout.threshold is not None:
             raise ValueError("--threshold decoding takes a different number of model calls on each rank, which "
                              "FSDP2's sharded forwards cannot; use a fixed schedule (--diffusion-steps) or DDP.")
         for name in (METRICS, PLOT, CONFIG, CHECKPOINT):  # a link out of the directory, or the wrong kind: refused
             self.run_dir.expect(name, directory=name == CHECKPOINT)
         self.previous = self._previous_checkpoint()
-        if config.threads is not None:
+        if config.run.threads is not None:
             cpus = os.cpu_count() or 1
-            if config.threads > cpus:  # OpenMP fails to start that many threads and the process dies
-                raise ValueError(f"--threads {config.threads} is more than this machine's {cpus} CPUs; use at most "
+            if config.run.threads > cpus:  # OpenMP fails to start that many threads and the process dies
+                raise ValueError(f"--threads {config.run.threads} is more than this machine's {cpus} CPUs; use at most "
                                  f"{cpus} (or leave it out for torch's default).")
-            torch.set_num_threads(config.threads)
-        seed_everything(config.seed + ranks.rank)
+            torch.set_num_threads(config.run.threads)
+        seed_everything(config.run.seed + ranks.rank)
         # The dtype of every weight and the compute dtype (precision.py), and what compiles (--compile).
         self.precision = training_precision(config, self.device.type)
         self.bf16 = self.precision.compute is not None
         # The rollouts' settings, one object: every rollout and evaluation decodes with it.
         self.generate_config = config.generate_config(self.device.type)
         self.compiled_rollouts = self.generate_config.compile
-        self.task = get_task(config.task, **task_options(config))
-        self.objective = objectives.get(config.objective, **config.objective_options)
-        check_rollout_records(self.objective, config.objective)
-        self.data = PromptStream(self.task.train_examples(seed=config.seed), seed=config.seed)
-        self.test_examples = self.task.test_examples()[:config.eval_examples]
+        self.task = get_task(config.run.task, **task_options(config))
+        self.objective = objectives.get(config.objective.name, **config.objective.options)
+        check_rollout_records(self.objective, config.objective.name)
+        self.data = PromptStream(self.task.train_examples(seed=config.run.seed), seed=config.run.seed)
+        self.test_examples = self.task.test_examples()[:config.eval.examples]
         # The model, its tokenizer and the task's prompts agree before any weight is read.
         source, self.tokenizer, skeleton = model_and_tokenizer_plan(config)
         check_lengths(config, self.task, self.data.examples, self.test_examples, self.tokenizer, skeleton)
         check_sizes(config, skeleton, self.device, ranks, self.objective.needs_reference, self.precision)
         check_block_length(config, skeleton)
         # What the run decided for its device, said before the first step (on CPU by default: nothing).
-        self.setup_notes = [self.precision.describe(config.lora)] if self.bf16 else []
+        self.setup_notes = [self.precision.describe(config.lora.enabled)] if self.bf16 else []
         # The trainer's flags for the engine's micro-batching, in one place; --micro-batch auto is fitted to the
         # device's free memory before the weights take their share of it.
         fitted = DEFAULT_MICRO_BATCH
-        if config.micro_batch == AUTO:
+        if config.objective.micro_batch == AUTO:
             fitted, note = auto_micro_batch(config, self.device, ranks)
             self.setup_notes += [note] if self.device.type == "cuda" else []
         if self.compiled_rollouts:
-            self.setup_notes.append(f"--compile {str(config.compile).lower()}: rollouts compiled; the first step "
-                                    "compiles the denoising step (compile_seconds in metrics.jsonl)")
+            self.setup_notes.append(f"--compile {str(config.rollout.compile).lower()}: rollouts compiled; the first "
+                                    "step compiles the denoising step (compile_seconds in metrics.jsonl)")
         self.batching = micro_batching(config, auto=fitted)
-        base = load_model(source, dtype=self.precision.base_dtype(config.lora), device=self.device,
-                          seed=config.seed, tokenizer=self.tokenizer).train()
+        base = load_model(source, dtype=self.precision.base_dtype(config.lora.enabled), device=self.device,
+                          seed=config.run.seed, tokenizer=self.tokenizer).train()
         take_block_length(config, base)
-        base.set_gradient_checkpointing(config.gradient_checkpointing)
+        base.set_gradient_checkpointing(config.model.gradient_checkpointing)
         # The reference policy: the initial weights, frozen. With LoRA, the objective disables the adapters instead.
         self.model, self.ref_model = training_models(base, config, self.precision,
                                                      needs_reference=self.objective.needs_reference)
-        self.model = data_parallel_wrapper(self.model, config.parallel, ranks, self.device)
+        self.model = data_parallel_wrapper(self.model, config.run.parallel, ranks, self.device)
         self.core = unwrap_model(self.model)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, betas=tuple(config.betas),
-                                           weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=config.optim.lr, betas=tuple(config.optim.betas),
+                                           weight_decay=config.optim.weight_decay)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, learning_rate_factor(config))
         self.step_hooks = train_step.StepHooks(autocast=self.autocast)  # train/step.py's phases in this precision
-        self.rollout_generator = torch.Generator(self.device).manual_seed(config.seed + 7919 * ranks.rank)
-        self.mask_generator = torch.Generator().manual_seed(config.seed + 1 + 7919 * ranks.rank)
+        self.rollout_generator = torch.Generator(self.device).manual_seed(config.run.seed + 7919 * ranks.rank)
+        self.mask_generator = torch.Generator().manual_seed(config.run.seed + 1 + 7919 * ranks.rank)
         self.step = 0
         self.metrics = MetricsLog(self.run_dir)
         # Built and checked: now the run takes the directory over.
-        if self.previous and config.resume:
+        if self.previous and config.run.resume:
             load_checkpoint(self)
         elif ranks.writer:
             if self.previous:  # --overwrite: the earlier run's checkpoint goes now, so nothing can resume it
@@ -130,10 +130,10 @@ class Run:
         """Whether the run directory holds a checkpoint; with --resume, it must be one this config continues."""
         checkpoint = self.run_dir.path(CHECKPOINT)
         previous = settled_directory(checkpoint).is_dir()
-        if previous and not (self.config.resume or self.config.overwrite):  # a new run would replace it
+        if previous and not (self.config.run.resume or self.config.run.overwrite):  # a new run would replace it
             raise FileExistsError(f"{self.output_dir} holds the checkpoint of an earlier run; continue it with "
                                   "--resume true, replace it with --overwrite true, or pick another --output-dir.")
-        if previous and self.config.resume:
+        if previous and self.config.run.resume:
             check_resumable(self.config, saved_config(checkpoint), str(checkpoint / CONFIG))
         return previous
 
@@ -144,7 +144,7 @@ class Run:
     def roll_out(self, examples):
         """G completions per prompt (rows g * G .. g * G + G - 1 are prompt g's), decoded."""
         c = self.config
-        prompts = [self.task.prompt(e, self.tokenizer) for e in examples for _ in range(c.group_size)]
+        prompts = [self.task.prompt(e, self.tokenizer) for e in examples for _ in range(c.run.group_size)]
         input_ids, attention_mask = encode_prompts(self.tokenizer, prompts, device=self.device,
                                                    pad_token_id=self.core.eos_token_id)
         started = time.perf_counter()
@@ -156,7 +156,7 @@ class Run:
 
     def rollout_batch(self, examples, rollout, completions) -> RolloutBatch:
         """The task's rewards of the completions, with the rollouts: what the objective consumes."""
-        G = self.config.group_size
+        G = self.config.run.group_size
         rewards = [task_reward(self.task, examples[row // G], text,
                                f"prompt {row // G} of step {self.step + 1} ({examples[row // G].question[:200]!r}), "
                                f"completion {text[:200]!r}") for row, text in enumerate(completions)]
@@ -168,12 +168,13 @@ class Run:
         """The objective's plan of this batch's mu inner updates: each one's masks, and the old policy's lp on
         the masks of every update after the first (the policy moves at each update)."""
         return train_step.plan_updates(self.objective, self.model, batch,
-                                       moved=train_step.moved_after_first(self.config.inner_updates),
+                                       moved=train_step.moved_after_first(self.config.objective.inner_updates),
                                        generator=self.mask_generator, batching=self.batching, hooks=self.step_hooks)
 
     def update(self, batch: RolloutBatch, update: InnerUpdate) -> dict:
         """One inner update: the objective's gradient, clipping, an AdamW step and the schedule."""
-        optimization = train_step.Optimization(self.trainable, self.optimizer, self.config.grad_clip, self.schedule)
+        optimization = train_step.Optimization(self.trainable, self.optimizer, self.config.optim.grad_clip,
+                                               self.schedule)
         out, norm = train_step.run_update(self.objective, self.model, batch, update, batching=self.batching,
                                           optimization=optimization, ref_model=self.ref_model,
                                           hooks=self.step_hooks, when=f" at step {self.step + 1}")
@@ -202,18 +203,18 @@ def load_model_and_tokenizer(config: TrainConfig, device: torch.device | str):
     """The policy's initial weights and its tokenizer, from the embedded default, a checkpoint directory or a
     preset with random weights (see `model_and_tokenizer_plan`)."""
     source, tokenizer, _ = model_and_tokenizer_plan(config)
-    model = load_model(source, dtype=torch.float32, device=device, seed=config.seed, tokenizer=tokenizer)
+    model = load_model(source, dtype=torch.float32, device=device, seed=config.run.seed, tokenizer=tokenizer)
     return model.train(), tokenizer
 
 
 def model_and_tokenizer_plan(config: TrainConfig):
     """(what load_model loads, the tokenizer, the model's meta-device skeleton), checked to agree before any weight
-    is read. The tokenizer is `config.tokenizer`, else the checkpoint's own, else (presets) the embedded default's,
-    whose vocabulary and special ids a preset then takes."""
+    is read. The tokenizer is `config.model.tokenizer`, else the checkpoint's own, else (presets) the embedded
+    default's, whose vocabulary and special ids a preset then takes."""
     source, _, tokenizer_dir = model_source(config)
     tokenizer = load_tokenizer(tokenizer_dir)
     skeleton = model_skeleton(source, tokenizer=tokenizer)
-    check_tokenizer(skeleton, tokenizer, model_name=repr(config.model), tokenizer_name=str(tokenizer_dir))
+    check_tokenizer(skeleton, tokenizer, model_name=repr(config.model.name), tokenizer_name=str(tokenizer_dir))
     return source, tokenizer, skeleton
 
 
@@ -233,14 +234,14 @@ def check_lengths(config: TrainConfig, task, train_examples, test_examples, toke
     limit = getattr(model, "max_sequence_length", None)
     if limit is None:
         return
-    for option, length in [("--gen-length", config.gen_length)] + [("--eval-gen-lengths", n)
-                                                                     for n in config.eval_gen_lengths]:
+    for option, length in [("--gen-length", config.rollout.gen_length)] + [("--eval-gen-lengths", n)
+                                                                     for n in config.eval.gen_lengths]:
         if length >= limit:
             raise ValueError(f"{option} {length} leaves no room for a prompt: the model has {limit} positions "
                              f"(max_sequence_length); lower {option}.")
     longest_token = max(map(len, tokenizer.get_vocab()), default=1)
-    for split, examples, option, lengths in (("training", train_examples, "--gen-length", [config.gen_length]),
-                                             ("test", test_examples, "--eval-gen-lengths", config.eval_gen_lengths)):
+    for split, examples, option, lengths in (("training", train_examples, "--gen-length", [config.rollout.gen_length]),
+                                             ("test", test_examples, "--eval-gen-lengths", config.eval.gen_lengths)):
         room = limit - max(lengths)
         prompts = [task.prompt(example, tokenizer) for example in examples]
         for example, text in zip(examples, prompts):
@@ -271,19 +272,19 @@ def check_sizes(config: TrainConfig, model, device: torch.device, ranks: Ranks, 
     whose weights, gradients, AdamW moments and reference copy (in the dtypes of `precision`) alone exceed the
     device's free memory (an estimate that leaves out activations; checked for a single process)."""
     width = model.lm_head_weight.shape[1]
-    if config.lora and config.lora_rank > width:
-        raise ValueError(f"--lora-rank {config.lora_rank} exceeds the model's width {width}, beyond which LoRA adds "
+    if config.lora.enabled and config.lora.rank > width:
+        raise ValueError(f"--lora-rank {config.lora.rank} exceeds the model's width {width}, beyond which LoRA adds "
                          "nothing; use e.g. --lora-rank 16.")
     available = free_memory(device)
     if ranks.world > 1 or available is None:
         return
     parameters = sum(p.numel() for p in model.parameters())
     trained, frozen = precision.trainable.itemsize, precision.frozen.itemsize
-    reference = needs_reference and not config.lora
+    reference = needs_reference and not config.lora.enabled
     # LoRA: the frozen weights; a full fine-tune: weights, gradients and 2 AdamW moments, and the reference copy
-    needed = parameters * (frozen if config.lora else 4 * trained + (frozen if reference else 0))
+    needed = parameters * (frozen if config.lora.enabled else 4 * trained + (frozen if reference else 0))
     if needed > available:
-        if config.lora:
+        if config.lora.enabled:
             setup = f"its weights in {short_name(precision.frozen)}"
         elif reference and frozen != trained:
             setup = (f"weights, gradients and AdamW's two moments in {short_name(precision.trainable)} and the "
@@ -292,9 +293,9 @@ def check_sizes(config: TrainConfig, model, device: torch.device, ranks: Ranks, 
             setup = "weights, gradients, AdamW's two moments" + (" and the reference copy" if reference else "") + (
                 f" in {short_name(precision.trainable)}")
         count = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters:,}"
-        raise ValueError(f"--model {config.model!r} has {count} parameters: {setup} take about "
+        raise ValueError(f"--model {config.model.name!r} has {count} parameters: {setup} take about "
                          f"{_size(needed)}, more than the {_size(available)} free on {device}. Use a smaller model"
-                         f"{'' if config.lora else ', --lora true'} or a larger device.")
+                         f"{'' if config.lora.enabled else ', --lora true'} or a larger device.")
 
 
 def _size(size: int) -> str:
@@ -314,15 +315,15 @@ def free_memory(device: torch.device) -> int | None:
 
 
 def learning_rate_factor(config: TrainConfig):
-    total = config.steps * config.inner_updates
-    warmup = config.warmup_steps
+    total = config.run.steps * config.objective.inner_updates
+    warmup = config.optim.warmup_steps
 
     def factor(update: int) -> float:
         if update < warmup:
             return (update + 1) / warmup
-        if config.schedule == "constant":
+        if config.optim.schedule == "constant":
             return 1.0
         progress = min(1.0, (update - warmup) / max(1, total - warmup))
-        return 0.5 * (1 + math.cos(math.pi * progress)) if config.schedule == "cosine" else 1.0 - progress
+        return 0.5 * (1 + math.cos(math.pi * progress)) if config.optim.schedule == "cosine" else 1.0 - progress
 
     return factor

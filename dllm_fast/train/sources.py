@@ -1,7 +1,7 @@
 """What a training configuration's names point at, checked without loading weights: the model family and
 tokenizer directory behind --model and --tokenizer (`model_source`), whether that family decodes in blocks, the
 device behind --device (`check_device`) and the modules --lora-targets adapts (`lora_targets`). The trainer,
-the planner and TrainConfig.validate call them; config.py holds the configuration alone."""
+the planner and TrainConfig's checks call them; config.py holds the configuration alone."""
 
 from __future__ import annotations
 
@@ -18,18 +18,19 @@ def model_source(config: TrainConfig) -> tuple[Any, type, Path]:
     from dllm_fast.assets import SUDOKU4_DIR
     from dllm_fast.models.loading import PRESETS, model_family
 
-    source = SUDOKU4_DIR if config.model == "sudoku4" else config.model
+    name = config.model.name
+    source = SUDOKU4_DIR if name == "sudoku4" else name
     try:
         family = model_family(source)
     except FileNotFoundError:
-        raise FileNotFoundError(f"--model {config.model!r} is neither a preset ({', '.join(PRESETS)}), 'sudoku4' "
+        raise FileNotFoundError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}), 'sudoku4' "
                                 "(the embedded default), nor a directory holding config.json.") from None
     except ValueError as error:
-        raise ValueError(f"--model {config.model!r}: {error}") from None
-    if config.lora:
+        raise ValueError(f"--model {name!r}: {error}") from None
+    if config.lora.enabled:
         lora_targets(family, config)
-    tokenizer = Path(config.tokenizer or (SUDOKU4_DIR if config.model in PRESETS else source))
-    option = "--tokenizer" if config.tokenizer else "--model"
+    tokenizer = Path(config.model.tokenizer or (SUDOKU4_DIR if name in PRESETS else source))
+    option = "--tokenizer" if config.model.tokenizer else "--model"
     if not tokenizer.is_dir():
         raise FileNotFoundError(f"{option} {str(tokenizer)!r} is not a directory (one holding a tokenizer's "
                                 "tokenizer_config.json and files).")
@@ -47,7 +48,7 @@ def block_diffusion_model(config: TrainConfig) -> bool:
     from dllm_fast.models.loading import model_family
 
     try:
-        family = model_family(SUDOKU4_DIR if config.model == "sudoku4" else config.model)
+        family = model_family(SUDOKU4_DIR if config.model.name == "sudoku4" else config.model.name)
     except (FileNotFoundError, ValueError):
         return False
     return bool(getattr(family, "block_diffusion", False))
@@ -83,7 +84,7 @@ def check_device(device: str):
 def lora_targets(family: type, config: TrainConfig) -> tuple[str, ...]:
     """--lora-targets, checked against the modules the model family lets LoRA adapt (all of them by default)."""
     allowed = tuple(family.lora_target_modules)
-    targets = allowed if config.lora_targets is None else tuple(config.lora_targets)
+    targets = allowed if config.lora.targets is None else tuple(config.lora.targets)
     unknown = sorted(set(targets) - set(allowed))
     if unknown or not targets:
         raise ValueError(f"--lora-targets {' '.join(targets) or '(none)'}: {family.__name__}'s adaptable modules "
