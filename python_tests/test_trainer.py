@@ -206,3 +206,34 @@ def test_torchrun_checkpoints_from_rank_0_and_resumes_every_rank(tmp_path, paral
     assert all(torch.equal(want[k], got[k]) for k in want)
     rows = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and "eval_accuracy@24" in rows[2]
+
+
+def test_the_progress_bar_says_compiling_on_the_first_step_only(tmp_path, monkeypatch):
+    """The first rollout of a process compiles the denoising step; the bar said "compiling" before every step
+    (it compared the step with the run's step, which each step advances)."""
+    from dllm_fast.train import loop
+
+    postfixes = []
+
+    class Bar:
+        def __init__(self, steps, **kwargs):
+            self.steps = steps
+
+        def __iter__(self):
+            return iter(self.steps)
+
+        def set_postfix_str(self, text):
+            postfixes.append(text)
+
+        def set_postfix(self, **values):
+            postfixes.append("values")
+
+    class CompiledRun(loop.Run):  # the message only; the rollouts themselves stay eager (fast on CPU)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.compiled_rollouts = True
+
+    monkeypatch.setattr(loop, "progress_bar", Bar)
+    monkeypatch.setattr(loop, "Run", CompiledRun)
+    train(quick_config(tmp_path, steps=3, checkpoint_every=3, eval_every=3))
+    assert postfixes == ["compiling the rollouts' denoising step", "values", "values", "values"]

@@ -72,7 +72,7 @@ def _train(run: Run) -> TrainResult:
     for step in progress:
         step_started = time.perf_counter()
         phases = PhaseMeter(run.device)  # each phase's seconds, peak memory and compile time
-        if step == run.step and run.compiled_rollouts:  # the first rollout of the process compiles its step
+        if step == resumed_at and run.compiled_rollouts:  # the first rollout of the process compiles its step
             progress.set_postfix_str("compiling the rollouts' denoising step")
 
         # 1-2. Prompts (this rank's share), then G rollouts each.
