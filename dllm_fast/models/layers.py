@@ -15,8 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm_fast.ops import twins
-
 
 def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
     """Norms and RoPE run in fp32; an fp64 model (gradcheck, exact tests) keeps fp64."""
@@ -71,7 +69,8 @@ def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
     x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1), equals x * cos + roll(x * s) where
     s = cat(sin, -sin) (tables[1]) and roll moves the halves: the same products and sums, bit for bit."""
-    return twins.rotate_half_rope(x, tables)
+    products = x.unsqueeze(0) * tables  # [2, B, L, heads, D]
+    return (products[0] + products[1].roll(x.shape[-1] // 2, dims=-1)).to(x.dtype)
 
 
 def rotary_tables(

@@ -38,7 +38,6 @@ from torch import nn
 from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import checkpoint
 
-from dllm_fast import ops
 from dllm_fast.models.config import LLaDAConfig
 from dllm_fast.models.kv_cache import KVCache
 from dllm_fast.models.layers import (RMSNorm, apply_rope, apply_rotary, at_least_fp32, attention, fuse_linears,
@@ -106,7 +105,9 @@ class LLaDABlock(nn.Module):
             rotated = apply_rope(qkv[:, :, :H + Hkv], rope)
             q, k, v = rotated[:, :, :H], rotated[:, :, H:], qkv[:, :, H + Hkv:]
         else:  # one kernel, bit for bit the composite; keys and values stay side by side for one cache copy
-            qkv = ops.rope(qkv, rope, H + Hkv)
+            from dllm_fast.ops import rotary  # here: importing the model must not load the compiled ops
+
+            qkv = rotary.rope(qkv, rope, H + Hkv)
             q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
         if cached is not None:
             layer, at, attend = cached

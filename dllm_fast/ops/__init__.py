@@ -13,7 +13,7 @@ falling back. The environment variable ``DLLM_FAST_BACKEND`` sets the default.
 from dllm_fast.ops import costs  # registers the ops' FLOP formulas with torch.utils.flop_counter
 from dllm_fast.ops.backend import BACKENDS, choose_backend, default_chunk_size
 from dllm_fast.ops.logprobs import logprobs_with_known_gradient, masked_logprobs, masked_logprobs_grad
-from dllm_fast.ops.rope import rope
+from dllm_fast.ops.rotary import rope
 from dllm_fast.ops.sampling import sample_tokens, select_transfer
 
 __all__ = ["BACKENDS", "choose_backend", "default_chunk_size", "logprobs_with_known_gradient", "masked_logprobs",

@@ -91,7 +91,9 @@ class Recorded:
     for the rollouts bench_rollout's rule of today counts the same on it within 0.1%): a rollout's per step, an
     engine point's per call of each provider; so that the launch cost is checked against the kernels that were
     launched (predict.recorded's "predicted_then"). planned_kernels_then: a rollout's count by the planner of the
-    time (it took `_unsafe_view`, a view, for a kernel: 7 a layer), kept as recorded."""
+    time (it took `_unsafe_view`, a view, for a kernel: 7 a layer), kept as recorded. rope_kernel: whether the
+    code measured rotated queries and keys with dllm_fast::rope (f611502 on); before, every point ran the three-op
+    composite, and is predicted running it (its bytes are most of what that kernel removed)."""
 
     name: str
     kind: str
@@ -100,6 +102,7 @@ class Recorded:
     kernels_per_step: float | None = None
     planned_kernels_then: float | None = None
     kernels_then: float | dict[str, float] | None = field(default=None, hash=False)
+    rope_kernel: bool = False
 
 
 def _head(M: int, provider: str, backward: bool, ms: float, tf32_grad_gemms: bool = True) -> Recorded:

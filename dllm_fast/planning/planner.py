@@ -204,7 +204,7 @@ def task_prompt_length(config: TrainConfig, *, candidates: int = 32) -> int:
     from dllm_fast.train.config import task_options
     from dllm_fast.train.sources import model_source
 
-    _, _, tokenizer_dir = model_source(config)
+    _, _, tokenizer_dir = model_source(config.model, config.lora)
     task = get_task(config.run.task, **task_options(config))
     tokenizer = load_tokenizer(tokenizer_dir)
     prompts = sorted({task.prompt(example, tokenizer) for example in task.train_examples(seed=config.run.seed)},

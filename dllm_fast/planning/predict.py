@@ -15,6 +15,7 @@ Each returns the call's Costs (dllm_fast.planning.accounting): `.seconds` is the
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
@@ -155,10 +156,36 @@ def _launching(calibration: Calibration, scale: float) -> Calibration:
                    launch_queue=max(1, round(calibration.launch_queue / scale)))
 
 
+@contextlib.contextmanager
+def composite_rope():
+    """LLaDA blocks rotate queries and keys as the code before dllm_fast::rope did: a product with both tables, a
+    roll and a sum written back in place (three kernels through fp32 temporaries), for points measured on it."""
+    from dllm_fast.ops import rotary
+
+    def in_place(qkv, tables, rotated_heads):
+        rotated = qkv[:, :, :rotated_heads]
+        products = rotated.unsqueeze(0) * tables
+        torch.add(products[0], products[1].roll(qkv.shape[-1] // 2, dims=-1), out=rotated)
+        return qkv
+
+    kernel = rotary.rope
+    rotary.rope = in_place
+    try:
+        yield
+    finally:
+        rotary.rope = kernel
+
+
 def recorded(point: Recorded, gpu: str | GPU = "h200", calibration: Calibration = DEFAULT) -> dict:
     """The planner's value for a recorded point (calibration.RECORDED): {"predicted": seconds or ratio on today's
-    code, and the parts: "device_s", "host_s", "kernels_per_step" where they apply; "predicted_then": the value
-    with the kernels the recorded code launched, where the point records them (Recorded.kernels_then)}."""
+    code (with RoPE as the point's code ran it: Recorded.rope_kernel), and the parts: "device_s", "host_s",
+    "kernels_per_step" where they apply; "predicted_then": the value with the kernels the recorded code launched,
+    where the point records them (Recorded.kernels_then)}."""
+    with contextlib.nullcontext() if point.rope_kernel else composite_rope():
+        return _recorded(point, gpu, calibration)
+
+
+def _recorded(point: Recorded, gpu: str | GPU, calibration: Calibration) -> dict:
     if point.kind == "head":
         costs = head(gpu, calibration=calibration, **point.options)
         return dict(predicted=costs.seconds, device_s=costs.device_seconds, host_s=costs.host_seconds)

@@ -277,7 +277,7 @@ def _build_models(config: TrainConfig, objective, precision: Precision):
     one dtype for a what-if)."""
     from dllm_fast.models.loading import PRESETS
 
-    source, family, _ = model_source(config)
+    source, family, _ = model_source(config.model, config.lora)
     with torch.device("meta"):
         if str(source) in PRESETS:
             base = family(family.preset_config(PRESETS[str(source)][1]))

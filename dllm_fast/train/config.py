@@ -68,7 +68,7 @@ class TrainConfig:
         rollout = self.rollout
         from dllm_fast.train.sources import block_diffusion_model
 
-        if rollout.threshold is not None and rollout.steps is not None and not block_diffusion_model(self):
+        if rollout.threshold is not None and rollout.steps is not None and not block_diffusion_model(self.model):
             raise ValueError(f"--threshold {rollout.threshold} sets the steps adaptively; pass --diffusion-steps none "
                              "with it (or drop --threshold for a fixed schedule; both together are SDAR's dynamic "
                              "rule, for block-diffusion models).")
@@ -92,7 +92,7 @@ class TrainConfig:
             get_task(run.task, **task_options(self))
         from dllm_fast.train.sources import check_device, model_source
 
-        model_source(self)
+        model_source(self.model, self.lora)
         check_device(run.device)
         if self.lora.enabled and importlib.util.find_spec("peft") is None:
             raise ValueError("--lora true needs the peft package, which is missing here; install it with "

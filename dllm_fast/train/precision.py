@@ -103,7 +103,7 @@ def add_lora(model, config):
     from dllm_fast.train.sources import lora_targets
 
     lora = peft.LoraConfig(r=config.lora.rank, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
-                           target_modules=model.lora_target_pattern(lora_targets(type(model), config)))
+                           target_modules=model.lora_target_pattern(lora_targets(type(model), config.lora)))
     # With checkpointing on, PEFT hooks the input embeddings so that their output requires grad, which reentrant
     # checkpointing needs. The models' checkpointing is non-reentrant, and the hook's requires_grad_ breaks the
     # compiled rollout step's graph (torch 2.11's dynamo cannot trace it): take back the hooks the wrapping added.

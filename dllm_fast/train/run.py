@@ -211,7 +211,7 @@ def model_and_tokenizer_plan(config: TrainConfig):
     """(what load_model loads, the tokenizer, the model's meta-device skeleton), checked to agree before any weight
     is read. The tokenizer is `config.model.tokenizer`, else the checkpoint's own, else (presets) the embedded
     default's, whose vocabulary and special ids a preset then takes."""
-    source, _, tokenizer_dir = model_source(config)
+    source, _, tokenizer_dir = model_source(config.model, config.lora)
     tokenizer = load_tokenizer(tokenizer_dir)
     skeleton = model_skeleton(source, tokenizer=tokenizer)
     check_tokenizer(skeleton, tokenizer, model_name=repr(config.model.name), tokenizer_name=str(tokenizer_dir))

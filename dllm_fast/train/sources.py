@@ -9,16 +9,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dllm_fast.train.config import TrainConfig
+    from dllm_fast.train.settings import LoraSettings, ModelSettings
 
 
-def model_source(config: TrainConfig) -> tuple[Any, type, Path]:
+def model_source(model: ModelSettings, lora: LoraSettings) -> tuple[Any, type, Path]:
     """(what to load: a preset name or a checkpoint directory, the model family's class, the tokenizer directory),
-    checked without reading any weight; with --lora true, --lora-targets against the family's modules too."""
+    checked without reading any weight; with --lora true, --lora-targets against the family's modules too. Takes
+    a configuration's model and LoRA sections (TrainConfig.model, .lora)."""
     from dllm_fast.assets import SUDOKU4_DIR
     from dllm_fast.models.loading import PRESETS, model_family
 
-    name = config.model.name
+    name = model.name
     source = SUDOKU4_DIR if name == "sudoku4" else name
     try:
         family = model_family(source)
@@ -27,10 +28,10 @@ def model_source(config: TrainConfig) -> tuple[Any, type, Path]:
                                 "(the embedded default), nor a directory holding config.json.") from None
     except ValueError as error:
         raise ValueError(f"--model {name!r}: {error}") from None
-    if config.lora.enabled:
-        lora_targets(family, config)
-    tokenizer = Path(config.model.tokenizer or (SUDOKU4_DIR if name in PRESETS else source))
-    option = "--tokenizer" if config.model.tokenizer else "--model"
+    if lora.enabled:
+        lora_targets(family, lora)
+    tokenizer = Path(model.tokenizer or (SUDOKU4_DIR if name in PRESETS else source))
+    option = "--tokenizer" if model.tokenizer else "--model"
     if not tokenizer.is_dir():
         raise FileNotFoundError(f"{option} {str(tokenizer)!r} is not a directory (one holding a tokenizer's "
                                 "tokenizer_config.json and files).")
@@ -40,7 +41,7 @@ def model_source(config: TrainConfig) -> tuple[Any, type, Path]:
     return source, family, tokenizer
 
 
-def block_diffusion_model(config: TrainConfig) -> bool:
+def block_diffusion_model(model: ModelSettings) -> bool:
     """Whether --model is of a block-diffusion family (SDAR): its rollouts decode the model's own blocks, and
     --threshold with --diffusion-steps is SDAR's dynamic rule. False when the model cannot be found (the setup
     checks name that)."""
@@ -48,7 +49,7 @@ def block_diffusion_model(config: TrainConfig) -> bool:
     from dllm_fast.models.loading import model_family
 
     try:
-        family = model_family(SUDOKU4_DIR if config.model.name == "sudoku4" else config.model.name)
+        family = model_family(SUDOKU4_DIR if model.name == "sudoku4" else model.name)
     except (FileNotFoundError, ValueError):
         return False
     return bool(getattr(family, "block_diffusion", False))
@@ -81,10 +82,10 @@ def check_device(device: str):
         raise ValueError(f"--device {device!r}: the trainer runs on cpu or cuda (meta tensors hold no data).")
 
 
-def lora_targets(family: type, config: TrainConfig) -> tuple[str, ...]:
+def lora_targets(family: type, lora: LoraSettings) -> tuple[str, ...]:
     """--lora-targets, checked against the modules the model family lets LoRA adapt (all of them by default)."""
     allowed = tuple(family.lora_target_modules)
-    targets = allowed if config.lora.targets is None else tuple(config.lora.targets)
+    targets = allowed if lora.targets is None else tuple(lora.targets)
     unknown = sorted(set(targets) - set(allowed))
     if unknown or not targets:
         raise ValueError(f"--lora-targets {' '.join(targets) or '(none)'}: {family.__name__}'s adaptable modules "

@@ -1,4 +1,4 @@
-"""rope: the typed face of the rotary-embedding op (input checks, fake kernel). A LLaDA block rotates the query
+"""The typed face of the rotary-embedding op, `rope` (input checks, fake kernel). A LLaDA block rotates the query
 and key heads of its fused QKV projection with it at inference: one kernel and one pass over the projection,
 where the composite (models/layers.apply_rope) takes three kernels through fp32 temporaries twice its size."""
 
