@@ -5,11 +5,12 @@
     python benchmarks/profile_rollout.py --results-dir benchmarks/results   # CPU: small preset, CPU activity only
 
 bench_rollout.py says how fast a rollout is; this says why. It runs bench_rollout's point (random weights, same
-prompts and schedule), warms up with a whole call, times one call (wall seconds per denoising step), then profiles one more call and
-reports per denoising step: the GPU's busy time (sum of kernel durations), the idle share of the wall (the host
-keeping the GPU waiting), kernels launched, and the busy time by kind of kernel (GEMMs, attention, dllm_fast's
-fused ops, inductor's generated kernels, other elementwise and copies), with the 15 largest kernels by name and
-the GEMMs' achieved TFLOP/s. On CPU the trace has no device activity: the table lists CPU ops instead.
+prompts and schedule), warms up with a whole call, times one call (wall seconds per denoising step), then
+profiles one more call and reports per denoising step: the GPU's busy time (sum of kernel durations), the idle
+share of the profiled wall (the host keeping the GPU waiting), kernels launched, and the busy time by kind of
+kernel (attention, GEMMs, dllm_fast's fused ops, inductor's generated kernels, copies, other elementwise), with
+the 15 largest kernels by name and torch.mm's TFLOP/s alone at the step's GEMM shapes. On CPU the trace has no
+device activity: the table lists the CPU's leaf ops instead (a check that the script runs, not a profile).
 """
 
 from __future__ import annotations
