@@ -57,3 +57,22 @@ def test_compiled_steps_launch_several_times_fewer_kernels(one_thread):
     torch._dynamo.reset()
     # More than the 4 GEMMs and the attention of each layer and the 2 dllm_fast ops: the fused kernels count too.
     assert 5 * 2 + 2 < compiled < eager / 3, (eager, compiled)
+
+
+def test_the_profile_sorts_the_h200s_kernels_by_kind():
+    """profile_rollout.py's classifier on kernel names the H200's trace printed: cuDNN's attention carries sm90_
+    like cuBLAS's GEMMs (it was counted as a GEMM), dllm_fast's kernels and inductor's are their own kinds."""
+    import profile_rollout
+
+    names = {
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0":
+            "attention",
+        "nvjet_sm90_tst_192x128_64x5_1x2_h_bz_coopB_TNT": "gemm",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "gemm",
+        "void dllm_fast::cuda::(anonymous namespace)::rope_kernel<__nv_bfloat16, float>(__nv_bfloat16 const*)":
+            "dllm_fast",
+        "triton_poi_fused__unsafe_view_mul_silu_split_5": "inductor",
+        "void at::native::index_elementwise_kernel<128, 4, at::native::index_copy_kernel_impl<>>": "copy",
+        "void at::native::roll_cuda_kernel<float>(float const*, float*, long)": "elementwise",
+    }
+    assert {name: profile_rollout.kind_of(name) for name in names} == names
