@@ -1,7 +1,7 @@
 #!/bin/bash
 # One command that measures dllm_fast on a machine with an NVIDIA GPU: build, the CUDA tests, the cross-device
 # checks, the fused head against naive PyTorch and the Triton peers (Cut Cross-Entropy, Liger), rollouts and the
-# engine at LLaDA-8B shapes, the fused ops' GEMM efficiency. Steps run in priority order, each under its own time
+# engine at LLaDA-8B shapes, the fused ops' GEMM efficiency, the below-precision share of d(logits). Steps run in priority order, each under its own time
 # cap, so that a short run still returns the first ones; the whole run stays under its limit (default 520 s:
 # give the command about 40 s more than that, under 9 minutes in all).
 #
@@ -22,7 +22,7 @@ WHEELS=${2:-${DLLM_FAST_PEER_WHEELS:-$ROOT/.gpu/whl}}
 S=$(date +%s); DEADLINE=$(( S + ${1:-520} ))
 t() { echo "=== [$(( $(date +%s) - S ))s] $*"; }
 # A step runs when GPU_RUN_STEPS is unset or names it (to rerun the steps a short run missed).
-STEPS=" tests smoke peers rollout profile train8b engine roofline "
+STEPS=" tests smoke peers rollout profile train8b engine roofline dlogits "
 for step in ${GPU_RUN_STEPS:-}; do
   [[ $STEPS == *" $step "* ]] || { echo "GPU_RUN_STEPS: no step '$step'; the steps are:$STEPS"; exit 2; }
 done
@@ -120,6 +120,21 @@ if want roofline; then
 t roofline
 timeout "$(cap 60)" python3 benchmarks/bench_logprob.py --device cuda --roofline --m 2048 8192 --results-dir "$RES" \
   2>&1 | tail -12; pack
+fi
+
+if want dlogits; then
+t dlogits
+# Issue 28 item 3: how much of d(logits) a below-precision block skip could drop, on the `small` preset trained
+# 300 steps of masked-diffusion SFT here (seconds on a GPU, hours on 2 cores). The docstring corpus and its BPE
+# come from $DLOGITS_CACHE (made on the CPU by the same script: the machine's own packages would give another
+# corpus); without it the step is skipped.
+DLOGITS_CACHE=${DLOGITS_CACHE:-$ROOT/.gpu/dlogits_cache}
+if [ -f "$DLOGITS_CACHE/ids.pt" ]; then
+  timeout "$(cap 120)" python3 benchmarks/measure_dlogits_blocks.py --model small --device cuda --train-steps 300 \
+    --measure-every 50 --cache-dir "$DLOGITS_CACHE" --results-dir "$RES" 2>&1 | grep "^{" | cut -c1-400; pack
+else
+  echo "no corpus in $DLOGITS_CACHE (python benchmarks/measure_dlogits_blocks.py --model small --train-steps 0 makes it)"
+fi
 fi
 
 t done

@@ -28,6 +28,7 @@ of the two gradient GEMMs' work a block skip could remove (the logits GEMM alway
 
     python benchmarks/measure_dlogits_blocks.py --model sudoku4
     python benchmarks/measure_dlogits_blocks.py --model small --train-steps 300 --measure-every 50
+    python benchmarks/measure_dlogits_blocks.py --model small --device cuda --cache-dir .gpu/dlogits_cache
 """
 
 from __future__ import annotations
@@ -127,10 +128,11 @@ def bpe_tokenizer(text: str, cache: Path):
 
 
 def small_checkpoints(train_steps: int, measure_every: int, batch: int, length: int, lr: float, cache: Path,
-                      corpus_chars: int, eval_sequences: int, seed: int):
+                      corpus_chars: int, eval_sequences: int, seed: int, device: str = "cpu"):
     """The `small` preset trained with masked-diffusion SFT on the docstring corpus (tokenizer and token ids
     cached), yielding (hidden rows, targets, head, token counts, description) of held-out windows scored at
-    step 0 and every `measure_every` steps up to `train_steps`."""
+    step 0 and every `measure_every` steps up to `train_steps`. The model trains on `device`; the windows
+    and masks are drawn on the CPU, as on every device."""
     from dllm_fast.models import LLaDAConfig, LLaDAModel
 
     cache.mkdir(parents=True, exist_ok=True)
@@ -150,13 +152,13 @@ def small_checkpoints(train_steps: int, measure_every: int, batch: int, length: 
     config = LLaDAConfig.preset("small")
     counts = torch.bincount(train.reshape(-1), minlength=config.vocab_size).double()
     torch.manual_seed(seed)
-    model = LLaDAModel(config)
+    model = LLaDAModel(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     log = []
     for step in range(train_steps + 1):
         if step % measure_every == 0 or step == train_steps:
             model.eval()
-            hidden, targets = scored_rows(model, held_out, 0, None, seed + 1)
+            hidden, targets = scored_rows(model, held_out.to(device), 0, None, seed + 1)
             model.train()
             yield hidden, targets, model.lm_head_weight.detach().clone(), counts, {
                 "model": "small preset, masked-diffusion SFT on docstrings", "train_steps": step, "batch": batch,
@@ -164,7 +166,7 @@ def small_checkpoints(train_steps: int, measure_every: int, batch: int, length: 
                 "held_out_sequences": eval_sequences, "seconds": round(time.time() - started)}
         if step == train_steps:
             return
-        sequences = train[torch.randint(0, train.shape[0], (batch,), generator=generator)]
+        sequences = train[torch.randint(0, train.shape[0], (batch,), generator=generator)].to(device)
         masks = draw_sft_masks(sequences, prompt_length=0, generator=generator)
         loss = sft_loss(model, sequences, masks)
         optimizer.zero_grad(set_to_none=True)
@@ -180,10 +182,11 @@ def small_checkpoints(train_steps: int, measure_every: int, batch: int, length: 
 def block_shares(hidden, targets, weight, counts, row_chunk: int = 256) -> tuple[list[dict], dict]:
     """Per vocabulary order and block shape, the share of blocks below precision under both criteria; and the
     share of single entries below the relative criterion (an upper bound on any skip)."""
-    V = weight.shape[0]
-    orders = {"token id": torch.arange(V),
+    V, device = weight.shape[0], weight.device
+    counts = counts.to(device)
+    orders = {"token id": torch.arange(V, device=device),
               "by frequency": torch.argsort(counts, descending=True, stable=True),
-              "random": torch.randperm(V, generator=torch.Generator().manual_seed(0))}
+              "random": torch.randperm(V, generator=torch.Generator().manual_seed(0)).to(device)}
     M = hidden.shape[0]
     widths = sorted({c for _, c in BLOCKS})
     # Per row and column block: the largest relative |d(logits)| and the largest softmax off the target, and
@@ -191,9 +194,10 @@ def block_shares(hidden, targets, weight, counts, row_chunk: int = 256) -> tuple
     per_order = {name: {c: {"relative": [], "cce": []} for c in widths} for name in orders}
     # What skipping costs: the gradients with the skipped (128 x 128, token-id order) blocks' entries dropped,
     # against the full ones, in fp64: sum over rows of |dropped part|^2 and of |full|^2.
-    dropped = {criterion: {"hidden": 0.0, "weight": torch.zeros(V, hidden.shape[1], dtype=torch.float64)}
+    zeros = dict(dtype=torch.float64, device=device)
+    dropped = {criterion: {"hidden": 0.0, "weight": torch.zeros(V, hidden.shape[1], **zeros)}
                for criterion in ("relative", "cce")}
-    full = {"hidden": 0.0, "weight": torch.zeros(V, hidden.shape[1], dtype=torch.float64)}
+    full = {"hidden": 0.0, "weight": torch.zeros(V, hidden.shape[1], **zeros)}
     entries_below, entropy, max_p, target_p = 0, 0.0, 0.0, 0.0
     for start in range(0, M, row_chunk):
         h, t = hidden[start:start + row_chunk], targets[start:start + row_chunk]
@@ -267,6 +271,8 @@ def main(argv=None):
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/dllm_fast_dlogits_blocks"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's default)")
+    parser.add_argument("--device", default="cpu", help="small: where the model trains and the blocks are counted "
+                        "(cuda: 300 steps in seconds; the corpus and tokenizer come from --cache-dir either way)")
     parser.add_argument("--results-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     if args.threads:
@@ -275,7 +281,7 @@ def main(argv=None):
         points = [sudoku4_rows(args.examples, args.seed)]
     else:
         points = small_checkpoints(args.train_steps, args.measure_every, args.batch, args.length, args.lr,
-                                   args.cache_dir, args.corpus_chars, args.eval_sequences, args.seed)
+                                   args.cache_dir, args.corpus_chars, args.eval_sequences, args.seed, args.device)
     rows = []
     for hidden, targets, weight, counts, about in points:  # the small model's rows, step by step: all kept
         point_rows, summary = block_shares(hidden, targets, weight, counts)
@@ -284,7 +290,7 @@ def main(argv=None):
         print(json.dumps({k: v for k, v in {**about, **summary}.items() if k != "loss_log"}), flush=True)
         print_table(point_rows, ["vocab order", "rows", "cols", "relative_skippable", "cce_skippable"])
         config = {**about, **summary, "relative_threshold": RELATIVE, "cce_threshold": CCE_EPS,
-                  "threads": torch.get_num_threads()}
+                  "threads": torch.get_num_threads(), "device": args.device}
         print(f"wrote {write_results(f'dlogits_blocks_{args.model}', config, rows, args.results_dir)}", flush=True)
 
 

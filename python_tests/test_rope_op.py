@@ -57,6 +57,19 @@ def test_rope_takes_strided_activations_and_broadcast_tables(device):
     assert torch.equal(out, reference.rope(view, shared, 5))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D, offset", [(16, 0), (12, 0), (16, 1), (6, 0)])
+def test_rope_at_every_alignment(device, dtype, D, offset):
+    """The CUDA kernel moves the widest aligned packs the layout allows (16 bytes; 2 elements when D / 2 or a
+    stride is not a multiple of that; 1 when a pointer is off by an element): each width gives the twin's bits."""
+    qkv, tables = qkv_and_tables(D=D, dtype=dtype, device=device)
+    flat = torch.zeros(qkv.numel() + offset, dtype=dtype, device=device)
+    shifted = flat[offset:].view(qkv.shape)
+    shifted.copy_(qkv)
+    out = ops.rope(shifted, tables, 5)
+    assert torch.equal(out.cpu(), reference.rope(qkv.cpu(), tables.cpu(), 5))
+
+
 def test_rope_with_a_gradient_runs_the_differentiable_twin():
     qkv, tables = qkv_and_tables(B=1, L=3, H=2, Hkv=1, D=4, dtype=torch.float64)
     qkv.requires_grad_()
