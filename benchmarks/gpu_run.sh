@@ -1,9 +1,9 @@
 #!/bin/bash
 # One command that measures dllm_fast on a machine with an NVIDIA GPU: build, the CUDA tests, the cross-device
 # checks, the fused head against naive PyTorch and the Triton peers (Cut Cross-Entropy, Liger), rollouts and the
-# engine at LLaDA-8B shapes, the fused ops' GEMM efficiency, the below-precision share of d(logits). Steps run in priority order, each under its own time
-# cap, so that a short run still returns the first ones; the whole run stays under its limit (default 520 s:
-# give the command about 40 s more than that, under 9 minutes in all).
+# engine at LLaDA-8B shapes, the fused ops' GEMM efficiency, the below-precision share of d(logits). Steps run in
+# priority order, each under its own time cap, so that a short run still returns the first ones; the whole run
+# stays under its limit (default 520 s: give the command about 40 s more than that, under 9 minutes in all).
 #
 #   bash benchmarks/gpu_run.sh [SECONDS] [WHEEL_DIR]        # from anywhere; it runs in the project's root
 #   GPU_RUN_STEPS="engine train8b" bash benchmarks/gpu_run.sh 300   # only those steps (after the build)
