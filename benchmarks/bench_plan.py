@@ -26,8 +26,9 @@ On a GPU (no GPU needed: every number is a PLANNER ESTIMATE made on fake tensors
     python benchmarks/bench_plan.py --gpu h200 --preset llada-8b --lora --prompt 200 --completion 512 --nt 16 \
         --micro-batch 8 --provider naive two_pass [--json]   # bench_elbo's case: predicted ms per sample
 
-The recorded points are the first GPU run's (dllm_fast.planning.calibration.RECORDED, run 1: fitted) and the
-second's (RECORDED_AFTER, run 2: predicted by the fit, not in it); the calls are dllm_fast.planning.predict's, each the benchmark's own call run on fake tensors. The estimates: the fused head
+The recorded points are the first GPU run's (dllm_fast.planning.calibration.RECORDED, run 1: fitted), the
+second's and the fourth's (RECORDED_AFTER and RECORDED_RUN_4: predicted by the fit, not in it); the calls are
+dllm_fast.planning.predict's, each the benchmark's own call run on fake tensors. The estimates: the fused head
 with bf16 gradient GEMMs (issue 28) against naive and the known-gradient walk; LLaDA-8B rollouts at batch 8,
 eager and compiled (CUDA graphs); the engine's two_pass against naive at equal pairs per graph.
 """
@@ -193,10 +194,11 @@ POINTS = {
 def gpu_points(gpu: str, names: list[str] | None = None) -> list[dict]:
     """Each recorded point (or those named) with the planner's prediction and their ratio."""
     from dllm_fast.planning import predict
-    from dllm_fast.planning.calibration import RECORDED, RECORDED_AFTER
+    from dllm_fast.planning.calibration import RECORDED, RECORDED_AFTER, RECORDED_RUN_4
 
     rows = []
-    for run, point in [(1, p) for p in RECORDED] + [(2, p) for p in RECORDED_AFTER]:
+    runs = [(1, p) for p in RECORDED] + [(2, p) for p in RECORDED_AFTER] + [(4, p) for p in RECORDED_RUN_4]
+    for run, point in runs:
         if names and point.name not in names:
             continue
         predicted = predict.recorded(point, gpu)

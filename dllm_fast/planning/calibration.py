@@ -80,6 +80,11 @@ H200_RUN_2 = ("NVIDIA H200 SXM 141GB, driver 580.159.04, CUDA 13.0, torch 2.11.0
               "commit c0a5d6b, 2026-11-26 15:10-15:30 UTC (benchmarks/gpu_run.sh; benchmarks/RESULTS.md)")
 
 
+# The fourth run, after dllm_fast::rope: its points (RECORDED_RUN_4) entered no fit either.
+H200_RUN_4 = ("NVIDIA H200 SXM 141GB, driver 580.159.04, CUDA 13.0, torch 2.11.0+cu130, 16 CPU cores, the code of "
+              "commits 9d33caf and 6da75b7, 2026-11-26 22:24-22:40 UTC (benchmarks/gpu_run.sh; benchmarks/RESULTS.md)")
+
+
 @dataclass(frozen=True)
 class Recorded:
     """One number the H200 run measured, and the calls that took it (dllm_fast.planning.predict): kind "head" or
@@ -167,4 +172,18 @@ RECORDED_AFTER = (
     Recorded("engine two_pass / naive per sample, n_t=1, micro-batch 1", "engine", dict(n_t=1, micro_batch=1), 1.65),
     Recorded("engine two_pass / naive per sample, n_t=16, micro-batch 16", "engine", dict(n_t=16, micro_batch=16),
              1.35),
+)
+
+# The fourth H200 run (H200_RUN_4), bench_rollout.py --device cuda --batch 8 as above, queries and keys rotated by
+# dllm_fast::rope: its first kernel (9d33caf: a block per row, a tenth of the bandwidth; profiled at 0.85 ms a
+# compiled step) and its 16-byte packs (6da75b7). The planner prices the op at its bytes, so it predicts both
+# compiled points alike. The eager point is the second call's machine (host-bound: the first call's, same code but
+# the kernel, ran eager dual in 3.45 s).
+RECORDED_RUN_4 = (
+    Recorded("rollout 8B dual, compiled (rope kernel, a block per row)", "rollout", dict(_8B_ROLLOUT, compile=True),
+             1.763, rope_kernel=True),
+    Recorded("rollout 8B dual, compiled (rope kernel, 16-byte packs)", "rollout", dict(_8B_ROLLOUT, compile=True),
+             1.706, rope_kernel=True),
+    Recorded("rollout 8B dual, eager (rope kernel, 16-byte packs)", "rollout", dict(_8B_ROLLOUT), 2.38,
+             kernels_per_step=539.8, rope_kernel=True),
 )
