@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -7,6 +9,13 @@ from dllm_fast.testing import emulation
 # (dllm_fast.testing.emulation); those cases carry the emulated_cuda marker and run when DLLM_FAST_EMULATED_CUDA is set.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) + [
     pytest.param("emulated_cuda", marks=pytest.mark.emulated_cuda)]
+
+
+def pytest_configure(config):
+    # Under pytest-xdist (the README's `-n auto`) each worker is a process: one intra-op thread each keeps N
+    # workers on N cores, not N times torch's default (the tiny presets gain nothing from a second thread).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -194,8 +194,9 @@ def test_torchrun_checkpoints_from_rank_0_and_resumes_every_rank(tmp_path, paral
 
     def torchrun(output_dir, steps, *extra):
         command = run_cli(output_dir, "--steps", str(steps), "--parallel", parallel, "--eval-every", "3", *extra)
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                    str(29500 + (os.getpid() + steps + len(extra)) % 1000), *command[1:]]
+        # --standalone: the rendezvous takes a free port (a fixed one collides with a run beside this one)
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    *command[1:]]
         subprocess.run(launcher, check=True, env=env, capture_output=True, timeout=600)
 
     torchrun(tmp_path / "whole", 3)
