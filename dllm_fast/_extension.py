@@ -15,12 +15,18 @@ else:
 HAS_EXTENSION = _C is not None
 
 
+# The dispatch keys of the device types the library registers kernels for (meta: the fake kernels, which give
+# shapes on meta tensors); any other device type has none.
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}
+
+
 @torch.compiler.assume_constant_result  # a registry lookup: torch.compile treats it as a constant
 def has_kernel(op: str, device_type: str) -> bool:
-    """Whether the compiled library registered `dllm_fast::<op>` for a device type ("cpu" or "cuda")."""
-    if not HAS_EXTENSION:
+    """Whether the compiled library registered `dllm_fast::<op>` for a device type ("cpu", "cuda" or "meta")."""
+    key = _DISPATCH_KEYS.get(device_type)
+    if not HAS_EXTENSION or key is None:
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"dllm_fast::{op}", device_type.upper())
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"dllm_fast::{op}", key)
 
 
 def build_info() -> dict:

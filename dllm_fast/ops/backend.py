@@ -28,14 +28,23 @@ FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _warned_fallback: set[tuple[str, str]] = set()
 
 
+# (op, device type, requested backend) -> "compiled", for the pairs found registered: the kernels register when
+# dllm_fast._C loads and stay, so an eager call (a LLaDA layer's RoPE, each sampling step) looks them up once.
+_COMPILED_FOUND: set[tuple[str, str, str]] = set()
+
+
 def choose_backend(op: str, device: torch.device, backend: str | None) -> str:
     """Resolve `backend` (None, "auto", "compiled" or "reference") for op `op` on `device`."""
     requested = backend or os.environ.get("DLLM_FAST_BACKEND", "auto")
+    if (op, device.type, requested) in _COMPILED_FOUND:
+        return "compiled"
     if requested not in BACKENDS:
         raise ValueError(f"backend={requested!r} is not one of {BACKENDS}.")
     if requested == "reference":
         return "reference"
     if has_kernel(op, device.type):
+        if not torch.compiler.is_compiling():  # no side effect inside a traced function
+            _COMPILED_FOUND.add((op, device.type, requested))
         return "compiled"
     reason = (
         missing_extension_message()
