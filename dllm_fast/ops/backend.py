@@ -28,7 +28,7 @@ FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _warned_fallback: set[tuple[str, str]] = set()
 
 
-# (op, device type, requested backend) -> "compiled", for the pairs found registered: the kernels register when
+# The (op, device type, requested backend) triples already resolved to "compiled": the kernels register when
 # dllm_fast._C loads and stay, so an eager call (a LLaDA layer's RoPE, each sampling step) looks them up once.
 _COMPILED_FOUND: set[tuple[str, str, str]] = set()
 
