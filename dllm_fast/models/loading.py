@@ -22,13 +22,15 @@ from pathlib import Path
 import torch
 
 from dllm_fast.models.llada import LLaDAModel
+from dllm_fast.models.llada2 import LLaDA2Model
 from dllm_fast.models.sdar import SDARModel
 
 # config.json model_type -> the class that loads it. A config.json without a model_type is read by the first.
-FAMILIES: dict[str, type] = {"llada": LLaDAModel, "sdar": SDARModel}
+FAMILIES: dict[str, type] = {"llada": LLaDAModel, "sdar": SDARModel, "llada2_moe": LLaDA2Model}
 # preset name -> (class, its config)
 PRESETS: dict[str, tuple[type, object]] = {name: (LLaDAModel, name) for name in ("tiny", "small", "llada-8b")}
 PRESETS.update({name: (SDARModel, name) for name in ("sdar-tiny", "sdar-1.7b", "sdar-8b")})
+PRESETS.update({name: (LLaDA2Model, name) for name in ("llada2-tiny", "llada2-mini", "llada2-flash")})
 
 
 def register_family(model_type: str, cls: type, presets: tuple[str, ...] = ()) -> None:
