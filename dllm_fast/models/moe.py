@@ -20,12 +20,13 @@ projection another, [E, d, I]; their state-dict entries keep the official per-ex
 (`experts.<e>.gate_proj.weight` ...) through LLaDA2Model's checkpoint hooks. A forward sorts the (token, slot)
 pairs by expert (a stable argsort) and runs each projection for all experts at once:
 
-- "grouped_mm": torch._grouped_mm over the sorted rows with per-expert offsets, no host sync; the default on CUDA
-  (where its kernels run a grouped GEMM; bf16 for the fast path), under torch.compile, and on fake tensors (the
-  planner prices it as one grouped GEMM);
+- "grouped_mm": torch._grouped_mm over the sorted rows with per-expert offsets, no host sync; the default for bf16
+  rows on CUDA (one grouped-GEMM kernel), under torch.compile and on fake tensors (the planner prices it as one
+  grouped GEMM): its CUDA and meta kernels take bf16 only (its eager CPU kernel, a GEMM per expert, also fp32);
 - "bmm": the sorted rows padded per expert into [E, cap, d] and multiplied by batched GEMMs (cap: the most rows
-  any expert has, one host read; the tokens' count where no value can be read). The default elsewhere (CPU, where
-  torch._grouped_mm has no fast kernel; fp64, which it does not take);
+  any expert has, one host read; the tokens' count, a bound, where no value can be read: compiled or fake, E / k
+  times the work). The default elsewhere (eager CPU, where torch._grouped_mm has no fast kernel; fp64 and fp32,
+  which its CUDA kernel does not take);
 - "loop": one GEMM per expert that has rows, the official code's inference loop (host syncs; a benchmark baseline,
   never the default).
 
@@ -62,9 +63,9 @@ def route(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor, *, t
     T, E = biased.shape
     group_scores = biased.view(T, n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
     groups = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    kept = torch.zeros_like(group_scores).scatter_(1, groups, 1)
-    kept = kept.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, -1)
-    chosen = torch.topk(biased.masked_fill(~kept.bool(), float("-inf")), k=top_k, dim=-1)[1]
+    dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, groups, False)
+    candidates = biased.view(T, n_group, -1).masked_fill(dropped.unsqueeze(-1), float("-inf")).view(T, E)
+    chosen = torch.topk(candidates, k=top_k, dim=-1)[1]
     picked = torch.gather(scores, dim=1, index=chosen)
     weights = picked / (picked.sum(dim=-1, keepdim=True) + NORMALISATION_EPSILON) if top_k > 1 else picked
     return chosen, weights * scaling, scores
@@ -131,16 +132,21 @@ def choose_provider(provider: str, rows: torch.Tensor, width: int) -> str:
         raise ValueError(f"experts provider {provider!r} is not one of {EXPERT_PROVIDERS}.")
     if provider != "auto":
         if provider == "grouped_mm" and not _grouped_mm_takes(rows, width):
-            raise ValueError(f"experts provider 'grouped_mm' needs torch._grouped_mm (torch >= 2.8), a bf16, fp16 or "
-                             f"fp32 model and widths whose rows are 16-byte aligned (hidden {rows.shape[-1]}, expert "
-                             f"{width} in {rows.dtype}); use 'bmm'.")
+            raise ValueError(f"experts provider 'grouped_mm' needs torch._grouped_mm (torch >= 2.8), bf16 rows (or "
+                             f"fp16/fp32 in eager CPU mode) and widths whose rows are 16-byte aligned (hidden "
+                             f"{rows.shape[-1]}, expert {width} in {rows.dtype}); use 'bmm'.")
         return provider
     wanted = rows.device.type == "cuda" or torch.compiler.is_compiling() or detect_fake_mode(rows) is not None
     return "grouped_mm" if wanted and _grouped_mm_takes(rows, width) else "bmm"
 
 
 def _grouped_mm_takes(rows: torch.Tensor, width: int) -> bool:
-    if not grouped_mm_available() or rows.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    """Whether torch._grouped_mm runs these rows: bf16 on CUDA, under torch.compile and on fake tensors (its CUDA
+    kernel's and its meta kernel's rule); bf16, fp16 or fp32 in eager CPU mode (its reference kernel); rows and
+    widths 16-byte aligned."""
+    eager_cpu = rows.device.type == "cpu" and not torch.compiler.is_compiling() and detect_fake_mode(rows) is None
+    dtypes = (torch.bfloat16, torch.float16, torch.float32) if eager_cpu else (torch.bfloat16,)
+    if not grouped_mm_available() or rows.dtype not in dtypes:
         return False
     size = rows.element_size()
     return (rows.shape[-1] * size) % 16 == 0 and (width * size) % 16 == 0

@@ -36,6 +36,7 @@ class DecodingPlan:
     compile: bool = False
     record_unmask_step: bool = False
     assumed_steps_per_block: int | None = None
+    eos_early_stop: bool = False
 
     def step_limit(self, block_length: int) -> int:
         """Most steps a block may take: its schedule, or one unmasked token per step under a threshold. Never more
@@ -140,11 +141,15 @@ def check_generate_args(model, input_ids, attention_mask, config: GenerateConfig
         if threshold is None:
             raise ValueError(f"assumed_steps_per_block={assumed_steps_per_block} replaces threshold decoding's read "
                              "of the masked count; with a fixed schedule (steps) the steps are known: drop it.")
+    eos_early_stop = check_bool("eos_early_stop", config.eos_early_stop)
+    if eos_early_stop and block_length_of(model) is None:
+        raise ValueError("eos_early_stop=True stops a block-diffusion rollout once every row has decoded its EOS "
+                         "(LLaDA2's generate); this model decodes bidirectionally: pass eos_early_stop=False.")
     if input_ids.shape[0] * gen_length > 2**32:
         raise ValueError(f"{input_ids.shape[0]} prompts x gen_length={gen_length} completion positions exceed "
                          "2^32, the noise counter's position word; generate in smaller batches.")
     return DecodingPlan(steps_per_block, temperature, threshold, cfg_scale, policy, rule, logits_eos_inf,
-                        confidence_eos_eot_inf, compile, record_unmask_step, assumed_steps_per_block)
+                        confidence_eos_eot_inf, compile, record_unmask_step, assumed_steps_per_block, eos_early_stop)
 
 
 def check_prompt_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:

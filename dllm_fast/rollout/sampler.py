@@ -81,6 +81,9 @@ def generate(
             also runs on already decoded positions; the tokens are those of eager mode.
         record_unmask_step: also return GenerationResult.unmask_step, for each completion position the forward
             (0-based, counted across blocks like nfe) that unmasked it. Off, it costs nothing.
+        eos_early_stop: block-diffusion models only: once every row's finished blocks hold an EOS, decode no
+            further block (LLaDA2's generate); the completions up to their first EOS are unchanged, later
+            undecoded positions are EOS.
         assumed_steps_per_block: threshold decoding only: instead of reading the masked count after every step
             (one host sync), assume each block completes in this many steps. For planning on fake tensors, where
             no value can be read; a real run checks at each block's end that the block is complete.
