@@ -153,6 +153,7 @@ def test_time_interleaved_alternates_the_runs():
     assert set(timings) == {"a", "b"} and all(0 <= t.min_s <= t.median_s for t in timings.values())
 
 
+@pytest.mark.slow
 def test_measure_in_tree_imports_dllm_fast_from_that_checkout(tmp_path, one_thread):
     """The same benchmark code driven with another checkout's package (here a copy of this one)."""
     import shutil

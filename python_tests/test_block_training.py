@@ -34,6 +34,7 @@ def quick_config(tmp_path, **overrides):
 
 
 @pytest.mark.parametrize("name", objectives.available())
+@pytest.mark.slow
 def test_every_objective_trains_a_block_model_without_nan(tmp_path, name):
     objective = objectives.get(name)
     small = {"n_t": 2} if objective.config.n_t > 2 and objective.config.sampler != "coupled" else {}
@@ -51,6 +52,7 @@ def test_block_elbo_and_the_dynamic_rule_train(tmp_path):
     assert all(math.isfinite(v) for v in result.history[-1].values() if isinstance(v, float))
 
 
+@pytest.mark.slow
 def test_the_command_line_trains_sdar_tiny(tmp_path):
     """`python -m dllm_fast train --model sdar-tiny` with the defaults' schedule (its preset takes --block-length)."""
     out = subprocess.run([sys.executable, "-m", "dllm_fast", "train", "--model", "sdar-tiny", "--steps", "1",

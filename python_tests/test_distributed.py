@@ -99,6 +99,7 @@ def worker(rank, engine, objective_name, rendezvous, result_path):
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("objective_name", ["bgpo", "espo"])  # the separable path and the two-pass path
+@pytest.mark.slow
 def test_two_ranks_equal_one_process_on_the_same_data(engine, objective_name, tmp_path):
     result = tmp_path / "rank0.pt"
     rendezvous = tmp_path / "rendezvous"

@@ -216,6 +216,7 @@ def test_a_flat_config_json_of_an_earlier_version_loads_with_its_settings(tmp_pa
     assert saved_config(tmp_path) == config
 
 
+@pytest.mark.slow
 def test_a_run_saved_with_a_flat_config_json_resumes_with_its_settings(tmp_path):
     run_dir = tmp_path / "run"
     quick = dict(steps=1, prompts_per_step=2, group_size=4, eval_every=10, checkpoint_every=1, eval_examples=4,

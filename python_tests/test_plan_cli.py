@@ -47,6 +47,7 @@ CACHES = ("none", "prefix", "dual")
 
 
 @pytest.mark.parametrize("index, name", list(enumerate(objectives.available())))
+@pytest.mark.slow
 def test_every_objective_and_cache_mode_plans_with_an_explicit_n_t(capsys, index, name):
     """--objective-options '{"n_t": N}' used to fail for every objective ("nearest_valid_n_t() got multiple values
     for argument 'n_t'"), and tracerl failed without one (a fixed n_t has no second probe). The objectives take
@@ -75,6 +76,7 @@ def test_the_objectives_cover_every_cache_mode_eager_and_compiled():
 @pytest.mark.parametrize("flags", [["--threshold", "0.9", "--diffusion-steps", "none", "--engine", "all_graphs"],
                                    ["--weights-dtype", "bfloat16", "--inner-updates", "2"],
                                    ["--lora", "true", "--lora-rank", "4", "--gpu", "l40s", "--bf16", "false"]])
+@pytest.mark.slow
 def test_other_options_plan(capsys, flags):
     result = plan(capsys, *flags, "--search", "false")
     assert result["peak_bytes"] > 0 and result["step_seconds"] > 0
@@ -123,6 +125,7 @@ def readme_table() -> dict[str, tuple[list[float], list[float]]]:
     return rows
 
 
+@pytest.mark.slow
 def test_the_readme_plan_commands_run_as_written_and_match_its_table():
     """Each plan command of the README, pasted into a shell as written (no `...`), answers; the headline one
     reproduces the README table's row for the trainer's own setup at its n_t (peak and step time)."""
@@ -143,6 +146,7 @@ def test_the_readme_plan_commands_run_as_written_and_match_its_table():
         assert result["step_seconds"] == pytest.approx(seconds[column], rel=0.005), (command, result["step_seconds"])
 
 
+@pytest.mark.slow
 def test_the_plan_command_with_an_explicit_n_t_runs_in_a_fresh_process():
     """The regression of issue 28 item 5 as a user typed it."""
     out = subprocess.run([sys.executable, "-m", "dllm_fast", "plan", *TINY, "--objective-options", '{"n_t": 16}',

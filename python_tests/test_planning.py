@@ -190,6 +190,7 @@ def test_gpu_table_peaks():
     assert GPUS["h200"].memory > h100.memory and GPUS["h200"].bandwidth > h100.bandwidth
 
 
+@pytest.mark.slow
 def test_plan_verdict_and_largest_settings_on_a_small_gpu():
     """On a GPU just too small for the step, the plan says it does not fit; the largest micro-batch it names
     fits when planned, and twice it does not."""
@@ -208,6 +209,7 @@ def test_plan_verdict_and_largest_settings_on_a_small_gpu():
     assert not plan_step(tiny_config(micro_batch=2 * best), gpu=small, prompt_length=8, search=False).fits
 
 
+@pytest.mark.slow
 def test_extrapolated_update_matches_a_direct_plan():
     """The updates planned at two small n_t and extrapolated match planning them at the large n_t directly (the
     model's work per pair is the same; the LM head's rows follow the stratified masks, a few percent apart)."""
@@ -267,6 +269,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_plans_a_tiny_step_as_json():
     out = run_cli("--model", "tiny", "--prompt-length", "8", "--gen-length", "16", "--block-length", "8",
                   "--diffusion-steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "4",

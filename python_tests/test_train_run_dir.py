@@ -63,6 +63,7 @@ class Payload:
         return (exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",))
 
 
+@pytest.mark.slow
 def test_a_crafted_state_is_refused_and_runs_nothing(run_dir, tmp_path):
     state_file = run_dir / "checkpoint" / "state.pt"
     state = torch.load(state_file, weights_only=True)
@@ -74,6 +75,7 @@ def test_a_crafted_state_is_refused_and_runs_nothing(run_dir, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_an_empty_or_damaged_state_is_named(run_dir):
     state_file = run_dir / "checkpoint" / "state.pt"
     state_file.write_bytes(b"")
@@ -123,6 +125,7 @@ def test_a_damaged_or_altered_checkpoint_is_refused_and_left_as_it_was(run_dir, 
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"} == before
 
 
+@pytest.mark.slow
 def test_resuming_below_the_saved_step_is_refused(run_dir):
     state_file = run_dir / "checkpoint" / "state.pt"
     with pytest.raises(ValueError, match=r"--steps 1 is below the step 2 the checkpoint .* reached"):
@@ -254,6 +257,7 @@ def test_an_overwrite_run_killed_before_its_first_checkpoint_leaves_nothing_to_r
 
 # -- lengths, permissions, a full disk --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_sequence_longer_than_the_model_allows_is_refused_before_any_step(tmp_path):
     with pytest.raises(ValueError, match=r"longest training prompt .* with --gen-length 500 .* the model has 512"):
         train(config(tmp_path / "run", gen_length=500, block_length=500, diffusion_steps=500))
@@ -271,6 +275,7 @@ def test_saved_weights_follow_the_umask(finished):
             assert file.stat().st_mode & 0o777 == 0o666 & ~mask, file
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_said_plainly_and_keeps_the_last_checkpoint(run_dir, monkeypatch):
     before = (run_dir / "checkpoint" / "state.pt").read_bytes()
 

@@ -34,6 +34,7 @@ def one_step(inner_updates, *, optimizer=True):
     return calls
 
 
+@pytest.mark.slow
 def test_the_trainer_runs_the_shared_step(tmp_path, phases):
     from test_trainer import quick_config
 

@@ -164,6 +164,7 @@ def test_threshold_decoding_sets_its_own_steps():
 
 @pytest.mark.compile
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.slow
 def test_the_rollout_function_passes_cache_and_compile_to_generate(cache, monkeypatch):
     """cache= and compile= reach generate: the completions are generate's own for that cache; compile=True runs
     the compiled step (counted; aot_eager keeps it seconds) with the same tokens."""
