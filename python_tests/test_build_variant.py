@@ -86,7 +86,7 @@ def fake_devices() -> list[str]:
     return ["cpu"] + (["cuda"] if dllm_fast.build_info()["with_cuda"] else [])
 
 
-@pytest.mark.parametrize("device", fake_devices())
+@pytest.mark.parametrize("device", fake_devices(), ids=lambda device: f"fake-{device}")  # not the cuda marker
 def test_every_op_runs_on_fake_tensors_of_each_device_the_build_serves(device):
     assert set(OPS) == FAKE_CALLS, "a new op needs a fake call here"
     with FakeTensorMode():
