@@ -250,11 +250,11 @@ def test_what_names_point_at_lives_in_sources_not_in_the_config_module():
         assert callable(getattr(sources, name)) and not hasattr(config_module, name)
 
 
-def test_the_readmes_nested_yaml_example_loads(tmp_path):
+def test_the_docs_nested_yaml_example_loads(tmp_path):
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    example = next(block for block in readme.split("```yaml\n")[1:] if "optim:" in block).split("```")[0]
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "training-and-configuration.md").read_text()
+    example = next(block for block in guide.split("```yaml\n")[1:] if "optim:" in block).split("```")[0]
     (tmp_path / "run.yaml").write_text(example)
     config = TrainConfig.from_file(tmp_path / "run.yaml", lr=2e-5)
     assert (config.objective.name, config.model.name, config.rollout.cache, config.optim.lr, config.lora.rank,

@@ -1,6 +1,6 @@
 """`python -m dllm_fast plan` answers or refuses clearly for every flag combination its --help allows (issue 32
 items 7-10, issue 28 item 5): every objective with an explicit n_t, every cache mode, compiled or not, hostile
-sizes, and the README's own plan commands. Tiny shapes, except the README's, which are its own."""
+sizes, and the plan commands of README and docs/planning.md. Tiny shapes, except those, which are their own."""
 
 from __future__ import annotations
 
@@ -100,25 +100,27 @@ def test_hostile_sizes_are_refused_naming_the_flag(capsys, argv, named):
     assert named in refusal(capsys, *argv)
 
 
+PLANNING_DOCS = (ROOT / "README.md", ROOT / "docs" / "planning.md")
+
+
 def readme_plan_commands() -> list[str]:
-    """The `python -m dllm_fast plan` commands of the README's planning section, continuation lines joined."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Planning a GPU run", 1)[1].split("\n## ", 1)[0]
+    """The `python -m dllm_fast plan` commands of the README and docs/planning.md, continuation lines joined, each
+    once (other pages' plan commands are parsed and validated by test_readme_commands.py, not run)."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
-        for command in re.sub(r"\\\n\s*", " ", block).splitlines():
-            command = command.split("  #")[0].strip()
-            if command.startswith("python -m dllm_fast plan"):
-                commands.append(command)
+    for path in PLANNING_DOCS:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            for command in re.sub(r"\\\n\s*", " ", block).splitlines():
+                command = command.split("  #")[0].strip()
+                if command.startswith("python -m dllm_fast plan") and command not in commands:
+                    commands.append(command)
     return commands
 
 
 def readme_table() -> dict[str, tuple[list[float], list[float]]]:
-    """The README's planning table: setup -> (its streaming peaks in GB, its step seconds) at n_t 1 / 16 / 64 /
+    """docs/planning.md's LLaDA-8B table: setup -> (its streaming peaks in GB, its step seconds) at n_t 1 / 16 / 64 /
     256."""
-    section = (ROOT / "README.md").read_text().split("## Planning a GPU run", 1)[1].split("\n## ", 1)[0]
     rows = {}
-    for line in section.splitlines():
+    for line in (ROOT / "docs" / "planning.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 5 and cells[1] == "1 / 16 / 64 / 256":
             rows[cells[0]] = tuple([float(v) for v in cells[i].split(" / ")] for i in (2, 4))
@@ -127,8 +129,8 @@ def readme_table() -> dict[str, tuple[list[float], list[float]]]:
 
 @pytest.mark.slow
 def test_the_readme_plan_commands_run_as_written_and_match_its_table():
-    """Each plan command of the README, pasted into a shell as written (no `...`), answers; the headline one
-    reproduces the README table's row for the trainer's own setup at its n_t (peak and step time)."""
+    """Each plan command of the README and docs/planning.md, pasted into a shell as written (no `...`), answers; the
+    headline one reproduces the planning table's row for the trainer's own setup at its n_t (peak and step time)."""
     commands = readme_plan_commands()
     assert commands and not any("..." in c for c in commands)
     table = readme_table()
