@@ -1,0 +1,350 @@
+"""The Triton kernel of the LM head: one tile of logits = hidden @ W_chunk^T (a GEMM on the tensor cores) whose
+epilogue reduces or differentiates the softmax in registers, so that no [M, V] logits ever reach memory.
+
+One kernel, two epilogues (MODE, a compile-time constant):
+
+- MODE_LSE (the forward): each [BM, BN] tile of logits leaves one number per row, the tile's logsumexp
+  (m + log sum exp(z - m)), in a [M, tiles] buffer, and the target's logit where the tile holds it. The host
+  reduces the tiles with one torch.logsumexp per chunk ([M, C / BN] floats: 64 per row at C = 16384, BN = 256).
+- MODE_GRAD (the known-gradient walk): with the rows' logsumexp known, each tile writes d(logits) = g_target *
+  onehot - g_softmax * exp(z - lse), computed in fp32 and rounded once to the model's dtype (bf16), plus the
+  tile's sum of exp(z - lse) (the measured normaliser S, 1 for an exact lse) and the target's logit. The two
+  gradient GEMMs then read that bf16 chunk through cuBLAS (torch.mm), at cuBLAS's own rate.
+
+So the walk over one vocabulary chunk of C columns is three GEMMs and no other pass over [M, C]:
+
+    this kernel:  d(logits)[M, C] (bf16)  = epilogue(hidden[M, d] @ W[v0:v0+C, d]^T)      2 M C d FLOPs
+    torch.mm:     grad_hidden[M, d]       += d(logits) @ W[v0:v0+C]                        2 M C d FLOPs
+    torch.mm:     grad_W[v0:v0+C, d]      += d(logits)^T @ hidden        (trained head)     2 M C d FLOPs
+
+and the lean forward + backward four (the forward's MODE_LSE pass, then the walk with its lse).
+
+Design for sm_90 (H100 / H200), bf16, M = 8192, d = 4096, V = 126464:
+
+- Tiles BM x BN x BK = 128 x 256 x 64, 8 warps (two warpgroups, each a 64 x 256 wgmma accumulator of 128 fp32
+  registers per thread), 3 stages: 48 KB of operands per stage (A 16 KB + B 32 KB), 144 KB in flight, plus the
+  64 KB bf16 d(logits) tile staged for its TMA store: 208 KB of the 227 KB of shared memory; one CTA per SM.
+  128 x 256 is the largest tile whose accumulator fits the register file beside the epilogue's temporaries; its
+  arithmetic intensity (2 * 128 * 256 / ((128 + 256) * 2) = 85 FLOP per byte of operands from L2) keeps the
+  tensor cores fed from L2, and a GROUP_M = 8 swizzle (8 row tiles sweep the chunk's columns together: 8 MB of
+  hidden and 2 MB per weight tile, well inside the 50 MB L2) reads each operand from HBM about once per sweep.
+- Operands arrive by TMA (host-made tensor descriptors, USE_DESC) where the layout allows it (sm_90+, rows
+  16-byte aligned), else by masked pointer loads (older GPUs, odd shapes, the interpreter's second path).
+- The epilogue adds per element one subtraction, one exp2 (MUFU: 16 per clock per SM, 2,048 clocks a tile
+  against about 65,000 for the tile's 2 * 128 * 256 * 4096 FLOPs at 4,096 dense bf16 FLOP per clock per SM:
+  3%), a compare with the row's target, and a bf16 store of 64 KB per tile (the MODE_LSE epilogue stores
+  nothing but a float per row). Expected: the mainloop at cuBLAS's rate less 3-6% of epilogue that is not
+  overlapped (non-persistent grid), i.e. 90-95% of torch.mm's 800 TFLOP/s measured on the H200 at this shape;
+  the persistent variant (PERSISTENT configs: one program per SM looping over tiles) is there for the GPU run's
+  sweep (benchmarks/bench_logprob.py --triton-sweep) to pick from.
+- Bytes per chunk of C = 16384 columns (M = 8192, d = 4096, bf16): the kernel reads hidden (64 MB) and the weight
+  chunk (128 MB) from HBM about once each and writes d(logits) once (256 MB); each gradient GEMM reads it once
+  (512 MB); grad_hidden's fp32 accumulation (cuBLAS cannot add a bf16 product into an fp32 buffer: torch.mm's
+  out_dtype writes a fp32 temporary, then one add) moves 16 bytes per [M, d] entry (537 MB). The whole walk
+  over V = 126464 moves about 11 GB beyond its operands: 2.7 ms at the H200's 4.1 TB/s effective, against
+  3 x 10.6 ms of GEMMs at torch.mm's rate.
+
+The interpreter (TRITON_INTERPRET=1 set before triton is imported; CPU tensors) runs the same source: tests
+exercise both the TMA and the pointer paths there. Its tl.dot on bf16 operands is wrong (Triton 3.9 multiplies their raw bits), so in the
+interpreter bf16 tiles are widened to fp32 before the dot (UPCAST): products of bf16 numbers are exact in fp32,
+so the sums are what the tensor cores compute, up to the order of the fp32 additions.
+
+Triton is imported only when a kernel is first launched: importing this module needs none (the planner prices the
+kernels on fake tensors without it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+MODE_LSE, MODE_GRAD = 0, 1
+tl = None  # triton.language once a kernel is built (_compiled): the kernel source's global
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration. persistent: one program per SM (times `programs_per_sm`) looping over tiles,
+    else one program per tile."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    persistent: bool = False
+
+    def label(self) -> str:
+        kind = "persistent" if self.persistent else "grid"
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} w{self.num_warps} "
+                f"s{self.num_stages} {kind}")
+
+
+# sm_90 (H100/H200), bf16: see the module docstring. The sweep's candidates: each fits 227 KB of shared memory.
+SM90 = TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
+SM90_SWEEP = (
+    SM90,
+    TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, persistent=True),
+    TileConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=3),
+    TileConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
+    TileConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=4),
+    TileConfig(128, 256, 32, group_m=8, num_warps=8, num_stages=4),
+)
+# sm_80 / sm_89 (A100, L40S): 4 stages of 128 x 128 x 32 with cp.async.
+SM80 = TileConfig(128, 128, 32, group_m=8, num_warps=4, num_stages=4)
+# The interpreter: tiles small enough that the tests' tiny shapes span several (masked edges, the GROUP_M order),
+# large enough that its per-program cost (tens of milliseconds) stays a few seconds a test.
+INTERPRETER = TileConfig(32, 64, 32, group_m=2, num_warps=4, num_stages=1)
+
+
+def default_config(device: torch.device) -> TileConfig:
+    """The tile configuration for tensors on `device` (a CUDA device's compute capability; the interpreter for
+    CPU tensors). DLLM_FAST_TRITON_HEAD_TILES="BMxBNxBK,group,warps,stages[,persistent]" overrides it (the GPU
+    run's sweep)."""
+    override = os.environ.get("DLLM_FAST_TRITON_HEAD_TILES")
+    if override:
+        return parse_config(override)
+    if device.type != "cuda":
+        return INTERPRETER
+    major, _ = torch.cuda.get_device_capability(device)
+    return SM90 if major >= 9 else SM80
+
+
+def planned_config(device_type: str) -> TileConfig:
+    """The configuration a plan prices for a device type (the planner runs fake CPU tensors for a GPU): sm_90's
+    for "cuda", the interpreter's otherwise."""
+    return SM90 if device_type == "cuda" else INTERPRETER
+
+
+def parse_config(text: str) -> TileConfig:
+    """"128x256x64,8,8,3" or "128x256x64,8,8,3,persistent" -> TileConfig."""
+    try:
+        parts = [p.strip() for p in text.split(",")]
+        bm, bn, bk = (int(x) for x in parts[0].lower().split("x"))
+        group, warps, stages = (int(x) for x in parts[1:4])
+        persistent = len(parts) > 4 and parts[4] == "persistent"
+        if len(parts) > 5 or (len(parts) == 5 and not persistent):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"DLLM_FAST_TRITON_HEAD_TILES={text!r}: expected 'BMxBNxBK,group_m,num_warps,num_stages' "
+                         "with an optional ',persistent', e.g. '128x256x64,8,8,3'.") from None
+    return TileConfig(bm, bn, bk, group, warps, stages, persistent)
+
+
+def tiles_per_row(columns: int, config: TileConfig) -> int:
+    """The per-row partials a launch over `columns` columns writes (one per column tile)."""
+    return -(-columns // config.block_n)
+
+
+def triton_importable() -> bool:
+    """Whether `import triton` works here (it ships with torch's CUDA wheels on Linux)."""
+    return _triton() is not None
+
+
+def compiles_for(device: torch.device) -> bool:
+    """Whether the kernels compile for `device`: a CUDA device of compute capability 8.0 or more (bf16 tensor
+    cores), triton importable and not in its interpreter."""
+    if device.type != "cuda" or not torch.cuda.is_available() or not triton_importable() or interpreting():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 8
+
+
+@functools.cache
+def _triton():
+    try:
+        import triton
+        import triton.language  # noqa: F401
+    except ImportError:
+        return None
+    return triton
+
+
+def missing_triton_message() -> str:
+    return ("the Triton LM-head kernels need the triton package (it ships with torch's CUDA wheels on Linux; "
+            "`pip install triton` elsewhere)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The kernel source. Built twice on demand: triton.jit for CUDA tensors, the interpreter for CPU tensors.
+
+def _head_kernel(a, b, targets, lse, g_target, g_softmax, dl, partial, target_logit,
+                 M, N, K, v0, ld_dl,
+                 MODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 GROUP_M: tl.constexpr, USE_DESC: tl.constexpr, UPCAST: tl.constexpr,
+                 FP64: tl.constexpr, EXACT_DOT: tl.constexpr):
+    """a: hidden [M, K]; b: the weight chunk [N, K] (tensors, or TMA descriptors under USE_DESC, as is dl);
+    targets [M] int64 (absolute ids; the chunk starts at column v0); partial [M, cdiv(N, BN)] (the tile's
+    logsumexp under MODE_LSE, its sum of exp(z - lse) under MODE_GRAD); target_logit [M], written where the
+    target falls in this chunk; lse, g_target, g_softmax [M] and dl [M, ld_dl] (MODE_GRAD only)."""
+    acc_type = tl.float64 if FP64 else tl.float32
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    tiles_m = (M + BM - 1) // BM  # (not tl.cdiv: each library call costs the interpreter milliseconds)
+    tiles_n = (N + BN - 1) // BN
+    group = GROUP_M * tiles_n
+    for tile in tl.range(pid, tiles_m * tiles_n, programs):
+        # GROUP_M row tiles sweep the columns together: each weight tile is read from L2 by GROUP_M programs.
+        first_m = (tile // group) * GROUP_M
+        group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % group) % group_rows
+        pid_n = (tile % group) // group_rows
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        row_ok = rows < M
+        col_ok = cols < N
+
+        acc = tl.zeros((BM, BN), dtype=acc_type)
+        ks = tl.arange(0, BK)
+        for k in range(0, K, BK):
+            if USE_DESC:
+                x = a.load([pid_m * BM, k])
+                y = b.load([pid_n * BN, k])
+            else:
+                k_ok = (k + ks) < K
+                x = tl.load(a + rows.to(tl.int64)[:, None] * K + (k + ks)[None, :],
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                y = tl.load(b + cols.to(tl.int64)[:, None] * K + (k + ks)[None, :],
+                            mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if UPCAST:
+                x = x.to(tl.float32)
+                y = y.to(tl.float32)
+            if EXACT_DOT:
+                acc = tl.dot(x, tl.trans(y), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(y), acc)
+
+        # The target's column in this tile (-1 where it is elsewhere): its logit is read from the accumulator.
+        target = tl.load(targets + rows, mask=row_ok, other=-1) - v0
+        hit = (cols.to(tl.int64)[None, :] == target[:, None]) & col_ok[None, :]
+        found = (target >= pid_n * BN) & (target < pid_n * BN + BN) & (target < N)
+        tl.store(target_logit + rows, tl.sum(tl.where(hit, acc, 0.0), axis=1), mask=row_ok & found)
+        partial_at = partial + rows.to(tl.int64) * tiles_n + pid_n
+        if MODE == 0:
+            z = tl.where(col_ok[None, :], acc, float("-inf"))
+            top = tl.max(z, axis=1)
+            shift = tl.where(top == float("-inf"), 0.0, top)  # a tile without a finite logit sums to 0
+            if FP64:
+                total = tl.sum(tl.exp(z - shift[:, None]), axis=1)
+            else:
+                total = tl.sum(tl.exp2((z - shift[:, None]) * 1.4426950408889634), axis=1)
+            tl.store(partial_at, shift + tl.log(total), mask=row_ok)
+        else:
+            row_lse = tl.load(lse + rows, mask=row_ok, other=0.0)
+            onehot = tl.load(g_target + rows, mask=row_ok, other=0.0)
+            softmax = tl.load(g_softmax + rows, mask=row_ok, other=0.0)
+            if FP64:
+                e = tl.exp(acc - row_lse[:, None])
+            else:
+                e = tl.exp2((acc - row_lse[:, None]) * 1.4426950408889634)
+            e = tl.where(col_ok[None, :], e, 0.0)
+            grad = tl.where(hit, onehot[:, None], 0.0) - softmax[:, None] * e
+            tl.store(partial_at, tl.sum(e, axis=1), mask=row_ok)
+            if USE_DESC:
+                dl.store([pid_m * BM, pid_n * BN], grad.to(dl.dtype))
+            else:
+                tl.store(dl + rows.to(tl.int64)[:, None] * ld_dl + cols[None, :], grad.to(dl.dtype.element_ty),
+                         mask=row_ok[:, None] & col_ok[None, :])
+
+
+@functools.cache
+def _compiled():
+    """The kernel as triton.jit builds it: compiled for the GPU, or run by the interpreter when TRITON_INTERPRET=1
+    was set before triton was imported (the interpreter cannot mix with compiled kernels in one process: triton's
+    own library functions are built in one mode or the other when it is imported)."""
+    global tl
+    triton = _triton()
+    if triton is None:
+        raise RuntimeError(missing_triton_message() + ".")
+    tl = triton.language  # the kernel's global, bound before triton.jit reads the source
+    return triton.jit(_head_kernel)
+
+
+def interpreting() -> bool:
+    """Whether triton runs kernels in its interpreter (TRITON_INTERPRET=1 when it was imported)."""
+    triton = _triton()
+    if triton is None:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_runnable(device: torch.device) -> None:
+    """Raise, naming the way out, when the kernels cannot run on tensors of `device` here."""
+    if _triton() is None:
+        raise RuntimeError(f"backend='triton' was requested, but {missing_triton_message()}.")
+    if device.type != "cuda" and not interpreting():
+        raise RuntimeError(f"backend='triton' runs the Triton kernels on CUDA tensors, and on {device.type} tensors "
+                           "only in triton's interpreter: set TRITON_INTERPRET=1 before triton is imported (the "
+                           "tests do), or use backend='compiled' on the CPU.")
+
+
+def uses_tma(tensors, device: torch.device) -> bool:
+    """Whether the operands can arrive by TMA: sm_90+, each row's bytes and each base address 16-byte aligned."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def _launch(mode, hidden, w_chunk, targets, v0, partial, target_logit, config: TileConfig, *, lse=None,
+            g_target=None, g_softmax=None, dl=None, tma: bool | None = None) -> None:
+    triton = _triton()
+    if triton is None:
+        raise RuntimeError(missing_triton_message() + ".")
+    device = hidden.device
+    interpreted = interpreting()
+    kernel = _compiled()
+    M, K = hidden.shape
+    N = w_chunk.shape[0]
+    operands = [hidden, w_chunk] + ([dl] if dl is not None else [])
+    use_desc = uses_tma(operands, device) if tma is None else tma
+    a, b, d_out = hidden, w_chunk, dl
+    if use_desc:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a = TensorDescriptor.from_tensor(hidden, [config.block_m, config.block_k])
+        b = TensorDescriptor.from_tensor(w_chunk, [config.block_n, config.block_k])
+        if dl is not None:
+            d_out = TensorDescriptor(dl, list(dl.shape), list(dl.stride()), [config.block_m, config.block_n])
+    if dl is None:  # MODE_LSE: the gradient arguments are never read
+        d_out, lse, g_target, g_softmax = partial, partial, partial, partial
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    programs = tiles
+    if config.persistent and device.type == "cuda":
+        programs = min(tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+    dtype = hidden.dtype
+    kernel[(programs,)](
+        a, b, targets, lse, g_target, g_softmax, d_out, partial, target_logit,
+        M, N, K, v0, dl.stride(0) if dl is not None else 0,
+        MODE=mode, BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m,
+        USE_DESC=use_desc, UPCAST=interpreted and dtype in (torch.bfloat16, torch.float16),
+        FP64=dtype == torch.float64, EXACT_DOT=dtype in (torch.float32, torch.float64) or interpreted,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def chunk_logsumexp(hidden, w_chunk, targets, v0: int, target_logit, config: TileConfig, *,
+                    tma: bool | None = None) -> torch.Tensor:
+    """[M] logsumexp of hidden @ w_chunk^T (MODE_LSE), and target_logit[i] set where row i's target lies in
+    [v0, v0 + len(w_chunk)). One kernel, then one reduction over the [M, tiles] partials."""
+    M, N = hidden.shape[0], w_chunk.shape[0]
+    partial = torch.empty(M, tiles_per_row(N, config), dtype=target_logit.dtype, device=hidden.device)
+    _launch(MODE_LSE, hidden, w_chunk, targets, v0, partial, target_logit, config, tma=tma)
+    return torch.logsumexp(partial, dim=1)
+
+
+def chunk_softmax_grad(hidden, w_chunk, targets, v0: int, lse, g_target, g_softmax, dl, target_logit,
+                       config: TileConfig, *, tma: bool | None = None) -> torch.Tensor:
+    """Writes dl[M, N] = g_target * onehot(target) - g_softmax * exp(hidden @ w_chunk^T - lse) (rounded once to
+    dl's dtype) and target_logit where the target lies in the chunk; returns each row's sum of exp(z - lse)
+    over the chunk (MODE_GRAD). One kernel, then one reduction over the [M, tiles] partials."""
+    M, N = hidden.shape[0], w_chunk.shape[0]
+    partial = torch.empty(M, tiles_per_row(N, config), dtype=target_logit.dtype, device=hidden.device)
+    _launch(MODE_GRAD, hidden, w_chunk, targets, v0, partial, target_logit, config, lse=lse, g_target=g_target,
+            g_softmax=g_softmax, dl=dl, tma=tma)
+    return partial.sum(dim=1)
