@@ -37,10 +37,11 @@ TRITON_OPS = ("masked_logprobs",)
 _warned_fallback: set[tuple[str, str]] = set()
 
 
-# The (op, device type, requested backend, triton) keys already resolved to "compiled" or "triton": the kernels
+# The (op, device type, requested backend, triton, from the environment) keys already resolved to "compiled" or
+# "triton": the kernels
 # register when dllm_fast._C loads and stay, and triton is importable or not for the process's life, so an eager
 # call (a LLaDA layer's RoPE, each sampling step) looks them up once.
-_FOUND: dict[tuple[str, str, str, str], str] = {}
+_FOUND: dict[tuple[str, str, str, str, bool], str] = {}
 
 
 @torch.compiler.assume_constant_result  # an import and device check: torch.compile treats it as a constant
@@ -55,7 +56,7 @@ def choose_backend(op: str, device: torch.device, backend: str | None, *, triton
     CUDA, where they are faster), "able" (they can run the call; only an explicit request or the environment's
     default takes them), "no" (they cannot: the environment's "triton" chooses as auto)."""
     requested = backend or os.environ.get("DLLM_FAST_BACKEND", "auto")
-    key = (op, device.type, requested, triton)
+    key = (op, device.type, requested, triton, backend is None)  # the environment's "triton" is not a request
     found = _FOUND.get(key)
     if found is not None:
         return found

@@ -163,7 +163,7 @@ def _masked_logprobs_grad_triton(hidden, weight, targets, grad_logp, lse, grad_w
     # recomputes rows whose S is off by more than rounding).
     inverse = sum_e.reciprocal()
     target_rows = weight.index_select(0, targets.clamp(0, V - 1)).to(acc)
-    grad_hidden.mul_(inverse[:, None]).add_(target_rows * (g * (1 - inverse))[:, None])
+    grad_hidden.mul_(inverse[:, None]).addcmul_(target_rows, (g * (1 - inverse))[:, None])
     logp = target_logit - lse - sum_e.log()
     return logp, grad_hidden.to(hidden.dtype)
 

@@ -45,9 +45,10 @@ Design for sm_90 (H100 / H200), bf16, M = 8192, d = 4096, V = 126464:
   3 x 10.6 ms of GEMMs at torch.mm's rate.
 
 The interpreter (TRITON_INTERPRET=1 set before triton is imported; CPU tensors) runs the same source: tests
-exercise both the TMA and the pointer paths there. Its tl.dot on bf16 operands is wrong (Triton 3.9 multiplies their raw bits), so in the
-interpreter bf16 tiles are widened to fp32 before the dot (UPCAST): products of bf16 numbers are exact in fp32,
-so the sums are what the tensor cores compute, up to the order of the fp32 additions.
+exercise both the TMA and the pointer paths there. Two of its bf16 operations differ from the GPU's (Triton 3.9): tl.dot multiplies the
+raw bits of bf16 operands, and fp32 -> bf16 truncates. So in the interpreter (UPCAST) bf16 tiles are widened to
+fp32 before the dot (products of bf16 numbers are exact in fp32: the sums are the tensor cores', up to the order
+of the fp32 additions), and d(logits) is rounded to nearest even by hand before its store, as the GPU rounds it.
 
 Triton is imported only when a kernel is first launched: importing this module needs none (the planner prices the
 kernels on fake tensors without it).
@@ -244,6 +245,9 @@ def _head_kernel(a, b, targets, lse, g_target, g_softmax, dl, partial, target_lo
             e = tl.where(col_ok[None, :], e, 0.0)
             grad = tl.where(hit, onehot[:, None], 0.0) - softmax[:, None] * e
             tl.store(partial_at, tl.sum(e, axis=1), mask=row_ok)
+            if UPCAST:  # the interpreter truncates fp32 to bf16: round to nearest even first, as the GPU does
+                bits = grad.to(tl.uint32, bitcast=True)
+                grad = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
             if USE_DESC:
                 dl.store([pid_m * BM, pid_n * BN], grad.to(dl.dtype))
             else:
@@ -323,7 +327,7 @@ def _launch(mode, hidden, w_chunk, targets, v0, partial, target_logit, config: T
         a, b, targets, lse, g_target, g_softmax, d_out, partial, target_logit,
         M, N, K, v0, dl.stride(0) if dl is not None else 0,
         MODE=mode, BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m,
-        USE_DESC=use_desc, UPCAST=interpreted and dtype in (torch.bfloat16, torch.float16),
+        USE_DESC=use_desc, UPCAST=interpreted and dtype == torch.bfloat16,
         FP64=dtype == torch.float64, EXACT_DOT=dtype in (torch.float32, torch.float64) or interpreted,
         num_warps=config.num_warps, num_stages=config.num_stages)
 
