@@ -139,6 +139,20 @@ def test_the_known_gradient_walk_matches_the_twin(device, M, d, V, chunk, dtype,
 
 
 @needs_triton
+def test_a_persistent_grid_loops_over_its_tiles(device, monkeypatch):
+    """Persistent configurations (a program per SM looping over tiles in GROUP_M order): three programs in the
+    interpreter, each walking several tiles, give the twin's values and gradients."""
+    monkeypatch.setenv("DLLM_FAST_TRITON_HEAD_TILES", "32x64x32,2,4,1,persistent")
+    hidden, weight, targets, upstream = make_inputs(70, 24, 300, device, torch.float64)
+    want_logp, want_hidden, want_weight = reference.masked_logprobs_grad(hidden, weight, targets, upstream)
+    buffer = torch.zeros_like(weight)
+    logp, grad_hidden = masked_logprobs_grad(hidden, weight, targets, upstream, grad_weight=buffer, chunk_size=256,
+                                             backend="triton")
+    for got, want in ((logp, want_logp), (grad_hidden, want_hidden), (buffer, want_weight)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@needs_triton
 def test_a_frozen_head_runs_no_weight_gemm_and_a_trained_one_one_per_chunk(device, monkeypatch):
     """LoRA's frozen head: two GEMMs a chunk (the kernel's and grad_hidden's), never grad_weight's; the backward of
     masked_logprobs likewise when the weight does not require grad."""

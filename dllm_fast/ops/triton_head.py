@@ -320,8 +320,9 @@ def _launch(mode, hidden, w_chunk, targets, v0, partial, target_logit, config: T
         d_out, lse, g_target, g_softmax = partial, partial, partial, partial
     tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
     programs = tiles
-    if config.persistent and device.type == "cuda":
-        programs = min(tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+    if config.persistent:  # one program per SM (the interpreter: 3, so that each loops over several tiles)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
+        programs = min(tiles, sms)
     dtype = hidden.dtype
     kernel[(programs,)](
         a, b, targets, lse, g_target, g_softmax, d_out, partial, target_logit,
