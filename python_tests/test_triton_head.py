@@ -524,3 +524,24 @@ def test_the_declared_cpu_workspace_bounds_what_the_interpreted_walk_allocates(d
         outputs = M * 4 + M * d * hidden.element_size()
         declared = costs.workspace("masked_logprobs_grad_triton", "cpu", args).bytes
         assert allocated.peak - outputs <= declared
+
+
+@needs_triton
+def test_the_benchmarks_triton_rows_and_sweep_run(device):
+    """bench_logprob.py --roofline's Triton rows and --triton-sweep (run on the next GPU loan, where a bug would
+    cost the loan) in the interpreter: every run completes, the sweep's configurations agree exactly."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_logprob.py"
+    spec = importlib.util.spec_from_file_location("bench_logprob_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    hidden, weight, targets, upstream = make_inputs(40, 32, 300, device, torch.bfloat16)
+    lse = exact_lse(hidden.float(), weight.float())
+    runs = bench.triton_runs(hidden, weight, targets, upstream, lse, torch.zeros_like(weight), [128])
+    assert set(op for op, _ in runs) == set(bench.TRITON_GEMMS)
+    for run in runs.values():
+        run()
+    rows = bench.triton_sweep(hidden, weight, targets, upstream, lse, 128, repeats=1)
+    assert [row["status"] for row in rows] == ["ok", "ok"] and all(row["max_diff"] == 0 for row in rows)
