@@ -231,7 +231,7 @@ def test_a_wrong_lse_is_recomputed_row_by_row_with_the_triton_kernels(device, of
     buffer = torch.zeros_like(weight)
     logp, grad_hidden = masked_logprobs_grad(hidden, weight, targets, upstream, lse=given, grad_weight=buffer,
                                              chunk_size=128, backend="triton")
-    assert used == [faces.KERNELS["triton"]]
+    assert used == [faces.head_kernels("triton")]
     for got, want in ((logp, want_logp), (grad_hidden, want_hidden), (buffer, want_weight)):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     small = lse + 1e-3 * torch.linspace(-1, 1, 12, dtype=torch.float64, device=device)

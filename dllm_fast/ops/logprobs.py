@@ -89,7 +89,7 @@ def masked_logprobs(
     chunk_size = _chunk_size(choice, chunk_size, hidden, lm_head_weight)
     if choice == "reference":
         return twins.masked_logprobs(hidden, lm_head_weight, targets)
-    kernels = KERNELS[choice]
+    kernels = head_kernels(choice)
     if grad_into_weight and trainable_leaf(lm_head_weight) and torch.is_grad_enabled():
         return _WeightGradInPlace.apply(hidden.contiguous(), lm_head_weight, targets.contiguous(), chunk_size,
                                         tf32_grad_gemms, kernels)
@@ -168,7 +168,7 @@ def masked_logprobs_grad(
             grad_weight.add_(weight_grad)
         return logp, grad_hidden
     hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
-    kernels = KERNELS[choice]
+    kernels = head_kernels(choice)
     if choice == "compiled" and not has_kernel("masked_logprobs_grad", hidden.device.type):
         return _composite_grad(hidden, weight, targets, grad_logp, grad_weight, chunk_size, tf32_grad_gemms)
     verify = lse is not None and data_checks_enabled(hidden, weight, lse)
@@ -196,19 +196,13 @@ class HeadKernels(NamedTuple):
     grad: Callable
 
 
-class _Kernels(dict):
-    """backend name -> HeadKernels, looked up when asked (the compiled ops exist only with the extension)."""
-
-    def __missing__(self, backend: str) -> HeadKernels:
-        suffix = {"compiled": "", "triton": "_triton"}[backend]
-        ops = torch.ops.dllm_fast
-        kernels = HeadKernels(getattr(ops, "masked_logprobs" + suffix), getattr(ops, "masked_logprobs_backward" + suffix),
-                              getattr(ops, "masked_logprobs_grad" + suffix))
-        self[backend] = kernels
-        return kernels
-
-
-KERNELS = _Kernels()
+def head_kernels(backend: str) -> HeadKernels:
+    """The LM-head ops of `backend` ("compiled" or "triton"), looked up in torch.ops on each call (a dictionary
+    filled lazily would be a global that torch.compile guards on, recompiling once it fills)."""
+    suffix = "_triton" if backend == "triton" else ""
+    ops = torch.ops.dllm_fast
+    return HeadKernels(getattr(ops, "masked_logprobs" + suffix), getattr(ops, "masked_logprobs_backward" + suffix),
+                       getattr(ops, "masked_logprobs_grad" + suffix))
 
 
 def _triton_fit(op: str, backend, dtype: torch.dtype, tf32_grad_gemms: bool) -> str:
@@ -280,7 +274,7 @@ def _recompute_rows(rows, hidden, weight, targets, grad_logp, lse, grad_weight, 
     The walk added g (onehot - S p) for such a row (p its softmax) where g (onehot - p) was due: the difference
     g (S - 1) p is added by a walk with upstream -g (S - 1) and the exact logsumexp, which adds
     -g (S - 1) (onehot - p), plus g (S - 1) h into the target's row."""
-    kernels = kernels or KERNELS["compiled"]
+    kernels = kernels or head_kernels("compiled")
     h, t, g = hidden[rows], targets[rows], grad_logp[rows]
     exact_lse = kernels.forward(h, weight, t, chunk_size)[1]
     logp[rows], grad_hidden[rows] = kernels.grad(h, weight, t, g, exact_lse, None, chunk_size, tf32)
