@@ -438,6 +438,20 @@ def test_the_environments_triton_takes_it_where_an_op_has_it_and_chooses_as_auto
         ops.choose_backend("rope", cpu, "triton")
 
 
+@needs_triton
+def test_the_probe_passes_on_working_kernels_and_warns_on_wrong_ones(device, monkeypatch):
+    """auto takes the Triton kernels on a GPU only after a small call of both epilogues agrees with torch: a
+    kernel that compiles but computes wrong (or fails to compile) is reported once and left to the compiled ones."""
+    assert triton_head._probe(device)
+    original = triton_head.chunk_softmax_grad
+    monkeypatch.setattr(triton_head, "chunk_softmax_grad", lambda *args: original(*args) * 1.01)
+    with pytest.warns(UserWarning, match="results differ from torch's"):
+        assert not triton_head._probe(device)
+    monkeypatch.setattr(triton_head, "chunk_logsumexp", lambda *args: 1 / 0)
+    with pytest.warns(UserWarning, match="ZeroDivisionError"):
+        assert not triton_head._probe(device)
+
+
 def test_what_the_triton_kernels_cannot_take_is_named():
     hidden, weight, targets, upstream = make_inputs(4, 8, 50)
     with pytest.raises(ValueError, match="not torch.float16.*backend='compiled'"):
