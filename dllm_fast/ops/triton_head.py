@@ -94,6 +94,7 @@ SM90_SWEEP = (
     TileConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=3),
     TileConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
     TileConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=4),
+    TileConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=2),  # 96 KB: two CTAs an SM, epilogues overlapped
     TileConfig(128, 256, 32, group_m=8, num_warps=8, num_stages=4),
 )
 # sm_80 / sm_89 (A100, L40S): 4 stages of 128 x 128 x 32 with cp.async.
@@ -262,10 +263,12 @@ def _head_kernel(a, b, targets, lse, g_target, g_softmax, dl, partial, target_lo
             else:
                 acc = tl.dot(x, tl.trans(y), acc)
 
-        # The target's column in this tile (-1 where it is elsewhere): its logit is read from the accumulator.
+        # The target's column in this tile (-1 where it is elsewhere; int32, one register a compare): its logit
+        # is read from the accumulator.
         target = tl.load(targets + rows, mask=row_ok, other=-1) - v0
-        hit = (cols.to(tl.int64)[None, :] == target[:, None]) & col_ok[None, :]
         found = (target >= pid_n * BN) & (target < pid_n * BN + BN) & (target < N)
+        column = tl.where(found, target - pid_n * BN, -1).to(tl.int32)
+        hit = tl.arange(0, BN)[None, :] == column[:, None]
         tl.store(target_logit + rows, tl.sum(tl.where(hit, acc, 0.0), axis=1), mask=row_ok & found)
         partial_at = partial + rows.to(tl.int64) * tiles_n + pid_n
         if MODE == 0:
@@ -333,10 +336,12 @@ def check_runnable(device: torch.device) -> None:
 
 
 def uses_tma(tensors, device: torch.device) -> bool:
-    """Whether the operands can arrive by TMA: sm_90+, each row's bytes and each base address 16-byte aligned."""
+    """Whether the operands can arrive by TMA: sm_90+, 16-bit elements (a 64-element K tile is one 128-byte
+    swizzled row), each row's bytes and each base address 16-byte aligned."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return False
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+    return all(t.element_size() == 2 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               for t in tensors)
 
 
 def _launch(mode, hidden, w_chunk, targets, v0, partial, target_logit, config: TileConfig, *, lse=None,
