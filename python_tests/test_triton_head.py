@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch.library import opcheck
 
-import dllm_fast
 from dllm_fast import ops, reference
 from dllm_fast.ops import backend as backend_module
 from dllm_fast.ops import logprobs as faces
@@ -307,7 +306,8 @@ def test_opcheck(device):
     hidden, weight, targets, upstream = make_inputs(5, 8, 70, device)
     lse = exact_lse(hidden, weight)
     tests = ("test_schema", "test_faketensor", "test_autograd_registration")
-    opcheck(torch.ops.dllm_fast.masked_logprobs_triton, (hidden.requires_grad_(), weight, targets, 32), test_utils=tests)
+    opcheck(torch.ops.dllm_fast.masked_logprobs_triton, (hidden.requires_grad_(), weight, targets, 32),
+            test_utils=tests)
     opcheck(torch.ops.dllm_fast.masked_logprobs_backward_triton,
             (upstream, None, hidden.detach(), weight, targets, lse, 32, [True, True]), test_utils=tests)
     opcheck(torch.ops.dllm_fast.masked_logprobs_grad_triton,

@@ -7,6 +7,14 @@
 - `logprobs_with_known_gradient`: the engine's pass 2 on top of it: logp, and a surrogate whose backward hands
   grad_hidden to the model body.
 
+Backends (ops/backend.py): "compiled" runs dllm_fast::masked_logprobs, masked_logprobs_backward and
+masked_logprobs_grad (the C++/CUDA kernels, cuBLAS or MKL for every GEMM, the softmax in a pass of its own over
+each chunk's fp32 logits); "triton" runs their twins dllm_fast::*_triton (ops/logprobs_triton.py): the logits
+GEMM in a Triton kernel whose epilogue holds the softmax (its logsumexp, or its gradient written once in bf16),
+cuBLAS for the gradient GEMMs, the same schemas, semantics and rounding. None takes "triton" for bf16 CUDA
+tensors where the kernels serve the GPU (ops/triton_head.py's probe), "compiled" otherwise; fp16 and the TF32
+option always run compiled. `head_kernels(backend)` gives either set of ops.
+
 Accumulating into `.grad` in place (never a second [V, d] tensor) keeps the streaming engine's memory flat when
 gradients accumulate over micro-batches. The weight still gets an autograd edge: its AccumulateGrad node runs
 (with no gradient) in every backward, so DDP's and FSDP2's hooks see the complete `.grad`.
@@ -59,7 +67,7 @@ def masked_logprobs(
         targets: [M] token ids in [0, V).
         chunk_size: vocabulary columns per chunk (default: sized for the device; more than V means V). Peak
             temporary memory is about M * chunk_size * 4 bytes.
-        backend: None/"auto", "compiled" or "reference" (see module docstring).
+        backend: None/"auto", "compiled", "triton" or "reference" (see module docstring and ops/backend.py).
         grad_into_weight: for a trainable leaf `lm_head_weight` (a parameter), backward adds the weight's
             gradient straight into `lm_head_weight.grad` (created when None) instead of returning a new [V, d]
             tensor for autograd to add: no gradient-sized temporary when gradients accumulate over several
@@ -139,7 +147,9 @@ def masked_logprobs_grad(
 
     The compiled path runs the op's own kernel on CPU and CUDA (never a [V, d] temporary). A device whose build
     lacks it takes the composite of the masked_logprobs forward and backward kernels instead (exact lse, four
-    GEMMs per chunk, and one [V, d] temporary added into grad_weight).
+    GEMMs per chunk, and one [V, d] temporary added into grad_weight). The Triton path (backend="triton", the
+    default for bf16 on CUDA) runs the same walk with the softmax gradient in the logits GEMM's epilogue, and
+    skips the weight's GEMM when grad_weight is None (a frozen head).
     """
     _check_grad_weight_type(grad_weight)
     _check_masked_logprobs(hidden, lm_head_weight, targets)

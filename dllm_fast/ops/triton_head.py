@@ -5,53 +5,62 @@ One kernel, two epilogues (MODE, a compile-time constant):
 
 - MODE_LSE (the forward): each [BM, BN] tile of logits leaves one number per row, the tile's logsumexp
   (m + log sum exp(z - m)), in a [M, tiles] buffer, and the target's logit where the tile holds it. The host
-  reduces the tiles with one torch.logsumexp per chunk ([M, C / BN] floats: 64 per row at C = 16384, BN = 256).
+  folds the tiles with one torch.logsumexp per chunk ([M, C / BN] floats: 64 a row at C = 16384, BN = 256).
 - MODE_GRAD (the known-gradient walk): with the rows' logsumexp known, each tile writes d(logits) = g_target *
-  onehot - g_softmax * exp(z - lse), computed in fp32 and rounded once to the model's dtype (bf16), plus the
-  tile's sum of exp(z - lse) (the measured normaliser S, 1 for an exact lse) and the target's logit. The two
-  gradient GEMMs then read that bf16 chunk through cuBLAS (torch.mm), at cuBLAS's own rate.
+  onehot - g_softmax * exp(z - lse), computed in fp32 and rounded once to the model's dtype (bf16), the tile's
+  sum of exp(z - lse) (the measured normaliser S, 1 for an exact lse) and the target's logit. The gradient GEMMs
+  then read that bf16 chunk in cuBLAS (torch.mm), at cuBLAS's own rate.
 
-So the walk over one vocabulary chunk of C columns is three GEMMs and no other pass over [M, C]:
+The walk over a vocabulary chunk of C columns is then three GEMMs and no other pass over [M, C]
+(ops/logprobs_triton.py):
 
     this kernel:  d(logits)[M, C] (bf16)  = epilogue(hidden[M, d] @ W[v0:v0+C, d]^T)      2 M C d FLOPs
     torch.mm:     grad_hidden[M, d]       += d(logits) @ W[v0:v0+C]                        2 M C d FLOPs
-    torch.mm:     grad_W[v0:v0+C, d]      += d(logits)^T @ hidden        (trained head)     2 M C d FLOPs
+    torch.mm:     grad_W[v0:v0+C, d]      += d(logits)^T @ hidden   (a trained head only)   2 M C d FLOPs
 
-and the lean forward + backward four (the forward's MODE_LSE pass, then the walk with its lse).
+and the lean forward + backward four (MODE_LSE's pass, then the walk with its lse).
 
-Design for sm_90 (H100 / H200), bf16, M = 8192, d = 4096, V = 126464:
+Design for sm_90 (H100 / H200), bf16, M = 8192, d = 4096, V = 126464 (chunks of 16384 columns: 8 of them):
 
-- Tiles BM x BN x BK = 128 x 256 x 64, 8 warps (two warpgroups, each a 64 x 256 wgmma accumulator of 128 fp32
-  registers per thread), 3 stages: 48 KB of operands per stage (A 16 KB + B 32 KB), 144 KB in flight, plus the
-  64 KB bf16 d(logits) tile staged for its TMA store: 208 KB of the 227 KB of shared memory; one CTA per SM.
-  128 x 256 is the largest tile whose accumulator fits the register file beside the epilogue's temporaries; its
-  arithmetic intensity (2 * 128 * 256 / ((128 + 256) * 2) = 85 FLOP per byte of operands from L2) keeps the
-  tensor cores fed from L2, and a GROUP_M = 8 swizzle (8 row tiles sweep the chunk's columns together: 8 MB of
-  hidden and 2 MB per weight tile, well inside the 50 MB L2) reads each operand from HBM about once per sweep.
-- Operands arrive by TMA (host-made tensor descriptors, USE_DESC) where the layout allows it (sm_90+, rows
-  16-byte aligned), else by masked pointer loads (older GPUs, odd shapes, the interpreter's second path).
-- The epilogue adds per element one subtraction, one exp2 (MUFU: 16 per clock per SM, 2,048 clocks a tile
-  against about 65,000 for the tile's 2 * 128 * 256 * 4096 FLOPs at 4,096 dense bf16 FLOP per clock per SM:
-  3%), a compare with the row's target, and a bf16 store of 64 KB per tile (the MODE_LSE epilogue stores
-  nothing but a float per row). Expected: the mainloop at cuBLAS's rate less 3-6% of epilogue that is not
-  overlapped (non-persistent grid), i.e. 90-95% of torch.mm's 800 TFLOP/s measured on the H200 at this shape;
-  the persistent variant (PERSISTENT configs: one program per SM looping over tiles) is there for the GPU run's
-  sweep (benchmarks/bench_logprob.py --triton-sweep) to pick from.
-- Bytes per chunk of C = 16384 columns (M = 8192, d = 4096, bf16): the kernel reads hidden (64 MB) and the weight
-  chunk (128 MB) from HBM about once each and writes d(logits) once (256 MB); each gradient GEMM reads it once
-  (512 MB); grad_hidden's fp32 accumulation (cuBLAS cannot add a bf16 product into an fp32 buffer: torch.mm's
-  out_dtype writes a fp32 temporary, then one add) moves 16 bytes per [M, d] entry (537 MB). The whole walk
-  over V = 126464 moves about 11 GB beyond its operands: 2.7 ms at the H200's 4.1 TB/s effective, against
-  3 x 10.6 ms of GEMMs at torch.mm's rate.
+- Tiles BM x BN x BK = 128 x 256 x 64, 8 warps (two warpgroups, each holding a 64 x 256 wgmma accumulator: 128
+  fp32 registers a thread), 3 stages: 48 KB of operands a stage (A 16 KB, B 32 KB), 144 KB in flight, plus the
+  64 KB bf16 d(logits) tile staged for its TMA store: 208 KB of the 227 KB of shared memory, one CTA an SM. 128 x
+  256 is the largest tile whose accumulator leaves registers for the epilogue; it does 2 * 128 * 256 / ((128 +
+  256) * 2) = 85 FLOP per byte brought from L2 (9.4 TB/s of L2 at 800 TFLOP/s: near what the H100's L2 gives,
+  the usual reason Triton's GEMMs trail cuBLAS's multicast clusters by 5-10%). GROUP_M = 8: eight row tiles
+  (8 MB of hidden) sweep the chunk's columns together, so each 2 MB weight tile is read from HBM once per group
+  (the weight chunk 8 times, 1 GB a chunk: 1,000 FLOP per HBM byte, far above the H200's ridge of 206).
+- Operands arrive by TMA (host-made tensor descriptors, USE_DESC) on sm_90 for 16-bit operands with rows
+  16-byte aligned; by masked pointer loads otherwise (older GPUs, fp32/fp64, odd widths).
+- The epilogue adds per element a subtraction, an exp2 (MUFU: 16 a clock an SM, 2,048 clocks a tile), an int32
+  compare with the row's target, the bf16 conversion and a 64 KB TMA store: about 4,000 clocks a tile against
+  about 81,000 for its 2 * 128 * 256 * 4096 FLOPs at torch.mm's 800 TFLOP/s (4,096 dense bf16 FLOP a clock an
+  SM at peak). Not overlapped with the next tile's mainloop (one CTA an SM, no warp specialisation): 5%.
+  MODE_LSE's epilogue is two row reductions and stores a float a row: 2-3%.
+- Expected, by this arithmetic: the kernel at 88-93% of torch.mm on the same chunk shapes (the mainloop at
+  93-97% of cuBLAS's, less the epilogue), at the issue's 90% line. Chunks of 16384 columns also cost both 3% of
+  wave quantisation (4,096 tiles on 132 SMs: 31.03 waves). The GPU run's sweep (benchmarks/bench_logprob.py
+  --triton-sweep, SM90_SWEEP) times the alternatives: persistent (a program an SM looping over tiles), 256 x
+  128, 128 x 128 with 4 warps, and 128 x 128 in 2 stages (96 KB: two CTAs an SM, one's epilogue under the
+  other's mainloop); DLLM_FAST_TRITON_HEAD_TILES picks one without a code change.
+- Bytes beyond the GEMMs' operands, per walk: d(logits) written once (2.1 GB) and read by each gradient GEMM
+  (4.1 GB, inside those compute-bound GEMMs); grad_hidden's fp32 accumulation, which torch cannot do in cuBLAS
+  for bf16 operands (addmm's out_dtype wants its addend in the operands' dtype), through an fp32 [M, d] product
+  and one add a chunk: 16 bytes an entry, 4.3 GB, about 1 ms at 4.1 TB/s; grad_W's rows are added in cuBLAS
+  (beta = 1, bf16 C read and rounded once). Walk, logsumexp known, trained head: 11.4-12.0 ms (kernel) + 2 x
+  10.6 (cuBLAS) + about 1.5 (accumulation, per-row work, launches) = 34-35 ms against naive PyTorch's 47.3 ms
+  (1.36-1.39x); frozen head 23-24 ms; the lean forward + backward or the walk without the logsumexp 45-46 ms
+  (1.03x). Design arithmetic from run 2's torch.mm timing, not measurements.
 
 The interpreter (TRITON_INTERPRET=1 set before triton is imported; CPU tensors) runs the same source: tests
-exercise both the TMA and the pointer paths there. Two of its bf16 operations differ from the GPU's (Triton 3.9): tl.dot multiplies the
-raw bits of bf16 operands, and fp32 -> bf16 truncates. So in the interpreter (UPCAST) bf16 tiles are widened to
-fp32 before the dot (products of bf16 numbers are exact in fp32: the sums are the tensor cores', up to the order
-of the fp32 additions), and d(logits) is rounded to nearest even by hand before its store, as the GPU rounds it.
+exercise the TMA and the pointer paths, grid and persistent, there. Two of its bf16 operations differ from the
+GPU's (Triton 3.9): tl.dot multiplies the raw bits of bf16 operands, and fp32 -> bf16 truncates. So in the
+interpreter (UPCAST) bf16 tiles are widened to fp32 before the dot (products of bf16 numbers are exact in fp32:
+the sums are the tensor cores', up to the order of the fp32 additions), and d(logits) is rounded to nearest even
+by hand before its store, as the GPU rounds it.
 
-Triton is imported only when a kernel is first launched: importing this module needs none (the planner prices the
-kernels on fake tensors without it).
+Triton is imported only when a kernel is first launched: importing this module needs none (the planner prices
+the kernels on fake tensors without it).
 """
 
 from __future__ import annotations
