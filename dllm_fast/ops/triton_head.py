@@ -224,90 +224,110 @@ def missing_triton_message() -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The kernel source. Built twice on demand: triton.jit for CUDA tensors, the interpreter for CPU tensors.
+# The kernel source: triton.jit builds it when first launched (compiled, or interpreted under TRITON_INTERPRET=1).
 
 def _head_kernel(a, b, targets, lse, g_target, g_softmax, dl, partial, target_logit,
-                 M, N, K, v0, ld_dl,
-                 MODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 M, N, v0, ld_dl,
+                 K: tl.constexpr, MODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  GROUP_M: tl.constexpr, USE_DESC: tl.constexpr, UPCAST: tl.constexpr,
-                 FP64: tl.constexpr, EXACT_DOT: tl.constexpr):
+                 FP64: tl.constexpr, EXACT_DOT: tl.constexpr, PERSISTENT: tl.constexpr):
     """a: hidden [M, K]; b: the weight chunk [N, K] (tensors, or TMA descriptors under USE_DESC, as is dl);
     targets [M] int64 (absolute ids; the chunk starts at column v0); partial [M, cdiv(N, BN)] (the tile's
     logsumexp under MODE_LSE, its sum of exp(z - lse) under MODE_GRAD); target_logit [M], written where the
-    target falls in this chunk; lse, g_target, g_softmax [M] and dl [M, ld_dl] (MODE_GRAD only)."""
-    acc_type = tl.float64 if FP64 else tl.float32
+    target falls in this chunk; lse, g_target, g_softmax [M] and dl [M, ld_dl] (MODE_GRAD only). One tile a
+    program, or (PERSISTENT) each program the tiles pid, pid + programs, ... K (the width) is a compile-time
+    constant: one model, one width, and a loop over it that needs no run-time bound."""
     pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    tiles_m = (M + BM - 1) // BM  # (not tl.cdiv: each library call costs the interpreter milliseconds)
+    if PERSISTENT:
+        tiles = ((M + BM - 1) // BM) * ((N + BN - 1) // BN)  # (not tl.cdiv: a library call costs the interpreter)
+        tile = pid
+        while tile < tiles:
+            _tile(tile, a, b, targets, lse, g_target, g_softmax, dl, partial, target_logit, M, N, v0, ld_dl,
+                  K, MODE, BM, BN, BK, GROUP_M, USE_DESC, UPCAST, FP64, EXACT_DOT)
+            tile += tl.num_programs(0)
+    else:
+        _tile(pid, a, b, targets, lse, g_target, g_softmax, dl, partial, target_logit, M, N, v0, ld_dl,
+              K, MODE, BM, BN, BK, GROUP_M, USE_DESC, UPCAST, FP64, EXACT_DOT)
+
+
+def _head_tile(tile, a, b, targets, lse, g_target, g_softmax, dl, partial, target_logit, M, N, v0, ld_dl,
+               K: tl.constexpr, MODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               GROUP_M: tl.constexpr, USE_DESC: tl.constexpr, UPCAST: tl.constexpr, FP64: tl.constexpr,
+               EXACT_DOT: tl.constexpr):
+    """One [BM, BN] tile of the chunk's logits and its epilogue (the arguments: _head_kernel's)."""
+    acc_type = tl.float64 if FP64 else tl.float32
+    tiles_m = (M + BM - 1) // BM
     tiles_n = (N + BN - 1) // BN
     group = GROUP_M * tiles_n
-    for tile in tl.range(pid, tiles_m * tiles_n, programs):
-        # GROUP_M row tiles sweep the columns together: each weight tile is read from L2 by GROUP_M programs.
-        first_m = (tile // group) * GROUP_M
-        group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % group) % group_rows
-        pid_n = (tile % group) // group_rows
-        rows = pid_m * BM + tl.arange(0, BM)
-        cols = pid_n * BN + tl.arange(0, BN)
-        row_ok = rows < M
-        col_ok = cols < N
+    # GROUP_M row tiles sweep the columns together: each weight tile is read from L2 by GROUP_M programs.
+    first_m = (tile // group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % group) % group_rows
+    pid_n = (tile % group) // group_rows
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    row_ok = rows < M
+    col_ok = cols < N
 
-        acc = tl.zeros((BM, BN), dtype=acc_type)
-        ks = tl.arange(0, BK)
-        for k in range(0, K, BK):
-            if USE_DESC:
-                x = a.load([pid_m * BM, k])
-                y = b.load([pid_n * BN, k])
-            else:
-                k_ok = (k + ks) < K
-                x = tl.load(a + rows.to(tl.int64)[:, None] * K + (k + ks)[None, :],
-                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                y = tl.load(b + cols.to(tl.int64)[:, None] * K + (k + ks)[None, :],
-                            mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if UPCAST:
-                x = x.to(tl.float32)
-                y = y.to(tl.float32)
-            if EXACT_DOT:
-                acc = tl.dot(x, tl.trans(y), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(y), acc)
-
-        # The target's column in this tile (-1 where it is elsewhere; int32, one register a compare): its logit
-        # is read from the accumulator.
-        target = tl.load(targets + rows, mask=row_ok, other=-1) - v0
-        found = (target >= pid_n * BN) & (target < pid_n * BN + BN) & (target < N)
-        column = tl.where(found, target - pid_n * BN, -1).to(tl.int32)
-        hit = tl.arange(0, BN)[None, :] == column[:, None]
-        tl.store(target_logit + rows, tl.sum(tl.where(hit, acc, 0.0), axis=1), mask=row_ok & found)
-        partial_at = partial + rows.to(tl.int64) * tiles_n + pid_n
-        if MODE == 0:
-            z = tl.where(col_ok[None, :], acc, float("-inf"))
-            top = tl.max(z, axis=1)
-            shift = tl.where(top == float("-inf"), 0.0, top)  # a tile without a finite logit sums to 0
-            if FP64:
-                total = tl.sum(tl.exp(z - shift[:, None]), axis=1)
-            else:
-                total = tl.sum(tl.exp2((z - shift[:, None]) * 1.4426950408889634), axis=1)
-            tl.store(partial_at, shift + tl.log(total), mask=row_ok)
+    acc = tl.zeros((BM, BN), dtype=acc_type)
+    ks = tl.arange(0, BK)
+    for k in range(0, K, BK):
+        if USE_DESC:
+            x = a.load([pid_m * BM, k])
+            y = b.load([pid_n * BN, k])
         else:
-            row_lse = tl.load(lse + rows, mask=row_ok, other=0.0)
-            onehot = tl.load(g_target + rows, mask=row_ok, other=0.0)
-            softmax = tl.load(g_softmax + rows, mask=row_ok, other=0.0)
-            if FP64:
-                e = tl.exp(acc - row_lse[:, None])
-            else:
-                e = tl.exp2((acc - row_lse[:, None]) * 1.4426950408889634)
-            e = tl.where(col_ok[None, :], e, 0.0)
-            grad = tl.where(hit, onehot[:, None], 0.0) - softmax[:, None] * e
-            tl.store(partial_at, tl.sum(e, axis=1), mask=row_ok)
-            if UPCAST:  # the interpreter truncates fp32 to bf16: round to nearest even first, as the GPU does
-                bits = grad.to(tl.uint32, bitcast=True)
-                grad = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-            if USE_DESC:
-                dl.store([pid_m * BM, pid_n * BN], grad.to(dl.dtype))
-            else:
-                tl.store(dl + rows.to(tl.int64)[:, None] * ld_dl + cols[None, :], grad.to(dl.dtype.element_ty),
-                         mask=row_ok[:, None] & col_ok[None, :])
+            k_ok = (k + ks) < K
+            x = tl.load(a + rows.to(tl.int64)[:, None] * K + (k + ks)[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            y = tl.load(b + cols.to(tl.int64)[:, None] * K + (k + ks)[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            y = y.to(tl.float32)
+        if EXACT_DOT:
+            acc = tl.dot(x, tl.trans(y), acc, input_precision="ieee", out_dtype=acc_type)
+        else:
+            acc = tl.dot(x, tl.trans(y), acc)
+
+    # The target's column in this tile (-1 where it is elsewhere; int32, one register a compare): its logit
+    # is read from the accumulator.
+    target = tl.load(targets + rows, mask=row_ok, other=-1) - v0
+    found = (target >= pid_n * BN) & (target < pid_n * BN + BN) & (target < N)
+    column = tl.where(found, target - pid_n * BN, -1).to(tl.int32)
+    hit = tl.arange(0, BN)[None, :] == column[:, None]
+    tl.store(target_logit + rows, tl.sum(tl.where(hit, acc, 0.0), axis=1), mask=row_ok & found)
+    partial_at = partial + rows.to(tl.int64) * tiles_n + pid_n
+    if MODE == 0:
+        z = tl.where(col_ok[None, :], acc, float("-inf"))
+        top = tl.max(z, axis=1)
+        shift = tl.where(top == float("-inf"), 0.0, top)  # a tile without a finite logit sums to 0
+        if FP64:
+            total = tl.sum(tl.exp(z - shift[:, None]), axis=1)
+        else:
+            total = tl.sum(tl.exp2((z - shift[:, None]) * 1.4426950408889634), axis=1)
+        tl.store(partial_at, shift + tl.log(total), mask=row_ok)
+    else:
+        row_lse = tl.load(lse + rows, mask=row_ok, other=0.0)
+        onehot = tl.load(g_target + rows, mask=row_ok, other=0.0)
+        softmax = tl.load(g_softmax + rows, mask=row_ok, other=0.0)
+        if FP64:
+            e = tl.exp(acc - row_lse[:, None])
+        else:
+            e = tl.exp2((acc - row_lse[:, None]) * 1.4426950408889634)
+        e = tl.where(col_ok[None, :], e, 0.0)
+        grad = tl.where(hit, onehot[:, None], 0.0) - softmax[:, None] * e
+        tl.store(partial_at, tl.sum(e, axis=1), mask=row_ok)
+        if UPCAST:  # the interpreter truncates fp32 to bf16: round to nearest even first, as the GPU does
+            bits = grad.to(tl.uint32, bitcast=True)
+            grad = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        if USE_DESC:
+            dl.store([pid_m * BM, pid_n * BN], grad.to(dl.dtype))
+        else:
+            tl.store(dl + rows.to(tl.int64)[:, None] * ld_dl + cols[None, :], grad.to(dl.dtype.element_ty),
+                     mask=row_ok[:, None] & col_ok[None, :])
+
+
+_tile = None  # _head_tile as triton.jit built it (_compiled): the kernel source's global
 
 
 @functools.cache
@@ -315,11 +335,12 @@ def _compiled():
     """The kernel as triton.jit builds it: compiled for the GPU, or run by the interpreter when TRITON_INTERPRET=1
     was set before triton was imported (the interpreter cannot mix with compiled kernels in one process: triton's
     own library functions are built in one mode or the other when it is imported)."""
-    global tl
+    global tl, _tile
     triton = _triton()
     if triton is None:
         raise RuntimeError(missing_triton_message() + ".")
-    tl = triton.language  # the kernel's global, bound before triton.jit reads the source
+    tl = triton.language  # the kernel's globals, bound before triton.jit reads the source
+    _tile = triton.jit(_head_tile)
     return triton.jit(_head_kernel)
 
 
@@ -383,8 +404,9 @@ def _launch(mode, hidden, w_chunk, targets, v0, partial, target_logit, config: T
     dtype = hidden.dtype
     kernel[(programs,)](
         a, b, targets, lse, g_target, g_softmax, d_out, partial, target_logit,
-        M, N, K, v0, dl.stride(0) if dl is not None else 0,
-        MODE=mode, BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m,
+        M, N, v0, dl.stride(0) if dl is not None else 0,
+        K=K, MODE=mode, BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m,
+        PERSISTENT=config.persistent,
         USE_DESC=use_desc, UPCAST=interpreted and dtype == torch.bfloat16,
         FP64=dtype == torch.float64, EXACT_DOT=dtype in (torch.float32, torch.float64) or interpreted,
         num_warps=config.num_warps, num_stages=config.num_stages)
