@@ -1,6 +1,7 @@
 #!/bin/bash
 # One command that measures dllm_fast on a machine with an NVIDIA GPU: build, the CUDA tests, the cross-device
-# checks, the fused head against naive PyTorch and the Triton peers (Cut Cross-Entropy, Liger), rollouts and the
+# checks, the fused head against naive PyTorch and the Triton peers (Cut Cross-Entropy, Liger), the Triton head's
+# kernel against torch.mm on the same shapes with its tile sweep, rollouts and the
 # engine at LLaDA-8B shapes, the fused ops' GEMM efficiency, the below-precision share of d(logits). Steps run in
 # priority order, each under its own time cap, so that a short run still returns the first ones; the whole run
 # stays under its limit (default 520 s: give the command about 40 s more than that, under 9 minutes in all).
@@ -22,7 +23,7 @@ WHEELS=${2:-${DLLM_FAST_PEER_WHEELS:-$ROOT/.gpu/whl}}
 S=$(date +%s); DEADLINE=$(( S + ${1:-520} ))
 t() { echo "=== [$(( $(date +%s) - S ))s] $*"; }
 # A step runs when GPU_RUN_STEPS is unset or names it (to rerun the steps a short run missed).
-STEPS=" tests smoke peers rollout profile train8b engine roofline dlogits "
+STEPS=" tests smoke peers triton rollout profile train8b engine roofline dlogits "
 for step in ${GPU_RUN_STEPS:-}; do
   [[ $STEPS == *" $step "* ]] || { echo "GPU_RUN_STEPS: no step '$step'; the steps are:$STEPS"; exit 2; }
 done
@@ -72,7 +73,18 @@ fi
 
 if want peers; then
 t peers
-timeout "$(cap 80)" python3 benchmarks/peers_logprob.py "$RES/peers_logprob.json" 2048 8192; pack
+# The compiled head (dllm_*) and the Triton one (triton*, issue 38) side by side; about 30 s of Triton compiling.
+timeout "$(cap 110)" python3 benchmarks/peers_logprob.py "$RES/peers_logprob.json" 2048 8192; pack
+fi
+
+if want triton; then
+t triton
+# Issue 38 item 2: the Triton kernel (logits GEMM with the softmax in its epilogue) against torch.mm on the same
+# chunk shapes (vs_mm_same: the issue's 90%), for every sm_90 tile configuration (--triton-sweep: pick the
+# default from it), and the Triton walk, frozen walk, forward and backward beside the compiled ones and mm3 (the
+# three GEMMs' floor), at M = 8192 and the chunks both paths default to.
+timeout "$(cap 150)" python3 benchmarks/bench_logprob.py --device cuda --roofline --triton-sweep --m 8192 \
+  --chunks 16384 --repeats 5 --results-dir "$RES" 2>&1 | tail -34; pack
 fi
 
 if want rollout; then
