@@ -14,6 +14,7 @@ The largest settings that fit (search.py) come from the same kind of fits, each 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -85,7 +86,9 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
               allow_tf32: bool = False) -> Plan:
     """Plan one step of `config` on `gpu` (a name from planning.GPUS; None plans for this machine's CPU, without
     a time). prompt_length: tokens per prompt (default: the task's longest training prompt under the configured
-    tokenizer). engine: "streaming" (the trainer's) or "all_graphs" (every pair's graph at once). weights_dtype:
+    tokenizer). engine: "streaming" (the trainer's), "two_pass" (the streaming engine without its one-pass route
+    for sequence-local objectives: MicroBatching(one_pass=False)) or "all_graphs" (every pair's graph at once).
+    weights_dtype:
     None (what train loads: dllm_fast.train.precision), "float32" or "bfloat16" (every weight, gradient and
     optimizer state in that dtype). search: also find the largest n_t, micro-batch and group size that fit.
     --compile plans what train compiles: rollouts under true, or auto on a GPU; scoring under true only."""
@@ -103,6 +106,8 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     weights_dtype = str(session.precision.trainable).removeprefix("torch.")
     # --micro-batch auto: planned at the default; the search's largest is what train fits (train/micro_batch.py)
     batching = micro_batching(config, auto=DEFAULT_MICRO_BATCH)
+    if engine == "two_pass":
+        batching = dataclasses.replace(batching, one_pass=False)
     n_t = session.objective.config.n_t
     check_plannable(config, prompt_length, session.base, batching)
     with _readable_data_errors(), session:

@@ -41,7 +41,7 @@ from dllm_fast.train.config import TrainConfig, check_block_length, compiles_sco
 from dllm_fast.train.sources import model_source
 from dllm_fast.train.precision import Precision, training_models, training_precision
 
-ENGINES = ("streaming", "all_graphs")
+ENGINES = ("streaming", "two_pass", "all_graphs")
 PHASES = train_step.PHASES  # rollout, then per step the update phases
 UPDATE_PHASES = PHASES[1:]
 
@@ -217,7 +217,7 @@ class Session:
                                        generator=torch.Generator().manual_seed(c.run.seed + 2), batching=batching,
                                        hooks=hooks)
         optimization = train_step.Optimization(self.trainable, self.optimizer, c.optim.grad_clip)
-        backward = None if self.engine == "streaming" else functools.partial(_all_graphs_backward, objective)
+        backward = functools.partial(_all_graphs_backward, objective) if self.engine == "all_graphs" else None
         for update in plan:  # the trainer's check of a finite gradient norm is a host sync; the plan assumes it passes
             train_step.run_update(objective, self.policy, batch, update, batching=batching, optimization=optimization,
                                   ref_model=self.reference, hooks=hooks, backward=backward)
