@@ -297,3 +297,15 @@ def test_reading_a_model_output_is_an_error_not_an_invented_value():
             hidden = s.base(torch.zeros(1, 4, dtype=torch.long))
             assert torch.isfinite(hidden).all()  # finiteness is assumed: no error
             hidden.sum().item()
+
+
+def test_the_one_pass_update_costs_a_forward_less_per_pair():
+    """A sequence-local objective (VRPO-OL) in micro-batches of whole sequences: no scoring pass, so a full
+    fine-tune's update does forward + backward (about 3 forwards of FLOPs) where two passes do 4."""
+    flops = {}
+    with session() as s:
+        batch = s.rollout(prompts=1, group_size=4, prompt_length=8).batch
+        for one_pass in (True, False):
+            update = s.updates(batch, n_t=4, batching=MicroBatching(4, one_pass=one_pass))["inner update"]
+            flops[one_pass] = update.costs.flops
+    assert flops[True] / flops[False] == pytest.approx(0.75, abs=0.03)
