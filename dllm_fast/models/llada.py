@@ -40,8 +40,8 @@ from torch.utils.checkpoint import checkpoint
 
 from dllm_fast.models.config import LLaDAConfig
 from dllm_fast.models.kv_cache import KVCache
-from dllm_fast.models.layers import (RMSNorm, apply_rope, apply_rotary, at_least_fp32, attention, fuse_linears,
-                                     padding_bias, projection_outputs, rope_tables, rotary_tables)
+from dllm_fast.models.layers import (RMSNorm, adapted_linear, apply_rope, apply_rotary, at_least_fp32, attention,
+                                     fuse_linears, padding_bias, projection_outputs, rope_tables, rotary_tables)
 from dllm_fast.validation import data_checks_enabled
 
 # The shared pieces live in layers.py; these names stay importable from here.
@@ -117,10 +117,10 @@ class LLaDABlock(nn.Module):
                 layer[:, at:at + L] = qkv[:, :, H:]
             k, v = layer[:, :attend, :Hkv], layer[:, :attend, Hkv:]
         att = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_bias)
-        h = x + self.attn_out(att.transpose(1, 2).reshape(B, L, -1))
+        h = x + adapted_linear(self.attn_out, att.transpose(1, 2).reshape(B, L, -1))
         m = self.ff_norm(h)
         gate, up = projection_outputs(m, self.fused_gate_up, (self.ff_proj, self.up_proj)).chunk(2, dim=-1)
-        return h + self.ff_out(F.silu(gate) * up)
+        return h + adapted_linear(self.ff_out, F.silu(gate) * up)
 
 
 class LLaDAModel(nn.Module):
