@@ -23,7 +23,7 @@ WHEELS=${2:-${DLLM_FAST_PEER_WHEELS:-$ROOT/.gpu/whl}}
 S=$(date +%s); DEADLINE=$(( S + ${1:-520} ))
 t() { echo "=== [$(( $(date +%s) - S ))s] $*"; }
 # A step runs when GPU_RUN_STEPS is unset or names it (to rerun the steps a short run missed).
-STEPS=" tests smoke peers triton rollout profile train8b engine roofline dlogits "
+STEPS=" tests smoke peers triton rollout profile train8b engine roofline dlogits attention lorarollout sdar8b "
 for step in ${GPU_RUN_STEPS:-}; do
   [[ $STEPS == *" $step "* ]] || { echo "GPU_RUN_STEPS: no step '$step'; the steps are:$STEPS"; exit 2; }
 done
@@ -147,6 +147,37 @@ if [ -f "$DLOGITS_CACHE/ids.pt" ]; then
 else
   echo "no corpus in $DLOGITS_CACHE (python benchmarks/measure_dlogits_blocks.py --model small --train-steps 0 makes it)"
 fi
+fi
+
+if want attention; then
+t attention
+# Issue 38 item 3: a dual-cache step's attention call (batch 8, 32 heads, 32 queries against 456 cached keys, D
+# 128, bf16; 0.97 ms of the compiled step's 13.3 busy ms in run 4) by SDPA backend, on the cache's strided views
+# and on contiguous copies, and flash split in two along the keys (twice the thread blocks): which to pick.
+timeout "$(cap 60)" python3 benchmarks/bench_attention.py --device cuda --batch 8 32 --results-dir "$RES" 2>&1 \
+  | grep -v -i warn | tail -24; pack
+fi
+
+if want lorarollout; then
+t lorarollout
+# Issue 38 item 4: what LoRA's adapters cost a compiled dual rollout at the 8B step's batch of 32 (r128 on every
+# projection, fp32 on the bf16 base, bf16 autocast, as train rolls out): against the same rollout without them,
+# which is what rolling out with merged adapters would cost. Two fresh processes, each compiling (about 100 s).
+for rank in 0 128; do
+  timeout "$(cap 200)" python3 benchmarks/bench_rollout.py --device cuda --batch 32 --providers "compiled dual" \
+    --lora-rank $rank --results-dir "$RES/lora$rank" 2>&1 | grep -v -i warn | tail -3
+done
+pack
+fi
+
+if want sdar8b; then
+t sdar8b
+# Issue 38 item 3: SDAR-8B-shaped block rollouts (random bf16 weights, all 36 layers; batch 8, prompt 200, gen 256,
+# blocks of 4, 4 steps a block: the official generate's defaults), eager and compiled (one CUDA graph a step). The
+# official block_diffusion_generate at the same shapes is bench_peers.py's SDAR provider (the peers step).
+timeout "$(cap 240)" python3 benchmarks/bench_block_rollout.py --device cuda --dtype bfloat16 --preset sdar-8b \
+  --layers 36 --batch 8 --prompt 200 --gen 256 --block 4 --steps-per-block 4 \
+  --providers "dllm_fast block" "compiled block" --results-dir "$RES" 2>&1 | grep -v -i warn | tail -4; pack
 fi
 
 t done
