@@ -32,6 +32,7 @@ import torch
 from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch
 from dllm_fast.likelihood import MicroBatching, score
+from dllm_fast.models.merged_lora import merged_for_rollouts
 from dllm_fast.ops.backend import chunks_sized_for
 from dllm_fast.planning.accounting import CATEGORIES, Accountant, Costs, Target
 from dllm_fast.planning.fake import Assumptions, PlanningFakeMode, fake_module, fake_world
@@ -137,6 +138,7 @@ class Session:
                 self.accountant.track(tensor, "parameters")
         self.accountant.watch_gradients(self.trainable)
         self.replayer = Replayer(self.accountant, self.mode, state=_adapter_state(self.policy))
+        self._replayed = set()
         for model in (self.base, self.reference):
             if model is not None:
                 self.replayer.install(model)
@@ -154,6 +156,18 @@ class Session:
 
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)
+
+    def _replay(self, merged) -> None:
+        """The merged copy of a LoRA policy that merged rollouts sample through (models.merged_lora), once: its
+        own weights counted as parameters, its calls replayed as the policy's are."""
+        if id(merged) in self._replayed:
+            return
+        self._replayed.add(id(merged))
+        for parameter in merged.parameters():
+            self.accountant.classify(parameter, "parameters", only_from="temporaries")
+        self.replayer.install(merged)
+        for block in merged.shard_units():
+            self.replayer.install(block)
 
     @property
     def weight_bytes(self) -> int:
@@ -197,11 +211,14 @@ class Session:
         rollouts = self.generate_config
         if rollouts.threshold is not None:  # confidences below the threshold: one token a step (see Assumptions)
             rollouts = replace(rollouts, assumed_steps_per_block=rollouts.block_length)
+        merge = c.lora.enabled and c.lora.merge_rollouts
+        if merge:  # the merged copy roll_out samples through, its calls replayed like the policy's
+            self._replay(merged_for_rollouts(self.policy, refresh=False))
         # as train does: trajectory objectives (TraceRL) ask generate to record the decoding order
         result = train_step.roll_out(self.policy, input_ids, attention_mask, rollouts,
                                      generator=torch.Generator().manual_seed(c.run.seed + 1),
                                      record_unmask_step=getattr(self.objective, "needs_unmask_step", False),
-                                     hooks=self._hooks({"rollout": plan}))
+                                     hooks=self._hooks({"rollout": plan}), merge_adapters=merge)
         rewards = torch.arange(input_ids.shape[0], dtype=torch.float32) % 2
         return Rollout(plan, RolloutBatch.from_generation(result, rewards, group_size=group_size), int(result.nfe))
 

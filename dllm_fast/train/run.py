@@ -151,7 +151,8 @@ class Run:
         # core: DDP's wrapper adds nothing to sampling; FSDP2's is the model
         result = train_step.roll_out(self.core, input_ids, attention_mask, self.generate_config,
                                      generator=self.rollout_generator,
-                                     record_unmask_step=self.objective.needs_unmask_step, hooks=self.step_hooks)
+                                     record_unmask_step=self.objective.needs_unmask_step, hooks=self.step_hooks,
+                                     merge_adapters=c.lora.enabled and c.lora.merge_rollouts)
         return result, decode_completions(self.tokenizer, result), time.perf_counter() - started
 
     def rollout_batch(self, examples, rollout, completions) -> RolloutBatch:
