@@ -23,7 +23,7 @@ WHEELS=${2:-${DLLM_FAST_PEER_WHEELS:-$ROOT/.gpu/whl}}
 S=$(date +%s); DEADLINE=$(( S + ${1:-520} ))
 t() { echo "=== [$(( $(date +%s) - S ))s] $*"; }
 # A step runs when GPU_RUN_STEPS is unset or names it (to rerun the steps a short run missed).
-STEPS=" tests smoke peers triton rollout profile train8b engine roofline dlogits attention lorarollout sdar8b "
+STEPS=" tests smoke peers triton rollout profile train8b train8bmerged engine roofline dlogits attention lorarollout sdar8b "
 for step in ${GPU_RUN_STEPS:-}; do
   [[ $STEPS == *" $step "* ]] || { echo "GPU_RUN_STEPS: no step '$step'; the steps are:$STEPS"; exit 2; }
 done
@@ -103,6 +103,11 @@ done
 pack
 fi
 
+# The 8B LoRA step's settings (GPU run 3's), shared by the train8b steps and their plans.
+STEP_FLAGS=(--model llada-8b --tokenizer "$RES/llada_vocab" --lora true --lora-rank 128 --task synthetic
+  --task-options '{"prompt_length": 200}' --prompts-per-step 4 --group-size 8 --gen-length 256 --block-length 32
+  --diffusion-steps 128 --cache dual --temperature 1.0 --micro-batch 31)
+
 if want train8b; then
 t train8b
 # Issue 29 item 5: whole LLaDA-8B LoRA training steps (random weights; LLaDA-8B's 126,464-row output layer through
@@ -110,13 +115,24 @@ t train8b
 # holds rollout tokens/s, update pairs/s, compile_seconds and each phase's peak memory; the plan beside it. Step 1
 # compiles the LoRA model's denoising step (the 2026-11-26 run's 150 s cap ended inside it), step 2 is the steady one.
 python3 -m dllm_fast.assets.char_tokenizer --vocab-size 126464 --out "$RES/llada_vocab" >/dev/null
-STEP_FLAGS=(--model llada-8b --tokenizer "$RES/llada_vocab" --lora true --lora-rank 128 --task synthetic
-  --task-options '{"prompt_length": 200}' --prompts-per-step 4 --group-size 8 --gen-length 256 --block-length 32
-  --diffusion-steps 128 --cache dual --temperature 1.0 --micro-batch 31)
 timeout "$(cap 60)" python3 -m dllm_fast plan "${STEP_FLAGS[@]}" --gpu h200 --search false > "$RES/train8b_plan.txt" 2>&1
 timeout "$(cap 280)" python3 -m dllm_fast train "${STEP_FLAGS[@]}" --steps 2 --eval-every 1000 --eval-examples 8 \
   --eval-gen-lengths 32 --checkpoint-every 1000 --plot false --output-dir "$RES/train8b" --overwrite true 2>&1 | tail -6
 rm -rf "$RES/llada_vocab" "$RES/train8b"/checkpoint* 2>/dev/null
+pack
+fi
+
+if want train8bmerged; then
+t train8bmerged
+# Issue 38 item 4: the same step rolling out through merged adapters (--lora-merge-rollouts true: one GEMM a
+# projection, a 14 GB copy of the adapted weights), its plan beside it; compare with train8b's metrics.jsonl.
+python3 -m dllm_fast.assets.char_tokenizer --vocab-size 126464 --out "$RES/llada_vocab" >/dev/null
+timeout "$(cap 60)" python3 -m dllm_fast plan "${STEP_FLAGS[@]}" --lora-merge-rollouts true --gpu h200 --search false \
+  > "$RES/train8bmerged_plan.txt" 2>&1
+timeout "$(cap 280)" python3 -m dllm_fast train "${STEP_FLAGS[@]}" --lora-merge-rollouts true --steps 2 \
+  --eval-every 1000 --eval-examples 8 --eval-gen-lengths 32 --checkpoint-every 1000 --plot false \
+  --output-dir "$RES/train8bmerged" --overwrite true 2>&1 | tail -6
+rm -rf "$RES/llada_vocab" "$RES/train8bmerged"/checkpoint* 2>/dev/null
 pack
 fi
 
