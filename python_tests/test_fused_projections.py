@@ -73,8 +73,8 @@ def with_lora(model, names, seed=0, **options):
     """PEFT LoRA (rank 2) on the block projections `names`, with random A and B (B is zero at PEFT's default
     init, which would hide a delta added to the wrong rows)."""
     torch.manual_seed(seed)
-    config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=LLaDAModel.lora_target_pattern(names),
-                             init_lora_weights=False, **{"lora_dropout": 0.0, **options})
+    config = peft.LoraConfig(r=2, target_modules=LLaDAModel.lora_target_pattern(names), init_lora_weights=False,
+                             **{"lora_dropout": 0.0, "lora_alpha": 3, **options})
     return peft.get_peft_model(model, config)
 
 
@@ -380,16 +380,17 @@ def forward_and_grads(model, ids, autocast):
     return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.parametrize("alpha", [3, 1])  # scaling 1.5, and 0.5 (a power of two, applied on the rank-wide side)
 @pytest.mark.parametrize("base, autocast", [(torch.bfloat16, True), (torch.float64, False),
                                             (torch.bfloat16, False)])
-def test_plain_lora_deltas_give_peft_forwards_values_bit_for_bit(loaded, monkeypatch, base, autocast):
+def test_plain_lora_deltas_give_peft_forwards_values_bit_for_bit(loaded, monkeypatch, base, autocast, alpha):
     """The lean LoRA path (layers.lora_deltas: deltas added in place into the fused GEMM's rows, x not copied to
     the adapters' fp32 under autocast) against PEFT's own forward on every target: the same hidden states and
     gradients, bit for bit, with fp32 adapters on a bf16 base under autocast (as train runs LoRA on a GPU) and in
     fp64; without autocast, adapters of another dtype than x take PEFT's forward."""
     from dllm_fast.models import layers
 
-    model = with_lora(loaded[1].to(base), LORA_TARGETS)
+    model = with_lora(loaded[1].to(base), LORA_TARGETS, lora_alpha=alpha)
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.to(torch.float64 if base == torch.float64 else torch.float32)

@@ -9,6 +9,7 @@ FLOPs, bounds an eager step (benchmarks/bench_rollout.py counts them).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -354,8 +355,16 @@ def lora_deltas(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor] | None
             return None
         if not autocast and x.dtype != lora_a[name].weight.dtype:
             return None
-        deltas.append(lora_b[name](lora_a[name](x)) * module.scaling[name])
+        scaling = module.scaling[name]
+        if _power_of_two(scaling):  # on the rank-wide hidden: the same values (a power of two scales exactly, the
+            deltas.append(lora_b[name](lora_a[name](x) * scaling))  # GEMM's products and sums with it), a
+        else:  # kernel over [rows, r] instead of [rows, out_features], forward and backward
+            deltas.append(lora_b[name](lora_a[name](x)) * scaling)
     return deltas
+
+
+def _power_of_two(value) -> bool:
+    return isinstance(value, (int, float)) and value > 0 and math.frexp(value)[0] == 0.5
 
 
 def wrapped_slice(part: nn.Module) -> ProjectionSlice | None:
