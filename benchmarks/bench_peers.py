@@ -474,13 +474,16 @@ class Recorder(Quiet):
 
 
 @contextlib.contextmanager
-def default_dtype(run: Run):
-    """The official losses make their buffers in torch's default dtype (float32; ESPO writes float64
-    cross-entropies into one, which fails): in a float64 run, float64 is the default while they run."""
+def official_losses(run: Run):
+    """While the official loss code runs: its warnings silenced (autocast("cuda") on a CPU, transformers 5's
+    deprecations), and in a float64 run float64 as torch's default dtype, since the code makes its buffers in
+    the default dtype (float32; ESPO writes float64 cross-entropies into one, which fails)."""
     saved = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64 if run.float64 else saved)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
     finally:
         torch.set_default_dtype(saved)
 
@@ -531,7 +534,7 @@ def official_inputs(run: Run, name: str, trainer, case: UpdateCase, advantages: 
     inputs = dict(prompt_ids=ids[:, :P], prompt_mask=torch.ones_like(ids[:, :P]), completion_ids=ids[:, P:],
                   completion_mask=case.completion_mask.int(), advantages=advantages)
     expanded = ids.unsqueeze(0).expand(mu, -1, -1)
-    with torch.no_grad(), default_dtype(run):
+    with torch.no_grad(), official_losses(run):
         if name == "diffu_grpo":
             inputs["mask_seeds"] = [1234 + k for k in range(mu)]
             inputs["old_per_token_logps"] = trainer._get_per_token_logps(
@@ -611,7 +614,7 @@ def one_update(run: Run, name: str, setting: str, provider: str, case: UpdateCas
 
     def theirs():
         twin.zero_grad(set_to_none=True)
-        with default_dtype(run):
+        with official_losses(run):
             loss = trainer.compute_loss(recorder, inputs)
         loss.backward()
         return loss.detach()
@@ -731,11 +734,13 @@ def step_rows(run: Run) -> list[dict]:
     policy, reference = Quiet(twins["policy"]), Quiet(twins["ref"])
 
     def theirs():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.cuda.amp.autocast's deprecation
-            sequences = trainer.generate(policy, prompt, steps=s["steps"], gen_length=L, block_length=s["block"],
-                                         temperature=D1_TEMPERATURE, cfg_scale=0.0, remasking="low_confidence",
-                                         mask_id=mask_id)
+        with official_losses(run):
+            official_step()
+
+    def official_step():
+        sequences = trainer.generate(policy, prompt, steps=s["steps"], gen_length=L, block_length=s["block"],
+                                     temperature=D1_TEMPERATURE, cfg_scale=0.0, remasking="low_confidence",
+                                     mask_id=mask_id)
         completion = sequences[:, P:]
         batch = RolloutBatch(sequences, None, P, completion_mask(completion, eos), reward(sequences), GROUP)
         inputs = dict(prompt_ids=sequences[:, :P], prompt_mask=torch.ones_like(sequences[:, :P]),
@@ -749,6 +754,7 @@ def step_rows(run: Run) -> list[dict]:
         for k in range(mu):
             trainer._step = k
             model.zero_grad(set_to_none=True)
+            twins["policy"].zero_grad(set_to_none=True)
             trainer.compute_loss(policy, inputs).backward()
 
     runs = {"dllm_fast": functools.partial(ours, "none"), "dllm_fast dual cache": functools.partial(ours, "dual"),
@@ -833,11 +839,11 @@ def head_rows(run: Run) -> list[dict]:
 # planner estimates
 
 
-def plan_rows(gpu: str) -> list[dict]:
-    """PLANNER ESTIMATES of the 8b preset's rows (see planner_estimates.py)."""
+def plan_rows(gpu: str, peers_dir: Path, kinds) -> list[dict]:
+    """PLANNER ESTIMATES of the 8b preset's rows (benchmarks/plan_peers.py)."""
     import plan_peers
 
-    return plan_peers.estimates(gpu)
+    return plan_peers.estimates(gpu, peers_dir, [k for k in kinds if k != "head"])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -905,7 +911,7 @@ def main(argv=None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.plan:
-        rows = plan_rows(args.gpu)
+        rows = plan_rows(args.gpu, args.peers, args.kinds)
     else:
         run = Run(args.peers.resolve(), args.preset, torch.device(args.device), getattr(torch, args.dtype),
                   args.repeats)
