@@ -68,11 +68,13 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 import json
 import math
 import os
 import sys
 import time
+import traceback
 import types
 import warnings
 from pathlib import Path
@@ -93,13 +95,13 @@ ENV_PEERS = "DLLM_FAST_PEERS"
 # on a GPU.
 PRESETS = {
     "small": dict(llada="peers-small", sdar="peers-small", batch=2, prompt=16, gen=32, block=8, steps=16,
-                  sdar_prompt=16, sdar_gen=16, sdar_block=4, sequences=4, update_prompt=16, completion=64,
+                  sdar_prompt=16, sdar_gen=16, sdar_block=4, sequences=4, group=4, update_prompt=16, completion=64,
                   inner_updates=2, old="perturbed", micro_batch=8, head_rows=256, head_d=128, head_vocab=8192),
     "8b": dict(llada="llada-8b", sdar="sdar-8b", batch=2, prompt=200, gen=256, block=32, steps=128,
-               sdar_prompt=200, sdar_gen=256, sdar_block=4, sequences=4, update_prompt=200, completion=256,
+               sdar_prompt=200, sdar_gen=256, sdar_block=4, sequences=2, group=2, update_prompt=200, completion=256,
                inner_updates=2, old="policy", micro_batch=8, head_rows=8192, head_d=4096, head_vocab=126464),
 }
-GROUP = 4
+STEP_GROUP = 4  # completions per prompt in the whole step (d1's recipe has 6)
 SMALL_VOCAB = dict(vocab_size=2048, mask_token_id=2047, eos_token_id=2046, eot_token_id=2045)
 LLADA_SMALL = dict(d_model=128, n_layers=2, n_heads=4, mlp_hidden_size=384, max_sequence_length=512,
                    pad_token_id=2046, **SMALL_VOCAB)
@@ -149,6 +151,11 @@ def llada_model(run: Run, seed: int = 0):
     return LLaDAModel.with_random_weights(config, dtype=run.dtype, device=run.device, seed=run.seed + seed).eval()
 
 
+@functools.lru_cache(maxsize=None)
+def reference_model(run: Run):
+    return perturbed(llada_model(run), run.seed + 7)
+
+
 def perturbed(model, seed: int, scale: float = 0.02):
     """A copy with every weight moved by `scale` of its standard deviation (an old or reference policy)."""
     other = copy.deepcopy(model)
@@ -161,7 +168,9 @@ def perturbed(model, seed: int, scale: float = 0.02):
 
 def official_llada(run: Run, model):
     """The official LLaDA model (Fast-dLLM's llada/model: the Hugging Face LLaDA code with its KV caches) built on
-    `model`'s parameters: the same Parameter objects, so gradients of either land in the same .grad."""
+    `model`'s parameters, so that gradients of either land in the same .grad: the same Parameter objects, and for
+    the projections dllm_fast fuses (q, k, v; gate, up) dllm_fast's own modules, which compute the official
+    projection from their rows of the fused weight."""
     peer_code.use_wheels(run.peers)
     fast = fast_dllm_module(run)
     configuration = sys.modules["model.configuration_llada"]
@@ -171,6 +180,12 @@ def official_llada(run: Run, model):
         twin = fast.LLaDAModelLM(config, init_params=False)
     twin.load_state_dict({"model." + k: v for k, v in model.state_dict(keep_vars=True).items()}, assign=True,
                          strict=True)
+    from dllm_fast.models.layers import ProjectionSlice
+
+    for name, module in model.named_modules():
+        if isinstance(module, ProjectionSlice):
+            parent, _, attribute = ("model." + name).rpartition(".")
+            setattr(twin.get_submodule(parent), attribute, module)
     return twin.eval()
 
 
@@ -274,6 +289,16 @@ def skipped(kind: str, setting: str, providers: list[str], reason: str) -> list[
     return [row(kind, setting, p, f"skipped: {reason}") for p in providers]
 
 
+def guarded(kind: str, setting: str, providers: list[str], build: Callable[[], list[dict]]) -> list[dict]:
+    """build()'s rows, or if it raises, one row per provider with status "error: ..." (the traceback on stderr):
+    on a GPU machine one peer's failure must not cost the others' rows."""
+    try:
+        return build()
+    except Exception as error:  # noqa: BLE001 - reported in the rows
+        traceback.print_exc()
+        return [row(kind, setting, p, f"error: {type(error).__name__}: {error}"[:400]) for p in providers]
+
+
 def timed(runs: dict[str, Callable[[], Any]], run: Run) -> dict[str, float]:
     """Median seconds of each run, the runs taking turns (after the caller's warm-up)."""
     timings = time_interleaved(runs, run.device, repeats=run.repeats)
@@ -314,13 +339,15 @@ def rollout_rows(run: Run) -> list[dict]:
         if reason:
             rows += skipped("rollout", setting, ["dllm_fast", provider], reason)
             continue
-        rows += llada_rollout(run, setting, provider, options, fast)
+        rows += guarded("rollout", setting, ["dllm_fast", provider],
+                        functools.partial(llada_rollout, run, setting, provider, options, fast))
     reason = peer_code.missing(run.peers, "sdar")
     for setting in ("sdar greedy (one step a block)", f"sdar sampled T=1, threshold {SDAR_THRESHOLD}"):
         if reason:
             rows += skipped("rollout", setting, ["dllm_fast", "sdar block_diffusion_generate"], reason)
         else:
-            rows += sdar_rollout(run, setting, greedy=setting.startswith("sdar greedy"))
+            rows += guarded("rollout", setting, ["dllm_fast", "sdar block_diffusion_generate"],
+                            functools.partial(sdar_rollout, run, setting, greedy=setting.startswith("sdar greedy")))
     return with_ratio(rows)
 
 
@@ -430,10 +457,11 @@ def update_case(run: Run) -> UpdateCase:
     sequences[0, P + L // 2:] = config.eos_token_id  # two answers that end early: EOS padding
     sequences[N // 2, P + 3 * L // 4:] = config.eos_token_id
     rewards = (torch.rand(N, generator=generator) > 0.5).to(torch.float32)
-    rewards[::GROUP] = 1.0 - rewards[1::GROUP]  # every group has a signal
+    group = s["group"]
+    rewards[::group] = 1.0 - rewards[1::group]  # every group has a signal
     sequences = sequences.to(run.device)
     old = perturbed(model, run.seed + 8) if s["old"] == "perturbed" else model
-    ref = perturbed(model, run.seed + 7)
+    ref = reference_model(run)
     twins = {"policy": official_llada(run, model), "ref": official_llada(run, ref)}
     twins["old"] = twins["policy"] if old is model else official_llada(run, old)
     return UpdateCase(sequences, P, completion_mask(sequences[:, P:], config.eos_token_id), rewards.to(run.device),
@@ -591,8 +619,12 @@ def update_rows(run: Run) -> list[dict]:
         if reason:
             rows += skipped("update", setting, ["dllm_fast", provider], reason)
             continue
-        case = case or update_case(run)
-        rows += one_update(run, name, setting, provider, case)
+        def build(name=name, setting=setting, provider=provider):
+            nonlocal case
+            case = case or update_case(run)
+            return one_update(run, name, setting, provider, case)
+
+        rows += guarded("update", setting, ["dllm_fast", provider], build)
     return with_ratio(rows)
 
 
@@ -605,22 +637,22 @@ def one_update(run: Run, name: str, setting: str, provider: str, case: UpdateCas
     mu, index = run.shapes["inner_updates"], run.shapes["inner_updates"] - 1  # the last of mu inner updates
     model, mask_id = case.policy, case.policy.mask_token_id
     objective = objectives.get(name, **DLLM_OPTIONS[name])
-    batch = RolloutBatch(case.sequences, None, case.prompt_length, case.completion_mask, case.rewards, GROUP)
+    batch = RolloutBatch(case.sequences, None, case.prompt_length, case.completion_mask, case.rewards,
+                         run.shapes["group"])
     advantages = objective.advantages(batch).to(torch.float32)
     trainer = official_trainer(run, name, mu, index, mask_id)
     inputs = official_inputs(run, name, trainer, case, advantages, mu)
-    twin = case.twins["policy"]
-    recorder = Recorder(twin)
+    recorder = Recorder(case.twins["policy"])
 
     def theirs():
-        twin.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         with official_losses(run):
             loss = trainer.compute_loss(recorder, inputs)
         loss.backward()
         return loss.detach()
 
     loss_theirs = theirs()  # the warm-up records the masks
-    grad_theirs = {key.removeprefix("model."): p.grad.detach().clone() for key, p in twin.named_parameters()}
+    grad_theirs = {key: None if grad is None else grad.clone() for key, grad in dllm_fast_grads(model).items()}
     masks = recorded_masks(name, recorder.inputs, case, mask_id, objective.config.n_t)
     recorder.inputs.clear()
     micro_batch = run.shapes["micro_batch"]
@@ -648,7 +680,6 @@ def one_update(run: Run, name: str, setting: str, provider: str, case: UpdateCas
 
     seconds = timed({"dllm_fast": ours_timed, provider: theirs_timed}, run)
     model.zero_grad(set_to_none=True)
-    twin.zero_grad(set_to_none=True)
     loss_theirs = float(loss_theirs)
     tolerance = LOSS_TOLERANCE if run.float64 else LOW_PRECISION_TOLERANCE
     diff = abs(loss_ours - loss_theirs)
@@ -682,7 +713,10 @@ def relative_difference(ours: dict[str, torch.Tensor], theirs: dict[str, torch.T
     difference = norm = 0.0
     for name, b in theirs.items():
         a = ours[name]
+        if a is None and b is None:
+            continue
         a = torch.zeros_like(b) if a is None else a
+        b = torch.zeros_like(a) if b is None else b
         difference += float(((a.double() - b.double()) ** 2).sum())
         norm += float((b.double() ** 2).sum())
     return math.sqrt(difference / norm) if norm > 0 else math.sqrt(difference)
@@ -693,7 +727,7 @@ def relative_difference(ours: dict[str, torch.Tensor], theirs: dict[str, torch.T
 
 
 def step_rows(run: Run) -> list[dict]:
-    setting = f"diffu_grpo step, G={GROUP}, mu={run.shapes['inner_updates']}"
+    setting = f"diffu_grpo step, G={STEP_GROUP}, mu={run.shapes['inner_updates']}"
     providers = ["dllm_fast", "dllm_fast dual cache", "d1 phases (sum)"]
     reason = peer_code.missing(run.peers, "d1") or peer_code.missing(run.peers, "fast_dllm")
     if reason:
@@ -706,10 +740,10 @@ def step_rows(run: Run) -> list[dict]:
     s = run.shapes
     mu = s["inner_updates"]
     model = llada_model(run)
-    ref = perturbed(model, run.seed + 7)
+    ref = reference_model(run)
     twins = dict(policy=official_llada(run, model), ref=official_llada(run, ref))
     mask_id, eos = model.mask_token_id, model.eos_token_id
-    prompt = llada_prompts(run, model)[:1].expand(GROUP, -1).contiguous()  # one prompt, G completions
+    prompt = llada_prompts(run, model)[:1].expand(STEP_GROUP, -1).contiguous()  # one prompt, G completions
     P, L = prompt.shape[1], s["gen"]
     objective = objectives.get("diffu_grpo")
     micro_batch = s["micro_batch"]
@@ -722,7 +756,7 @@ def step_rows(run: Run) -> list[dict]:
                                 cache=cache)
         generator = torch.Generator(run.device).manual_seed(0)
         result = roll_out(model, prompt, None, config, generator=generator, record_unmask_step=False)
-        batch = RolloutBatch.from_generation(result, reward(result.sequences), group_size=GROUP)
+        batch = RolloutBatch.from_generation(result, reward(result.sequences), group_size=STEP_GROUP)
         updates = objective.plan_updates(model, batch, moved=moved_after_first(mu), micro_batch=micro_batch,
                                          generator=torch.Generator().manual_seed(1))
         for update in updates:
@@ -742,7 +776,7 @@ def step_rows(run: Run) -> list[dict]:
                                      temperature=D1_TEMPERATURE, cfg_scale=0.0, remasking="low_confidence",
                                      mask_id=mask_id)
         completion = sequences[:, P:]
-        batch = RolloutBatch(sequences, None, P, completion_mask(completion, eos), reward(sequences), GROUP)
+        batch = RolloutBatch(sequences, None, P, completion_mask(completion, eos), reward(sequences), STEP_GROUP)
         inputs = dict(prompt_ids=sequences[:, :P], prompt_mask=torch.ones_like(sequences[:, :P]),
                       completion_ids=completion, completion_mask=batch.completion_mask.int(),
                       advantages=objective.advantages(batch).to(torch.float32), mask_seeds=[1234 + k for k in range(mu)])
@@ -754,7 +788,6 @@ def step_rows(run: Run) -> list[dict]:
         for k in range(mu):
             trainer._step = k
             model.zero_grad(set_to_none=True)
-            twins["policy"].zero_grad(set_to_none=True)
             trainer.compute_loss(policy, inputs).backward()
 
     runs = {"dllm_fast": functools.partial(ours, "none"), "dllm_fast dual cache": functools.partial(ours, "dual"),
@@ -843,7 +876,7 @@ def plan_rows(gpu: str, peers_dir: Path, kinds) -> list[dict]:
     """PLANNER ESTIMATES of the 8b preset's rows (benchmarks/plan_peers.py)."""
     import plan_peers
 
-    return plan_peers.estimates(gpu, peers_dir, [k for k in kinds if k != "head"])
+    return plan_peers.estimates(gpu, peers_dir, kinds)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -885,13 +918,22 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     return args
 
 
-def run_kinds(run: Run, kinds) -> list[dict]:
-    builders = {"rollout": rollout_rows, "update": update_rows, "step": step_rows, "head": head_rows}
+def run_kinds(run: Run, kinds, report: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """Every row of `kinds`; `report(rows so far)` after each kind (a run cut short keeps what it measured)."""
+    builders = {"rollout": rollout_rows, "update": update_rows,
+                "step": lambda run: guarded("step", "diffu_grpo step", ["dllm_fast"], functools.partial(step_rows, run)),
+                "head": lambda run: guarded("head", "head", ["dllm_fast"], functools.partial(head_rows, run))}
     rows = []
     for kind in kinds:
         started = time.perf_counter()
         rows += builders[kind](run)
+        if kind == "rollout":  # the SDAR model is used by rollouts only: its memory goes back
+            sdar_model.cache_clear()
+            gc.collect()
+            if run.device.type == "cuda":
+                torch.cuda.empty_cache()
         print(f"[{kind}: {time.perf_counter() - started:.1f} s]", file=sys.stderr, flush=True)
+        report(rows)
     return rows
 
 
@@ -910,20 +952,24 @@ def main(argv=None) -> list[dict]:
     args = parse_arguments(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    name = "peers_plan_" + args.gpu if args.plan else f"peers_{args.preset}_{args.device}"
+    config = {k: str(v) for k, v in vars(args).items() if k != "results_dir"}
+
+    def report(rows):
+        if args.results_dir:
+            write_results(name, config, rows, args.results_dir)
+
     if args.plan:
         rows = plan_rows(args.gpu, args.peers, args.kinds)
+        report(rows)
     else:
         run = Run(args.peers.resolve(), args.preset, torch.device(args.device), getattr(torch, args.dtype),
                   args.repeats)
-        rows = run_kinds(run, args.kinds)
+        rows = run_kinds(run, args.kinds, report)
     if args.json:
         print(json.dumps(rows, indent=1, default=str))
     else:
         print_rows(rows)
-    if args.results_dir:
-        name = "peers_plan_" + args.gpu if args.plan else f"peers_{args.preset}_{args.device}"
-        config = {k: str(v) for k, v in vars(args).items() if k != "results_dir"}
-        print(f"wrote {write_results(name, config, rows, args.results_dir)}", file=sys.stderr)
     return rows
 
 

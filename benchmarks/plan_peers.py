@@ -249,7 +249,7 @@ def update_estimates(gpu: str, shapes: dict) -> list[dict]:
     N, P, L, mb = shapes["sequences"], shapes["update_prompt"], shapes["completion"], shapes["micro_batch"]
     for name, (peer, *_rest) in bench_peers.OFFICIAL_LOSSES.items():
         setting, options = f"{name} ({peer})", bench_peers.DLLM_OPTIONS[name]
-        costs = {}
+        costs, peaks = {}, {}
         for provider in ("dllm_fast", "official"):
             s = session(gpu, "llada-8b", objective=name, options=options, micro_batch=mb)
             with s:
@@ -259,7 +259,7 @@ def update_estimates(gpu: str, shapes: dict) -> list[dict]:
                 sequences[0, P + L // 2:] = model.eos_token_id
                 rewards = (torch.arange(N) % 2).to(torch.float32)
                 batch = RolloutBatch(sequences, None, P, completion_mask(sequences[:, P:], model.eos_token_id),
-                                     rewards, bench_peers.GROUP)
+                                     rewards, shapes["group"])
                 masks = objective.draw_masks(batch, generator=generator, eos_token_id=model.eos_token_id)
                 with torch.no_grad():
                     lp_old = score(model, sequences, masks, micro_batch=mb) if objective.uses_old_policy else None
@@ -273,12 +273,13 @@ def update_estimates(gpu: str, shapes: dict) -> list[dict]:
                                                   inputs).backward()
                 phase, _ = s.measure("update", call)
                 costs[provider] = phase.costs.seconds
+                peaks[provider] = phase.peak / 2**30
         rows.append(estimate("update", setting, "dllm_fast", costs["dllm_fast"], "Objective.backward on fake "
                              "tensors (the trainer's later update: the engine's two passes)",
-                             ms_per_update=1e3 * costs["dllm_fast"]))
+                             ms_per_update=1e3 * costs["dllm_fast"], peak_gib=peaks["dllm_fast"]))
         rows.append(estimate("update", setting, f"{peer} compute_loss", costs["official"],
                              "bench_objectives' full_logits (the official code's computation) on fake tensors",
-                             ms_per_update=1e3 * costs["official"]))
+                             ms_per_update=1e3 * costs["official"], peak_gib=peaks["official"]))
     return rows
 
 
@@ -286,7 +287,7 @@ def step_estimates(gpu: str, shapes: dict, rollout_rows: list[dict]) -> list[dic
     from dllm_fast.planning import plan_step
     from dllm_fast.train.config import TrainConfig
 
-    mu, G, P, L = shapes["inner_updates"], bench_peers.GROUP, shapes["prompt"], shapes["gen"]
+    mu, G, P, L = shapes["inner_updates"], bench_peers.STEP_GROUP, shapes["prompt"], shapes["gen"]
     setting = f"diffu_grpo step, G={G}, mu={mu}"
     rows = []
     for provider, cache in (("dllm_fast", "none"), ("dllm_fast dual cache", "dual")):
@@ -340,7 +341,21 @@ def _official_scoring_and_update(gpu: str, shapes: dict, G: int, mu: int) -> tup
     return scoring.costs.seconds, update.costs.seconds
 
 
-def estimates(gpu: str, peers_dir: Path | None = None, kinds=("rollout", "update", "step")) -> list[dict]:
+def head_estimates(gpu: str, shapes: dict) -> list[dict]:
+    """The head's forward and backward at bench_peers' 8b point (predict.head: dllm_fast.masked_logprobs and plain
+    PyTorch). Liger's and Cut Cross-Entropy's Triton kernels are not modelled by the planner: no estimate."""
+    from dllm_fast.planning import predict
+
+    M, setting = shapes["head_rows"], f"head M={shapes['head_rows']} d={shapes['head_d']} V={shapes['head_vocab']}"
+    rows = [estimate("head", setting, provider, predict.head(gpu, M=M, provider=name, backward=True).seconds,
+                     "predict.head on fake tensors") for provider, name in (("dllm_fast", "dllm_fast"),
+                                                                             ("naive", "naive"))]
+    for row in rows:
+        row["ms"] = 1e3 * row["seconds"]
+    return rows
+
+
+def estimates(gpu: str, peers_dir: Path | None = None, kinds=("rollout", "update", "step", "head")) -> list[dict]:
     """Every 8b row of bench_peers, estimated for `gpu` (see the module docstring)."""
     shapes = bench_peers.PRESETS["8b"]
     peers_dir = Path(peers_dir or peer_code.default_peers_dir())
@@ -358,6 +373,8 @@ def estimates(gpu: str, peers_dir: Path | None = None, kinds=("rollout", "update
         rows += update_estimates(gpu, shapes)
     if "step" in kinds:
         rows += step_estimates(gpu, shapes, rows)
+    if "head" in kinds:
+        rows += head_estimates(gpu, shapes)
     base = {(r["kind"], r["setting"]): r["seconds"] for r in rows if r["provider"] == "dllm_fast"}
     for r in rows:
         if r.get("seconds") is not None and (r["kind"], r["setting"]) in base:
@@ -370,7 +387,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--gpu", default="h200")
     parser.add_argument("--peers", type=Path, default=None, help="the peers folder (for the official models' kernel "
                                                                  "counts; default: .gpu/peers/)")
-    parser.add_argument("--kinds", nargs="+", choices=("rollout", "update", "step"), default=["rollout", "update", "step"])
+    parser.add_argument("--kinds", nargs="+", choices=bench_peers.KINDS, default=list(bench_peers.KINDS))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rows = estimates(args.gpu, args.peers, args.kinds)
