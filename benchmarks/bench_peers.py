@@ -72,6 +72,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -85,6 +86,7 @@ import torch
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 import peer_code  # noqa: E402
+import peer_models  # noqa: E402
 from common import add_ratio, synchronize, time_interleaved, write_results  # noqa: E402
 
 KINDS = ("rollout", "update", "step", "head")
@@ -166,43 +168,6 @@ def perturbed(model, seed: int, scale: float = 0.02):
     return other.requires_grad_(False).eval()
 
 
-def official_llada(run: Run, model):
-    """The official LLaDA model (Fast-dLLM's llada/model: the Hugging Face LLaDA code with its KV caches) built on
-    `model`'s parameters, so that gradients of either land in the same .grad: the same Parameter objects, and for
-    the projections dllm_fast fuses (q, k, v; gate, up) dllm_fast's own modules, which compute the official
-    projection from their rows of the fused weight."""
-    peer_code.use_wheels(run.peers)
-    fast = fast_dllm_module(run)
-    configuration = sys.modules["model.configuration_llada"]
-    config = configuration.LLaDAConfig(**model.config.to_dict())
-    config.use_cache = False  # the official config.json's value; transformers 5 no longer keeps the keyword
-    with torch.device("meta"):
-        twin = fast.LLaDAModelLM(config, init_params=False)
-    twin.load_state_dict({"model." + k: v for k, v in model.state_dict(keep_vars=True).items()}, assign=True,
-                         strict=True)
-    from dllm_fast.models.layers import ProjectionSlice
-
-    for name, module in model.named_modules():
-        if isinstance(module, ProjectionSlice):
-            parent, _, attribute = ("model." + name).rpartition(".")
-            setattr(twin.get_submodule(parent), attribute, module)
-    return twin.eval()
-
-
-def fast_dllm_module(run: Run):
-    peer_code.use_wheels(run.peers)
-    return peer_code.load_module(run.peers, "fast_dllm", "llada/generate.py", "fast_dllm_generate",
-                                 search=("llada",))
-
-
-def llada_generate_module(run: Run):
-    return peer_code.load_module(run.peers, "llada", "generate.py", "llada_generate")
-
-
-def sdar_generate_module(run: Run):
-    return peer_code.load_module(run.peers, "sdar", "generate.py", "sdar_generate")
-
-
 @functools.lru_cache(maxsize=None)
 def sdar_model(run: Run):
     from dllm_fast.models import SDARConfig, SDARModel
@@ -213,68 +178,6 @@ def sdar_model(run: Run):
         config = dataclasses.replace(config, **SDAR_SMALL)
     config.block_size = run.shapes["sdar_block"]
     return SDARModel.with_random_weights(config, dtype=run.dtype, device=run.device, seed=run.seed).eval()
-
-
-def qwen3_stand_in(model):
-    """transformers' Qwen3ForCausalLM on the SDAR model's parameters (shared tensors; see the docstring)."""
-    import transformers
-
-    c = model.config
-    config = transformers.Qwen3Config(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
-        rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings, attn_implementation="sdpa",
-        max_position_embeddings=c.max_position_embeddings)
-    with torch.device("meta"):
-        qwen = transformers.Qwen3ForCausalLM(config)
-    qwen.load_state_dict(model.state_dict(keep_vars=True), assign=True, strict=not c.tie_word_embeddings)
-    if c.tie_word_embeddings:
-        qwen.lm_head.weight = qwen.model.embed_tokens.weight
-    rotary = type(qwen.model.rotary_emb)(config)  # its tables: buffers the meta construction left empty
-    qwen.model.rotary_emb = rotary.to(device=model.device)
-    return qwen.eval()
-
-
-class NoMaskToken(torch.nn.Module):
-    """A peer's model whose logits give the mask token -inf: dllm_fast never decodes [MASK] (README), so its
-    confidences are normalised without it; the peers then decode and normalise over the same tokens."""
-
-    def __init__(self, model, mask_token_id: int):
-        super().__init__()
-        self.model = model
-        self.mask_token_id = mask_token_id
-
-    @property
-    def device(self):
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self):
-        return next(self.model.parameters()).dtype
-
-    def forward(self, *args, **kwargs):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # transformers 5's deprecations of the 4.x keywords the peers pass
-            out = self.model(*args, **kwargs)
-        out.logits[..., self.mask_token_id] = float("-inf")
-        return out
-
-
-class SDARStandIn(NoMaskToken):
-    """What SDAR's block_diffusion_generate calls: model(block, attention_mask=[1, q, k] block-causal,
-    position_ids, past_key_values=DynamicCache, use_cache=True, store_kv=...) -> .logits. Qwen3 appends every
-    call's keys and values to the cache; a call with store_kv=False has them trimmed again, as SDAR's attention
-    reads without storing."""
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True,
-                store_kv=False):
-        allowed = attention_mask.bool()[:, None]  # [1, 1, queries, keys]
-        out = super().forward(input_ids=input_ids, attention_mask=allowed, position_ids=position_ids,
-                              past_key_values=past_key_values, use_cache=True)
-        if not store_kv:
-            past_key_values.crop(-input_ids.shape[1])
-        return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -305,7 +208,7 @@ def timed(runs: dict[str, Callable[[], Any]], run: Run) -> dict[str, float]:
     return {name: timing.median_s for name, timing in timings.items()}
 
 
-def with_ratio(rows: list[dict], setting: str | None = None) -> list[dict]:
+def with_ratio(rows: list[dict]) -> list[dict]:
     """ratio = seconds / dllm_fast's seconds of the same kind and setting."""
     add_ratio(rows, "ratio", "seconds", baseline={"provider": "dllm_fast"}, match=("kind", "setting"))
     return rows
@@ -322,7 +225,6 @@ def llada_prompts(run: Run, model) -> torch.Tensor:
 
 
 def rollout_rows(run: Run) -> list[dict]:
-    s = run.shapes
     rows = []
     llada_settings = [
         ("no cache", "llada", "llada generate.py", dict(cache="none"), None),
@@ -356,43 +258,59 @@ def llada_rollout(run: Run, setting: str, provider: str, options: dict, fast) ->
 
     s = run.shapes
     model = llada_model(run)
-    peer_model = NoMaskToken(official_llada(run, model), model.mask_token_id)
+    peer_model = peer_models.NoMaskToken(peer_models.official_llada(run.peers, model), model.mask_token_id)
     prompts = llada_prompts(run, model)
-    steps = None if "threshold" in options else s["steps"]
-    kwargs = dict(gen_length=s["gen"], block_length=s["block"], steps=steps, temperature=0.0, **options)
+    block, per_block = s["block"], s["steps"] // (s["gen"] // s["block"])
 
-    def ours():
-        return dllm_fast.generate(model, prompts, None, generator=torch.Generator(run.device).manual_seed(0),
-                                  **kwargs).completion_ids
+    def ours(blocks: int):
+        steps = None if "threshold" in options else per_block * blocks
+        return dllm_fast.generate(model, prompts, None, gen_length=blocks * block, block_length=block, steps=steps,
+                                  temperature=0.0, generator=torch.Generator(run.device).manual_seed(0),
+                                  **options).completion_ids
 
     if fast is None:
-        llada = llada_generate_module(run)
+        llada = peer_models.llada_generate_module(run.peers)
 
-        def theirs():
-            x = llada.generate(peer_model, prompts, attention_mask=None, steps=s["steps"], gen_length=s["gen"],
-                               block_length=s["block"], temperature=0.0, remasking="low_confidence",
-                               mask_id=model.mask_token_id)
+        def theirs(blocks: int):
+            x = llada.generate(peer_model, prompts, attention_mask=None, steps=per_block * blocks,
+                               gen_length=blocks * block, block_length=block, temperature=0.0,
+                               remasking="low_confidence", mask_id=model.mask_token_id)
             return x[:, prompts.shape[1]:]
     else:
-        function, threshold = getattr(fast_dllm_module(run), fast[0]), fast[1]
+        function, threshold = getattr(peer_models.fast_dllm_module(run.peers), fast[0]), fast[1]
 
-        def theirs():  # Fast-dLLM's generate takes one prompt (batch 1): each prompt in turn
-            rows = [function(peer_model, prompts[n:n + 1], steps=s["steps"], gen_length=s["gen"],
-                             block_length=s["block"], temperature=0.0, remasking="low_confidence",
+        def theirs(blocks: int):  # Fast-dLLM's generate takes one prompt (batch 1): each prompt in turn
+            rows = [function(peer_model, prompts[n:n + 1], steps=per_block * blocks, gen_length=blocks * block,
+                             block_length=block, temperature=0.0, remasking="low_confidence",
                              mask_id=model.mask_token_id, threshold=threshold)[0] for n in range(prompts.shape[0])]
             return torch.cat(rows)[:, prompts.shape[1]:]
 
-    return rollout_pair(run, setting, provider, ours, theirs, tokens=prompts.shape[0] * s["gen"], compare=True)
+    return rollout_pair(run, setting, provider, ours, theirs, blocks=s["gen"] // block, batch=prompts.shape[0],
+                        block=block, compare=True)
 
 
-def rollout_pair(run: Run, setting: str, provider: str, ours, theirs, *, tokens: int, compare: bool) -> list[dict]:
+def rollout_pair(run: Run, setting: str, provider: str, ours, theirs, *, blocks: int, batch: int, block: int,
+                 compare: bool) -> list[dict]:
+    """Time ours(blocks) and theirs(blocks) in turns (--repeats rounds, after a one-block warm-up of each) and
+    compare the tokens of their last calls."""
+    calls = {"dllm_fast": ours, provider: theirs}
+    seconds, tokens = {name: [] for name in calls}, {}
     with torch.no_grad():
-        ours_tokens, theirs_tokens = ours(), theirs()  # warm-up; greedy: the tokens compared
-        seconds = timed({"dllm_fast": ours, provider: theirs}, run)
-    agree = bool(torch.equal(ours_tokens.cpu(), theirs_tokens.cpu())) if compare else None
-    equal = float((ours_tokens.cpu() == theirs_tokens.cpu()).double().mean()) if compare else None
-    return [row("rollout", setting, name, seconds=seconds[name], tokens_per_s=tokens / seconds[name], agree=agree,
-                tokens_equal=equal) for name in ("dllm_fast", provider)]
+        for call in calls.values():
+            call(1)
+        for _ in range(run.repeats):
+            for name, call in calls.items():
+                synchronize(run.device)
+                started = time.perf_counter()
+                tokens[name] = call(blocks).cpu()
+                synchronize(run.device)
+                seconds[name].append(time.perf_counter() - started)
+    median = {name: statistics.median(values) for name, values in seconds.items()}
+    ours_tokens, theirs_tokens = tokens["dllm_fast"], tokens[provider]
+    agree = bool(torch.equal(ours_tokens, theirs_tokens)) if compare else None
+    equal = float((ours_tokens == theirs_tokens).double().mean()) if compare else None
+    return [row("rollout", setting, name, seconds=median[name], tokens_per_s=batch * blocks * block / median[name],
+                agree=agree, tokens_equal=equal) for name in calls]
 
 
 def sdar_rollout(run: Run, setting: str, *, greedy: bool) -> list[dict]:
@@ -400,8 +318,8 @@ def sdar_rollout(run: Run, setting: str, *, greedy: bool) -> list[dict]:
 
     s = run.shapes
     model = sdar_model(run)
-    stand_in = SDARStandIn(qwen3_stand_in(model), model.mask_token_id)
-    generate = sdar_generate_module(run).block_diffusion_generate
+    stand_in = peer_models.SDARStandIn(peer_models.qwen3_stand_in(model), model.mask_token_id)
+    generate = peer_models.sdar_generate_module(run.peers).block_diffusion_generate
     block, gen = s["sdar_block"], s["sdar_gen"]
     prompts = torch.randint(0, model.eos_token_id, (s["batch"], s["sdar_prompt"]),
                             generator=torch.Generator().manual_seed(run.seed + 2)).to(run.device)
@@ -412,18 +330,19 @@ def sdar_rollout(run: Run, setting: str, *, greedy: bool) -> list[dict]:
         ours_options = dict(steps=gen, threshold=SDAR_THRESHOLD, temperature=1.0)
         theirs_options = dict(temperature=1.0, top_k=0, denoising_steps=block)
 
-    def ours():
-        return dllm_fast.generate(model, prompts, None, gen_length=gen, block_length=block, cache="block",
-                                  generator=torch.Generator(run.device).manual_seed(0), **ours_options).completion_ids
+    def ours(blocks: int):
+        options = dict(ours_options, steps=blocks * ours_options["steps"] // (gen // block))
+        return dllm_fast.generate(model, prompts, None, gen_length=blocks * block, block_length=block, cache="block",
+                                  generator=torch.Generator(run.device).manual_seed(0), **options).completion_ids
 
-    def theirs():  # block_diffusion_generate takes one prompt: each in turn
-        rows = [generate(stand_in, {"input_ids": prompts[n:n + 1]}, mask_id=model.mask_token_id, gen_length=gen,
-                         block_length=block, remasking_strategy="low_confidence_dynamic",
+    def theirs(blocks: int):  # block_diffusion_generate takes one prompt: each in turn
+        rows = [generate(stand_in, {"input_ids": prompts[n:n + 1]}, mask_id=model.mask_token_id,
+                         gen_length=blocks * block, block_length=block, remasking_strategy="low_confidence_dynamic",
                          confidence_threshold=SDAR_THRESHOLD, **theirs_options) for n in range(prompts.shape[0])]
-        return torch.cat(rows)[:, prompts.shape[1]:prompts.shape[1] + gen]
+        return torch.cat(rows)[:, prompts.shape[1]:prompts.shape[1] + blocks * block]
 
-    return rollout_pair(run, setting, "sdar block_diffusion_generate", ours, theirs, tokens=prompts.shape[0] * gen,
-                        compare=greedy)
+    return rollout_pair(run, setting, "sdar block_diffusion_generate", ours, theirs, blocks=gen // block,
+                        batch=prompts.shape[0], block=block, compare=greedy)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -462,43 +381,11 @@ def update_case(run: Run) -> UpdateCase:
     sequences = sequences.to(run.device)
     old = perturbed(model, run.seed + 8) if s["old"] == "perturbed" else model
     ref = reference_model(run)
-    twins = {"policy": official_llada(run, model), "ref": official_llada(run, ref)}
-    twins["old"] = twins["policy"] if old is model else official_llada(run, old)
+    twin = functools.partial(peer_models.official_llada, run.peers)
+    twins = {"policy": twin(model), "ref": twin(ref)}
+    twins["old"] = twins["policy"] if old is model else twin(old)
     return UpdateCase(sequences, P, completion_mask(sequences[:, P:], config.eos_token_id), rewards.to(run.device),
                       model, old, ref, twins)
-
-
-class Quiet(torch.nn.Module):
-    """The official model, with transformers' deprecation warnings (of the 4.x keywords the peers pass) silenced."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    @property
-    def device(self):
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self):
-        return next(self.model.parameters()).dtype
-
-    def forward(self, input_ids, *args, **kwargs):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return self.model(input_ids, *args, **kwargs)
-
-
-class Recorder(Quiet):
-    """The official model, recording the token ids of every forward (the noisy sequences the loss code drew)."""
-
-    def __init__(self, model):
-        super().__init__(model)
-        self.inputs: list[torch.Tensor] = []
-
-    def forward(self, input_ids, *args, **kwargs):
-        self.inputs.append(input_ids.detach().clone())
-        return super().forward(input_ids, *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -566,18 +453,18 @@ def official_inputs(run: Run, name: str, trainer, case: UpdateCase, advantages: 
         if name == "diffu_grpo":
             inputs["mask_seeds"] = [1234 + k for k in range(mu)]
             inputs["old_per_token_logps"] = trainer._get_per_token_logps(
-                Quiet(case.twins["old"]), expanded, L, inputs["mask_seeds"])
+                peer_models.Quiet(case.twins["old"]), expanded, L, inputs["mask_seeds"])
             inputs["ref_per_token_logps"] = trainer._get_per_token_logps(
-                Quiet(case.twins["ref"]), expanded, L, inputs["mask_seeds"])
+                peer_models.Quiet(case.twins["ref"]), expanded, L, inputs["mask_seeds"])
         elif name == "spg":
             inputs["mask_seeds"] = [1234 + k for k in range(mu)]
             inputs["reward_mask"] = advantages > 0
         else:
             inputs["mask_seeds"] = (1234 + torch.arange(mu * ESPO_NUM_MC)).reshape(1, mu, ESPO_NUM_MC)
             inputs["old_per_token_logps"] = trainer._get_elbo_by_chunk(
-                Quiet(case.twins["old"]), expanded, L, inputs["mask_seeds"], ids.device)
+                peer_models.Quiet(case.twins["old"]), expanded, L, inputs["mask_seeds"], ids.device)
             inputs["ref_per_token_logps"] = trainer._get_elbo_by_chunk(
-                Quiet(case.twins["ref"]), expanded, L, inputs["mask_seeds"], ids.device)
+                peer_models.Quiet(case.twins["ref"]), expanded, L, inputs["mask_seeds"], ids.device)
     return inputs
 
 
@@ -587,12 +474,15 @@ def recorded_masks(name: str, noisy: list[torch.Tensor], case: UpdateCase, mask_
     from dllm_fast.likelihood import MonteCarloMasks
 
     N, S = case.sequences.shape
-    P, L = case.prompt_length, S - case.prompt_length
-    stacked = torch.cat(noisy).reshape(-1, N, S) if name != "spg" else torch.cat(noisy).reshape(1, N * n_t, S)
+    P = case.prompt_length
+    fed = torch.cat(noisy)
     if name == "spg":  # one forward of the N x num_t samples, row n * num_t + j
-        masked = (stacked[0].reshape(N, n_t, S) == mask_id)
+        masked = fed.reshape(N, -1, S) == mask_id
     else:  # one forward per sample (ESPO: the pair's two halves in turn)
-        masked = (stacked == mask_id).permute(1, 0, 2)
+        masked = (fed.reshape(-1, N, S) == mask_id).permute(1, 0, 2)
+    if masked.shape[1] != n_t:
+        raise RuntimeError(f"the official {name} loss fed its model {masked.shape[1]} samples per sequence; "
+                           f"dllm_fast's objective takes n_t={n_t}")
     masked &= case.sequences[:, None, :] != mask_id
     counted = (case.completion_mask if name != "espo" else torch.ones_like(case.completion_mask))
     chosen = masked[..., P:] & counted[:, None, :]
@@ -605,8 +495,8 @@ def recorded_masks(name: str, noisy: list[torch.Tensor], case: UpdateCase, mask_
     else:
         weight = torch.where(size > 0, (lengths + 1) / size.clamp_min(1), 0.0)
         t, sampler = size / (lengths + 1), "complementary"
-    return MonteCarloMasks(masked=masked.contiguous(), counted=counted.clone(), weight=weight, t=t, num_masked=chosen.sum(-1),
-                           prompt_length=P, sampler=sampler)
+    return MonteCarloMasks(masked=masked.contiguous(), counted=counted.clone(), weight=weight, t=t,
+                           num_masked=chosen.sum(-1), prompt_length=P, sampler=sampler)
 
 
 def update_rows(run: Run) -> list[dict]:
@@ -642,7 +532,7 @@ def one_update(run: Run, name: str, setting: str, provider: str, case: UpdateCas
     advantages = objective.advantages(batch).to(torch.float32)
     trainer = official_trainer(run, name, mu, index, mask_id)
     inputs = official_inputs(run, name, trainer, case, advantages, mu)
-    recorder = Recorder(case.twins["policy"])
+    recorder = peer_models.Recorder(case.twins["policy"])
 
     def theirs():
         model.zero_grad(set_to_none=True)
@@ -741,19 +631,21 @@ def step_rows(run: Run) -> list[dict]:
     mu = s["inner_updates"]
     model = llada_model(run)
     ref = reference_model(run)
-    twins = dict(policy=official_llada(run, model), ref=official_llada(run, ref))
+    twins = {name: peer_models.official_llada(run.peers, m) for name, m in (("policy", model), ("ref", ref))}
     mask_id, eos = model.mask_token_id, model.eos_token_id
     prompt = llada_prompts(run, model)[:1].expand(STEP_GROUP, -1).contiguous()  # one prompt, G completions
-    P, L = prompt.shape[1], s["gen"]
+    P = prompt.shape[1]
     objective = objectives.get("diffu_grpo")
     micro_batch = s["micro_batch"]
 
     def reward(sequences):  # synthetic and deterministic: a hash of the completion, differing within the group
         return (sequences[:, P:].sum(-1) % 7).to(torch.float32)
 
-    def ours(cache: str):
-        config = GenerateConfig(gen_length=L, block_length=s["block"], steps=s["steps"], temperature=D1_TEMPERATURE,
-                                cache=cache)
+    block, per_block = s["block"], s["steps"] // (s["gen"] // s["block"])
+
+    def ours(cache: str, blocks: int):
+        config = GenerateConfig(gen_length=blocks * block, block_length=block, steps=per_block * blocks,
+                                temperature=D1_TEMPERATURE, cache=cache)
         generator = torch.Generator(run.device).manual_seed(0)
         result = roll_out(model, prompt, None, config, generator=generator, record_unmask_step=False)
         batch = RolloutBatch.from_generation(result, reward(result.sequences), group_size=STEP_GROUP)
@@ -765,21 +657,23 @@ def step_rows(run: Run) -> list[dict]:
 
     trainer = official_trainer(run, "diffu_grpo", mu, 0, mask_id)
     trainer.args.fp16 = False
-    policy, reference = Quiet(twins["policy"]), Quiet(twins["ref"])
+    policy, reference = peer_models.Quiet(twins["policy"]), peer_models.Quiet(twins["ref"])
 
-    def theirs():
+    def theirs(blocks: int):
         with official_losses(run):
-            official_step()
+            official_step(blocks)
 
-    def official_step():
-        sequences = trainer.generate(policy, prompt, steps=s["steps"], gen_length=L, block_length=s["block"],
-                                     temperature=D1_TEMPERATURE, cfg_scale=0.0, remasking="low_confidence",
-                                     mask_id=mask_id)
+    def official_step(blocks: int):
+        sequences = trainer.generate(policy, prompt, steps=per_block * blocks, gen_length=blocks * block,
+                                     block_length=block, temperature=D1_TEMPERATURE, cfg_scale=0.0,
+                                     remasking="low_confidence", mask_id=mask_id)
         completion = sequences[:, P:]
+        L = completion.shape[1]
         batch = RolloutBatch(sequences, None, P, completion_mask(completion, eos), reward(sequences), STEP_GROUP)
         inputs = dict(prompt_ids=sequences[:, :P], prompt_mask=torch.ones_like(sequences[:, :P]),
                       completion_ids=completion, completion_mask=batch.completion_mask.int(),
-                      advantages=objective.advantages(batch).to(torch.float32), mask_seeds=[1234 + k for k in range(mu)])
+                      advantages=objective.advantages(batch).to(torch.float32),
+                      mask_seeds=[1234 + k for k in range(mu)])
         expanded = sequences.unsqueeze(0).expand(mu, -1, -1)
         with torch.no_grad():
             inputs["old_per_token_logps"] = trainer._get_per_token_logps(policy, expanded, L, inputs["mask_seeds"])
@@ -792,9 +686,10 @@ def step_rows(run: Run) -> list[dict]:
 
     runs = {"dllm_fast": functools.partial(ours, "none"), "dllm_fast dual cache": functools.partial(ours, "dual"),
             "d1 phases (sum)": theirs}
-    for call in runs.values():  # warm-up
-        call()
-    seconds = timed(runs, run)
+    for call in runs.values():  # warm-up: a step of one block
+        call(1)
+    blocks = s["gen"] // block
+    seconds = timed({name: functools.partial(call, blocks) for name, call in runs.items()}, run)
     model.zero_grad(set_to_none=True)
     rows = [row("step", setting, name, seconds=seconds[name], s_per_prompt=seconds[name], agree=None)
             for name in runs]
@@ -921,7 +816,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 def run_kinds(run: Run, kinds, report: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
     """Every row of `kinds`; `report(rows so far)` after each kind (a run cut short keeps what it measured)."""
     builders = {"rollout": rollout_rows, "update": update_rows,
-                "step": lambda run: guarded("step", "diffu_grpo step", ["dllm_fast"], functools.partial(step_rows, run)),
+                "step": lambda run: guarded("step", "diffu_grpo step", ["dllm_fast"],
+                                            functools.partial(step_rows, run)),
                 "head": lambda run: guarded("head", "head", ["dllm_fast"], functools.partial(head_rows, run))}
     rows = []
     for kind in kinds:

@@ -41,6 +41,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 import bench_peers  # noqa: E402
 import peer_code  # noqa: E402
+import peer_models  # noqa: E402
 
 LABEL = "PLANNER ESTIMATE"
 FLOAT64_SOFTMAX_BYTES = 2 + 8 + 8 + 8  # per logit: read bf16, write fp64, the softmax's read and write
@@ -86,7 +87,6 @@ def kernels_per_forward(peers_dir: Path) -> dict[str, float | None]:
     import bench_rollout
     from dllm_fast.models import LLaDAConfig, LLaDAModel, SDARConfig, SDARModel
 
-    run = bench_peers.Run(peers_dir, "small", torch.device("cpu"), torch.float32, 1)
     llada = LLaDAModel.with_random_weights(bench_rollout.narrow_config(LLaDAConfig.preset("llada-8b"))).eval()
     sdar_config = dataclasses.replace(SDARConfig.preset("sdar-8b"), hidden_size=128, intermediate_size=384,
                                       vocab_size=1024, mask_token_id=1023, eos_token_id=1022, pad_token_id=1022,
@@ -100,9 +100,9 @@ def kernels_per_forward(peers_dir: Path) -> dict[str, float | None]:
         counts["dllm_fast sdar"] = _count(lambda: sdar(ids))
         counts["official llada"] = counts["qwen3 stand-in"] = None
         if peer_code.missing(peers_dir, "fast_dllm") is None:
-            twin = bench_peers.official_llada(run, llada)
+            twin = peer_models.official_llada(peers_dir, llada)
             counts["official llada"] = _count(lambda: twin(ids))
-        stand_in = bench_peers.qwen3_stand_in(sdar)
+        stand_in = peer_models.qwen3_stand_in(sdar)
         counts["qwen3 stand-in"] = _count(lambda: stand_in(input_ids=ids))
     return counts
 

@@ -101,8 +101,9 @@ def test_a_failing_setting_becomes_error_rows_and_the_run_goes_on():
 
 
 def test_ratio_is_time_over_dllm_fasts_in_the_same_setting():
-    rows = [bench_peers.row("rollout", "a", "dllm_fast", seconds=2.0), bench_peers.row("rollout", "a", "peer", seconds=6.0),
-            bench_peers.row("rollout", "b", "peer", seconds=1.0), bench_peers.row("rollout", "b", "dllm_fast", "skipped: x")]
+    row = bench_peers.row
+    rows = [row("rollout", "a", "dllm_fast", seconds=2.0), row("rollout", "a", "peer", seconds=6.0),
+            row("rollout", "b", "peer", seconds=1.0), row("rollout", "b", "dllm_fast", "skipped: x")]
     bench_peers.with_ratio(rows)
     assert [r.get("ratio") for r in rows] == [1.0, 3.0, None, None]
 
