@@ -1,10 +1,10 @@
 """dllm_fast against the code users run today: each official peer a provider beside dllm_fast, same weights, same
 inputs, one run. Rows say whether the two agree (tokens at T = 0, loss values) and how their times compare.
 
-    python benchmarks/bench_peers.py --peers DIR --preset small --device cpu --json   # every provider, ~1-2 min
+    python benchmarks/bench_peers.py --peers DIR --preset small --device cpu --json   # every provider, ~20 s
     python benchmarks/bench_peers.py --peers .gpu/peers --preset 8b --device cuda     # LLaDA-8B / SDAR-8B shapes
     python benchmarks/bench_peers.py --plan --gpu h200                                # PLANNER ESTIMATES of the
-                                                                                      # 8b rows (no checkout)
+                                                                                      # 8b rows (~2 min of CPU)
 
 DIR (default $DLLM_FAST_PEERS, else .gpu/peers/) holds one checkout per repository named <owner>+<name>
 (benchmarks/peer_code.py lists them and the files read; benchmarks/pack_peers.sh copies only those) and the
@@ -38,8 +38,9 @@ shares dllm_fast's weight tensors):
   with the old and reference policies' lp scored by each side on its own. The loss values must agree to 1e-6
   and the gradients (accumulated into the same parameters) are compared. Advantages: dllm_fast's, with the
   code's rule (the official ones are computed in the trainer's rollout method, which is not driven), given to
-  both. The second of mu = 2 inner updates: the old policy a perturbed copy (the 8b preset: the policy itself,
-  to fit one GPU), the reference another (a KL for d1 and ESPO; SPG has none).
+  both. The second of mu = 2 inner updates: the old policy a perturbed copy, the reference another (a KL for d1
+  and ESPO; SPG has none). The 8b preset fits an 80 GB GPU: the old policy is the policy itself, and the batch
+  is 2 sequences (a group of 2; ESPO's code keeps the graphs of its 4 forwards).
 - step: a whole diffu-GRPO step per prompt. d1's trainer (TRL 0.16's GRPOTrainer with accelerate and
   DeepSpeed) cannot be driven without its launcher, so its step is the sum of its phases run in its order: the
   trainer's own `generate` for the group, the old and reference policies' per-token log-probs for the mu
@@ -52,13 +53,14 @@ shares dllm_fast's weight tensors):
   Liger's CuTe kernels and QuACK are not carried to the GPU machine (81 MB and a CUTLASS DSL stack against the
   64 MiB a run carries); their rows quote the published H200 figures (issue 38) and say so.
 
-Each row: kind, setting, provider, status, seconds (median over --repeats after a warm-up, the two providers of a
-setting timed in turns), ratio (seconds / dllm_fast's seconds in that setting), agree (tokens or loss, None where
+Each row: kind, setting, provider, status, seconds (median over --repeats after a warm-up, the providers of a
+setting timed in turns; a rollout's and a step's warm-up decode one block), ratio (seconds / dllm_fast's seconds in that setting), agree (tokens or loss, None where
 not compared), and per kind: tokens_per_s (rollout), ms_per_update, loss, loss_diff, grad_rel (update),
 s_per_prompt (step), ms (head). --json prints the rows as one JSON list.
 
 --plan prints the planner's estimates for the 8b preset's GPU rows (dllm_fast.planning; the peers priced as
-their code runs, see `peer_estimates`), each labelled PLANNER ESTIMATE.
+their code runs: benchmarks/plan_peers.py), each labelled PLANNER ESTIMATE. The models the peers run on
+dllm_fast's weights are in benchmarks/peer_models.py.
 """
 
 from __future__ import annotations

@@ -19,11 +19,12 @@ import torch
 import peer_code
 
 
-def official_llada(peers_dir: Path, model):
+def official_llada(peers_dir: Path, model, *, shared_gradients: bool = True):
     """The official LLaDA model (Fast-dLLM's llada/model: the Hugging Face LLaDA code with its KV caches) built on
-    `model`'s parameters, so that gradients of either land in the same .grad: the same Parameter objects, and for
-    the projections dllm_fast fuses (q, k, v; gate, up) dllm_fast's own modules, which compute the official
-    projection from their rows of the fused weight."""
+    `model`'s parameters. shared_gradients: gradients of either land in the same .grad: the same Parameter objects,
+    and for the projections dllm_fast fuses (q, k, v; gate, up) dllm_fast's own modules, which compute the official
+    projection from their rows of the fused weight (False: the official nn.Linear modules on those rows, as the
+    official model runs them, for counting its kernels)."""
     fast = fast_dllm_module(peers_dir)
     configuration = sys.modules["model.configuration_llada"]
     config = configuration.LLaDAConfig(**model.config.to_dict())
@@ -35,7 +36,7 @@ def official_llada(peers_dir: Path, model):
     from dllm_fast.models.layers import ProjectionSlice
 
     for name, module in model.named_modules():
-        if isinstance(module, ProjectionSlice):
+        if shared_gradients and isinstance(module, ProjectionSlice):
             parent, _, attribute = ("model." + name).rpartition(".")
             setattr(twin.get_submodule(parent), attribute, module)
     return twin.eval()

@@ -100,7 +100,7 @@ def kernels_per_forward(peers_dir: Path) -> dict[str, float | None]:
         counts["dllm_fast sdar"] = _count(lambda: sdar(ids))
         counts["official llada"] = counts["qwen3 stand-in"] = None
         if peer_code.missing(peers_dir, "fast_dllm") is None:
-            twin = peer_models.official_llada(peers_dir, llada)
+            twin = peer_models.official_llada(peers_dir, llada, shared_gradients=False)
             counts["official llada"] = _count(lambda: twin(ids))
         stand_in = peer_models.qwen3_stand_in(sdar)
         counts["qwen3 stand-in"] = _count(lambda: stand_in(input_ids=ids))
