@@ -151,8 +151,10 @@ def test_flat_and_nested_yaml_files_give_the_same_config(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("lr: 1e-4\noptim:\n  lr: 2e-4\n", r"run.yaml: optim.lr is given twice, as lr and as optim.lr; keep one"),
-    ("eval_every: 5\neval: {every: 6}\n", r"run.yaml: eval.every is given twice, as eval_every and as eval.every"),
+    ("lr: 1e-4\noptim:\n  lr: 2e-4\n", r"run.yaml: optim.lr is given twice, as lr \(line 1\) and as optim.lr \(line "
+                                     r"3\); keep one"),
+    ("eval_every: 5\neval: {every: 6}\n", r"run.yaml: eval.every is given twice, as eval_every \(line 1\) and as "
+                                         r"eval.every \(line 2\)"),
     ("optim:\n  lr: fast\n", r"run.yaml: optim.lr = 'fast' must be a number"),
     ("lora: {rnak: 4}\n", r"run.yaml: unknown option\(s\) \['lora.rnak'\] \(did you mean lora.rank\?\)"),
     ("lrr: 1e-4\n", r"run.yaml: unknown option\(s\) \['lrr'\] \(did you mean lr\?\)"),

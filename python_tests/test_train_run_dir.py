@@ -197,12 +197,12 @@ def test_a_link_inside_the_run_directory_is_followed(run_dir):
 # -- typed config files -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, message", [
-    ('overwrite: "false"\n', r"run.yaml: overwrite = 'false' must be true or false \(a string"),
-    ("lora: 'no'\n", r"run.yaml: lora = 'no' must be true or false"),
-    ("resume: 1\n", r"run.yaml: resume = 1 must be true or false"),
+    ('overwrite: "maybe"\n', r"run.yaml: overwrite = 'maybe' must be true or false"),
+    ("lora: 2\n", r"run.yaml: lora = 2 must be true or false"),
     ("objective_options: [n_t, 4]\n", r"run.yaml: objective_options = \['n_t', 4\] must be a mapping"),
-    ("lora_targets: q_proj\n", r"run.yaml: lora_targets = 'q_proj' must be a list of strings"),
+    ("lora_targets: {q_proj: 1}\n", r"run.yaml: lora_targets = \{'q_proj': 1\} must be a list of strings"),
     ("steps: 2.5\n", r"run.yaml: steps = 2.5 must be an integer"),
+    ("steps: '2.5'\n", r"run.yaml: steps = '2.5' must be an integer"),
     ("steps: [1\n", r"config file .*run.yaml is not valid YAML"),
 ])
 def test_config_file_values_are_typed_and_named_by_file_and_key(tmp_path, text, message):

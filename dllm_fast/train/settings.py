@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dllm_fast.train.typed import check_type
+from dllm_fast.train.typed import read_value
 from dllm_fast.validation import check_float, check_int
 
 SCHEDULES = ("constant", "cosine", "linear")
@@ -52,12 +52,13 @@ def flag(key: str) -> str:
 
 
 class _Settings:
-    """A section: its fields' types, checked when built (a path becomes its string), then its own `check`."""
+    """A section: each field read as its type by the one reader of every setting (typed.read_value: a value that is
+    not of the type reads from its text as its flag would; a path becomes its string), then its own `check`."""
 
     def __post_init__(self) -> None:
         for config_field in dataclasses.fields(self):
             key = config_field.metadata.get("key") or config_field.name
-            value = check_type(_hints(type(self))[config_field.name], getattr(self, config_field.name), flag(key),
+            value = read_value(_hints(type(self))[config_field.name], getattr(self, config_field.name), flag(key),
                                example=config_field.metadata.get("example", ""))
             object.__setattr__(self, config_field.name, value)
         self.check()
