@@ -67,7 +67,9 @@ class TrainConfig:
         if self.run.parallel == "fsdp2" and self.lora.enabled:
             raise ValueError("--parallel fsdp2 shards a full fine-tune; with --lora true use --parallel ddp.")
         rollout = self.rollout
-        from dllm_fast.train.sources import block_diffusion_model
+        from dllm_fast.train.sources import block_diffusion_model, check_cache
+
+        check_cache(self.model, rollout.cache)
 
         if rollout.threshold is not None and rollout.steps is not None and not block_diffusion_model(self.model):
             raise ValueError(f"--threshold {rollout.threshold} sets the steps adaptively; pass --diffusion-steps none "

@@ -126,6 +126,9 @@ class ModelSettings(_Settings):
                                               "presets)", metavar="DIR")
     bf16: bool | None = option(None, help="autocast to bf16 (default: on CUDA, not on CPU)")
     gradient_checkpointing: bool = option(False, help="recompute each block in backward")
+    allow_external_links: bool = option(False, help="load a checkpoint whose files are symbolic links out of its "
+                                                    "directory (by default it reads only its own files; a Hugging "
+                                                    "Face cache snapshot's links into its blobs/ are its own)")
 
 
 @dataclass
@@ -150,6 +153,10 @@ class RolloutSettings(_Settings):
                                              "ones compile (metrics: compile_seconds). auto: the rollouts on CUDA, "
                                              "where CUDA graphs pay, nothing on CPU",
                                   metavar="true|false|auto")
+    full_last_block: bool = option(False, help="block-diffusion models: decode each completion's last block whole, "
+                                               "as the official SDAR generate does (its positions after the "
+                                               "completion are decoded, then dropped, and change its tokens); "
+                                               "default: the last block ends with the completion")
 
     def check(self) -> None:
         check_int("--gen-length", self.gen_length, minimum=1)
@@ -184,7 +191,7 @@ class RolloutSettings(_Settings):
 
         return GenerateConfig(gen_length=self.gen_length, block_length=self.block_length, steps=self.steps,
                               temperature=self.temperature, remasking=self.remasking, cache=self.cache,
-                              threshold=self.threshold, compile=compile)
+                              threshold=self.threshold, compile=compile, full_last_block=self.full_last_block)
 
 
 @dataclass
