@@ -21,6 +21,7 @@ import re
 import sys
 import textwrap
 import typing
+from pathlib import Path
 
 from dllm_fast.train.config import TrainConfig, read_config_file
 from dllm_fast.train.settings import OPTIONS, SECTIONS, Option, field_choices, flag, registry_choices
@@ -156,8 +157,15 @@ def main(argv: typing.Sequence[str] = ()) -> None:
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"{PROG}: interrupted; a checkpoint already in {config.run.output_dir} is intact (continue from it with "
-              "--resume true).", file=sys.stderr)
+        from dllm_fast.files import settled_directory
+        from dllm_fast.train.checkpoint import CHECKPOINT
+
+        if settled_directory(Path(config.run.output_dir) / CHECKPOINT).is_dir():
+            print(f"{PROG}: interrupted; the checkpoint in {config.run.output_dir} is intact (continue from it with "
+                  "--resume true).", file=sys.stderr)
+        else:
+            print(f"{PROG}: interrupted before the run's first checkpoint: there is none to continue from; start the "
+                  "run again.", file=sys.stderr)
         raise SystemExit(130) from None
     except (ValueError, TypeError, OSError, RuntimeError, FloatingPointError, MemoryError) as error:
         if debug:
