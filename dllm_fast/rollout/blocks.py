@@ -275,18 +275,17 @@ def _row_base(layout: Layout, gen_length: int, block_length: int, full_last_bloc
     """What the step adds to a canvas column for the noise counter's position word: [B, 1] row * G + b plus the
     completion position: unique per (row, completion position), independent of the batch's padding, and
     non-negative on the prompt tail decoded with the first block (fewer than b columns; its noise is unused).
-    With full_last_block, [B, W] each column's word: the same for the completion (its samples are the default's
-    but where the extra positions change the logits), and for row n's positions after it B * G + b + n * b on,
-    beyond every row's words."""
+    With full_last_block, [B, 3]: that, the column where each row's completion ends, and the jump that moves the
+    words of the positions after it to B * G + b + row * b on, beyond every row's completion words (which stay
+    the default's: only what the extra positions change in the logits changes a sample)."""
     first = layout.completion_columns[:, :1]
     B, G, b = first.shape[0], gen_length, block_length
     rows = torch.arange(B, device=first.device)[:, None]
     base = rows * G + b - first
     if not full_last_block:
         return base
-    column = torch.arange(layout.width, device=first.device)[None, :]
-    after = column - (first + G)  # 0, 1, ... on the positions after the completion
-    return torch.where(after >= 0, B * G + b + rows * b + after, base + column)
+    end = first + G
+    return torch.cat([base, end, (B * G + b + rows * b) - (base + end)], dim=1)
 
 
 def _raise_not_finite(state: RolloutState, layout: Layout, plan: DecodingPlan, model) -> None:

@@ -69,8 +69,8 @@ class RolloutState:
     attention_mask: [B, P + G] (doubled for CFG) or None. masked_prompt: CFG's unconditional prompt [B, P].
     noise_key: [] int64, the call's random key (0 at T = 0). counters: [3] int64 (NOISE_STEP, FORWARDS,
     STEP_IN_BLOCK). schedule: [steps per block] tokens a fixed-schedule step unmasks (None in threshold mode).
-    row_base: [B, 1] row * gen_length, or [B, W] each canvas column's position word (a block rollout's full last
-    block). not_finite: [B, G] completion positions whose output had no defined
+    row_base: [B, 1] row * gen_length; a block rollout's full last block adds two columns, the column where each
+    row's completion ends and the jump of the words from there on (rollout/blocks.py). not_finite: [B, G] completion positions whose output had no defined
     confidence. unmask_step: [B, G] the forward that unmasked each position (-1: not yet), or None.
     """
 
@@ -143,8 +143,9 @@ def denoise_step(model, state: RolloutState, constants: StepConstants, block: to
     # A non-finite output is flagged (the caller raises), zeroed so the kernel never sees it, and never unmasked.
     bad_rows = ~torch.isfinite(rows_hidden).all(dim=-1)
     rows_hidden = rows_hidden.masked_fill(bad_rows[..., None], 0)
-    words = (state.row_base + completion_at if state.row_base.shape[1] == 1
-             else state.row_base.gather(1, completion_at))  # a table of each column's word (blocks.py)
+    words = state.row_base[:, :1] + completion_at
+    if state.row_base.shape[1] == 3:  # a full last block's positions after the completion jump (blocks.py)
+        words = words + (completion_at >= state.row_base[:, 1:2]) * state.row_base[:, 2:3]
     stream = state.noise_key ^ ((state.counters[NOISE_STEP] << 32) | words)
     tokens, confidence = ops.sample_tokens(
         rows_hidden.reshape(-1, rows_hidden.shape[-1]), weight, temperature=c.temperature, seed=0, offset=0,
