@@ -383,8 +383,9 @@ def rollout_batch(generated: dict, rewards: torch.Tensor | None, group_size: int
     attention_mask = None
     if not bool(prompt_mask.all()):
         attention_mask = torch.cat([prompt_mask, torch.ones_like(completion)], dim=1).long()
-    forwards = None
-    if unmask_step is not None:
+    if unmask_step is None:
+        forwards = None
+    else:
         if unmask_step.shape[0] != completion.shape[0] or unmask_step.shape[1] < completion.shape[1]:
             raise RuntimeError(f"the recorded unmask_step {tuple(unmask_step.shape)} does not cover this generation "
                                f"batch's completions {tuple(completion.shape)}; roll out with make_rollout_func.")
