@@ -78,11 +78,12 @@ class RunSetup:
         self.test_examples = self.task.test_examples()[:config.eval.examples]
         # The model, its tokenizer and the task's prompts agree before any weight is read.
         self.source, self.tokenizer, skeleton = model_and_tokenizer_plan(config)
-        check_lengths(config, self.task, self.data.examples, self.test_examples, self.tokenizer, skeleton)
         check_sizes(config, skeleton, self.device, ranks, self.objective.needs_reference, self.precision)
         check_block_length(config, skeleton)
         take_block_length(config, skeleton)
         check_rollout_settings(config, self.generate_config, skeleton)
+        # last: it tokenizes every prompt of the task
+        check_lengths(config, self.task, self.data.examples, self.test_examples, self.tokenizer, skeleton)
 
     def apply(self, config: TrainConfig) -> None:
         """What the setup changes in this process: torch's threads."""
