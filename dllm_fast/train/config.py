@@ -267,7 +267,7 @@ def _yaml_values(text: str, path: Path) -> tuple[Any, dict[str, int]]:
         typed = loader.construct_object(node, deep=True)
         if node.style is None and isinstance(typed, str) and _YAML12_FLOAT.fullmatch(node.value):
             typed = float(node.value)  # YAML 1.1 reads 1e-4 (no dot) as text; YAML 1.2 and JSON as a number
-        return Scalar(node.value, typed, node.start_mark.line + 1, plain=node.style is None)
+        return Scalar(node.value, typed, plain=node.style is None)
 
     try:
         node = loader.get_single_node()

@@ -10,7 +10,7 @@ its JSON spelling (1, 1e-05, true). One reader per type (`read_value` picks it f
 - bool: true/false, yes/no, on/off or 1/0, in any case;
 - int: decimal digits with an optional sign (and _ between digits), never a bool nor a float such as 2.0;
 - float: a decimal number (1e-4, 0.5, 3); its range is the field's own check;
-- str: the text (a path is its string);
+- str: the text (a path is its string, a number its spelling);
 - None, for an optional field: none, null, ~ or nothing;
 - a field's word (`int | Literal["auto"]`): the word in any case;
 - list: a sequence of the element's values, or one value (a list of one, as a flag given one value is);
@@ -41,16 +41,15 @@ _repr = _short_repr().repr
 
 class Scalar(str):
     """A config file's scalar: its text as written (what every reader but a mapping's reads), the value its notation
-    gives it (`typed`, what a mapping setting such as --objective-options holds), its line, and whether it was
-    written plain (unquoted: messages show it as written)."""
+    gives it (`typed`, what a mapping setting such as --objective-options holds), and whether it was written plain
+    (unquoted: messages show a number so written as it was)."""
 
     typed: Any
-    line: int | None
     plain: bool
 
-    def __new__(cls, text: str, typed: Any = None, line: int | None = None, plain: bool = True) -> "Scalar":
+    def __new__(cls, text: str, typed: Any = None, plain: bool = True) -> "Scalar":
         scalar = super().__new__(cls, text)
-        scalar.typed, scalar.line, scalar.plain = typed, line, plain
+        scalar.typed, scalar.plain = typed, plain
         return scalar
 
 
@@ -217,6 +216,3 @@ def _describe(kind, words: tuple[str, ...] = ()) -> str:
 
 
 _PLURAL = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
-
-# The name the settings used before one reader served every source.
-check_type = read_value
