@@ -304,3 +304,20 @@ def test_full_last_block_is_a_boolean_and_the_default_is_the_completions_end():
     runs = [dllm_fast.generate(llada, ids, mask, gen_length=8, block_length=4, steps=4, full_last_block=full)
             for full in (False, True)]
     assert torch.equal(runs[0].sequences, runs[1].sequences)
+
+
+@pytest.mark.parametrize("full_last_block", [False, True])
+def test_every_decoded_position_of_a_batch_has_its_own_noise_word(full_last_block):
+    """Two positions with one word would draw one Gumbel noise: a full last block's extra positions are moved past
+    every row's completion words, which stay the default's."""
+    from dllm_fast.rollout.blocks import Layout, _row_base
+    from dllm_fast.rollout.step import position_words
+
+    ids, mask = mixed_prompts([3, 4, 5, 6, 7, 8, 9, 10])
+    layout = Layout.of(ids, mask, 8, 4, read=True, full_last_block=full_last_block)
+    columns = torch.arange(layout.width)[None].expand(8, -1)
+    words = position_words(_row_base(layout, 8, 4, full_last_block), columns)
+    decoded = words[layout.decoded]
+    assert decoded.unique().numel() == decoded.numel() and (decoded >= 0).all() and (decoded < 2**32).all()
+    default = position_words(_row_base(layout, 8, 4), columns)
+    assert torch.equal(words.gather(1, layout.completion_columns), default.gather(1, layout.completion_columns))

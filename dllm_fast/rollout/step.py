@@ -143,10 +143,7 @@ def denoise_step(model, state: RolloutState, constants: StepConstants, block: to
     # A non-finite output is flagged (the caller raises), zeroed so the kernel never sees it, and never unmasked.
     bad_rows = ~torch.isfinite(rows_hidden).all(dim=-1)
     rows_hidden = rows_hidden.masked_fill(bad_rows[..., None], 0)
-    words = state.row_base[:, :1] + completion_at
-    if state.row_base.shape[1] == 3:  # a full last block's positions after the completion jump (blocks.py)
-        words = words + (completion_at >= state.row_base[:, 1:2]) * state.row_base[:, 2:3]
-    stream = state.noise_key ^ ((state.counters[NOISE_STEP] << 32) | words)
+    stream = state.noise_key ^ ((state.counters[NOISE_STEP] << 32) | position_words(state.row_base, completion_at))
     tokens, confidence = ops.sample_tokens(
         rows_hidden.reshape(-1, rows_hidden.shape[-1]), weight, temperature=c.temperature, seed=0, offset=0,
         row_ids=stream.reshape(-1), suppress_ids=c.suppress_ids, confidence_exclude_ids=c.exclude_ids,
@@ -171,6 +168,16 @@ def denoise_step(model, state: RolloutState, constants: StepConstants, block: to
         previous = state.unmask_step.gather(1, completion_at)
         state.unmask_step.scatter_(1, completion_at, torch.where(transfer, state.counters[FORWARDS], previous))
     state.counters.add_(1)
+
+
+def position_words(row_base: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The noise counter's position word of each decoded column [B, n]: row_base [B, 1] plus the column, and with
+    a block rollout's full last block ([B, 3]: also the column where each completion ends and the jump after it,
+    rollout/blocks.py) the positions after the completion moved beyond every row's completion words."""
+    words = row_base[:, :1] + columns
+    if row_base.shape[1] == 3:
+        words = words + (columns >= row_base[:, 1:2]) * row_base[:, 2:3]
+    return words
 
 
 @functools.cache
