@@ -165,16 +165,14 @@ class Layout:
     shift [B]: s_n; width: W; prefilled: F, the columns every row's whole prompt blocks fill;
     completion_columns [B, G]: the canvas columns of each row's completion; tokens [B, W] the initial canvas (-1
     where no token is), decoded [B, W] bool the columns decoded (the completion, and with full_last_block the rest
-    of its last block) and mask [B, W] int64 (1 on each row's real tokens and decoded columns). shifts: the rows'
-    shifts as Python ints when known (read, or the planner's constant prompts), else None (a fake batch: the widest
-    layout)."""
+    of its last block) and mask [B, W] int64 (1 on each row's real tokens and decoded columns). spans: each row's
+    decoded columns [start, end) as Python ints when its shift is known (read, or the planner's constant prompts),
+    else None (a fake batch: the widest layout)."""
 
-    def __init__(self, shift, width, prefilled, completion_columns, tokens, mask, decoded=None, shifts=None,
-                 block_length=None, start=None, ends=None):
+    def __init__(self, shift, width, prefilled, completion_columns, tokens, mask, decoded, block_length, spans):
         self.shift, self.width, self.prefilled = shift, width, prefilled
         self.completion_columns, self.tokens, self.mask = completion_columns, tokens, mask
-        self.decoded = decoded
-        self.shifts, self.block_length, self.start, self.ends = shifts, block_length, start, ends
+        self.decoded, self.block_length, self.spans = decoded, block_length, spans
 
     @classmethod
     def of(cls, input_ids, attention_mask, gen_length: int, block_length: int, read: bool,
@@ -196,26 +194,24 @@ class Layout:
         inside = (source >= 0) & (source < P + G)
         original = torch.cat([input_ids.long(), torch.full((B, G), -1, dtype=torch.long, device=device)], dim=1)
         tokens = original.gather(1, source.clamp(0, P + G - 1)).masked_fill(~inside, -1)
-        completion = (source >= P) & inside
-        end = P + shift + G  # each row's completion ends here; a full last block at the next multiple of b
-        if full_last_block:
-            end = (end + b - 1) // b * b
-        decoded = completion | ((column >= (P + shift + G)[:, None]) & (column < end[:, None]))
+
+        def end_of(completion_end):  # where a row's decoding ends: its completion, or its last block's end
+            return (completion_end + b - 1) // b * b if full_last_block else completion_end
+
+        end = end_of(P + shift + G)
+        decoded = ((source >= P) & inside) | ((source >= P + G) & (column < end[:, None]))
         mask = ((inside & (source >= pad[:, None])) | decoded).long()
         completion_columns = (P + shift)[:, None] + torch.arange(G, device=device)[None, :]
-        ends = None
-        if shifts is not None:
-            ends = [P + s + G if not full_last_block else (P + s + G + b - 1) // b * b for s in shifts]
-        return cls(shift, width, prefilled, completion_columns, tokens, mask, decoded, shifts, b,
-                   [P + s for s in shifts] if shifts is not None else None, ends)
+        spans = None if shifts is None else [(P + s, end_of(P + s + G)) for s in shifts]
+        return cls(shift, width, prefilled, completion_columns, tokens, mask, decoded, b, spans)
 
     def masked_in(self, window: int) -> int:
         """The most positions any row decodes in window `window` (its masked count before the window's first
         step), from the layout alone: the block length when the rows' shifts are unknown (a fake batch)."""
-        if self.shifts is None:
+        if self.spans is None:
             return self.block_length
         low, high = window * self.block_length, (window + 1) * self.block_length
-        return max(max(0, min(high, end) - max(low, start)) for start, end in zip(self.start, self.ends))
+        return max(max(0, min(high, end) - max(low, start)) for start, end in self.spans)
 
 
 def known_shifts(attention_mask, block_length: int, batch: int, shift=None) -> list[int] | None:
