@@ -135,8 +135,8 @@ def parse(parser: argparse.ArgumentParser, arguments: typing.Sequence[str]) -> a
 # -- the command --------------------------------------------------------------------------------------------
 def main(argv: typing.Sequence[str] = ()) -> None:
     """`python -m dllm_fast train ...`. A bad option, value or run directory is one line on stderr (exit status
-    2), found before the model loads; an error while training is one line too (exit status 1). --debug shows the
-    traceback instead."""
+    2), found before anything is written; an error while training is one line too (exit status 1). --debug shows
+    the traceback instead."""
     argv = list(argv)
     debug = "--debug" in argv
     parser = new_parser(prog=PROG, description=DESCRIPTION)
@@ -170,6 +170,9 @@ def main(argv: typing.Sequence[str] = ()) -> None:
     except (ValueError, TypeError, OSError, RuntimeError, FloatingPointError, MemoryError) as error:
         if debug:
             raise
+        if getattr(error, "refused_setting", False):  # found before the run started: a bad option, as above
+            print(f"{PROG}: {' '.join(str(error).split())}", file=sys.stderr)
+            raise SystemExit(2) from None
         print(f"{PROG}: {_plain(error)} (--debug shows the traceback)", file=sys.stderr)
         raise SystemExit(1) from None
     if result.rank != 0:

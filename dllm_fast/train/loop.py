@@ -57,7 +57,11 @@ def train(config: TrainConfig) -> TrainResult:
     run: a second trainer on it is refused."""
     with distributed_session(config.run.device) as ranks:
         run_dir = RunDirectory(config.run.output_dir, ranks)
-        setup = RunSetup(config, ranks, run_dir)
+        try:
+            setup = RunSetup(config, ranks, run_dir)
+        except (ValueError, TypeError, OSError) as error:
+            error.refused_setting = True  # a setting that cannot work, found before the run started (cli: exit 2)
+            raise
         with run_dir.locked():
             return _train(Run(config, ranks, run_dir, setup))
 
