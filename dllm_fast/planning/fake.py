@@ -30,6 +30,9 @@ from dllm_fast.planning.accounting import flat_values
 from torch.utils._pytree import tree_map_only
 
 _DEVICE = torch.ops.prim.device.default
+_TO_COPY = torch.ops.aten._to_copy.default
+_NEVER_PROPAGATED = {torch.ops.aten._nested_tensor_from_tensor_list.default}  # as FakeTensorMode
+_NOT_CONSTANT = object()
 # Real tensors above this size stay fake: no device-scale buffer is ever allocated on the host.
 DEFAULT_CONSTANT_BYTES = 256 << 20
 
@@ -59,6 +62,7 @@ class PlanningFakeMode(FakeTensorMode):
         self._assumed_outputs = _assumed_outputs()
         self._fake_factories = 0
         self._depth = 0  # > 1 inside another op's fake implementation (e.g. _to_copy's empty_strided)
+        self._propagates: dict = {}  # op -> whether _on_constants may run it (see there)
 
     def may_turn_const(self, t: torch.Tensor) -> bool:
         return (not self.is_our_fake(t) and t.device.type != "meta" and t.layout == torch.strided
@@ -68,18 +72,52 @@ class PlanningFakeMode(FakeTensorMode):
         if func is _DEVICE:  # a tensor's .device: the hot path
             return super().dispatch(func, types, args, kwargs)
         kwargs = kwargs or {}
+        tensors = [a for a in flat_values((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if tensors:
+            out = self._on_constants(func, tensors, args, kwargs)
+            if out is not _NOT_CONSTANT:
+                return out
         self._depth += 1
         try:
             out = super().dispatch(func, types, args, kwargs)
         finally:
             self._depth -= 1
-        tensors = [a for a in flat_values((args, kwargs)) if isinstance(a, torch.Tensor)]
         if not tensors:  # a factory: real when small enough
             return out if self._depth else self._real_factory(func, args, kwargs, out)
         assumed = self._assumed_outputs.get(func.overloadpacket)
         if assumed is not None and not all(is_constant(a) for a in tensors):
             return assumed(self, args, out)
         return out
+
+    def _on_constants(self, func, tensors, args, kwargs):
+        """An op whose tensor inputs are all constants of this mode, computed as FakeTensorMode's constant
+        propagation computes it (the op on the values, each output a constant), without the cache-key attempt
+        and argument flattening that precede it there: about a third of a plan's ops are on the step's small
+        data. _NOT_CONSTANT leaves the op to FakeTensorMode: an op that writes its inputs, draws random numbers
+        or changes a view in place, or one whose output cannot be a constant (it then runs again there, as an op
+        that writes nothing may)."""
+        propagates = self._propagates.get(func)
+        if propagates is None:
+            propagates = self._propagates[func] = (
+                isinstance(func, torch._ops.OpOverload) and not func._schema.is_mutable
+                and torch.Tag.nondeterministic_seeded not in func.tags and torch.Tag.inplace_view not in func.tags
+                and func not in _NEVER_PROPAGATED)
+        if not propagates:
+            return _NOT_CONSTANT
+        for t in tensors:
+            if not (type(t) is FakeTensor and t.constant is not None and t.fake_mode is self):
+                return _NOT_CONSTANT
+        if func is _TO_COPY and kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "cpu":
+            return _NOT_CONSTANT  # as FakeTensorMode: no device initialised for a constant
+        with no_dispatch():
+            out = func(*_values(args), **{name: _values(value) for name, value in kwargs.items()})
+        outputs = [t for t in flat_values(out) if isinstance(t, torch.Tensor)]
+        if not all(self.may_turn_const(t) for t in outputs):
+            return _NOT_CONSTANT
+        converter = self.fake_tensor_converter
+        if isinstance(out, torch.Tensor):
+            return converter.from_real_tensor(self, out, make_constant=True)
+        return tree_map_only(torch.Tensor, lambda t: converter.from_real_tensor(self, t, make_constant=True), out)
 
     @contextlib.contextmanager
     def fake_factories(self):
@@ -115,6 +153,15 @@ class PlanningFakeMode(FakeTensorMode):
             else:
                 real = torch.full(tuple(shape), value, dtype=dtype)
         return self.constant(real)
+
+
+def _values(tree):
+    """`tree` (an op's argument: a tensor, or a list or tuple of them) with each constant's value for it."""
+    if isinstance(tree, FakeTensor):
+        return tree.constant
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_values(item) for item in tree)
+    return tree
 
 
 def is_constant(t: torch.Tensor) -> bool:
@@ -178,9 +225,33 @@ class FiniteValues(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def fake_world(mode: PlanningFakeMode, count=None):
-    """Enter the fake mode and its finiteness answers (`count`: see FiniteValues)."""
-    with mode, FiniteValues(mode, count):
+def constants_read_at_once(mode: PlanningFakeMode, read=None):
+    """tolist of a constant of `mode` is its value, read from the host in one copy: `read(tensor)`, if given, is
+    called once (one host sync on a GPU, as dllm_fast.testing.syncs counts it). FakeTensor.tolist, a Python
+    method that no mode sees, would read each element on its own: an op and a host sync per element (a
+    [512]-pair count read 512 times, 0.1 s of CPU). Other tensors' tolist is FakeTensor's."""
+    original = FakeTensor.tolist
+
+    def tolist(self):
+        if self.constant is None or self.fake_mode is not mode:
+            return original(self)
+        if read is not None:
+            read(self)
+        with no_dispatch():
+            return self.constant.tolist()
+
+    FakeTensor.tolist = tolist
+    try:
+        yield
+    finally:
+        FakeTensor.tolist = original
+
+
+@contextlib.contextmanager
+def fake_world(mode: PlanningFakeMode, count=None, read=None):
+    """Enter the fake mode, its finiteness answers (`count`: see FiniteValues) and its reads of constants
+    (`read`: see constants_read_at_once)."""
+    with mode, FiniteValues(mode, count), constants_read_at_once(mode, read):
         yield mode
 
 
