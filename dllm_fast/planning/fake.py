@@ -55,8 +55,12 @@ class Assumptions:
 class PlanningFakeMode(FakeTensorMode):
     """FakeTensorMode whose constants cover the step's small data (see the module docstring)."""
 
-    def __init__(self, assumptions: Assumptions = Assumptions(), *, constant_bytes: int = DEFAULT_CONSTANT_BYTES):
+    def __init__(self, assumptions: Assumptions = Assumptions(), *, constant_bytes: int = DEFAULT_CONSTANT_BYTES,
+                 shortcut_constants: bool = True):
+        """shortcut_constants: ops on constants alone skip FakeTensorMode's cache attempt (`_on_constants`);
+        False runs them through FakeTensorMode's own path (the same results, slower: for tests)."""
         super().__init__()
+        self.shortcut_constants = shortcut_constants
         self.assumptions = assumptions
         self.constant_bytes = constant_bytes
         self._assumed_outputs = _assumed_outputs()
@@ -73,7 +77,7 @@ class PlanningFakeMode(FakeTensorMode):
             return super().dispatch(func, types, args, kwargs)
         kwargs = kwargs or {}
         tensors = [a for a in flat_values((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if tensors:
+        if tensors and self.shortcut_constants:
             out = self._on_constants(func, tensors, args, kwargs)
             if out is not _NOT_CONSTANT:
                 return out

@@ -57,8 +57,12 @@ class Replayer:
     """Wraps modules' forwards to replay identical calls (see the module docstring). `state` returns whatever
     else decides what a call computes (e.g. whether LoRA adapters are enabled)."""
 
-    def __init__(self, accountant: Accountant, mode: PlanningFakeMode, state=lambda: None):
+    def __init__(self, accountant: Accountant, mode: PlanningFakeMode, state=lambda: None, *,
+                 link_all_parameters: bool = False):
+        """link_all_parameters: a replayed call takes every parameter its backward reaches into the graph, not
+        only those without a gradient (the same plan, slower: for tests)."""
         self.accountant, self.mode = accountant, mode
+        self.link_all_parameters = link_all_parameters
         self.state = state
         self.records: dict[tuple, CallRecord] = {}
         self.calls = {"run": 0, "replayed": 0}
@@ -257,7 +261,7 @@ class Replayer:
             # graph (hundreds of adapters' parameters per call with LoRA, an autograd input each), except one that
             # puts the call in the graph when nothing else does.
             reached = [named[name] for name in record.parameters]
-            params = [p for p in reached if p.grad is None] or reached[:1]
+            params = reached if self.link_all_parameters else [p for p in reached if p.grad is None] or reached[:1]
             if torch.is_grad_enabled() and (inputs or params):
                 return _ReplayedCall.apply(self, record, len(inputs), *inputs, *params)
             return torch.empty(record.output_shape, dtype=record.output_dtype)
@@ -310,8 +314,10 @@ class RecordedWork:
     which decide where the launch queue fills up (accounting.Accountant._bound_run_ahead), so that the replayed
     costs are the run's exactly."""
 
-    def __init__(self, accountant: Accountant):
+    def __init__(self, accountant: Accountant, *, enabled: bool = True):
+        """enabled=False runs the work every time (the same plan, slower: for tests)."""
         self.accountant = accountant
+        self.enabled = enabled
         self.records: dict[tuple, WorkRecord] = {}
 
     def run(self, key: tuple, work, effects) -> bool:
@@ -319,7 +325,7 @@ class RecordedWork:
         accountant = self.accountant
         key = (key, accountant.costs.open_launches)
         before = dict(accountant.memory)
-        record = self.records.get(key)
+        record = self.records.get(key) if self.enabled else None
         if record is None:
             mark = accountant.mark()
             try:

@@ -93,10 +93,13 @@ class Session:
     Enter it (`with session:`) to run phases; tensors made inside belong to it."""
 
     def __init__(self, config: TrainConfig, *, target: Target, weights_dtype: torch.dtype | None = None,
-                 engine: str = "streaming", assumptions: Assumptions | None = None, optimizer: bool = True):
+                 engine: str = "streaming", assumptions: Assumptions | None = None, optimizer: bool = True,
+                 fast: bool = True):
         """weights_dtype: every model's weights in this dtype (None: what train loads for the target's device,
         dllm_fast.train.precision). optimizer: allocate the AdamW state a training step holds (False for a
-        rollout on its own)."""
+        rollout on its own). fast=False plans the same step without the shortcuts that leave the plan as it is
+        (every optimizer step run, every op on constants through FakeTensorMode's own path, every parameter a
+        replayed call reaches linked into its graph): for tests that they change nothing."""
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is not one of {', '.join(ENGINES)}.")
         self.config, self.target, self.engine = config, target, engine
@@ -111,7 +114,8 @@ class Session:
             confidence = threshold / 2 if threshold is not None else Assumptions.confidence
             assumptions = Assumptions(confidence=confidence,
                                       avoid_ids=frozenset(i for i in special if i is not None))
-        self.mode = PlanningFakeMode(assumptions)
+        self.fast = fast
+        self.mode = PlanningFakeMode(assumptions, shortcut_constants=fast)
         self.accountant = Accountant(target)
         self.bf16 = self.precision.compute is not None
         self.generate_config = config.generate_config(target.device_type)  # the rollouts, as train runs them
@@ -137,8 +141,9 @@ class Session:
             for tensor in [*module.parameters(), *module.buffers()]:
                 self.accountant.track(tensor, "parameters")
         self.accountant.watch_gradients(self.trainable)
-        self.replayer = Replayer(self.accountant, self.mode, state=_adapter_state(self.policy))
-        self._recorded = RecordedWork(self.accountant)
+        self.replayer = Replayer(self.accountant, self.mode, state=_adapter_state(self.policy),
+                                 link_all_parameters=not self.fast)
+        self._recorded = RecordedWork(self.accountant, enabled=self.fast)
         for model in (self.base, self.reference):
             if model is not None:
                 self.replayer.install(model)
