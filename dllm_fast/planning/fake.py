@@ -22,8 +22,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
-                                          FakeTensorMode)
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._mode_utils import no_dispatch
 
@@ -58,8 +57,10 @@ class PlanningFakeMode(FakeTensorMode):
 
     def __init__(self, assumptions: Assumptions = Assumptions(), *, constant_bytes: int = DEFAULT_CONSTANT_BYTES,
                  shortcut_constants: bool = True):
-        """shortcut_constants: ops on constants alone skip FakeTensorMode's cache attempt (`_on_constants`);
-        False runs them through FakeTensorMode's own path (the same results, slower: for tests)."""
+        """shortcut_constants: an op on constants alone is computed without FakeTensorMode's cache attempt
+        (`_on_constants`), one on constants and model outputs with the constants' values left out, so that
+        FakeTensorMode's cache serves it (`_without_constants`); False runs both through FakeTensorMode's own
+        path (the same results, slower: for tests)."""
         super().__init__()
         self.shortcut_constants = shortcut_constants
         self.assumptions = assumptions
@@ -91,7 +92,7 @@ class PlanningFakeMode(FakeTensorMode):
             else:
                 try:
                     out = super().dispatch(func, types, *shadowed)
-                except (DataDependentOutputException, DynamicOutputShapeException):  # it needs their values
+                except Exception:  # it needs their values (or fails with them too, and raises below)
                     out = super().dispatch(func, types, args, kwargs)
         finally:
             self._depth -= 1
@@ -140,15 +141,17 @@ class PlanningFakeMode(FakeTensorMode):
         storage), for an op on constants and model outputs together that writes none of its inputs; None for
         other ops. Its output is no constant either way, and without constants FakeTensorMode's cache serves it
         (a constant input bypasses the cache: 0.6 ms an op instead of 0.1). An op that needs the values (a
-        boolean mask's count, repeat counts) raises on them, and is then run with the constants."""
+        boolean mask's count) raises without them (DynamicOutputShapeException), and is run with them."""
         if not self._writes_nothing(func):
             return None
         constant = [type(t) is FakeTensor and t.constant is not None and t.fake_mode is self for t in tensors]
         if all(constant) or not any(constant):
             return None
-        return _mapped(args, self._valueless), {name: _mapped(value, self._valueless) for name, value in kwargs.items()}
+        valueless = self._valueless
+        return _mapped(args, valueless), {name: _mapped(value, valueless) for name, value in kwargs.items()}
 
     def _valueless(self, t):
+        """A constant of this mode as a fake tensor without a value on the same fake storage; others as they are."""
         if type(t) is not FakeTensor or t.constant is None or t.fake_mode is not self:
             return t
         with no_dispatch():
