@@ -233,3 +233,20 @@ def test_replayed_calls_link_parameters_only_while_they_have_no_gradient():
                             s.updates(batch, n_t=8, batching=MicroBatching(4)).values() if p.runs]
             assert s.replayer.calls["replayed"] > 0
     assert phases[True] == phases[False]
+
+
+@pytest.mark.parametrize("suffix", ["", "_triton"])
+def test_the_heads_log_probs_are_the_assumed_values_on_either_backend(suffix):
+    """The Triton head's ops (backend="triton") give the step the assumed log-probs as the compiled ops do, so a
+    plan under DLLM_FAST_BACKEND=triton steers by the same data."""
+    import dllm_fast.ops  # noqa: F401 (the op faces define the Triton ops)
+
+    mode = PlanningFakeMode()
+    with mode:
+        hidden, weight = mode.from_tensor(torch.zeros(6, 8)), mode.from_tensor(torch.zeros(40, 8))  # no values
+        targets = torch.zeros(6, dtype=torch.long)
+        logp, _ = getattr(torch.ops.dllm_fast, f"masked_logprobs{suffix}")(hidden, weight, targets, 16)
+        walk_logp, _ = getattr(torch.ops.dllm_fast, f"masked_logprobs_grad{suffix}")(
+            hidden, weight, targets, torch.empty(6), None, None, 16)
+    for out in (logp, walk_logp):
+        assert is_constant(out) and bool((out.constant == mode.assumptions.logprob).all()), suffix

@@ -263,8 +263,12 @@ def _assumed_outputs() -> dict:
         return mode.filled(logp.shape, logp.dtype, mode.assumptions.logprob), grad_hidden
 
     ops = torch.ops.dllm_fast
-    return {ops.sample_tokens: sample_tokens, ops.masked_logprobs: masked_logprobs,
-            ops.masked_logprobs_grad: masked_logprobs_grad}
+    assumed = {ops.sample_tokens: sample_tokens, ops.masked_logprobs: masked_logprobs,
+               ops.masked_logprobs_grad: masked_logprobs_grad}
+    if hasattr(ops, "masked_logprobs_triton"):  # the Triton LM head's ops (backend="triton"), same outputs
+        assumed.update({ops.masked_logprobs_triton: masked_logprobs,
+                        ops.masked_logprobs_grad_triton: masked_logprobs_grad})
+    return assumed
 
 
 class FiniteValues(TorchFunctionMode):
