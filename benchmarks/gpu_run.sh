@@ -1,7 +1,8 @@
 #!/bin/bash
 # One command that measures dllm_fast on a machine with an NVIDIA GPU: build, the CUDA tests, the cross-device
-# checks, the fused head against naive PyTorch and the Triton peers (Cut Cross-Entropy, Liger), the Triton head's
-# kernel against torch.mm on the same shapes with its tile sweep, rollouts and the
+# checks, the fused head against naive PyTorch and the Triton peers (Cut Cross-Entropy, Liger), the official
+# samplers, losses and d1's step beside dllm_fast (bench_peers, from .gpu/peers/), the Triton head's kernel
+# against torch.mm on the same shapes with its tile sweep, rollouts and the
 # engine at LLaDA-8B shapes, the fused ops' GEMM efficiency, the below-precision share of d(logits). Steps run in
 # priority order, each under its own time cap, so that a short run still returns the first ones; the whole run
 # stays under its limit (default 520 s: give the command about 40 s more than that, under 9 minutes in all).
@@ -75,6 +76,16 @@ if want peers; then
 t peers
 # The compiled head (dllm_*) and the Triton one (triton*, issue 38) side by side; about 30 s of Triton compiling.
 timeout "$(cap 110)" python3 benchmarks/peers_logprob.py "$RES/peers_logprob.json" 2048 8192; pack
+# Issue 38 item 1: the official samplers (LLaDA, Fast-dLLM, SDAR), losses (d1, SPG, ESPO) and d1's step beside
+# dllm_fast at LLaDA-8B / SDAR-8B shapes, from the files of their checkouts in .gpu/peers/ (made on the CPU by
+# benchmarks/pack_peers.sh DIR); the head's peers are the line above. Rows are written after each kind.
+PEERS_DIR=${DLLM_FAST_PEERS:-$ROOT/.gpu/peers}
+if [ -d "$PEERS_DIR" ]; then
+  timeout "$(cap 240)" python3 benchmarks/bench_peers.py --peers "$PEERS_DIR" --preset 8b --device cuda \
+    --kinds rollout update step --results-dir "$RES" 2>&1 | grep -v -i "warn\|usdt" | tail -24; pack
+else
+  echo "no peers in $PEERS_DIR (bash benchmarks/pack_peers.sh DIR makes it): bench_peers skipped"
+fi
 fi
 
 if want triton; then

@@ -96,6 +96,12 @@ def test_the_planner_plans_a_lora_step_of_a_block_model():
     plan = plan_step(config, gpu=GPU("roomy", "test GPU", 1e12, 1e12, 1e12, 1e12, 10**12), prompt_length=6,
                      search=False)
     assert plan.fits and plan.peak > 0
+    # Issue 40 item 4: the rollout's forwards as the real run counts them (a 6-token prompt's first and last
+    # blocks are partial: 1 + 2 + 1), not the widest layout's full steps (6).
+    ids = torch.randint(0, 100, (4, 6))
+    real = dllm_fast.generate(SDARModel.with_random_weights(SDARConfig.preset("sdar-tiny")), ids, torch.ones_like(ids),
+                              config.generate_config("cpu"))
+    assert plan.nfe == real.nfe == 4
 
 
 def test_the_trl_wrapper_and_rollout_use_the_models_blocks():

@@ -50,7 +50,7 @@ def unknown_flags(script: Path = SCRIPT) -> list[str]:
 def test_every_benchmark_flag_the_gpu_run_passes_exists():
     scripts = {c[0] for c in script_commands()}
     assert {"benchmarks/gpu_smoke.py", "benchmarks/peers_logprob.py", "benchmarks/bench_rollout.py",
-            "benchmarks/bench_elbo.py", "benchmarks/bench_logprob.py"} <= scripts
+            "benchmarks/bench_elbo.py", "benchmarks/bench_logprob.py", "benchmarks/bench_peers.py"} <= scripts
     assert all((ROOT / script).is_file() for script in scripts)
     assert unknown_flags() == []
 

@@ -46,7 +46,7 @@ def test_config_from_file_and_command_line(tmp_path):
     assert TrainConfig.from_file(tmp_path / "run.json").run.steps == 3
     with pytest.raises(ValueError, match="unknown training option --learning-rate"):
         parse_overrides(["--learning-rate", "1"])
-    with pytest.raises(ValueError, match="--steps takes an integer, got 'many'"):
+    with pytest.raises(ValueError, match="--steps = 'many' must be an integer"):
         parse_overrides(["--steps", "many"])
     with pytest.raises(ValueError, match=r"unknown training option\(s\) \['stepz'\]"):
         TrainConfig.from_dict({"stepz": 1})

@@ -1,9 +1,11 @@
 """Diffusion LMs that satisfy dllm_fast's model contract (hidden-state forward + lm_head_weight + special ids)."""
 
 from dllm_fast.models.config import LLaDAConfig
+from dllm_fast.models.dream import DreamModel
+from dllm_fast.models.dream_config import DreamConfig
 from dllm_fast.models.hf_diffusion import HFDiffusionLM
 from dllm_fast.models.llada import LLaDAModel
 from dllm_fast.models.sdar import SDARModel
 from dllm_fast.models.sdar_config import SDARConfig
 
-__all__ = ["HFDiffusionLM", "LLaDAConfig", "LLaDAModel", "SDARConfig", "SDARModel"]
+__all__ = ["DreamConfig", "DreamModel", "HFDiffusionLM", "LLaDAConfig", "LLaDAModel", "SDARConfig", "SDARModel"]

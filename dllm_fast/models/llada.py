@@ -362,7 +362,8 @@ class LLaDAModel(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+        cls, path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+        *, allow_external_links: bool = False,
     ) -> "LLaDAModel":
         """Load an official LLaDA checkpoint directory (config.json + model*.safetensors, sharded or not).
 
@@ -372,11 +373,13 @@ class LLaDAModel(nn.Module):
         the checkpoint's shapes and dtype checked and no data read. config.json is validated field by field
         (name, type, range) before any weight is read. If a save was interrupted mid-swap (see save_pretrained),
         the old checkpoint is moved back into place first. The tokenizer loads separately with
-        `transformers.AutoTokenizer.from_pretrained(path)`; `save_pretrained` carries it over.
+        `transformers.AutoTokenizer.from_pretrained(path)`; `save_pretrained` carries it over. Nothing outside the
+        directory is read: its index names files in it, and a symbolic link out of it is followed only with
+        allow_external_links=True (a Hugging Face cache snapshot's links into its blobs/ are; models/checkpoint.py).
         """
         from dllm_fast.models.checkpoint import load_checkpoint
 
-        return load_checkpoint(cls, path, dtype=dtype, device=device)
+        return load_checkpoint(cls, path, dtype=dtype, device=device, allow_external_links=allow_external_links)
 
     def save_pretrained(
         self, path: str | os.PathLike, *, max_shard_size: int = 5 * 2**30, tokenizer=None

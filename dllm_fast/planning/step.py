@@ -36,7 +36,7 @@ from dllm_fast.models.merged_lora import merged_for_rollouts
 from dllm_fast.ops.backend import chunks_sized_for
 from dllm_fast.planning.accounting import CATEGORIES, Accountant, Costs, Target
 from dllm_fast.planning.fake import Assumptions, PlanningFakeMode, fake_module, fake_world
-from dllm_fast.planning.replay import Replayer
+from dllm_fast.planning.replay import RecordedWork, Replayer
 from dllm_fast.train import step as train_step
 from dllm_fast.train.config import TrainConfig, check_block_length, compiles_scoring, take_block_length
 from dllm_fast.train.sources import model_source
@@ -94,10 +94,13 @@ class Session:
     Enter it (`with session:`) to run phases; tensors made inside belong to it."""
 
     def __init__(self, config: TrainConfig, *, target: Target, weights_dtype: torch.dtype | None = None,
-                 engine: str = "streaming", assumptions: Assumptions | None = None, optimizer: bool = True):
+                 engine: str = "streaming", assumptions: Assumptions | None = None, optimizer: bool = True,
+                 fast: bool = True):
         """weights_dtype: every model's weights in this dtype (None: what train loads for the target's device,
         dllm_fast.train.precision). optimizer: allocate the AdamW state a training step holds (False for a
-        rollout on its own)."""
+        rollout on its own). fast=False plans the same step without the shortcuts that leave the plan as it is
+        (every optimizer step run, every op on constants through FakeTensorMode's own path, every parameter a
+        replayed call reaches linked into its graph): for tests that they change nothing."""
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is not one of {', '.join(ENGINES)}.")
         self.config, self.target, self.engine = config, target, engine
@@ -112,7 +115,8 @@ class Session:
             confidence = threshold / 2 if threshold is not None else Assumptions.confidence
             assumptions = Assumptions(confidence=confidence,
                                       avoid_ids=frozenset(i for i in special if i is not None))
-        self.mode = PlanningFakeMode(assumptions)
+        self.fast = fast
+        self.mode = PlanningFakeMode(assumptions, shortcut_constants=fast)
         self.accountant = Accountant(target)
         self.bf16 = self.precision.compute is not None
         self.generate_config = config.generate_config(target.device_type)  # the rollouts, as train runs them
@@ -128,23 +132,26 @@ class Session:
     def __enter__(self) -> "Session":
         stack = self._stack
         stack.enter_context(chunks_sized_for(self.target.device_type))
+        stack.enter_context(_one_thread())
         stack.enter_context(_library_caches_kept())
         stack.enter_context(_compiled_calls_planned(self.accountant))
-        stack.enter_context(fake_world(self.mode, self.accountant.count_kernels))
+        stack.enter_context(fake_world(self.mode, self.accountant.count_kernels, self.accountant.read_back))
         stack.enter_context(self.accountant)
         stack.callback(self.accountant.close)
         for module in self._models:
             for tensor in [*module.parameters(), *module.buffers()]:
                 self.accountant.track(tensor, "parameters")
         self.accountant.watch_gradients(self.trainable)
-        self.replayer = Replayer(self.accountant, self.mode, state=_adapter_state(self.policy))
+        self.replayer = Replayer(self.accountant, self.mode, state=_adapter_state(self.policy),
+                                 link_all_parameters=not self.fast)
+        self._recorded = RecordedWork(self.accountant, enabled=self.fast)
         self._replayed = set()
         for model in (self.base, self.reference):
             if model is not None:
                 self.replayer.install(model)
                 for block in model.shard_units():
                     self.replayer.install(block)
-        _allocate_kv_cache_as(self.base, self.accountant)
+        _allocate_kv_cache_as(self.base, self.accountant, self.mode)
         c = self.config
         self.optimizer = None
         if self.with_optimizer:
@@ -235,12 +242,28 @@ class Session:
                                        hooks=hooks)
         optimization = train_step.Optimization(self.trainable, self.optimizer, c.optim.grad_clip)
         backward = functools.partial(_all_graphs_backward, objective) if self.engine == "all_graphs" else None
-        for update in plan:  # the trainer's check of a finite gradient norm is a host sync; the plan assumes it passes
-            train_step.run_update(objective, self.policy, batch, update, batching=batching, optimization=optimization,
-                                  ref_model=self.reference, hooks=hooks, backward=backward)
+        for update in plan:  # train_step.run_update, its optimizer step replayed once recorded (optimizer_step)
+            output = train_step.inner_update(objective, self.policy, batch, update, batching=batching,
+                                             ref_model=self.reference, hooks=hooks, backward=backward)
+            self.optimizer_step(optimization, phases[train_step.OPTIMIZER_STEP])  # the output alive, as there
+            del output
         if phases["old-policy scoring"].calls_run + phases["old-policy scoring"].calls_replayed == 0:
             phases["old-policy scoring"].runs = 0  # mu = 1, or an objective without a ratio: nothing scored
         return phases
+
+    def optimizer_step(self, optimization: train_step.Optimization, plan: PhasePlan) -> None:
+        """train_step.optimizer_step as a phase, run once per kind and replayed after (replay.RecordedWork): its
+        work (clipping, AdamW, zeroing) is decided by the trainable parameters and their gradients (shapes, dtypes,
+        strides, the gradients' categories). The trainer's check of a finite gradient norm is a host sync; the plan
+        assumes it passes. A replay leaves what the step leaves: the gradients set to None."""
+        accountant = self.accountant
+        key = (id(optimization.optimizer), optimization.grad_clip, torch.is_grad_enabled(), tuple(
+            (tuple(p.shape), p.dtype) + (() if p.grad is None else (
+                tuple(p.grad.shape), p.grad.dtype, p.grad.stride(), accountant.category_of(p.grad)))
+            for p in optimization.trainable))
+        with self.phase(plan):  # the phase opened here: train_step.optimizer_step's own hook is not called
+            self._recorded.run(key, lambda: train_step.optimizer_step(optimization, hooks=train_step.NO_HOOKS),
+                               lambda: optimization.optimizer.zero_grad(set_to_none=True))
 
     def _hooks(self, phases: dict[str, PhasePlan]) -> train_step.StepHooks:
         """train/step.py's hooks for this session: each phase of the step accounted into its PhasePlan."""
@@ -318,12 +341,14 @@ def _adapter_state(policy):
     return lambda: bool(first.disable_adapters)
 
 
-def _allocate_kv_cache_as(base, accountant: Accountant) -> None:
-    """Count what the model's new_cache allocates as the KV cache."""
+def _allocate_kv_cache_as(base, accountant: Accountant, mode: PlanningFakeMode) -> None:
+    """Count what the model's new_cache allocates as the KV cache, and keep it fake: it holds model outputs, which
+    the plan never reads, and a real buffer of each layer's keys (under the constant limit, e.g. 89 MB a layer for
+    sdar-8b's 64 rollouts of 676 tokens) would be allocated and zeroed on the host for nothing."""
     original = base.new_cache
 
     def new_cache(*args, **kwargs):
-        with accountant.allocating_as("kv_cache"):
+        with accountant.allocating_as("kv_cache"), mode.fake_factories():
             return original(*args, **kwargs)
 
     base.new_cache = new_cache
@@ -359,6 +384,19 @@ def _compiled_calls_planned(accountant: Accountant):
         for module, compiled_step in zip(rollout_modules, kept[0]):
             module.compiled_step = compiled_step
         compiled_module.compiled = kept[1]
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Plan on one CPU thread: the real arithmetic of a plan is on the step's small data (masks, token ids), too
+    small for threads to help, and on a busy host a parallel region waits for every thread to be scheduled (a
+    [64, 438] mask gather took 6 ms on two threads of a loaded 2-core machine, 0.3 ms on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager
