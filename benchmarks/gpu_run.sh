@@ -24,7 +24,8 @@ WHEELS=${2:-${DLLM_FAST_PEER_WHEELS:-$ROOT/.gpu/whl}}
 S=$(date +%s); DEADLINE=$(( S + ${1:-520} ))
 t() { echo "=== [$(( $(date +%s) - S ))s] $*"; }
 # A step runs when GPU_RUN_STEPS is unset or names it (to rerun the steps a short run missed).
-STEPS=" tests smoke peers triton rollout profile train8b train8bmerged engine roofline dlogits attention lorarollout sdar8b "
+STEPS=" tests smoke peers triton rollout profile train8b train8bmerged engine roofline dlogits attention lorarollout "
+STEPS+="sdar8b "
 for step in ${GPU_RUN_STEPS:-}; do
   [[ $STEPS == *" $step "* ]] || { echo "GPU_RUN_STEPS: no step '$step'; the steps are:$STEPS"; exit 2; }
 done
