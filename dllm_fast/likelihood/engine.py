@@ -16,8 +16,8 @@ SPG, GDPO, coupled GRPO) skips pass 1 too. Its loss is a sum of per-sequence ter
 lp[n] alone: a micro-batch that holds every pair of its sequences scores them with a graph, takes their coef from
 the loss evaluated with their rows in place (the other sequences' rows hold any finite constant), and
 backpropagates (coef * lp).sum() at once. The gradient is the two-pass one, with one forward fewer per pair (about a
-third of a LoRA update's work). Micro-batches then hold whole sequences (at most micro_batch pairs); when one
-sequence has more active pairs than that, or under `MicroBatching(one_pass=False)`, the two passes run.
+third of a LoRA update's work). Micro-batches then hold whole sequences (at most micro_batch pairs); when n_t exceeds micro_batch, or
+under `MicroBatching(one_pass=False)`, the two passes run.
 
 Memory is flat in n_t with the gradients included: across micro-batches, gradients accumulate in place into
 `.grad`. The LM head's and the embeddings' [V, d] gradients are added straight into their `.grad` (the fused op
@@ -124,8 +124,8 @@ def streaming_backward(
             - `Separable(terms)`: a sum of per-pair terms (to look up advantages, old lp, weights by pair), on the
               one-pass path described above, which has no pass 1 (score_micro_batch does not apply). Pairs with
               nothing masked are passed with all-zero rows and no model call.
-            - `SequenceLocal(loss, fill, inert)`: a sum of per-sequence terms, in one pass when micro-batches can
-              hold whole sequences (each then holds at most micro_batch pairs; score_micro_batch applies to the
+            - `SequenceLocal(loss, fill, inert)`: a sum of per-sequence terms, in one pass when n_t <= micro_batch
+              (micro-batches of whole sequences, at most micro_batch pairs each; score_micro_batch applies to the
               inert sequences only), else in two. Its gradient equals the two-pass one.
         micro_batch: (sequence, sample) pairs per recomputed graph, or a `MicroBatching` that also sets pass 1's
             model calls (score_micro_batch; it must equal micro_batch under active dropout), the vocabulary
@@ -190,12 +190,12 @@ def streaming_backward(
             if separable:
                 return _separable(model, sequences, masks, objective.terms, batching, attention_mask,
                                   backward_pass)
-            if local is not None and lp is None and batching.one_pass:
+            # One pass when a micro-batch can hold a whole sequence's samples: decided by the shapes alone, so that
+            # every data-parallel rank takes the same path (and makes the same collectives)
+            if local is not None and lp is None and batching.one_pass and masks.n_t <= batching.micro_batch:
                 needed = None if local.inert is None else ~local.inert.to(device=sequences.device, dtype=torch.bool)
                 batches = sequence_batches(masks, batching.micro_batch, among=needed)
-                if batches is not None:  # every sequence's pairs fit in one micro-batch
-                    return _one_pass(model, sequences, masks, local, batches, batching, attention_mask,
-                                     backward_pass)
+                return _one_pass(model, sequences, masks, local, batches, batching, attention_mask, backward_pass)
             return _two_pass(model, sequences, masks, objective, batching, attention_mask, lp, backward_pass)
 
     return BackwardResult(*all_or_nothing(model, run))
@@ -382,13 +382,14 @@ def _one_pass(model, sequences: torch.Tensor, masks: MonteCarloMasks, objective:
             if not padding:
                 lp[pairs] = rows
     with torch.no_grad():
-        for batch in idle:
-            lp[batch.pairs] = score_batch_of_pairs(model, sequences, masks, batch, batching,
-                                                   capacity=batching.scoring, attention_mask=attention_mask)
-        if backward_pass.distributed:  # every rank makes the same number of model calls
-            for _ in range(backward_pass.aligned(len(idle), device) - len(idle)):
-                score_batch_of_pairs(model, sequences, masks, (idle or batches)[-1], batching,
-                                     capacity=batching.scoring, attention_mask=attention_mask)
+        # every rank makes the same number of model calls (agreed before the first: FSDP2's forwards gather)
+        calls = backward_pass.aligned(len(idle), device) if objective.inert is not None else 0
+        for index in range(calls):
+            batch = idle[index] if index < len(idle) else (idle or batches)[-1]
+            rows = score_batch_of_pairs(model, sequences, masks, batch, batching, capacity=batching.scoring,
+                                        attention_mask=attention_mask)
+            if index < len(idle):
+                lp[batch.pairs] = rows
         lp = lp.view(N, n_t, L)
         value = _scalar(objective.loss(lp), "objective(lp)").detach()
     _check_finite_value(value, "objective(lp)")

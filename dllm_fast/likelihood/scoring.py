@@ -115,11 +115,12 @@ def pair_batches(masks: MonteCarloMasks, micro_batch: int, among: torch.Tensor |
     return batches
 
 
-def sequence_batches(masks: MonteCarloMasks, micro_batch: int,
-                     among: torch.Tensor | None = None) -> list[PairBatch] | None:
+def sequence_batches(masks: MonteCarloMasks, micro_batch: int, among: torch.Tensor | None = None) -> list[PairBatch]:
     """The pairs that score at least one position, of the sequences `among` ([N] bool; None: every sequence), in
     order, cut into micro-batches of whole sequences: each holds every such pair of its sequences, at most
-    `micro_batch` pairs in all. None when one sequence alone has more of them than `micro_batch`. One host read."""
+    `micro_batch` pairs in all (micro_batch >= n_t). One host read."""
+    if micro_batch < masks.n_t:
+        raise ValueError(f"micro_batch={micro_batch} cannot hold a sequence's n_t={masks.n_t} samples.")
     n_t, L = masks.n_t, masks.completion_length
     counts = masks.scored.reshape(-1, L).sum(-1)
     if among is not None:
@@ -129,8 +130,6 @@ def sequence_batches(masks: MonteCarloMasks, micro_batch: int,
     groups: list[list[int]] = [[]]
     for sequence in range(masks.num_sequences):
         active = [pair for pair in range(sequence * n_t, (sequence + 1) * n_t) if counts[pair]]
-        if len(active) > micro_batch:
-            return None
         if len(groups[-1]) + len(active) > micro_batch:
             groups.append([])
         groups[-1] += active
