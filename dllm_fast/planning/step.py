@@ -296,15 +296,30 @@ def fixed_n_t(config: TrainConfig) -> bool:
     return objectives.get(config.objective.name, **config.objective.options).config.sampler == "trajectory"
 
 
+def one_pass(config: TrainConfig, micro_batch: int, n_t: int, *, allowed: bool = True) -> bool:
+    """Whether the engine differentiates the objective at n_t in one pass (`streaming_backward`: a loss that
+    couples pairs only within a sequence, when a micro-batch holds a sequence's n_t samples; `allowed` is
+    MicroBatching.one_pass). Its cost is not on the two-pass line, so neither side extrapolates to the other."""
+    objective = objectives.get(config.objective.name, **config.objective.options)
+    return allowed and objective.sequence_local and n_t <= micro_batch
+
+
 def probe_n_t(config: TrainConfig, rollouts: int, micro_batch: int) -> tuple[int, int]:
     """Two small n_t to plan the updates at, from which larger ones are extrapolated (fit.py): the smallest at
     which every kind of micro-batch runs (at least two micro-batches of pairs), and the first valid one from four
-    times it. An objective with a fixed n_t is planned at it, twice the same."""
+    times it. An objective with a fixed n_t is planned at it, twice the same. The probes are planned with two
+    passes (`two_pass_line`), the line every n_t above the micro-batch is on."""
     if fixed_n_t(config):
         n_t = objectives.get(config.objective.name, **config.objective.options).config.n_t
         return n_t, n_t
     low = valid_n_t(config, -(-2 * micro_batch // max(rollouts, 1)))
     return low, valid_n_t(config, 4 * low)
+
+
+def two_pass_line(batching: MicroBatching) -> MicroBatching:
+    """`batching` with the engine's one pass off: the probes' setting, so that every n_t planned for an
+    extrapolation takes the two passes a large n_t takes (one pass is for n_t <= micro-batch, planned directly)."""
+    return replace(batching, one_pass=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
