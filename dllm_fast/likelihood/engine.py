@@ -304,7 +304,7 @@ def _two_pass(model, sequences: torch.Tensor, masks: MonteCarloMasks, objective,
             f"(objective value {value.item()}); check the objective for overflow (e.g. exp of a large ELBO "
             "difference) before stepping."
         )
-    coef_rows = coef.view(-1, L)
+    coef_rows = coef.reshape(-1, L)
     needed = coef_rows.ne(0).any(-1)  # pairs whose gradient weight is zero are skipped
     # pass 2: (pairs, RNG state to replay, gradient weight); zero-weighted entries only keep ranks in step
     if replay:  # the same micro-batches as pass 1, each under the RNG state it was scored with
