@@ -5,11 +5,15 @@ whole canvas every step, side by side.
                                                               #      28 layers, fp32, batch 2, prompt 32, gen 32
     python benchmarks/bench_block_rollout.py --layers 28 --device cuda --dtype bfloat16 --batch 1 8 \\
         --prompt 200 --gen 256                               # GPU: the whole sdar-1.7b
+    python benchmarks/bench_block_rollout.py --preset sdar-8b --layers 36 --device cuda --dtype bfloat16 \\
+        --batch 8 --prompt 200 --gen 256 --providers "dllm_fast block" "compiled block"   # SDAR-8B, eager and compiled
 
 Providers (all dllm_fast.generate on one random model, the same seed): cache="none" (every step recomputes the
 whole canvas with the block-causal mask: no reuse), cache="block" (the prompt's whole blocks prefilled once, each
 step feeds its block against the cached keys and values of the earlier ones; a finished block is stored by the
-next block's first step), and cache="block" with SDAR's dynamic rule (threshold 0.9 with the steps). Blocks of 4
+next block's first step), cache="block" with SDAR's dynamic rule (threshold 0.9 with the steps), and
+cache="block" compiled (generate(compile=True): each denoising step one torch.compile graph, a CUDA graph on a
+GPU; its warm-up call compiles, and the timed call after it does not). Blocks of 4
 and a step per token by default (the official generate's defaults: block_length 4, denoising_steps 4). Each
 provider runs in a fresh process (its peak resident memory above the post-warm-up baseline is its own); tokens/s
 counts B * gen generated tokens per second of generate(); greedy, so each provider's agreement with cache="none"
@@ -36,6 +40,7 @@ GENERATE_OPTIONS = {
     "dllm_fast none": dict(cache="none"),
     "dllm_fast block": dict(cache="block"),
     "dllm_fast block dynamic t0.9": dict(cache="block", threshold=0.9),
+    "compiled block": dict(cache="block", compile=True),
 }
 
 
@@ -55,7 +60,8 @@ def setup_rollout(options: dict, point: dict) -> Rollout:
     model = SDARModel.with_random_weights(config, dtype=getattr(torch, point["dtype"]), device=device,
                                           seed=point["seed"]).eval()
     generator = torch.Generator(device).manual_seed(point["seed"] + 1)
-    prompts = torch.randint(0, 151643, (point["batch"], point["prompt"]), device=device, generator=generator)
+    vocabulary = min(151643, model.mask_token_id)  # ordinary tokens (the tiny preset's mask id ends its table)
+    prompts = torch.randint(0, vocabulary, (point["batch"], point["prompt"]), device=device, generator=generator)
     kwargs = dict(gen_length=point["gen"], block_length=point["block"], steps=point["steps"], **options)
     return Rollout(model, prompts, kwargs)
 
@@ -100,16 +106,18 @@ def main():
     points = [dict(base, batch=batch) for batch in args.batch]
     rows = run_sweep(points, [PROVIDERS[name] for name in args.providers], measure, row_keys=("batch",))
     add_ratio(rows, "speedup_vs_none", "tokens_per_s", baseline={"provider": "dllm_fast none"}, match=("batch",))
-    for row in rows:
-        reference = next((r for r in rows if r["provider"] == "dllm_fast none" and r["batch"] == row["batch"]
-                          and r["status"] == "ok"), None)
-        if row["status"] == "ok" and reference is not None:
-            same = torch.tensor(row["completion"]) == torch.tensor(reference["completion"])
-            row["agree_with_none"] = same.double().mean().item()
+    add_ratio(rows, "speedup_vs_eager", "tokens_per_s", baseline={"provider": "dllm_fast block"}, match=("batch",))
+    for column, baseline in (("agree_with_none", "dllm_fast none"), ("agree_with_eager", "dllm_fast block")):
+        for row in rows:
+            reference = next((r for r in rows if r["provider"] == baseline and r["batch"] == row["batch"]
+                              and r["status"] == "ok"), None)
+            if row["status"] == "ok" and reference is not None:
+                same = torch.tensor(row["completion"]) == torch.tensor(reference["completion"])
+                row[column] = same.double().mean().item()
     for row in rows:
         row.pop("completion", None)
     print_table(rows, ["batch", "provider", "status", "seconds", "nfe", "tokens_per_s", "peak_mb", "speedup_vs_none",
-                       "agree_with_none"])
+                       "speedup_vs_eager", "agree_with_none", "agree_with_eager"])
     path = write_results(f"block_rollout_{args.device}", dict(base, batches=args.batch), rows, args.results_dir)
     print(f"wrote {path}")
 

@@ -95,6 +95,8 @@ def setup_rollout(options: dict, point: dict) -> Rollout:
     device = torch.device(point["device"])
     model = LLaDAModel.with_random_weights(LLaDAConfig.preset(point["preset"]), device=device,
                                            dtype=getattr(torch, point["dtype"]), seed=point["seed"]).eval()
+    if point.get("lora_rank"):
+        model = with_lora(model, point["lora_rank"], point["seed"])
     generator = torch.Generator(device).manual_seed(point["seed"] + 1)
     prompts = torch.randint(0, model.config.mask_token_id, (point["batch"], point["prompt"]), device=device,
                             generator=generator)
@@ -112,9 +114,32 @@ def setup_rollout(options: dict, point: dict) -> Rollout:
     return Rollout(model, prompts, generate, kwargs, warm_up_kwargs)
 
 
+def with_lora(model, rank: int, seed: int):
+    """The model as train's LoRA runs roll out with it: PEFT adapters of rank `rank` on every block projection
+    (alpha 32, train's default), fp32 master weights on the frozen base, B drawn at the scale of A so the
+    deltas are not zero (PEFT starts B at 0, which would hide nothing of their cost but their values)."""
+    import peft
+
+    from dllm_fast.models.llada import LORA_TARGETS
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=32, target_modules=model.lora_target_pattern(LORA_TARGETS))
+    model = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.data = parameter.data.float()
+                if "lora_B" in name:
+                    parameter.normal_(0.0, 1.0 / parameter.shape[1] ** 0.5)
+    return model.eval()
+
+
 def _generate(rollout: Rollout, kwargs: dict):
     generator = torch.Generator(rollout.prompts.device).manual_seed(0)
-    return rollout.generate(rollout.model, rollout.prompts, generator=generator, **kwargs)
+    # train rolls a LoRA policy on a bf16 base out under bf16 autocast (fp32 adapters)
+    autocast = hasattr(rollout.model, "peft_config") and rollout.model.lm_head_weight.dtype == torch.bfloat16
+    with torch.autocast(rollout.prompts.device.type, dtype=torch.bfloat16, enabled=autocast):
+        return rollout.generate(rollout.model, rollout.prompts, generator=generator, **kwargs)
 
 
 @dataclasses.dataclass
@@ -414,13 +439,17 @@ def main():
                         help="time the eager dllm_fast providers here and with dllm_fast from checkout TREE (built "
                              "in place), in fresh processes taking turns")
     parser.add_argument("--rounds", type=int, default=3, help="with --before: turns per tree (default 3)")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="roll out a LoRA policy as train does: PEFT adapters of this rank on every block "
+                             "projection, fp32 on the bf16 base, under bf16 autocast (default 0: none)")
     add_results_dir_argument(parser)
     args = parser.parse_args()
     if args.device == "cuda":
         base, batches = GPU_POINT, args.batch or [1, 8]
     else:
         base, batches = CPU_POINT, args.batch or [4]
-    points = [dict(base, device=args.device, batch=batch, temperature=args.temperature, seed=0) for batch in batches]
+    points = [dict(base, device=args.device, batch=batch, temperature=args.temperature, seed=0,
+                   lora_rank=args.lora_rank) for batch in batches]
     if args.count_kernels:
         rows = count_kernels(dict(GPU_POINT, device=args.device))
         print_table(rows, ["cache", "layers", "kernels_per_step", "kernels_per_layer", "outside_layers"])
@@ -452,7 +481,8 @@ def main():
     print_table(rows, ["batch", "provider", "status", "seconds", "nfe", "tokens_per_s", "peak_mb",
                        "speedup_vs_reference", "speedup_vs_eager", "agree_with_eager", "compile_s", "kernels_per_step",
                        "agree_with_none", "roofline_s", "vs_roofline"])
-    config = dict(base, batches=batches, temperature=args.temperature, providers=args.providers)
+    config = dict(base, batches=batches, temperature=args.temperature, providers=args.providers,
+                  lora_rank=args.lora_rank)
     print(f"wrote {write_results(f'rollout_{args.device}', config, rows, args.results_dir)}")
 
 

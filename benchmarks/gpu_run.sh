@@ -1,6 +1,8 @@
 #!/bin/bash
 # One command that measures dllm_fast on a machine with an NVIDIA GPU: build, the CUDA tests, the cross-device
-# checks, the fused head against naive PyTorch and the Triton peers (Cut Cross-Entropy, Liger), rollouts and the
+# checks, the fused head against naive PyTorch and the Triton peers (Cut Cross-Entropy, Liger), the official
+# samplers, losses and d1's step beside dllm_fast (bench_peers, from .gpu/peers/), the Triton head's kernel
+# against torch.mm on the same shapes with its tile sweep, rollouts and the
 # engine at LLaDA-8B shapes, the fused ops' GEMM efficiency, the below-precision share of d(logits). Steps run in
 # priority order, each under its own time cap, so that a short run still returns the first ones; the whole run
 # stays under its limit (default 520 s: give the command about 40 s more than that, under 9 minutes in all).
@@ -22,7 +24,8 @@ WHEELS=${2:-${DLLM_FAST_PEER_WHEELS:-$ROOT/.gpu/whl}}
 S=$(date +%s); DEADLINE=$(( S + ${1:-520} ))
 t() { echo "=== [$(( $(date +%s) - S ))s] $*"; }
 # A step runs when GPU_RUN_STEPS is unset or names it (to rerun the steps a short run missed).
-STEPS=" tests smoke peers rollout profile train8b engine roofline dlogits "
+STEPS=" tests smoke peers triton rollout profile train8b train8bmerged engine roofline dlogits attention lorarollout "
+STEPS+="sdar8b "
 for step in ${GPU_RUN_STEPS:-}; do
   [[ $STEPS == *" $step "* ]] || { echo "GPU_RUN_STEPS: no step '$step'; the steps are:$STEPS"; exit 2; }
 done
@@ -72,7 +75,28 @@ fi
 
 if want peers; then
 t peers
-timeout "$(cap 80)" python3 benchmarks/peers_logprob.py "$RES/peers_logprob.json" 2048 8192; pack
+# The compiled head (dllm_*) and the Triton one (triton*, issue 38) side by side; about 30 s of Triton compiling.
+timeout "$(cap 110)" python3 benchmarks/peers_logprob.py "$RES/peers_logprob.json" 2048 8192; pack
+# Issue 38 item 1: the official samplers (LLaDA, Fast-dLLM, SDAR), losses (d1, SPG, ESPO) and d1's step beside
+# dllm_fast at LLaDA-8B / SDAR-8B shapes, from the files of their checkouts in .gpu/peers/ (made on the CPU by
+# benchmarks/pack_peers.sh DIR); the head's peers are the line above. Rows are written after each kind.
+PEERS_DIR=${DLLM_FAST_PEERS:-$ROOT/.gpu/peers}
+if [ -d "$PEERS_DIR" ]; then
+  timeout "$(cap 240)" python3 benchmarks/bench_peers.py --peers "$PEERS_DIR" --preset 8b --device cuda \
+    --kinds rollout update step --results-dir "$RES" 2>&1 | grep -v -i "warn\|usdt" | tail -24; pack
+else
+  echo "no peers in $PEERS_DIR (bash benchmarks/pack_peers.sh DIR makes it): bench_peers skipped"
+fi
+fi
+
+if want triton; then
+t triton
+# Issue 38 item 2: the Triton kernel (logits GEMM with the softmax in its epilogue) against torch.mm on the same
+# chunk shapes (vs_mm_same: the issue's 90%), for every sm_90 tile configuration (--triton-sweep: pick the
+# default from it), and the Triton walk, frozen walk, forward and backward beside the compiled ones and mm3 (the
+# three GEMMs' floor), at M = 8192 and the chunks both paths default to.
+timeout "$(cap 150)" python3 benchmarks/bench_logprob.py --device cuda --roofline --triton-sweep --m 8192 \
+  --chunks 16384 --repeats 5 --results-dir "$RES" 2>&1 | tail -34; pack
 fi
 
 if want rollout; then
@@ -91,6 +115,11 @@ done
 pack
 fi
 
+# The 8B LoRA step's settings (GPU run 3's), shared by the train8b steps and their plans.
+STEP_FLAGS=(--model llada-8b --tokenizer "$RES/llada_vocab" --lora true --lora-rank 128 --task synthetic
+  --task-options '{"prompt_length": 200}' --prompts-per-step 4 --group-size 8 --gen-length 256 --block-length 32
+  --diffusion-steps 128 --cache dual --temperature 1.0 --micro-batch 31)
+
 if want train8b; then
 t train8b
 # Issue 29 item 5: whole LLaDA-8B LoRA training steps (random weights; LLaDA-8B's 126,464-row output layer through
@@ -98,13 +127,24 @@ t train8b
 # holds rollout tokens/s, update pairs/s, compile_seconds and each phase's peak memory; the plan beside it. Step 1
 # compiles the LoRA model's denoising step (the 2026-11-26 run's 150 s cap ended inside it), step 2 is the steady one.
 python3 -m dllm_fast.assets.char_tokenizer --vocab-size 126464 --out "$RES/llada_vocab" >/dev/null
-STEP_FLAGS=(--model llada-8b --tokenizer "$RES/llada_vocab" --lora true --lora-rank 128 --task synthetic
-  --task-options '{"prompt_length": 200}' --prompts-per-step 4 --group-size 8 --gen-length 256 --block-length 32
-  --diffusion-steps 128 --cache dual --temperature 1.0 --micro-batch 31)
 timeout "$(cap 60)" python3 -m dllm_fast plan "${STEP_FLAGS[@]}" --gpu h200 --search false > "$RES/train8b_plan.txt" 2>&1
 timeout "$(cap 280)" python3 -m dllm_fast train "${STEP_FLAGS[@]}" --steps 2 --eval-every 1000 --eval-examples 8 \
   --eval-gen-lengths 32 --checkpoint-every 1000 --plot false --output-dir "$RES/train8b" --overwrite true 2>&1 | tail -6
 rm -rf "$RES/llada_vocab" "$RES/train8b"/checkpoint* 2>/dev/null
+pack
+fi
+
+if want train8bmerged; then
+t train8bmerged
+# Issue 38 item 4: the same step rolling out through merged adapters (--lora-merge-rollouts true: one GEMM a
+# projection, a 14 GB copy of the adapted weights), its plan beside it; compare with train8b's metrics.jsonl.
+python3 -m dllm_fast.assets.char_tokenizer --vocab-size 126464 --out "$RES/llada_vocab" >/dev/null
+timeout "$(cap 60)" python3 -m dllm_fast plan "${STEP_FLAGS[@]}" --lora-merge-rollouts true --gpu h200 --search false \
+  > "$RES/train8bmerged_plan.txt" 2>&1
+timeout "$(cap 280)" python3 -m dllm_fast train "${STEP_FLAGS[@]}" --lora-merge-rollouts true --steps 2 \
+  --eval-every 1000 --eval-examples 8 --eval-gen-lengths 32 --checkpoint-every 1000 --plot false \
+  --output-dir "$RES/train8bmerged" --overwrite true 2>&1 | tail -6
+rm -rf "$RES/llada_vocab" "$RES/train8bmerged"/checkpoint* 2>/dev/null
 pack
 fi
 
@@ -135,6 +175,37 @@ if [ -f "$DLOGITS_CACHE/ids.pt" ]; then
 else
   echo "no corpus in $DLOGITS_CACHE (python benchmarks/measure_dlogits_blocks.py --model small --train-steps 0 makes it)"
 fi
+fi
+
+if want attention; then
+t attention
+# Issue 38 item 3: a dual-cache step's attention call (batch 8, 32 heads, 32 queries against 456 cached keys, D
+# 128, bf16; 0.97 ms of the compiled step's 13.3 busy ms in run 4) by SDPA backend, on the cache's strided views
+# and on contiguous copies, and flash split in two along the keys (twice the thread blocks): which to pick.
+timeout "$(cap 60)" python3 benchmarks/bench_attention.py --device cuda --batch 8 32 --results-dir "$RES" 2>&1 \
+  | grep -v -i warn | tail -24; pack
+fi
+
+if want lorarollout; then
+t lorarollout
+# Issue 38 item 4: what LoRA's adapters cost a compiled dual rollout at the 8B step's batch of 32 (r128 on every
+# projection, fp32 on the bf16 base, bf16 autocast, as train rolls out): against the same rollout without them,
+# which is what rolling out with merged adapters would cost. Two fresh processes, each compiling (about 100 s).
+for rank in 0 128; do
+  timeout "$(cap 200)" python3 benchmarks/bench_rollout.py --device cuda --batch 32 --providers "compiled dual" \
+    --lora-rank $rank --results-dir "$RES/lora$rank" 2>&1 | grep -v -i warn | tail -3
+done
+pack
+fi
+
+if want sdar8b; then
+t sdar8b
+# Issue 38 item 3: SDAR-8B-shaped block rollouts (random bf16 weights, all 36 layers; batch 8, prompt 200, gen 256,
+# blocks of 4, 4 steps a block: the official generate's defaults), eager and compiled (one CUDA graph a step). The
+# official block_diffusion_generate at the same shapes is bench_peers.py's SDAR provider (the peers step).
+timeout "$(cap 240)" python3 benchmarks/bench_block_rollout.py --device cuda --dtype bfloat16 --preset sdar-8b \
+  --layers 36 --batch 8 --prompt 200 --gen 256 --block 4 --steps-per-block 4 \
+  --providers "dllm_fast block" "compiled block" --results-dir "$RES" 2>&1 | grep -v -i warn | tail -4; pack
 fi
 
 t done

@@ -3,10 +3,15 @@ gradient, bf16, d = 4096, V = 126464, on one GPU, against the Triton peers. Prov
 timed in turns (median of 5), with peak memory and the error against an fp32 oracle on 512 rows:
 
   naive          log_softmax((h @ W.T).float()).gather  (the [M, V] logits live through backward)
-  dllm_fast      dllm_fast.masked_logprobs (forward, then backward recomputing chunks)
-  dllm_grad      dllm_fast.ops.masked_logprobs_grad (upstream gradient known first): its logsumexp pass, then one
-                 walk of 3 GEMMs per chunk
+  dllm_fast      dllm_fast.masked_logprobs(backend="compiled"): the C++/CUDA kernels (forward, then backward
+                 recomputing chunks)
+  dllm_grad      dllm_fast.ops.masked_logprobs_grad (upstream gradient known first), compiled: its logsumexp pass,
+                 then one walk of 3 GEMMs per chunk
   dllm_grad_lse  the same with the rows' logsumexp known, as the engine's pass 2 calls it (3 GEMMs per chunk)
+  dllm_grad_lse_frozen  the same without the weight's gradient (a frozen head, LoRA: 2 GEMMs per chunk)
+  triton, triton_grad, triton_grad_lse, triton_grad_lse_frozen   the four above on backend="triton" (issue 38:
+                 the logits GEMM in a Triton kernel with the softmax in its epilogue, cuBLAS for the gradient
+                 GEMMs; what auto takes on CUDA for bf16), when triton compiles for the GPU
   cce            cut_cross_entropy.linear_cross_entropy(reduction="none", impl="cce")  (Apple, Triton)
   cce_exact      the same, impl="cce_kahan_full_c_full_e" (no gradient skipping)
   liger          liger_kernel fused linear cross entropy (reduction="none")             (LinkedIn, Triton)
@@ -51,8 +56,9 @@ def peak(base):
 
 def providers():
     import dllm_fast
-    from dllm_fast.ops import masked_logprobs_grad
+    from dllm_fast.ops import masked_logprobs_grad, triton_head
     p = {}
+    backends = ["compiled"] + (["triton"] if triton_head.compiles_for(dev) else [])
 
     def naive(h, W, t, g):
         h = h.detach().requires_grad_(); W = W.detach().requires_grad_()
@@ -61,24 +67,32 @@ def providers():
         return lp.detach(), h.grad, W.grad
     p["naive"] = naive
 
-    def fused(h, W, t, g):
-        h = h.detach().requires_grad_(); W = W.detach().requires_grad_()
-        lp = dllm_fast.masked_logprobs(h, W, t)
-        lp.backward(g)
-        return lp.detach(), h.grad, W.grad
-    p["dllm_fast"] = fused
+    for backend in backends:
+        name = {"compiled": "dllm", "triton": "triton"}[backend]
 
-    def known(h, W, t, g):
-        gw = torch.zeros_like(W)
-        lp, gh = masked_logprobs_grad(h, W, t, g, grad_weight=gw)
-        return lp, gh, gw
-    p["dllm_grad"] = known
+        def fused(h, W, t, g, backend=backend):
+            h = h.detach().requires_grad_(); W = W.detach().requires_grad_()
+            lp = dllm_fast.masked_logprobs(h, W, t, backend=backend)
+            lp.backward(g)
+            return lp.detach(), h.grad, W.grad
+        p["dllm_fast" if backend == "compiled" else "triton"] = fused
 
-    def known_lse(h, W, t, g):
-        gw = torch.zeros_like(W)
-        lp, gh = masked_logprobs_grad(h, W, t, g, lse=KNOWN["lse"], grad_weight=gw)
-        return lp, gh, gw
-    p["dllm_grad_lse"] = known_lse
+        def known(h, W, t, g, backend=backend):
+            gw = torch.zeros_like(W)
+            lp, gh = masked_logprobs_grad(h, W, t, g, grad_weight=gw, backend=backend)
+            return lp, gh, gw
+        p[f"{name}_grad"] = known
+
+        def known_lse(h, W, t, g, backend=backend):
+            gw = torch.zeros_like(W)
+            lp, gh = masked_logprobs_grad(h, W, t, g, lse=KNOWN["lse"], grad_weight=gw, backend=backend)
+            return lp, gh, gw
+        p[f"{name}_grad_lse"] = known_lse
+
+        def known_lse_frozen(h, W, t, g, backend=backend):
+            lp, gh = masked_logprobs_grad(h, W, t, g, lse=KNOWN["lse"], backend=backend)
+            return lp, gh, None
+        p[f"{name}_grad_lse_frozen"] = known_lse_frozen
     try:
         from cut_cross_entropy import linear_cross_entropy
 

@@ -35,7 +35,7 @@ from dllm_fast.planning.accounting import Target  # noqa: E402
 from dllm_fast.planning.fit import extrapolate  # noqa: E402
 from dllm_fast.planning.gpus import GPUS  # noqa: E402
 from dllm_fast.planning.search import MAX_N_T, _solve  # noqa: E402
-from dllm_fast.planning.step import UPDATE_PHASES, Session, probe_n_t  # noqa: E402
+from dllm_fast.planning.step import UPDATE_PHASES, Session, one_pass, probe_n_t, two_pass_line  # noqa: E402
 from dllm_fast.train.config import TrainConfig  # noqa: E402
 
 N_T = (1, 16, 64, 256)
@@ -54,11 +54,15 @@ def step_rows(gpu, setups) -> list[dict]:
             with session:
                 rollout = session.rollout(prompts=1, group_size=config.run.group_size, prompt_length=PROMPT)
                 probes = probe_n_t(config, rollout.batch.num_rollouts, batching.micro_batch)
-                fresh = session.updates(rollout.batch, n_t=probes[0], batching=batching)
-                low, high = (session.updates(rollout.batch, n_t=x, batching=batching) for x in probes)
+                line = two_pass_line(batching)  # the probes take two passes, as every n_t above the micro-batch
+                fresh = session.updates(rollout.batch, n_t=probes[0], batching=line)
+                low, high = (session.updates(rollout.batch, n_t=x, batching=line) for x in probes)
+                direct = {n_t: session.updates(rollout.batch, n_t=n_t, batching=batching) for n_t in N_T
+                          if one_pass(config, batching.micro_batch, n_t, allowed=batching.one_pass)}
             lines = {"rollout": ((1, rollout.phase.peak), (2, rollout.phase.peak))}
             for n_t in N_T:
-                phases = {name: extrapolate(low[name], high[name], *probes, n_t, fresh[name]) for name in UPDATE_PHASES}
+                phases = dict(direct[n_t]) if n_t in direct else {
+                    name: extrapolate(low[name], high[name], *probes, n_t, fresh[name]) for name in UPDATE_PHASES}
                 phases["rollout"] = rollout.phase
                 peak = max(p.peak for p in phases.values() if p.runs)
                 worst = max((p for p in phases.values() if p.runs), key=lambda p: p.peak).name

@@ -33,6 +33,6 @@ tail -2 "$WORK/1. python -m dllm_fast train.log"
 phase "2. pip install torch ... (again)" pip install torch==2.13.0 setuptools wheel pybind11 ninja
 phase "2. pip install -e .[test]" pip install -v --no-build-isolation -e ".[test]"
 grep -c '^\s*\[[0-9]*/[0-9]*\] c++' "$WORK/2. pip install -e .[test].log" | sed 's/^/   C++ files compiled again: /' || true
-phase "2. python -m pytest python_tests" python -m pytest python_tests -q -n auto --maxprocesses 8
+phase "2. python -m pytest python_tests" python -m pytest python_tests -q -n auto --maxprocesses 8 -m "not slow"
 tail -1 "$WORK/2. python -m pytest python_tests.log"
 phase "3. python -m dllm_fast demo" python -m dllm_fast demo

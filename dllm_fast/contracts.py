@@ -210,8 +210,10 @@ class RolloutBatch:
         completion position (`generate(..., record_unmask_step=True)`); what trajectory objectives (TraceRL)
         replay. None when not recorded.
     forwards: with unmask_step, the rollout's forward count (`GenerationResult.nfe`; from_generation sets it)
-        or a bound on it: every step lies in [0, forwards). None: L, since each forward unmasks at least one of
-        the L positions (give it when the record was cut to fewer positions than were generated).
+        or a bound on it: every step lies in [0, forwards). None: L, which bounds every rollout whose rows share
+        one block alignment and decode only their L positions (a forward unmasks at least one of each row's); give
+        it when the record was cut to fewer positions than were generated, or for a block-diffusion batch of prompts
+        of different lengths or with full_last_block (up to L + 2 block_length forwards: rollout/blocks.py).
 
     Every field is checked on construction like the trainer's own inputs, each error naming the field, the value
     and the fix: sequences int64/int32 token ids >= 0; attention_mask bool or integer 0/1 (floats refused: 0.5
@@ -305,8 +307,9 @@ class RolloutBatch:
         if found.get("step out of range"):
             check_unmask_step(self.unmask_step, (self.num_rollouts, L), forwards=forwards,
                               bound="the rollout's forwards" if self.forwards is not None else
-                              "the completion's positions: each forward unmasks at least one; pass forwards= "
-                              "when the record was cut to fewer positions than were generated")
+                              "the completion's positions: each forward unmasks at least one; pass forwards="
+                              "GenerationResult.nfe when the record was cut to fewer positions than were generated, "
+                              "or a block-diffusion batch mixed prompt lengths or decoded full last blocks")
 
     @classmethod
     def from_generation(

@@ -30,6 +30,7 @@ def atomic_path(path: str | os.PathLike):
     path = Path(os.path.abspath(path))
     refuse_link_out_of(path, path.parent)
     path.parent.mkdir(parents=True, exist_ok=True)
+    previous = os.path.lexists(path)
     tmp = _new_temporary_file(path)
     try:
         yield Path(tmp)
@@ -41,7 +42,7 @@ def atomic_path(path: str | os.PathLike):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if full:
-            raise disk_full_error(path, error) from error
+            raise disk_full_error(path, error, previous=previous) from error
         raise
 
 
@@ -76,15 +77,18 @@ def disk_full(error: BaseException, directory: Path) -> bool:
         return False
 
 
-def disk_full_error(path: Path, error: BaseException) -> OSError:
-    """The error to raise for a write of `path` that ran out of space: it names the path, the cause and the fix."""
+def disk_full_error(path: Path, error: BaseException, *, previous: bool | None = None) -> OSError:
+    """The error to raise for a write of `path` that ran out of space: it names the path, the cause, what is left
+    (`previous`: whether a `path` existed before the write, None when unknown) and the fix."""
     try:
         free = f"{shutil.disk_usage(_existing_ancestor(path)).free / 2**20:.0f} MiB free now"
     except OSError:
         free = "free space unknown"
+    left = {True: f"Nothing was replaced: the previous {path.name} is intact.",
+            False: f"Nothing was written: there was no {path.name} before, and none is left half-written.",
+            None: f"Nothing was replaced: the previous {path.name}, if any, is intact."}[previous]
     return OSError(errno.ENOSPC, f"cannot write {path}: the disk is full ({free}; {type(error).__name__}: "
-                                 f"{str(error)[:200]}). Nothing was replaced: the previous {path.name}, if any, "
-                                 "is intact. Free space on that disk, or write somewhere else.")
+                                 f"{str(error)[:200]}). {left} Free space on that disk, or write somewhere else.")
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -168,6 +172,7 @@ def atomic_directory(path: str | os.PathLike, *, keep_old: Callable[[str], bool]
         raise NotADirectoryError(f"{target} exists and is not a directory; choose a directory path or move the file.")
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(target)
+    previous = target.is_dir()
     staging = _new_staging_directory(target)
     try:
         yield staging
@@ -180,7 +185,7 @@ def atomic_directory(path: str | os.PathLike, *, keep_old: Callable[[str], bool]
         if staging.exists():  # after an exchange, the staging name holds the old directory: removed either way
             _remove_tree(staging)
         if full:
-            raise disk_full_error(target, error) from error
+            raise disk_full_error(target, error, previous=previous) from error
         raise
 
 

@@ -5,6 +5,12 @@ import torch
 
 from dllm_fast.testing import emulation
 
+# Without a GPU the Triton LM-head kernels run in triton's interpreter (python_tests/test_triton_head.py), which
+# must be switched on before anything imports triton: triton builds its own library functions in one mode or the
+# other when it is imported. With a GPU they compile, and the interpreter's CPU cases skip.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # "emulated_cuda": CPU tensors, with the dllm_fast ops running their CUDA implementations in the host emulator
 # (dllm_fast.testing.emulation); those cases carry the emulated_cuda marker and run when DLLM_FAST_EMULATED_CUDA is set.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) + [

@@ -46,6 +46,7 @@ def test_eager_kernels_grow_by_one_layers_worth_per_layer(cache, dtype, one_thre
 
 
 @pytest.mark.compile
+@pytest.mark.slow
 def test_compiled_steps_launch_several_times_fewer_kernels(one_thread):
     """(The shapes and configuration of test_generate_compiled's inductor test, whose graphs inductor's cache
     then holds.)"""

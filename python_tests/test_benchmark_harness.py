@@ -153,6 +153,7 @@ def test_time_interleaved_alternates_the_runs():
     assert set(timings) == {"a", "b"} and all(0 <= t.min_s <= t.median_s for t in timings.values())
 
 
+@pytest.mark.slow
 def test_measure_in_tree_imports_dllm_fast_from_that_checkout(tmp_path, one_thread):
     """The same benchmark code driven with another checkout's package (here a copy of this one)."""
     import shutil
@@ -168,3 +169,13 @@ def test_measure_in_tree_imports_dllm_fast_from_that_checkout(tmp_path, one_thre
     assert 0 < out["timing"].min_s <= out["timing"].median_s and out["peak_bytes"] >= 0
     with pytest.raises(ValueError, match="holds no dllm_fast package"):
         common.measure_in_tree("bench_logprob", "dllm_fast", point, tmp_path / "nothing")
+
+
+def test_split_key_flash_attention_equals_attention():
+    """bench_attention's split-KV form (key halves folded into the batch, merged by their logsumexp) is attention."""
+    import bench_attention
+
+    q, k, v, cache = bench_attention.inputs(2, 4, 8, 64, 32, torch.float64, torch.device("cpu"))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(bench_attention.split_flash(q.float(), cache.float(), 4), want.float(), atol=1e-5,
+                               rtol=1e-5)

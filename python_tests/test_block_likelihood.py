@@ -84,6 +84,7 @@ def test_per_block_scoring_differs_from_scoring_the_noisy_sequence_in_one_plain_
 
 
 @pytest.mark.compile
+@pytest.mark.slow
 def test_compiled_scoring_equals_eager(monkeypatch):
     """The two-stream forward captures whole (aot_eager, fullgraph): one micro-batch bucket, one graph. (Pass 2's
     compiled forward and backward run the same denoising_hidden; their capture costs minutes on 2 cores.)"""
@@ -132,6 +133,7 @@ def test_the_engine_gradient_equals_fp64_autograd_through_per_block_scoring(sepa
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10, msg=name)
 
 
+@pytest.mark.slow
 def test_memory_is_flat_in_n_t():
     """The engine's peak at n_t = 32 is at most 1.05 times its peak at n_t = 1 (torch's allocator, as
     test_likelihood_memory measures it): the gradients and one micro-batch's two-stream graph, whatever n_t."""

@@ -109,8 +109,8 @@ def test_the_decoding_order_is_recorded_block_by_block_for_tracerl():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("cache", ["block", "none"])
-def test_the_compiled_step_gives_eager_tokens_and_compiles_once_per_kind_of_step(cache, monkeypatch):
+@pytest.mark.parametrize("cache, full_last_block", [("block", False), ("none", False), ("block", True)])
+def test_the_compiled_step_gives_eager_tokens_and_compiles_once_per_kind_of_step(cache, full_last_block, monkeypatch):
     """Compiled (aot_eager: dynamo's capture without code generation) with fullgraph: one graph per fed width
     (the first block's, the blocks that store the previous one, the others), reused by later calls."""
     torch._dynamo.reset()
@@ -119,7 +119,8 @@ def test_the_compiled_step_gives_eager_tokens_and_compiles_once_per_kind_of_step
     monkeypatch.setattr("dllm_fast.rollout.blocks.compiled_step", lambda device_type: step)
     model = sdar(dtype=torch.float32)
     ids, mask = prompts(B=4)
-    config = dict(gen_length=12, block_length=4, steps=6, temperature=1.0, cache=cache, record_unmask_step=True)
+    config = dict(gen_length=12, block_length=4, steps=6, temperature=1.0, cache=cache, record_unmask_step=True,
+                  full_last_block=full_last_block)
     for seed in range(2):
         eager = dllm_fast.generate(model, ids, mask, generator=torch.Generator().manual_seed(seed), **config)
         compiled = dllm_fast.generate(model, ids, mask, compile=True, generator=torch.Generator().manual_seed(seed),
@@ -176,3 +177,147 @@ def test_generate_plans_on_fake_tensors():
         out = dllm_fast.generate(model, ids, None, gen_length=8, block_length=4, threshold=0.9,
                                  assumed_steps_per_block=2, cache="block")
         assert out.nfe == 3 * 2  # the widest layout: 3 blocks of 2 assumed steps
+
+
+# -- issue 40: what bounds a block rollout's forwards; the planner's count; the official full last block --------
+
+def mixed_prompts(lengths, P=None, seed=0):
+    """Left-padded prompts of the given real lengths."""
+    P = P or max(lengths)
+    ids = torch.randint(0, 120, (len(lengths), P), generator=torch.Generator().manual_seed(seed))
+    mask = torch.zeros_like(ids)
+    for n, length in enumerate(lengths):
+        mask[n, P - length:] = 1
+    return ids.masked_fill(mask == 0, EOS), mask
+
+
+@pytest.mark.parametrize("lengths", [[5, 4], [4, 5], [5, 6, 7, 8], [9, 9], [8, 8], [3, 4, 5, 6, 7, 8, 9, 10]])
+@pytest.mark.parametrize("schedule", [dict(steps=8), dict(steps=4), dict(steps=2), dict(threshold=0.5),
+                                      dict(steps=4, threshold=0.3)], ids=["8", "4", "2", "threshold", "dynamic"])
+@pytest.mark.parametrize("full_last_block", [False, True])
+def test_a_block_rollouts_forwards_are_bounded_as_generate_says(lengths, schedule, full_last_block):
+    """Issue 40 item 1: each row's blocks align to its own first token, so a batch mixing alignments runs more
+    forwards than gen_length (11 for gen_length 8 here): the bound is gen_length / block_length + 2 windows of
+    min(steps per block, block_length) forwards; nfe is the count and every unmask_step lies below it; a batch
+    whose rows share one alignment stays within the positions it decodes (gen_length, or with full_last_block
+    the rest of the last block too)."""
+    from dllm_fast.rollout.blocks import max_block_forwards
+    from dllm_fast.rollout.plan import check_generate_args
+
+    model = sdar()
+    ids, mask = mixed_prompts(lengths)
+    settings = dict(gen_length=8, block_length=4, cache="block", record_unmask_step=True,
+                    full_last_block=full_last_block, **schedule)
+    out = dllm_fast.generate(model, ids, mask, **settings)
+    plan = check_generate_args(model, ids, mask, dllm_fast.GenerateConfig(**{
+        k: v for k, v in settings.items() if k != "record_unmask_step"}))
+    assert out.nfe <= max_block_forwards(plan, 8, 4)
+    assert (out.unmask_step >= 0).all() and (out.unmask_step < out.nfe).all()
+    if len({length % 4 for length in lengths}) == 1:  # one alignment: a forward unmasks a token of every row
+        decoded = 8 + (-(lengths[0] + 8)) % 4 if full_last_block else 8  # and the rest of a whole last block
+        assert out.nfe <= decoded and (out.unmask_step < decoded).all()
+    batch = RolloutBatch.from_generation(out, torch.arange(float(len(lengths))), group_size=1)
+    masks = sample_masks(batch.sequences, prompt_length=batch.prompt_length, n_t=None, sampler="trajectory",
+                         generator=torch.Generator(), eos_token_id=EOS, attention_mask=batch.attention_mask,
+                         unmask_step=batch.unmask_step)
+    assert masks.n_t <= out.nfe
+
+
+def test_the_issues_batch_runs_eleven_forwards_for_eight_tokens():
+    model = sdar()
+    ids, mask = mixed_prompts([5, 4])
+    out = dllm_fast.generate(model, ids, mask, gen_length=8, block_length=4, steps=8, cache="block",
+                             record_unmask_step=True)
+    assert out.nfe == 11 and int(out.unmask_step.max()) == 10
+    with pytest.raises(ValueError, match=r"pass forwards=GenerationResult.nfe .* block-diffusion batch mixed"):
+        RolloutBatch(out.sequences, out.attention_mask, ids.shape[1], out.completion_mask, torch.zeros(2), 1,
+                     out.unmask_step)
+    RolloutBatch(out.sequences, out.attention_mask, ids.shape[1], out.completion_mask, torch.zeros(2), 1,
+                 out.unmask_step, forwards=out.nfe)
+
+
+@pytest.mark.parametrize("lengths, gen_length, block, steps", [
+    ([8, 8], 8, 4, 8), ([6, 6], 8, 4, 8), ([5, 6], 8, 4, 8), ([8, 8], 8, 8, 8), ([5, 12, 9], 12, 4, 6),
+    ([7, 7, 7], 16, 4, 4)])
+@pytest.mark.parametrize("full_last_block", [False, True])
+def test_on_the_planners_constant_prompts_the_forward_count_is_the_real_one(lengths, gen_length, block, steps,
+                                                                              full_last_block):
+    """Issue 40 item 4: on fake tensors the planner counted 12 or 16 forwards for an SDAR rollout whose real run
+    takes 8 (the widest layout, every window its full steps)."""
+    from dllm_fast.planning.fake import PlanningFakeMode
+
+    settings = dict(gen_length=gen_length, block_length=block, steps=steps, cache="block",
+                    full_last_block=full_last_block)
+    model = sdar(dtype=torch.float32)
+    model.block_length = block
+    ids, mask = mixed_prompts(lengths)
+    real = dllm_fast.generate(model, ids, mask, **settings).nfe
+    with PlanningFakeMode():
+        fake_model = SDARModel.with_random_weights(SDARConfig.preset("sdar-tiny"))
+        fake_model.block_length = block
+        fake_ids, fake_mask = mixed_prompts(lengths)  # made in the mode: constants, as the planner's prompts
+        planned = dllm_fast.generate(fake_model, fake_ids, fake_mask, **settings).nfe
+    assert planned == real
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("cache", ["block", "none"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_the_full_last_block_equals_the_decoder_that_decodes_whole_blocks(batch, cache, schedule):
+    """Issue 40 item 14: the official generate decodes a whole last block (its positions after the completion are
+    masked and decoded too); full_last_block=True does, as the twin does (reference/sdar.py)."""
+    model = sdar()
+    ids, mask = prompts(B=8)
+    ids, mask = ids[-batch:], mask[-batch:]
+    out = dllm_fast.generate(model, ids, mask, gen_length=16, block_length=4, cache=cache, full_last_block=True,
+                             **SCHEDULES[schedule])
+    assert torch.equal(out.completion_ids, naive(model, ids, mask, full_last_block=True, **SCHEDULES[schedule]))
+
+
+def test_the_full_last_block_changes_only_the_last_blocks_of_rows_whose_completion_ends_inside_one():
+    """At T > 0 the noise of the completion's positions is the default's, so only a partial last block (its
+    extra masked positions attend and are attended) can sample other tokens; a row whose completion ends on a
+    block boundary decodes exactly the same."""
+    model = sdar()
+    ids, mask = prompts(B=8)
+    runs = [dllm_fast.generate(model, ids, mask, gen_length=16, block_length=4, steps=16, temperature=1.0,
+                               full_last_block=full, record_unmask_step=True,
+                               generator=torch.Generator().manual_seed(3)) for full in (False, True)]
+    differ = runs[0].completion_ids != runs[1].completion_ids
+    real = mask.sum(1)
+    for n in range(8):
+        tail = (int(real[n]) + 16) % 4  # completion positions in the last, partial block
+        last_block = torch.arange(16) >= 16 - tail if tail else torch.zeros(16, dtype=torch.bool)
+        assert not differ[n][~last_block].any(), n
+        if not tail:
+            assert torch.equal(runs[0].unmask_step[n], runs[1].unmask_step[n])
+    assert differ.any() and runs[1].nfe >= runs[0].nfe
+
+
+def test_full_last_block_is_a_boolean_and_the_default_is_the_completions_end():
+    model = sdar()
+    ids, mask = prompts(B=2)
+    assert dllm_fast.GenerateConfig(gen_length=8, block_length=4).full_last_block is False
+    with pytest.raises(TypeError, match=r"full_last_block=1 must be True or False"):
+        dllm_fast.generate(model, ids, mask, gen_length=8, block_length=4, steps=4, full_last_block=1)
+    llada = LLaDAModel.with_random_weights(LLaDAConfig.preset("tiny"))  # its last block is whole anyway
+    runs = [dllm_fast.generate(llada, ids, mask, gen_length=8, block_length=4, steps=4, full_last_block=full)
+            for full in (False, True)]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+
+
+@pytest.mark.parametrize("full_last_block", [False, True])
+def test_every_decoded_position_of_a_batch_has_its_own_noise_word(full_last_block):
+    """Two positions with one word would draw one Gumbel noise: a full last block's extra positions are moved past
+    every row's completion words, which stay the default's."""
+    from dllm_fast.rollout.blocks import Layout, _row_base
+    from dllm_fast.rollout.step import position_words
+
+    ids, mask = mixed_prompts([3, 4, 5, 6, 7, 8, 9, 10])
+    layout = Layout.of(ids, mask, 8, 4, read=True, full_last_block=full_last_block)
+    columns = torch.arange(layout.width)[None].expand(8, -1)
+    words = position_words(_row_base(layout, 8, 4, full_last_block), columns)
+    decoded = words[layout.decoded]
+    assert decoded.unique().numel() == decoded.numel() and (decoded >= 0).all() and (decoded < 2**32).all()
+    default = position_words(_row_base(layout, 8, 4), columns)
+    assert torch.equal(words.gather(1, layout.completion_columns), default.gather(1, layout.completion_columns))

@@ -34,6 +34,7 @@ def quick_config(tmp_path, **overrides):
 
 
 @pytest.mark.parametrize("name", objectives.available())
+@pytest.mark.slow
 def test_every_objective_trains_a_block_model_without_nan(tmp_path, name):
     objective = objectives.get(name)
     small = {"n_t": 2} if objective.config.n_t > 2 and objective.config.sampler != "coupled" else {}
@@ -51,6 +52,7 @@ def test_block_elbo_and_the_dynamic_rule_train(tmp_path):
     assert all(math.isfinite(v) for v in result.history[-1].values() if isinstance(v, float))
 
 
+@pytest.mark.slow
 def test_the_command_line_trains_sdar_tiny(tmp_path):
     """`python -m dllm_fast train --model sdar-tiny` with the defaults' schedule (its preset takes --block-length)."""
     out = subprocess.run([sys.executable, "-m", "dllm_fast", "train", "--model", "sdar-tiny", "--steps", "1",
@@ -94,6 +96,12 @@ def test_the_planner_plans_a_lora_step_of_a_block_model():
     plan = plan_step(config, gpu=GPU("roomy", "test GPU", 1e12, 1e12, 1e12, 1e12, 10**12), prompt_length=6,
                      search=False)
     assert plan.fits and plan.peak > 0
+    # Issue 40 item 4: the rollout's forwards as the real run counts them (a 6-token prompt's first and last
+    # blocks are partial: 1 + 2 + 1), not the widest layout's full steps (6).
+    ids = torch.randint(0, 100, (4, 6))
+    real = dllm_fast.generate(SDARModel.with_random_weights(SDARConfig.preset("sdar-tiny")), ids, torch.ones_like(ids),
+                              config.generate_config("cpu"))
+    assert plan.nfe == real.nfe == 4
 
 
 def test_the_trl_wrapper_and_rollout_use_the_models_blocks():

@@ -364,3 +364,152 @@ def test_a_kv_cache_needs_positive_sizes():
 def test_max_shard_size_is_checked(tmp_path):
     with pytest.raises(ValueError, match="max_shard_size=0 must be an int >= 1"):
         LLaDAModel(LLaDAConfig.preset("tiny")).save_pretrained(tmp_path, max_shard_size=0)
+
+
+# -- issue 40: an index must be an object of file names inside the checkpoint; links out need consent -----------
+
+def sharded_directory(path):
+    """A sharded LLaDA checkpoint (model-0000i-of-0000n.safetensors + the index) of tiny weights."""
+    LLaDAModel.with_random_weights(LLaDAConfig.preset("tiny")).save_pretrained(path, max_shard_size=40_000)
+    assert (path / checkpoint.INDEX_NAME).is_file()
+    return path
+
+
+def edit_index(path, change):
+    index = json.loads((path / checkpoint.INDEX_NAME).read_text())
+    change(index)
+    (path / checkpoint.INDEX_NAME).write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("weight_map, kind", [([["model.transformer.ln_f.weight", "x.safetensors"]], "array"),
+                                              ("model-00001-of-00002.safetensors", "string"), (None, "null"),
+                                              (3, "number")])
+def test_an_index_whose_weight_map_is_not_an_object_is_named(tmp_path, weight_map, kind):
+    """Issue 40 item 7: a list raised "AttributeError: 'list' object has no attribute 'items'"."""
+    path = sharded_directory(tmp_path / "ckpt")
+    edit_index(path, lambda index: index.update(weight_map=weight_map))
+    with pytest.raises(ValueError, match=rf"weight_map is a JSON {kind}; it must be an object mapping each "
+                                         r"weight's name to its shard's file name"):
+        LLaDAModel.from_pretrained(path)
+
+
+def test_an_index_entry_that_is_no_file_name_is_named(tmp_path):
+    path = sharded_directory(tmp_path / "ckpt")
+    edit_index(path, lambda index: index["weight_map"].update({next(iter(index["weight_map"])): 7}))
+    with pytest.raises(ValueError, match=r"weight_map\[.*\] = 7 must be a shard's file name"):
+        LLaDAModel.from_pretrained(path)
+
+
+def _first_shard_moved(path, outside):
+    """Move the first shard to `outside` (a directory); returns (its name, its new path)."""
+    name = sorted(p.name for p in path.glob("model-*.safetensors"))[0]
+    outside.mkdir(exist_ok=True)
+    moved = outside / name
+    shutil.move(path / name, moved)
+    return name, moved
+
+
+@pytest.mark.parametrize("entry", ["absolute", "../outside/{name}", "sub/../../outside/{name}", "..\\\\outside\\\\{name}"])
+def test_an_index_naming_a_file_outside_the_checkpoint_is_refused(tmp_path, entry):
+    """Issue 40 item 8: absolute and ../ paths were loaded without a word."""
+    path = sharded_directory(tmp_path / "ckpt")
+    name, moved = _first_shard_moved(path, tmp_path / "outside")
+    listed = str(moved) if entry == "absolute" else entry.format(name=name)
+    edit_index(path, lambda index: index.update(
+        weight_map={key: listed if file == name else file for key, file in index["weight_map"].items()}))
+    for allow in (False, True):  # an index entry is a file name in the folder, whatever links are allowed
+        with pytest.raises(ValueError, match=r"lists the shard .* which is not a file name inside the checkpoint"):
+            LLaDAModel.from_pretrained(path, allow_external_links=allow)
+
+
+@pytest.mark.parametrize("linked", ["shard", "single", "config.json", "index"])
+def test_a_link_out_of_the_checkpoint_is_followed_only_when_allowed(tmp_path, linked):
+    path = tmp_path / "ckpt"
+    if linked == "single":
+        LLaDAModel.with_random_weights(LLaDAConfig.preset("tiny")).save_pretrained(path)
+        name = checkpoint.SINGLE_NAME
+    elif linked in ("config.json", "index"):
+        sharded_directory(path)
+        name = "config.json" if linked == "config.json" else checkpoint.INDEX_NAME
+    else:
+        sharded_directory(path)
+        name = sorted(p.name for p in path.glob("model-*.safetensors"))[0]
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.move(path / name, outside / name)
+    (path / name).symlink_to(outside / name)
+    expected = LLaDAModel.from_pretrained(path, allow_external_links=True).state_dict()
+    with pytest.raises(ValueError, match=rf"{name} leads to .*elsewhere.*, outside the checkpoint directory .*; a "
+                                         r"checkpoint reads only its own files.*allow_external_links=True"):
+        LLaDAModel.from_pretrained(path)
+    with pytest.raises(ValueError, match="outside the checkpoint directory"):
+        LLaDAModel.from_pretrained(path, device="meta")  # the skeleton (train's checks) too
+    inside = tmp_path / "ckpt" / "kept"
+    inside.mkdir()
+    (path / name).unlink()
+    shutil.move(outside / name, inside / name)
+    (path / name).symlink_to(inside / name)  # a link within the folder is its own file
+    loaded = LLaDAModel.from_pretrained(path).state_dict()
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+def test_a_hugging_face_cache_snapshot_loads_through_its_blob_links(tmp_path):
+    """snapshots/<revision>/ holds links into the repository's blobs/: the cache's own layout, followed."""
+    source = tmp_path / "source"
+    sharded_directory(source)
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for number, file in enumerate(sorted(source.iterdir())):
+        blob = repo / "blobs" / f"blob{number}"
+        shutil.copy(file, blob)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    LLaDAModel.from_pretrained(snapshot)
+    (snapshot / "config.json").unlink()
+    (tmp_path / "other").mkdir()
+    shutil.copy(source / "config.json", tmp_path / "other" / "config.json")
+    (snapshot / "config.json").symlink_to(tmp_path / "other" / "config.json")  # not the cache's blobs
+    with pytest.raises(ValueError, match="outside the checkpoint directory"):
+        LLaDAModel.from_pretrained(snapshot)
+
+
+def test_the_trainer_takes_the_consent_as_a_setting(tmp_path):
+    from dllm_fast.assets import SUDOKU4_DIR
+    from dllm_fast.train import TrainConfig
+    from dllm_fast.train.run import model_and_tokenizer_plan
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(SUDOKU4_DIR, path)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.move(path / checkpoint.SINGLE_NAME, outside / checkpoint.SINGLE_NAME)
+    (path / checkpoint.SINGLE_NAME).symlink_to(outside / checkpoint.SINGLE_NAME)
+    with pytest.raises(ValueError, match=r"--allow-external-links true"):
+        model_and_tokenizer_plan(TrainConfig(model=str(path)))
+    model_and_tokenizer_plan(TrainConfig(model=str(path), allow_external_links=True))
+    (path / "config.json").rename(outside / "config.json")
+    (path / "config.json").symlink_to(outside / "config.json")
+    with pytest.raises(ValueError, match=r"config.json leads to .* outside the checkpoint directory"):
+        TrainConfig(model=str(path))  # the family is found from config.json at once
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar", "dream"])
+def test_integer_weights_are_refused_naming_the_model_family(tmp_path, family):
+    """Issue 40 item 9: int8 SDAR weights got an error that spoke of "LLaDA weights"."""
+    from dllm_fast.models import DreamConfig, DreamModel, SDARConfig, SDARModel
+
+    cls, config, name = {"llada": (LLaDAModel, LLaDAConfig.preset("tiny"), "LLaDA"),
+                         "sdar": (SDARModel, SDARConfig.preset("sdar-tiny"), "SDAR"),
+                         "dream": (DreamModel, DreamConfig.preset("dream-tiny"), "Dream")}[family]
+    cls.with_random_weights(config).save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / checkpoint.SINGLE_NAME)
+    key = next(iter(weights))
+    weights[key] = weights[key].to(torch.int8)
+    save_file(weights, tmp_path / checkpoint.SINGLE_NAME)
+    with pytest.raises(ValueError, match=rf"{re.escape(key)} in .* is stored as I8; {name} weights must be floating "
+                                         r"point .* dllm_fast loads no quantized checkpoint") as error:
+        cls.from_pretrained(tmp_path)
+    assert family == "llada" or "LLaDA" not in str(error.value)

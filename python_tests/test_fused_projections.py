@@ -73,8 +73,8 @@ def with_lora(model, names, seed=0, **options):
     """PEFT LoRA (rank 2) on the block projections `names`, with random A and B (B is zero at PEFT's default
     init, which would hide a delta added to the wrong rows)."""
     torch.manual_seed(seed)
-    config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=LLaDAModel.lora_target_pattern(names),
-                             init_lora_weights=False, **{"lora_dropout": 0.0, **options})
+    config = peft.LoraConfig(r=2, target_modules=LLaDAModel.lora_target_pattern(names), init_lora_weights=False,
+                             **{"lora_dropout": 0.0, "lora_alpha": 3, **options})
     return peft.get_peft_model(model, config)
 
 
@@ -370,3 +370,55 @@ def test_lora_wrapping_leaves_no_hook_on_the_input_embeddings(family, checkpoint
     assert plain.is_gradient_checkpointing is checkpointing
     peft_wrapped = peft.get_peft_model(plain, peft.LoraConfig(r=2, target_modules=["q_proj"]))
     assert bool(peft_wrapped.get_input_embeddings()._forward_hooks) is checkpointing
+
+
+def forward_and_grads(model, ids, autocast):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        hidden = model(ids)
+        (hidden.float() ** 2).mean().backward()
+    return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("alpha", [3, 1])  # scaling 1.5, and 0.5 (a power of two, applied on the rank-wide side)
+@pytest.mark.parametrize("base, autocast", [(torch.bfloat16, True), (torch.float64, False),
+                                            (torch.bfloat16, False)])
+def test_plain_lora_deltas_give_peft_forwards_values_bit_for_bit(loaded, monkeypatch, base, autocast, alpha):
+    """The lean LoRA path (layers.lora_deltas: deltas added in place into the fused GEMM's rows, x not copied to
+    the adapters' fp32 under autocast) against PEFT's own forward on every target: the same hidden states and
+    gradients, bit for bit, with fp32 adapters on a bf16 base under autocast (as train runs LoRA on a GPU) and in
+    fp64; without autocast, adapters of another dtype than x take PEFT's forward."""
+    from dllm_fast.models import layers
+
+    model = with_lora(loaded[1].to(base), LORA_TARGETS, lora_alpha=alpha)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.to(torch.float64 if base == torch.float64 else torch.float32)
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    calls = []
+    original = layers.lora_deltas
+    monkeypatch.setattr(layers, "lora_deltas", lambda *args: calls.append(1) or original(*args))
+    got = forward_and_grads(model, ids, autocast)
+    lean = autocast or base == torch.float64
+    assert len(calls) == (7 if lean else 4) * OFFICIAL_CONFIG["n_layers"]  # every target took the lean path, or
+    # each fused projection's first part and each plain linear found it does not apply
+    monkeypatch.setattr(layers, "lora_deltas", lambda *args: None)  # PEFT's forward
+    want = forward_and_grads(model, ids, autocast)
+    assert torch.equal(got[0], want[0]) and got[0].abs().sum() > 0
+    assert got[1].keys() == want[1].keys() and all(torch.equal(got[1][n], want[1][n]) for n in want[1])
+
+
+def test_lean_lora_path_steps_aside_for_merged_disabled_and_dropout(loaded):
+    """Merged adapters, disabled adapters and active dropout go through PEFT's forward (lora_deltas is None)."""
+    from dllm_fast.models.layers import lora_deltas
+
+    model = with_lora(loaded[1], ["q_proj"], lora_dropout=0.5)
+    wrapper = model.base_model.model.transformer["blocks"][0].q_proj
+    x = torch.randn(3, OFFICIAL_CONFIG["d_model"], dtype=torch.float64)
+    assert lora_deltas(wrapper, x) is None  # training mode: dropout draws
+    model.eval()
+    assert len(lora_deltas(wrapper, x)) == 1
+    with model.disable_adapter():
+        assert lora_deltas(wrapper, x) is None
+    model.merge_adapter()
+    assert lora_deltas(wrapper, x) is None

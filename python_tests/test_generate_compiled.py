@@ -81,6 +81,7 @@ def test_the_step_compiles_whole_once_per_kind_of_step(name, fresh_dynamo, monke
                                           ("dual T=1 random record", dict(cache="dual", steps=6, temperature=1.0,
                                                                           remasking="random",
                                                                           record_unmask_step=True))])
+@pytest.mark.slow
 def test_inductor_compiled_rollouts_equal_eager(name, config, fresh_dynamo, one_thread):
     """The shipped path (inductor): tokens equal eager's at T = 0, and at T = 1 with the same seed; no recompile
     across calls."""
@@ -122,6 +123,7 @@ def test_compile_must_be_a_bool():
 
 
 @pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.slow
 def test_train_with_compile_true_compiles_its_rollouts_and_scoring(lora, tmp_path, fresh_dynamo, monkeypatch):
     """--compile true reaches the trainer's rollouts and its scoring micro-batches (the engine's passes): both
     compile, and the run is the run without it. With LoRA too: PEFT's wrapping leaves no hook dynamo cannot trace
@@ -144,4 +146,7 @@ def test_train_with_compile_true_compiles_its_rollouts_and_scoring(lora, tmp_pat
     assert scoring_counter.frame_count >= 1
     keys = ("reward_mean", "loss", "completion_length")
     trained = [[[row[k] for k in keys] for row in run.history if "loss" in row] for run in runs]
-    assert len(trained[0]) == 2 and trained[0] == trained[1]
+    assert len(trained[0]) == 2
+    for compiled, eager in zip(*trained):  # the same rollouts and rewards; the loss to rounding (aot_eager's
+        assert compiled[0] == eager[0] and compiled[2] == eager[2]  # decompositions may round differently)
+        assert compiled[1] == pytest.approx(eager[1], rel=1e-6, abs=1e-12)

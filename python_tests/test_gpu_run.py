@@ -50,7 +50,7 @@ def unknown_flags(script: Path = SCRIPT) -> list[str]:
 def test_every_benchmark_flag_the_gpu_run_passes_exists():
     scripts = {c[0] for c in script_commands()}
     assert {"benchmarks/gpu_smoke.py", "benchmarks/peers_logprob.py", "benchmarks/bench_rollout.py",
-            "benchmarks/bench_elbo.py", "benchmarks/bench_logprob.py"} <= scripts
+            "benchmarks/bench_elbo.py", "benchmarks/bench_logprob.py", "benchmarks/bench_peers.py"} <= scripts
     assert all((ROOT / script).is_file() for script in scripts)
     assert unknown_flags() == []
 
@@ -58,7 +58,7 @@ def test_every_benchmark_flag_the_gpu_run_passes_exists():
 def test_a_flag_the_benchmark_lacks_is_caught(tmp_path):
     """The check above fails on a flag that a benchmark does not define (the guard of the guard)."""
     changed = tmp_path / "gpu_run.sh"
-    changed.write_text(SCRIPT.read_text().replace("--roofline", "--roofline --no-such-flag 3"))
+    changed.write_text(SCRIPT.read_text().replace("--roofline", "--roofline --no-such-flag 3", 1))
     assert unknown_flags(changed) == ["benchmarks/bench_logprob.py: --no-such-flag"]
 
 

@@ -195,8 +195,8 @@ def test_masks_follow_the_sequences_device_and_move():
         (dict(prompt_length=13), ValueError, "prompt_length=13 must be an int in \\[0, 13\\)"),
         (dict(count="first"), ValueError, "count='first' is not one of"),
         (dict(eos_token_id=None), ValueError, "count='eos' needs eos_token_id"),
-        (dict(sampler="block", block_length=0), ValueError, "block_length=0 must be a positive int"),
-        (dict(sampler="block", perturb_prob=1.5), ValueError, "perturb_prob=1.5 must be a probability"),
+        (dict(sampler="block", block_length=0), ValueError, "block_length=0 must be an int >= 1"),
+        (dict(sampler="block", perturb_prob=1.5), ValueError, "perturb_prob=1.5 must be in \\[0.0, 1.0\\] \\(a probability"),
         (dict(attention_mask=torch.ones(4, 5)), ValueError, "attention_mask has shape \\(4, 5\\)"),
     ],
 )

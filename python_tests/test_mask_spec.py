@@ -95,8 +95,8 @@ def test_valid_n_t_by_hand():
 @pytest.mark.parametrize("changes, message", [
     (dict(n_t=0), "n_t=0 must be an int >= 1"),
     (dict(count="first"), "count='first' is not one of"),
-    (dict(block_length=0), "block_length=0 must be a positive int"),
-    (dict(perturb_prob=-0.1), "perturb_prob=-0.1 must be a probability"),
+    (dict(block_length=0), "block_length=0 must be an int >= 1"),
+    (dict(perturb_prob=-0.1), r"perturb_prob=-0.1 must be in \[0.0, 1.0\] \(a probability"),
     (dict(shrink=0), "shrink=0 must be an int >= 1"),
     (dict(quadrature_points=0, sampler="gauss"), "quadrature_points=0 must be an int >= 1"),
     (dict(coupled_t_min=0.9), "coupled_t_min=0.9, coupled_t_max=0.8 must satisfy"),
@@ -176,3 +176,64 @@ def test_trainer_objective_options_set_mask_settings():
     config = TrainConfig(objective="bgpo", objective_options={"n_t": 16, "sampler": "stratified_l"})
     built = objectives.get(config.objective.name, **config.objective.options)
     assert built.config.masks == MaskSpec(n_t=16, sampler="stratified_l")
+
+
+# -- issue 40: n_t and the settings are what their names say, or refused by name ------------------------------------
+
+NOT_INTEGERS = [2.5, float("nan"), float("inf"), True, False, "3", None.__class__, [3], 3.0]
+
+
+@pytest.mark.parametrize("sampler", sorted(set(SAMPLERS) - {"trajectory"}) + ["trajectory"])
+@pytest.mark.parametrize("n_t", NOT_INTEGERS, ids=repr)
+def test_valid_n_t_refuses_what_is_not_an_integer(sampler, n_t):
+    """Issue 40 item 3: valid_n_t(2.5) gave 3, NaN 1, True 1 (54 cases over 9 samplers); item 11: a string said
+    "'>' not supported between 'str' and 'int'"."""
+    spec = MaskSpec(sampler=sampler, n_t=1)
+    with pytest.raises(TypeError, match=r"n_t=.* must be an int"):
+        spec.valid_n_t(n_t)
+    with pytest.raises(TypeError, match=r"n_t=.* must be an int"):
+        spec.valid_n_t(n_t, down=True)
+
+
+@pytest.mark.parametrize("name", ["espo", "vrpo_ol", "coupled_grpo", "gdpo", "tracerl"])
+@pytest.mark.parametrize("n_t", [2.5, float("nan"), True, "3"], ids=repr)
+def test_nearest_valid_n_t_refuses_what_is_not_an_integer(name, n_t):
+    with pytest.raises(TypeError, match=r"n_t=.* must be an int"):
+        objectives.nearest_valid_n_t(name, n_t)
+
+
+def test_the_search_bounds_are_checked_too():
+    spec = MaskSpec(sampler="complementary", n_t=2)
+    assert spec.valid_n_t(3) == 4 and spec.valid_n_t(3, down=True) == 2 and spec.valid_n_t(-5) == 2
+    with pytest.raises(TypeError, match=r"down='yes' must be True or False"):
+        spec.valid_n_t(3, down="yes")
+    with pytest.raises(ValueError, match=r"limit=0 must be an int >= 1"):
+        spec.valid_n_t(3, limit=0)
+    with pytest.raises(TypeError, match=r"limit=2.5 must be an int"):
+        objectives.nearest_valid_n_t("espo", 3, limit=2.5)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(perturb_prob=True), r"perturb_prob=True must be a finite number in \[0.0, 1.0\] \(a probability"),
+    (dict(perturb_prob=False), r"perturb_prob=False must be a finite number"),
+    (dict(perturb_prob="0.15"), r"perturb_prob='0.15' must be a finite number"),
+    (dict(perturb_prob=float("nan")), r"perturb_prob=nan must be a finite number"),
+    (dict(block_length=True), r"block_length=True must be an int >= 1"),
+    (dict(block_length=4.0), r"block_length=4.0 must be an int >= 1"),
+    (dict(coupled_t_min=True), r"coupled_t_min=True must be a finite number"),
+])
+def test_mask_settings_of_the_wrong_kind_are_refused_by_name(changes, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        MaskSpec(sampler="mean_field", **changes).validate()
+    with pytest.raises((TypeError, ValueError), match=message):
+        MaskSpec(sampler="mean_field", **changes).valid_n_t(2)
+
+
+@pytest.mark.parametrize("t_range", [(0.1, 0.5, 0.9), (0.5,), 0.5, "ab", {"low": 0.2, "high": 0.8}, None],
+                         ids=repr)
+def test_t_range_must_be_two_rates(t_range):
+    """Issue 40 item 11: t_range=(a, b, c) said "too many values to unpack"."""
+    with pytest.raises(ValueError, match=r"t_range=.* must be two masking rates \(low, high\), e\.g\. "
+                                         r"t_range=\(0\.2, 0\.8\)"):
+        MaskSpec.of(sampler="coupled", n_t=3, t_range=t_range)
+    assert MaskSpec.of(sampler="coupled", n_t=3, t_range=[0.3, 0.7]).t_range == (0.3, 0.7)

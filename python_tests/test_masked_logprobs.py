@@ -175,6 +175,7 @@ def test_saves_no_logits_for_backward():
     assert naive.bytes >= M * V * 4  # sanity: the naive path does keep the logits
 
 
+@pytest.mark.slow
 def test_peak_memory_is_a_few_chunks_not_the_logits():
     """In a fresh process, forward+backward's peak resident memory above baseline stays far below [M, V]."""
     M, d, V, chunk = 512, 64, 100_000, 2048

@@ -13,7 +13,7 @@ from test_trainer import quick_config
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("name", ["espo", "diffu_grpo"])  # two-pass and separable; both score old and reference
+@pytest.mark.parametrize("name", ["espo", "diffu_grpo"])  # one-pass and separable; both score old and reference
 def test_a_training_step_packs_the_micro_batch_once_and_the_engine_gets_that_object(tmp_path, monkeypatch, name):
     created, seen = [], []
     post_init = MicroBatching.__post_init__
@@ -27,6 +27,7 @@ def test_a_training_step_packs_the_micro_batch_once_and_the_engine_gets_that_obj
 
     monkeypatch.setattr(engine, "_two_pass", recording(engine._two_pass, 4))
     monkeypatch.setattr(engine, "_separable", recording(engine._separable, 4))
+    monkeypatch.setattr(engine, "_one_pass", recording(engine._one_pass, 5))
     import dllm_fast.objectives.base as objective_base  # the objectives' old and reference scoring
 
     monkeypatch.setattr(objective_base, "score", recording(objective_base.score, 3))
@@ -35,17 +36,18 @@ def test_a_training_step_packs_the_micro_batch_once_and_the_engine_gets_that_obj
                        eval_examples=4))
     assert len(created) == 1 and (created[0].micro_batch, created[0].scoring) == (3, 5)
     calls = {function for function, _ in seen}
-    assert calls == {"score", "_two_pass" if name == "espo" else "_separable"}, calls
+    assert calls == {"score", "_one_pass" if name == "espo" else "_separable"}, calls
     assert all(batching is created[0] for _, batching in seen)
 
 
-@pytest.mark.parametrize("function", [engine.streaming_backward, engine._two_pass, engine._separable])
+@pytest.mark.parametrize("function", [engine.streaming_backward, engine._two_pass, engine._separable,
+                                      engine._one_pass])
 def test_the_engines_functions_take_at_most_8_parameters(function):
     assert len(inspect.signature(function).parameters) <= 8
 
 
 @pytest.mark.parametrize("function, parameter", [(scoring.score, "micro_batch"), (engine._two_pass, "batching"),
-                                                 (engine._separable, "batching")])
+                                                 (engine._separable, "batching"), (engine._one_pass, "batching")])
 def test_score_and_the_engines_paths_take_the_micro_batching_object(function, parameter):
     assert "MicroBatching" in str(inspect.signature(function).parameters[parameter].annotation)
     assert not {"chunk_size", "compile", "score_micro_batch"} & set(inspect.signature(function).parameters)

@@ -1,6 +1,6 @@
 """`python -m dllm_fast plan` answers or refuses clearly for every flag combination its --help allows (issue 32
 items 7-10, issue 28 item 5): every objective with an explicit n_t, every cache mode, compiled or not, hostile
-sizes, and the README's own plan commands. Tiny shapes, except the README's, which are its own."""
+sizes, and the plan commands of README and docs/planning.md. Tiny shapes, except those, which are their own."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ CACHES = ("none", "prefix", "dual")
 
 
 @pytest.mark.parametrize("index, name", list(enumerate(objectives.available())))
+@pytest.mark.slow
 def test_every_objective_and_cache_mode_plans_with_an_explicit_n_t(capsys, index, name):
     """--objective-options '{"n_t": N}' used to fail for every objective ("nearest_valid_n_t() got multiple values
     for argument 'n_t'"), and tracerl failed without one (a fixed n_t has no second probe). The objectives take
@@ -75,6 +76,7 @@ def test_the_objectives_cover_every_cache_mode_eager_and_compiled():
 @pytest.mark.parametrize("flags", [["--threshold", "0.9", "--diffusion-steps", "none", "--engine", "all_graphs"],
                                    ["--weights-dtype", "bfloat16", "--inner-updates", "2"],
                                    ["--lora", "true", "--lora-rank", "4", "--gpu", "l40s", "--bf16", "false"]])
+@pytest.mark.slow
 def test_other_options_plan(capsys, flags):
     result = plan(capsys, *flags, "--search", "false")
     assert result["peak_bytes"] > 0 and result["step_seconds"] > 0
@@ -98,34 +100,37 @@ def test_hostile_sizes_are_refused_naming_the_flag(capsys, argv, named):
     assert named in refusal(capsys, *argv)
 
 
+PLANNING_DOCS = (ROOT / "README.md", ROOT / "docs" / "planning.md")
+
+
 def readme_plan_commands() -> list[str]:
-    """The `python -m dllm_fast plan` commands of the README's planning section, continuation lines joined."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Planning a GPU run", 1)[1].split("\n## ", 1)[0]
+    """The `python -m dllm_fast plan` commands of the README and docs/planning.md, continuation lines joined, each
+    once (other pages' plan commands are parsed and validated by test_readme_commands.py, not run)."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
-        for command in re.sub(r"\\\n\s*", " ", block).splitlines():
-            command = command.split("  #")[0].strip()
-            if command.startswith("python -m dllm_fast plan"):
-                commands.append(command)
+    for path in PLANNING_DOCS:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            for command in re.sub(r"\\\n\s*", " ", block).splitlines():
+                command = command.split("  #")[0].strip()
+                if command.startswith("python -m dllm_fast plan") and command not in commands:
+                    commands.append(command)
     return commands
 
 
 def readme_table() -> dict[str, tuple[list[float], list[float]]]:
-    """The README's planning table: setup -> (its streaming peaks in GB, its step seconds) at n_t 1 / 16 / 64 /
+    """docs/planning.md's LLaDA-8B table: setup -> (its streaming peaks in GB, its step seconds) at n_t 1 / 16 / 64 /
     256."""
-    section = (ROOT / "README.md").read_text().split("## Planning a GPU run", 1)[1].split("\n## ", 1)[0]
     rows = {}
-    for line in section.splitlines():
+    for line in (ROOT / "docs" / "planning.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 5 and cells[1] == "1 / 16 / 64 / 256":
             rows[cells[0]] = tuple([float(v) for v in cells[i].split(" / ")] for i in (2, 4))
     return rows
 
 
+@pytest.mark.slow
 def test_the_readme_plan_commands_run_as_written_and_match_its_table():
-    """Each plan command of the README, pasted into a shell as written (no `...`), answers; the headline one
-    reproduces the README table's row for the trainer's own setup at its n_t (peak and step time)."""
+    """Each plan command of the README and docs/planning.md, pasted into a shell as written (no `...`), answers; the
+    headline one reproduces the planning table's row for the trainer's own setup at its n_t (peak and step time)."""
     commands = readme_plan_commands()
     assert commands and not any("..." in c for c in commands)
     table = readme_table()
@@ -143,6 +148,7 @@ def test_the_readme_plan_commands_run_as_written_and_match_its_table():
         assert result["step_seconds"] == pytest.approx(seconds[column], rel=0.005), (command, result["step_seconds"])
 
 
+@pytest.mark.slow
 def test_the_plan_command_with_an_explicit_n_t_runs_in_a_fresh_process():
     """The regression of issue 28 item 5 as a user typed it."""
     out = subprocess.run([sys.executable, "-m", "dllm_fast", "plan", *TINY, "--objective-options", '{"n_t": 16}',

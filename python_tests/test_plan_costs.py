@@ -163,6 +163,7 @@ def test_a_compiled_rollout_pays_one_launch_per_step_instead_of_one_per_kernel()
     assert compiled.device_seconds == pytest.approx(eager.device_seconds, rel=0.05)
 
 
+@pytest.mark.slow
 def test_the_trainers_compile_setting_reaches_the_planned_rollout_and_scoring(monkeypatch):
     """--compile true: the plan's rollout runs its steps as CUDA graphs and its scoring through the compiled
     path (the padded micro-batches of likelihood/compiled.py)."""
@@ -219,6 +220,7 @@ def close(point, predicted) -> bool:
 
 
 @pytest.mark.parametrize("kind", ["head", "small rollout"])
+@pytest.mark.slow
 def test_recorded_h200_points_are_predicted_within_25_percent(kind):
     """The calibrated model against the H200 run: the LM head (naive and fused, forward and forward + backward)
     and the small preset's rollouts, eager and compiled (the 8B points: the test below)."""
@@ -234,6 +236,7 @@ def test_recorded_h200_points_are_predicted_within_25_percent(kind):
             assert predicted["predicted"] <= predicted["predicted_then"]
 
 
+@pytest.mark.slow
 def test_recorded_8b_rollouts_and_engine_are_predicted_within_25_percent():
     """LLaDA-8B rollouts at batch 8 (no cache and dual, eager: time and kernels per step) and the engine's two_pass
     against naive per sample, as the H200 run measured them. They ran b7790f6's layers: their time is checked at
@@ -251,6 +254,7 @@ def test_recorded_8b_rollouts_and_engine_are_predicted_within_25_percent():
             assert predicted["kernels_per_step"] < 0.8 * point.kernels_then, (point.name, predicted)
 
 
+@pytest.mark.slow
 def test_the_second_h200_run_is_predicted_by_the_first_runs_fit():
     """The second run (after issues 28 and 29: bf16 gradient GEMMs, 17-kernel layers, compiled 8B rollouts) entered
     no fit: the model fitted on the first predicted it. The LM head in bf16 (fused, known-gradient walk, naive),
@@ -264,6 +268,7 @@ def test_the_second_h200_run_is_predicted_by_the_first_runs_fit():
         assert close(point, predicted["predicted"]), (point.name, point.value, predicted)
 
 
+@pytest.mark.slow
 def test_the_fourth_h200_run_is_predicted_by_the_first_runs_fit():
     """The 8B dual rollouts after dllm_fast::rope, compiled (both forms of the kernel) and eager, within 25%, and
     the eager kernels per step within 2% of bench_rollout's count."""

@@ -17,6 +17,7 @@ def summary(capsys, *argv):
     return capsys.readouterr().out.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_reports_the_steps_this_process_ran(tmp_path, capsys):
     run = ["--output-dir", str(tmp_path / "run")]
     assert summary(capsys, *run, "--steps", "2").startswith("2 steps in ")

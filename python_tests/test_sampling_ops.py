@@ -45,6 +45,18 @@ def test_sample_tokens_matches_reference(device, temperature, dtype):
     assert (confidence[tokens == 7] == 0).all()
 
 
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_weights_that_train_are_read_as_constants(device, backend):
+    """A LoRA- or fully-trained head samples as its values say (no autograd error, no gradient out), on every
+    backend alike."""
+    hidden, weight = head(6, 8, 40, device)
+    want = ops.sample_tokens(hidden, weight, temperature=1.0, seed=3, backend=backend)
+    got = ops.sample_tokens(hidden.requires_grad_(), weight.requires_grad_(), temperature=1.0, seed=3,
+                            backend=backend)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not got[1].requires_grad
+
+
 def test_greedy_ties_go_to_the_lowest_id(device):
     hidden = torch.ones(3, 4, device=device)
     weight = torch.zeros(10, 4, device=device)

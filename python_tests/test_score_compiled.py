@@ -77,6 +77,7 @@ def test_scoring_compiles_once_and_never_recompiles_across_micro_batches_calls_a
     assert got.ne(0).sum() == masks[-1].scored.sum()  # padded rows and pairs left nothing behind
 
 
+@pytest.mark.slow
 def test_random_masks_compile_one_graph_per_bucket(counter):
     """random_t masks: the rows per micro-batch vary freely, yet there is one graph per (pairs, rows) bucket
     (powers of two), far fewer than micro-batches, and a short last micro-batch is padded."""
@@ -119,6 +120,7 @@ def objectives(model, sequences, masks, attention_mask):
 
 
 @pytest.mark.parametrize("separable", [False, True])
+@pytest.mark.slow
 def test_streaming_backward_gradients_equal_eager(counter, separable):
     """Two-pass (pass 1 scored, pass 2 forward + backward compiled, the LM head's gradient added in the forward
     graph, the embedding's in the backward graph) and separable: the value and every parameter's gradient are
@@ -146,6 +148,7 @@ def test_streaming_backward_gradients_equal_eager(counter, separable):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()))
 
 
+@pytest.mark.slow
 def test_inductor_compiled_engine_equals_eager():
     """The shipped path (inductor): the two-pass engine's value, lp and gradients are eager's."""
     torch._dynamo.reset()
@@ -181,6 +184,7 @@ def test_compile_with_active_dropout_in_the_two_pass_engine_is_refused():
         MicroBatching(3, compile=1)
 
 
+@pytest.mark.slow
 def test_compiled_micro_batches_read_nothing_back_either(counter, monkeypatch):
     """The compiled path finds each micro-batch's scored rows (eagerly, before its graph, which holds no host
     read: fullgraph) with the count the engine read once per call, so preparing a micro-batch syncs nothing, in

@@ -49,6 +49,7 @@ def nothing_written(tmp_path) -> bool:
 
 # -- model, config and tokenizer agree --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_preset_takes_the_tokenizers_vocabulary_and_special_ids(tmp_path):
     """--model tiny used EOS 126 and mask 127 with a tokenizer of 111 tokens (EOS 105, mask 109): ids >= 111 reached
     the reward function as empty strings and completions never ended."""
@@ -125,6 +126,7 @@ def test_a_10_mb_prompt_is_refused_before_it_is_tokenised(tmp_path, monkeypatch)
     assert nothing_written(tmp_path)
 
 
+@pytest.mark.slow
 def test_sizes_that_cannot_work_are_refused_before_any_weight_is_read(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"--lora-rank 1000000000 exceeds the model's width 64"):
         train(config(tmp_path, lora=True, lora_rank=10**9))

@@ -77,6 +77,7 @@ def test_masks_are_fingerprinted_once_per_update_and_checked_once_per_backward(m
         objective.backward(model, batch, plan[0], micro_batch=3, ref_model=perturbed(model))
 
 
+@pytest.mark.slow
 def test_the_trainer_plans_its_updates_through_the_objective(tmp_path, monkeypatch):
     from test_trainer import quick_config
 

@@ -63,6 +63,7 @@ class Payload:
         return (exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",))
 
 
+@pytest.mark.slow
 def test_a_crafted_state_is_refused_and_runs_nothing(run_dir, tmp_path):
     state_file = run_dir / "checkpoint" / "state.pt"
     state = torch.load(state_file, weights_only=True)
@@ -74,6 +75,7 @@ def test_a_crafted_state_is_refused_and_runs_nothing(run_dir, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_an_empty_or_damaged_state_is_named(run_dir):
     state_file = run_dir / "checkpoint" / "state.pt"
     state_file.write_bytes(b"")
@@ -123,6 +125,7 @@ def test_a_damaged_or_altered_checkpoint_is_refused_and_left_as_it_was(run_dir, 
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"} == before
 
 
+@pytest.mark.slow
 def test_resuming_below_the_saved_step_is_refused(run_dir):
     state_file = run_dir / "checkpoint" / "state.pt"
     with pytest.raises(ValueError, match=r"--steps 1 is below the step 2 the checkpoint .* reached"):
@@ -197,12 +200,12 @@ def test_a_link_inside_the_run_directory_is_followed(run_dir):
 # -- typed config files -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, message", [
-    ('overwrite: "false"\n', r"run.yaml: overwrite = 'false' must be true or false \(a string"),
-    ("lora: 'no'\n", r"run.yaml: lora = 'no' must be true or false"),
-    ("resume: 1\n", r"run.yaml: resume = 1 must be true or false"),
+    ('overwrite: "maybe"\n', r"run.yaml: overwrite = 'maybe' must be true or false"),
+    ("lora: 2\n", r"run.yaml: lora = 2 must be true or false"),
     ("objective_options: [n_t, 4]\n", r"run.yaml: objective_options = \['n_t', 4\] must be a mapping"),
-    ("lora_targets: q_proj\n", r"run.yaml: lora_targets = 'q_proj' must be a list of strings"),
+    ("lora_targets: {q_proj: 1}\n", r"run.yaml: lora_targets = \{'q_proj': 1\} must be a list of strings"),
     ("steps: 2.5\n", r"run.yaml: steps = 2.5 must be an integer"),
+    ("steps: '2.5'\n", r"run.yaml: steps = '2.5' must be an integer"),
     ("steps: [1\n", r"config file .*run.yaml is not valid YAML"),
 ])
 def test_config_file_values_are_typed_and_named_by_file_and_key(tmp_path, text, message):
@@ -254,6 +257,7 @@ def test_an_overwrite_run_killed_before_its_first_checkpoint_leaves_nothing_to_r
 
 # -- lengths, permissions, a full disk --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_sequence_longer_than_the_model_allows_is_refused_before_any_step(tmp_path):
     with pytest.raises(ValueError, match=r"longest training prompt .* with --gen-length 500 .* the model has 512"):
         train(config(tmp_path / "run", gen_length=500, block_length=500, diffusion_steps=500))
@@ -271,6 +275,7 @@ def test_saved_weights_follow_the_umask(finished):
             assert file.stat().st_mode & 0o777 == 0o666 & ~mask, file
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_said_plainly_and_keeps_the_last_checkpoint(run_dir, monkeypatch):
     before = (run_dir / "checkpoint" / "state.pt").read_bytes()
 
@@ -282,3 +287,115 @@ def test_a_full_disk_is_said_plainly_and_keeps_the_last_checkpoint(run_dir, monk
                                       "checkpoint is intact"):
         train(config(run_dir, resume=True, steps=2))
     assert (run_dir / "checkpoint" / "state.pt").read_bytes() == before
+
+
+# -- issue 40: every check of a setting before anything is written to the run folder ---------------------------
+
+SDAR = dict(model="sdar-tiny", task_options={"prompt_style": "grid"}, block_length=4, gen_length=8,
+            diffusion_steps=8, eval_gen_lengths=[8], cache="block")
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(SDAR, cache="dual"), r"--cache dual is Fast-dLLM's approximate cache .* pass --cache block"),
+    (dict(SDAR, cache="prefix"), r"--cache prefix is Fast-dLLM's approximate cache"),
+    (dict(cache="block"), r"--cache block keeps the exact keys .* pass --cache prefix or dual .* or none"),
+    (dict(model="dream-tiny", cache="dual"), r"--cache dual needs a model that predicts each position from itself"),
+    (dict(SDAR, eval_gen_lengths=[6]), r"--eval-gen-lengths 6 is not a multiple of --block-length 4"),
+    (dict(SDAR, eval_gen_lengths=[8, 10]), r"--eval-gen-lengths 10 is not a multiple of --block-length 4"),
+    (dict(lora=True, lora_rank=1000), r"--lora-rank 1000 exceeds the model's width 64"),
+    (dict(SDAR, lora=True, lora_rank=65), r"--lora-rank 65 exceeds the model's width 64"),
+    (dict(threads=1000), r"--threads 1000 is more than this machine's \d+ CPUs"),
+])
+def test_a_setting_that_cannot_work_is_refused_before_the_run_folder_is_written(tmp_path, settings, message):
+    """Issue 40 item 6: these were refused only once the run folder held .lock, config.json and metrics.jsonl."""
+    run = tmp_path / "run"
+    with pytest.raises((ValueError, TypeError), match=message):
+        train(config(run, **settings))
+    assert not run.exists()
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises((ValueError, TypeError), match=message):
+        train(config(run, **settings))
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+
+
+def test_a_checkpoint_whose_block_length_differs_is_refused_before_the_run_folder_is_written(tmp_path):
+    from dllm_fast.assets import SUDOKU4_DIR
+    from dllm_fast.models import SDARModel
+    from dllm_fast.models.loading import load_tokenizer, preset_config
+
+    checkpoint = tmp_path / "sdar"
+    tokenizer = load_tokenizer(SUDOKU4_DIR)
+    SDARModel.with_random_weights(preset_config("sdar-tiny", tokenizer)).save_pretrained(checkpoint)  # blocks of 4
+    run = tmp_path / "run"
+    settings = dict(SDAR, model=str(checkpoint), tokenizer=str(SUDOKU4_DIR), block_length=8, eval_gen_lengths=[8])
+    with pytest.raises(ValueError, match=r"--block-length 8, but --model .* trained with blocks of 4 .* pass "
+                                         r"--block-length 4"):
+        train(config(run, **settings))
+    assert not run.exists()
+
+
+def test_the_command_line_writes_nothing_for_a_setting_that_cannot_work(tmp_path, capsys):
+    from dllm_fast.train.cli import main
+
+    run = tmp_path / "run"
+    for arguments in (["--model", "sdar-tiny", "--gen-length", "8", "--block-length", "4", "--diffusion-steps", "8",
+                       "--cache", "dual"],
+                      ["--model", "sdar-tiny", "--gen-length", "8", "--block-length", "4", "--diffusion-steps", "8",
+                       "--eval-gen-lengths", "6", "--cache", "block"],
+                      ["--threads", "1000"], ["--lora", "true", "--lora-rank", "1000"]):
+        with pytest.raises(SystemExit) as exit:
+            main(["--output-dir", str(run), "--steps", "1", "--progress", "false", *arguments])
+        assert exit.value.code == 2  # a bad option, found before anything is written
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and arguments[-1] in error, error
+        assert not run.exists()
+
+
+def test_a_run_started_with_overwrite_resumes(run_dir):
+    """Its config.json says overwrite: true; the resumed run is this call's --resume, not the saved --overwrite."""
+    for path in (run_dir / "config.json", run_dir / "checkpoint" / "config.json"):
+        saved = json.loads(path.read_text())
+        saved["run"]["overwrite"] = True  # as `train --overwrite true` writes it
+        path.write_text(json.dumps(saved))
+    resumed = cli_config("--output-dir", str(run_dir), "--resume", "true", "--steps", "2")
+    assert resumed.run.resume and not resumed.run.overwrite
+    assert train(resumed).steps == 2
+
+
+def test_a_full_disk_at_the_first_checkpoint_does_not_claim_a_previous_one(tmp_path, monkeypatch):
+    """Issue 40 item 10: it said "The previous checkpoint is intact" when there was none."""
+    def full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 1152 vs 1046")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", full)
+    run = tmp_path / "run"
+    with pytest.raises(OSError, match=r"could not write the checkpoint .*: the disk is full .* This was the run's "
+                                      r"first checkpoint: there is none to resume from") as error:
+        train(config(run))
+    assert "previous checkpoint is intact" not in str(error.value)
+    assert not (run / "checkpoint").exists()
+
+
+def test_the_library_says_whether_a_previous_file_or_folder_was_there(tmp_path):
+    import errno
+
+    from dllm_fast.files import atomic_directory, atomic_path
+
+    def fill(error):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    for existed in (False, True):
+        target = tmp_path / f"dir{existed}"
+        if existed:
+            target.mkdir()
+        with pytest.raises(OSError, match="Nothing was replaced: the previous dir" if existed else
+                           r"Nothing was written: there was no dir\w+ before"):
+            with atomic_directory(target):
+                fill(None)
+        path = tmp_path / f"file{existed}"
+        if existed:
+            path.write_text("old")
+        with pytest.raises(OSError, match="the previous file" if existed else r"there was no file\w+ before"):
+            with atomic_path(path):
+                fill(None)

@@ -74,6 +74,7 @@ def test_recorded_order_replays_the_rollouts_states(generate_recording_unmask_st
         assert torch.equal(masks.masked[:, k], canvas == model.mask_token_id)
 
 
+@pytest.mark.slow
 def test_the_trainer_replays_the_decoding_order_for_tracerl(tmp_path, monkeypatch, generate_recording_unmask_step):
     """The training rollouts' generate (train/step.py's) is asked for the order only by objectives that need it;
     TraceRL trains on it without NaN."""

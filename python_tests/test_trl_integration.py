@@ -164,6 +164,7 @@ def test_threshold_decoding_sets_its_own_steps():
 
 @pytest.mark.compile
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.slow
 def test_the_rollout_function_passes_cache_and_compile_to_generate(cache, monkeypatch):
     """cache= and compile= reach generate: the completions are generate's own for that cache; compile=True runs
     the compiled step (counted; aot_eager keeps it seconds) with the same tokens."""
@@ -191,7 +192,7 @@ def test_the_rollout_function_passes_cache_and_compile_to_generate(cache, monkey
     assert eager["completion_ids"] == [row[:n] for row, n in zip(direct.completion_ids.tolist(), lengths)]
     assert compiled["completion_ids"] == eager["completion_ids"]
     assert counter.frame_count >= 1  # compile=True ran the compiled step
-    with pytest.raises(ValueError, match="cache='full' is not one of none, prefix, dual"):
+    with pytest.raises(ValueError, match=r"cache='full' is not one of \('none', 'prefix', 'dual', 'block'\)"):
         make_rollout_func(cache="full")
     with pytest.raises(TypeError, match="compile='yes' must be True or False"):
         make_rollout_func(compile="yes")
@@ -273,3 +274,58 @@ def test_the_example_uses_current_option_names_and_refuses_no_steps(tmp_path, ca
         assert exit.value.code == 2 and f"--steps: takes an integer >= 1, got '{steps}'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="steps=0 must be an int >= 1"):
         trl_example.build_trainer(str(tmp_path), steps=0)
+
+
+# -- issue 40: block models through TRL: their cache, and TraceRL on prompts of different lengths ------------------
+
+def sdar_trainer(tmp_path, model=None, **rollout):
+    from datasets import Dataset
+
+    from dllm_fast import objectives
+    from dllm_fast.integrations.trl import DiffusionGRPOTrainer
+    from dllm_fast.models import SDARConfig, SDARModel
+
+    torch.manual_seed(0)
+    model = model if model is not None else SDARModel.with_random_weights(SDARConfig.preset("sdar-tiny"))
+    prompts = ["a1 b70 a5", "b99 b64", "a10 a11 a12 b100", "b80"]  # 3, 2, 4 and 1 tokens: every alignment
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, num_generations=4, per_device_train_batch_size=8,
+                      gradient_accumulation_steps=1, max_completion_length=8, learning_rate=1e-3, temperature=1.0,
+                      logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=0,
+                      dataloader_num_workers=0)
+    return DiffusionGRPOTrainer(model=model, reward_funcs=[trl_example.a_words_reward], args=args,
+                                train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+                                processing_class=trl_example.build_tokenizer(),
+                                objective=objectives.get("tracerl", preset="sdar"),
+                                rollout_func=make_rollout_func(**rollout))
+
+
+@pytest.mark.parametrize("rollout", [dict(steps=8, cache="block"), dict(steps=8), dict(steps=4, threshold=0.5),
+                                     dict(steps=8, cache="block", full_last_block=True)],
+                         ids=["block cache", "no cache", "dynamic", "full last block"])
+def test_tracerl_trains_a_block_model_on_prompts_of_different_lengths(tmp_path, rollout):
+    """Issue 40 item 1: the rollout ran 11 forwards for gen_length 8 (each row's blocks align to its own first
+    token), and the adapter bounded unmask_step by gen_length: "unmask_step[4, 3] = 8 is not a denoising step in
+    [0, 8)". It is bounded by the rollout's forwards (nfe), as in the library's own trainer."""
+    trainer = sdar_trainer(tmp_path, **rollout)
+    trainer.train()
+    rows = [row for row in trainer.state.log_history if "loss" in row]
+    assert len(rows) == 1 and math.isfinite(rows[0]["loss"])
+    batch = trainer._updates[0][0].batch
+    assert batch.forwards == trainer._rollout_forwards and int(batch.unmask_step.max()) < batch.forwards
+
+
+def test_the_rollout_func_takes_a_block_models_cache_and_the_trainer_checks_it_against_its_model(tmp_path):
+    """Issue 40 item 5: make_rollout_func(cache="block") said 'block' is not one of none, prefix, dual."""
+    from dllm_fast.models import SDARConfig, SDARModel
+    from dllm_fast.rollout.cache import BlockCache
+
+    sdar = DiffusionPreTrainedModel(SDARModel.with_random_weights(SDARConfig.preset("sdar-tiny")))
+    out = make_rollout_func(cache="block", steps=8)(["a1 b70 a5", "b99"], fake_trainer(sdar, trl_example.build_tokenizer()))
+    assert len(out["completion_ids"]) == 2
+    make_rollout_func(cache=BlockCache())  # a policy object, as generate takes it
+    with pytest.raises(ValueError, match=r"cache='block' keeps the exact keys and values of finished blocks"):
+        sdar_trainer(tmp_path, LLaDAModel(LLaDAConfig.preset("tiny")), cache="block", block_length=4, steps=8)
+    with pytest.raises(ValueError, match=r"cache='dual' is Fast-dLLM's approximate cache .* pass cache='block'"):
+        sdar_trainer(tmp_path, cache="dual", steps=8)
+    with pytest.raises(TypeError, match=r"full_last_block='yes' must be True or False"):
+        make_rollout_func(full_last_block="yes")

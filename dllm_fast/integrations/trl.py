@@ -56,8 +56,9 @@ from dllm_fast.likelihood import BackwardHooks, MicroBatching
 from dllm_fast.models.hf_pretrained import DiffusionPreTrainedConfig, DiffusionPreTrainedModel
 from dllm_fast.models.loading import check_tokenizer
 from dllm_fast.objectives import InnerUpdate
-from dllm_fast.rollout.cache import CACHE_POLICIES
+from dllm_fast.rollout.cache import cache_policy
 from dllm_fast.rollout.config import GenerateConfig, rollout_settings
+from dllm_fast.rollout.plan import check_generate_config
 from dllm_fast.tasks.encoding import left_pad
 from dllm_fast.tasks.rewards import MAX_ABS_REWARD, reward_value
 from dllm_fast.train import step as train_step
@@ -79,42 +80,32 @@ def make_rollout_func(config: GenerateConfig | None = None, *, seed: int = 0, **
     each rollout passes generate one GenerateConfig. Left out or None, gen_length is the trainer's
     `max_completion_length`, steps gen_length (one token per step; none with a threshold), temperature the
     trainer's `temperature`; block_length a block-diffusion model's own block (SDAR; a threshold with steps is its
-    dynamic rule), else 32, capped at gen_length. cache ("none", "prefix", "dual": Fast-dLLM's KV caches) and
-    compile (each denoising step through torch.compile, CUDA graphs on a GPU; the first rollout compiles) are
-    generate's. Prompts are tokenized with the trainer's processing_class (the chat template for conversational
+    dynamic rule), else 32, capped at gen_length. cache ("none"; "prefix", "dual": Fast-dLLM's KV caches;
+    "block": a block-diffusion model's exact cache of finished blocks), full_last_block and compile (each denoising
+    step through torch.compile, CUDA graphs on a GPU; the first rollout compiles) are generate's; the trainer
+    checks them against its model when it is built. Prompts are tokenized with the trainer's processing_class (the chat template for conversational
     prompts), left-padded, and decoded in one batch under `model.eval()`. Each completion is returned through its
     first EOS, as TRL expects; its sampling log-probs are not available from a diffusion sampler (None). Noise
     comes from a generator seeded with seed + the process index, so runs are reproducible. For an objective that
     replays the decoding order (`needs_unmask_step`, TraceRL) the rollout records it, and the trainer builds the
-    RolloutBatch with it.
+    RolloutBatch with it, bounded by the rollout's forwards (`GenerationResult.nfe`: a block-diffusion batch of
+    prompts of different lengths runs more forwards than gen_length, see rollout/blocks.py).
     """
     given = rollout_settings(config, settings, "make_rollout_func")
     if given.get("block_length") is not None:
         check_int("block_length", given["block_length"], minimum=1)  # generate checks the rest when it runs
     check_int("seed", seed, minimum=0)
     check_bool("compile", given.get("compile", False))
-    cache = given.get("cache", "none")
-    if not isinstance(cache, str) or cache not in CACHE_POLICIES:
-        raise ValueError(f"cache={cache!r} is not one of {', '.join(CACHE_POLICIES)}.")
+    cache_policy(given.get("cache", "none"))  # a policy or a registered name (block models: "block")
+    check_bool("full_last_block", given.get("full_last_block", False))
     generators: dict[torch.device, torch.Generator] = {}
 
     def rollout_func(prompts: list, trainer) -> dict:
-        args = trainer.args
-        length = given.get("gen_length")
-        length = length if length is not None else args.max_completion_length
-        check_int("gen_length", length, minimum=1, hint="tokens per completion (GRPOConfig.max_completion_length)")
         device = trainer.accelerator.device
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
         model = trainer.model
         core = unwrap_model(model)
-        # A block-diffusion model decodes its own blocks (generate names a block_length that differs).
-        own, block_length = block_length_of(core), given.get("block_length")
-        block = (block_length or own) if own is not None else min(block_length or 32, length)
-        steps, temperature = given.get("steps"), given.get("temperature")
-        rollouts = GenerateConfig(**{
-            **given, "gen_length": length, "block_length": block,
-            "steps": steps if steps is not None or given.get("threshold") is not None else length,
-            "temperature": temperature if temperature is not None else args.temperature})
+        rollouts = rollout_config(given, trainer.args, core)
         prompt_ids = tokenize_prompts(prompts, tokenizer, getattr(trainer, "chat_template_kwargs", None) or {})
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else core.eos_token_id
         input_ids, attention_mask = left_pad(prompt_ids, pad, device)
@@ -124,13 +115,32 @@ def make_rollout_func(config: GenerateConfig | None = None, *, seed: int = 0, **
         result = train_step.roll_out(model, input_ids, attention_mask, rollouts, generator=generators[device],
                                      record_unmask_step=getattr(objective, "needs_unmask_step", False),
                                      hooks=train_step.StepHooks(autocast=trainer.accelerator.autocast))
-        # Trajectory objectives (TraceRL) replay the decoding order: kept for this generation batch's plan.
+        # Trajectory objectives (TraceRL) replay the decoding order: kept for this generation batch's plan, with
+        # the rollout's forward count that bounds it.
         trainer._unmask_step = getattr(result, "unmask_step", None)
+        trainer._rollout_forwards = result.nfe
         lengths = result.completion_mask.sum(-1).tolist()
         completions = [row[:n] for row, n in zip(result.completion_ids.tolist(), lengths)]
         return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
 
+    rollout_func.settings = given  # what DiffusionGRPOTrainer checks against its model before training
     return rollout_func
+
+
+def rollout_config(given: dict, args, model) -> GenerateConfig:
+    """The GenerateConfig a rollout function made by make_rollout_func decodes with, for the trainer's `args`
+    (GRPOConfig) and its `model` (see make_rollout_func for the defaults)."""
+    length = given.get("gen_length")
+    length = length if length is not None else args.max_completion_length
+    check_int("gen_length", length, minimum=1, hint="tokens per completion (GRPOConfig.max_completion_length)")
+    # A block-diffusion model decodes its own blocks (generate names a block_length that differs).
+    own, block_length = block_length_of(model), given.get("block_length")
+    block = (block_length or own) if own is not None else min(block_length or 32, length)
+    steps, temperature = given.get("steps"), given.get("temperature")
+    return GenerateConfig(**{
+        **given, "gen_length": length, "block_length": block,
+        "steps": steps if steps is not None or given.get("threshold") is not None else length,
+        "temperature": temperature if temperature is not None else args.temperature})
 
 
 def checked_reward_function(function):
@@ -229,6 +239,10 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         super().__init__(model=model, reward_funcs=reward_funcs, args=args,
                          rollout_func=rollout_func if rollout_func is not None else make_rollout_func(), **kwargs)
         check_trl_config(self.args)
+        settings = getattr(self.rollout_func, "settings", None)
+        if settings is not None:  # make_rollout_func's: its settings suit the model (a cache it has, its blocks)
+            core = unwrap_model(self.model)
+            check_generate_config(core, rollout_config(settings, self.args, core))
         self._reference = None if reference is None else reference.to(self.accelerator.device)
         self.objective = objective
         self.likelihood_micro_batch = check_int(
@@ -240,6 +254,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         self._mask_generator = torch.Generator().manual_seed(seed + self.accelerator.process_index)
         self._rewards: torch.Tensor | None = None
         self._unmask_step: torch.Tensor | None = None  # set by make_rollout_func's rollouts
+        self._rollout_forwards: int | None = None
         self._updates: list[list[_Use]] | None = None
 
     # -- TRL hooks --------------------------------------------------------------------------------------------
@@ -317,7 +332,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         """Split a generation batch into micro-batches of whole groups, and plan each one's num_iterations uses
         with the objective: a use after an optimizer step (the policy has moved) gets the old policy's lp."""
         batch = rollout_batch(generated, self._rewards, self.num_generations, unwrap_model(self.model).eos_token_id,
-                              unmask_step=self._unmask_step if self.objective.needs_unmask_step else None)
+                              unmask_step=self._unmask_step if self.objective.needs_unmask_step else None,
+                              forwards=self._rollout_forwards)
         rows = self.args.per_device_train_batch_size
         groups = rows // self.num_generations
         accumulation = self.args.gradient_accumulation_steps
@@ -350,11 +366,13 @@ def check_trl_config(args) -> None:
 
 
 def rollout_batch(generated: dict, rewards: torch.Tensor | None, group_size: int, eos_token_id: int,
-                  unmask_step: torch.Tensor | None = None) -> RolloutBatch:
+                  unmask_step: torch.Tensor | None = None, forwards: int | None = None) -> RolloutBatch:
     """The RolloutBatch of a TRL generation batch: prompt (left-padded) + completion (EOS-padded after its first
     EOS, as the sampler leaves it), attending to every completion position as in sampling. unmask_step: the
     rollout's [rows, gen_length] record, cut to TRL's completion width (positions past a row's first EOS hold EOS
-    here, whatever the canvas held: a replayed state shows EOS there)."""
+    here, whatever the canvas held: a replayed state shows EOS there); forwards: the rollout's forward count
+    (GenerationResult.nfe), which bounds it however it is cut (None: gen_length, what every rollout whose rows
+    share one block alignment stays within)."""
     if rewards is None or rewards.shape[0] != generated["prompt_ids"].shape[0]:
         raise RuntimeError("no rewards were recorded for this generation batch (DiffusionGRPOTrainer reads them in "
                            "_calculate_rewards).")
@@ -365,12 +383,13 @@ def rollout_batch(generated: dict, rewards: torch.Tensor | None, group_size: int
     attention_mask = None
     if not bool(prompt_mask.all()):
         attention_mask = torch.cat([prompt_mask, torch.ones_like(completion)], dim=1).long()
-    forwards = None
-    if unmask_step is not None:
+    if unmask_step is None:
+        forwards = None
+    else:
         if unmask_step.shape[0] != completion.shape[0] or unmask_step.shape[1] < completion.shape[1]:
             raise RuntimeError(f"the recorded unmask_step {tuple(unmask_step.shape)} does not cover this generation "
                                f"batch's completions {tuple(completion.shape)}; roll out with make_rollout_func.")
-        forwards = unmask_step.shape[1]  # the rollout's gen_length bounds its forwards, however the record is cut
+        forwards = forwards if forwards is not None else unmask_step.shape[1]
         unmask_step = unmask_step[:, :completion.shape[1]].to(completion.device)
     return RolloutBatch(sequences=sequences, attention_mask=attention_mask, prompt_length=prompt_ids.shape[1],
                         completion_mask=completion_mask(completion, eos_token_id), rewards=rewards.float(),

@@ -9,10 +9,11 @@ backward that differentiates any objective of lp in memory independent of n_t.
         return -(torch.exp(elbo(lp, masks) - elbo(lp_old, masks)) * advantages).mean()
     value, lp = streaming_backward(model, sequences, masks, objective, micro_batch=1)
     # or micro_batch=MicroBatching(1, score_micro_batch=8, chunk_size=8192), hooks=BackwardHooks(...);
-    # a sum of per-(sequence, sample) terms in one pass: streaming_backward(..., Separable(terms), ...)
+    # a sum of per-(sequence, sample) terms in one pass: streaming_backward(..., Separable(terms), ...);
+    # a sum of per-sequence terms (the ratio above): SequenceLocal(objective), in one pass where it can
 """
 
-from dllm_fast.likelihood.engine import BackwardResult, Separable, streaming_backward
+from dllm_fast.likelihood.engine import BackwardResult, Separable, SequenceLocal, streaming_backward
 from dllm_fast.likelihood.estimators import elbo, eubo, eubo_per_position, mean_field, mixture, token_estimate
 from dllm_fast.likelihood.mask_spec import MaskSpec
 from dllm_fast.likelihood.masks import MonteCarloMasks, counted_positions, draw_masks, sample_masks
@@ -24,6 +25,7 @@ __all__ = [
     "COUNT_MODES",
     "SAMPLERS",
     "Separable",
+    "SequenceLocal",
     "BackwardHooks",
     "BackwardResult",
     "MaskSpec",

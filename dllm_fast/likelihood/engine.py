@@ -11,6 +11,14 @@ micro-batch's graph before the next. Peak memory is one micro-batch's graph, wha
 is a sum of per-pair terms (BGPO's bound) needs no coef: the separable path scores and backpropagates each
 micro-batch once, skipping pass 1.
 
+An objective that couples pairs only within a sequence (`SequenceLocal`: ESPO's sequence ratio and KL, VRPO-OL,
+SPG, GDPO, coupled GRPO) skips pass 1 too. Its loss is a sum of per-sequence terms, so d loss / d lp[n] depends on
+lp[n] alone: a micro-batch that holds every pair of its sequences scores them with a graph, takes their coef from
+the loss evaluated with their rows in place (the other sequences' rows hold any finite constant), and
+backpropagates (coef * lp).sum() at once. The gradient is the two-pass one, with one forward fewer per pair (about a
+third of a LoRA update's work). Micro-batches then hold whole sequences (at most micro_batch pairs); when n_t exceeds micro_batch, or
+under `MicroBatching(one_pass=False)`, the two passes run.
+
 Memory is flat in n_t with the gradients included: across micro-batches, gradients accumulate in place into
 `.grad`. The LM head's and the embeddings' [V, d] gradients are added straight into their `.grad` (the fused op
 and `gradients.embedding_grads_in_place`) rather than built as a new [V, d] tensor each micro-batch for autograd
@@ -38,7 +46,7 @@ from dllm_fast.likelihood.masks import MonteCarloMasks
 from dllm_fast.likelihood.gradients import all_or_nothing, embedding_grads_in_place
 from dllm_fast.likelihood.scoring import (
     PairBatch, aligned_call_count, check_inputs, ids_checked_once, pair_batches, score_batch_of_pairs,
-    score_pairs_with_known_gradient,
+    score_pairs_with_known_gradient, sequence_batches,
 )
 from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
 
@@ -58,6 +66,28 @@ class Separable:
             raise TypeError(f"Separable takes the objective's terms, a callable, got {type(self.terms).__name__}.")
 
 
+@dataclass(frozen=True)
+class SequenceLocal:
+    """An objective of the whole lp [N, n_t, L] that is a sum of per-sequence terms: `loss(lp) -> 0-dim tensor`,
+    whose gradient with respect to lp[n] depends on lp[n] alone (and constants). `streaming_backward`
+    differentiates it in one pass where micro-batches can hold whole sequences (module docstring), else in two.
+
+    fill: [N, n_t, L] values the rows of the sequences outside a micro-batch hold while its loss is differentiated
+        (None: zeros). Their values never reach the gradient; give finite ones that keep the loss finite, e.g. the
+        old policy's lp (ratios of 1).
+    inert: [N] bool, sequences whose terms are constant in lp for every lp (e.g. zero advantage and no KL term):
+        they are scored without a graph, for the value and the returned lp only. None: none known.
+    """
+
+    loss: Callable[[torch.Tensor], torch.Tensor]
+    fill: torch.Tensor | None = None
+    inert: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.loss):
+            raise TypeError(f"SequenceLocal takes the objective's loss, a callable, got {type(self.loss).__name__}.")
+
+
 class BackwardResult(NamedTuple):
     """What `streaming_backward` returns: the objective's value (detached 0-dim tensor; fp32, or fp64 for an fp64
     model) and the current policy's lp [N, n_t, L] (detached), which costs nothing extra."""
@@ -70,7 +100,7 @@ def streaming_backward(
     model,
     sequences: torch.Tensor,
     masks: MonteCarloMasks,
-    objective: Callable[[torch.Tensor], torch.Tensor] | Separable,
+    objective: Callable[[torch.Tensor], torch.Tensor] | Separable | SequenceLocal,
     *,
     micro_batch: int | MicroBatching,
     attention_mask: torch.Tensor | None = None,
@@ -94,6 +124,9 @@ def streaming_backward(
             - `Separable(terms)`: a sum of per-pair terms (to look up advantages, old lp, weights by pair), on the
               one-pass path described above, which has no pass 1 (score_micro_batch does not apply). Pairs with
               nothing masked are passed with all-zero rows and no model call.
+            - `SequenceLocal(loss, fill, inert)`: a sum of per-sequence terms, in one pass when n_t <= micro_batch
+              (micro-batches of whole sequences, at most micro_batch pairs each; score_micro_batch applies to the
+              inert sequences only), else in two. Its gradient equals the two-pass one.
         micro_batch: (sequence, sample) pairs per recomputed graph, or a `MicroBatching` that also sets pass 1's
             model calls (score_micro_batch; it must equal micro_batch under active dropout), the vocabulary
             chunk of the fused LM head and compiled micro-batches. Peak memory scales with micro_batch, not with
@@ -125,6 +158,10 @@ def streaming_backward(
     batching, hooks = MicroBatching.of(micro_batch), hooks if hooks is not None else BackwardHooks()
     check_inputs(model, sequences, masks, attention_mask=attention_mask)
     separable = isinstance(objective, Separable)
+    local = objective if isinstance(objective, SequenceLocal) else None
+    if local is not None:
+        objective = local.loss
+        _check_sequence_local(local, masks)
     if not separable and not callable(objective):
         raise TypeError(f"objective must be callable (or Separable(terms)), got {type(objective).__name__}.")
     if separable and lp is not None:
@@ -153,6 +190,12 @@ def streaming_backward(
             if separable:
                 return _separable(model, sequences, masks, objective.terms, batching, attention_mask,
                                   backward_pass)
+            # One pass when a micro-batch can hold a whole sequence's samples: decided by the shapes alone, so that
+            # every data-parallel rank takes the same path (and makes the same collectives)
+            if local is not None and lp is None and batching.one_pass and masks.n_t <= batching.micro_batch:
+                needed = None if local.inert is None else ~local.inert.to(device=sequences.device, dtype=torch.bool)
+                batches = sequence_batches(masks, batching.micro_batch, among=needed)
+                return _one_pass(model, sequences, masks, local, batches, batching, attention_mask, backward_pass)
             return _two_pass(model, sequences, masks, objective, batching, attention_mask, lp, backward_pass)
 
     return BackwardResult(*all_or_nothing(model, run))
@@ -261,7 +304,7 @@ def _two_pass(model, sequences: torch.Tensor, masks: MonteCarloMasks, objective,
             f"(objective value {value.item()}); check the objective for overflow (e.g. exp of a large ELBO "
             "difference) before stepping."
         )
-    coef_rows = coef.view(-1, L)
+    coef_rows = coef.reshape(-1, L)
     needed = coef_rows.ne(0).any(-1)  # pairs whose gradient weight is zero are skipped
     # pass 2: (pairs, RNG state to replay, gradient weight); zero-weighted entries only keep ranks in step
     if replay:  # the same micro-batches as pass 1, each under the RNG state it was scored with
@@ -299,6 +342,80 @@ def _two_pass(model, sequences: torch.Tensor, masks: MonteCarloMasks, objective,
     if replay:
         _set_rng_state(after_pass_1, device)  # later draws continue as if pass 2 had drawn nothing
     return value, lp
+
+
+def _one_pass(model, sequences: torch.Tensor, masks: MonteCarloMasks, objective: SequenceLocal,
+              batches: list[PairBatch], batching: MicroBatching, attention_mask, backward_pass: _Backward):
+    """A sequence-local objective's gradient, each micro-batch (whole sequences) scored and backpropagated once."""
+    device = sequences.device
+    N, n_t, L = masks.num_sequences, masks.n_t, masks.completion_length
+    lp = torch.zeros(N * n_t, L, dtype=accumulate_dtype(unwrap_model(model).lm_head_weight.dtype), device=device)
+    # The other sequences' rows: the given fill, or lp as scored so far (zeros, then earlier micro-batches' rows)
+    fill = lp if objective.fill is None else objective.fill.detach().to(lp.dtype).reshape(N * n_t, L)
+    scored = masks.scored.reshape(N * n_t, L)
+    zero = torch.zeros((), dtype=lp.dtype, device=device)
+    idle = []  # the inert sequences' pairs: their terms carry no gradient, so they are scored without a graph
+    if objective.inert is not None:
+        among = objective.inert.to(device=device, dtype=torch.bool).repeat_interleave(n_t)
+        idle = pair_batches(masks, batching.scoring, among=among)
+    not_finite = torch.zeros((), dtype=torch.int64, device=device)  # read once, at the end (one host sync)
+    total = backward_pass.aligned(len(batches), device)
+    with torch.enable_grad(), embedding_grads_in_place(model):
+        for index in range(total):
+            padding = index >= len(batches)  # keeps this rank in step with ranks that have more micro-batches
+            batch = (batches or idle)[-1] if padding else batches[index]
+            pairs = batch.pairs
+            with backward_pass.step(last=index == total - 1):
+                lp_batch = _score_with_grad(model, sequences, masks, batch, batching, attention_mask)
+                rows, coef = lp_batch.detach(), None
+                if not padding:
+                    leaf = rows.clone().requires_grad_(True)
+                    loss = _scalar(objective.loss(fill.index_put((pairs,), leaf).view(N, n_t, L)), "objective(lp)")
+                    if loss.requires_grad:
+                        (coef,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+                if coef is not None:
+                    coef = torch.where(scored[pairs], coef, zero)  # lp is a constant 0 where nothing is scored
+                    not_finite += (~torch.isfinite(coef)).sum()
+                    backward_pass((coef * lp_batch).sum())
+                elif backward_pass.distributed and lp_batch.requires_grad:
+                    backward_pass((lp_batch * 0).sum())  # nothing to backpropagate: still join the collectives
+            if not padding:
+                lp[pairs] = rows
+    with torch.no_grad():
+        # every rank makes the same number of model calls (agreed before the first: FSDP2's forwards gather)
+        calls = backward_pass.aligned(len(idle), device) if objective.inert is not None else 0
+        for index in range(calls):
+            batch = idle[index] if index < len(idle) else (idle or batches)[-1]
+            rows = score_batch_of_pairs(model, sequences, masks, batch, batching, capacity=batching.scoring,
+                                        attention_mask=attention_mask)
+            if index < len(idle):
+                lp[batch.pairs] = rows
+        lp = lp.view(N, n_t, L)
+        value = _scalar(objective.loss(lp), "objective(lp)").detach()
+    _check_finite_value(value, "objective(lp)")
+    count = int(not_finite)
+    if count:
+        raise FloatingPointError(
+            f"d objective / d lp is not finite at {count} scored positions (objective value {value.item()}); "
+            "check the objective for overflow (e.g. exp of a large ELBO difference) before stepping."
+        )
+    return value, lp
+
+
+def _check_sequence_local(objective: SequenceLocal, masks: MonteCarloMasks) -> None:
+    N, n_t, L = masks.num_sequences, masks.n_t, masks.completion_length
+    if objective.fill is not None:
+        fill = objective.fill
+        if not isinstance(fill, torch.Tensor) or tuple(fill.shape) != (N, n_t, L) or not fill.is_floating_point():
+            got = f"{fill.dtype} {tuple(fill.shape)}" if isinstance(fill, torch.Tensor) else type(fill).__name__
+            raise ValueError(f"SequenceLocal.fill must be a floating-point [N, n_t, L] = {(N, n_t, L)} tensor (e.g. "
+                             f"the old policy's lp on these masks), got {got}.")
+    if objective.inert is not None:
+        inert = objective.inert
+        if not isinstance(inert, torch.Tensor) or tuple(inert.shape) != (N,) or inert.dtype != torch.bool:
+            got = f"{inert.dtype} {tuple(inert.shape)}" if isinstance(inert, torch.Tensor) else type(inert).__name__
+            raise ValueError(f"SequenceLocal.inert must be a bool [N] = ({N},) tensor (sequences whose terms do not "
+                             f"depend on lp), got {got}.")
 
 
 def _rng_state(device: torch.device) -> list[torch.Tensor]:

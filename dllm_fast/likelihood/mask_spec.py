@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dllm_fast.likelihood.samplers import COUNT_MODES, SAMPLERS, NTRule
-from dllm_fast.validation import check_choice, check_float, check_int
+from dllm_fast.validation import check_bool, check_choice, check_float, check_int
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,11 @@ class MaskSpec:
         if "sampler" not in settings or "n_t" not in settings:
             raise TypeError("give the mask settings: a MaskSpec, or sampler= and n_t= (and the sampler's own).")
         if "t_range" in settings:
-            low, high = settings.pop("t_range")
-            settings.update(coupled_t_min=low, coupled_t_max=high)
+            t_range = settings.pop("t_range")
+            if isinstance(t_range, (str, bytes, dict)) or not isinstance(t_range, (tuple, list)) or len(t_range) != 2:
+                raise ValueError(f"t_range={t_range!r} must be two masking rates (low, high), e.g. t_range=(0.2, 0.8) "
+                                 "(DiffuCoder's).")
+            settings.update(coupled_t_min=t_range[0], coupled_t_max=t_range[1])
         if settings["sampler"] == "trajectory":
             if settings["n_t"] is not None:
                 raise ValueError(f"n_t={settings['n_t']!r} does not apply to sampler='trajectory': its samples are "
@@ -101,10 +104,9 @@ class MaskSpec:
         """Every setting but n_t (which `valid_n_t` searches)."""
         check_choice("sampler", self.sampler, SAMPLERS)
         check_choice("count", self.count, COUNT_MODES)
-        if isinstance(self.block_length, bool) or not isinstance(self.block_length, int) or self.block_length < 1:
-            raise ValueError(f"block_length={self.block_length!r} must be a positive int.")
-        if not isinstance(self.perturb_prob, (int, float)) or not 0.0 <= self.perturb_prob <= 1.0:
-            raise ValueError(f"perturb_prob={self.perturb_prob!r} must be a probability in [0, 1].")
+        check_int("block_length", self.block_length, minimum=1, hint="the block sampler's block size")
+        check_float("perturb_prob", self.perturb_prob, minimum=0.0, maximum=1.0,
+                    hint="a probability, e.g. 0.15 (d1's); True or False are not probabilities")
         check_int("shrink", self.shrink, minimum=1, hint="decoding steps merged per state; TraceRL uses 8 for "
                                                          "LLaDA, 1 for block models")
         if self.quadrature_points is not None:
@@ -121,4 +123,8 @@ class MaskSpec:
         sampler's rule (complementary pairs: even; the full mask plus pairs: odd; gauss: a multiple of
         quadrature_points; trajectory: 1)."""
         self.check_settings()
+        if n_t is not None:
+            check_int("n_t", n_t, hint="Monte Carlo masks per sequence; the search starts from max(1, n_t)")
+        check_bool("down", down)
+        check_int("limit", limit, minimum=1, hint="the largest n_t searched")
         return self.n_t_rule().nearest(self.n_t if n_t is None else n_t, down=down, limit=limit)

@@ -115,6 +115,32 @@ def pair_batches(masks: MonteCarloMasks, micro_batch: int, among: torch.Tensor |
     return batches
 
 
+def sequence_batches(masks: MonteCarloMasks, micro_batch: int, among: torch.Tensor | None = None) -> list[PairBatch]:
+    """The pairs that score at least one position, of the sequences `among` ([N] bool; None: every sequence), in
+    order, cut into micro-batches of whole sequences: each holds every such pair of its sequences, at most
+    `micro_batch` pairs in all (micro_batch >= n_t). One host read."""
+    if micro_batch < masks.n_t:
+        raise ValueError(f"micro_batch={micro_batch} cannot hold a sequence's n_t={masks.n_t} samples.")
+    n_t, L = masks.n_t, masks.completion_length
+    counts = masks.scored.reshape(-1, L).sum(-1)
+    if among is not None:
+        counts = torch.where(among.repeat_interleave(n_t), counts, torch.zeros((), dtype=counts.dtype,
+                                                                               device=counts.device))
+    counts = counts.tolist()
+    groups: list[list[int]] = [[]]
+    for sequence in range(masks.num_sequences):
+        active = [pair for pair in range(sequence * n_t, (sequence + 1) * n_t) if counts[pair]]
+        if len(groups[-1]) + len(active) > micro_batch:
+            groups.append([])
+        groups[-1] += active
+    pairs = torch.tensor([pair for group in groups for pair in group], dtype=torch.int64).to(masks.scored.device)
+    batches, first = [], 0
+    for group in filter(None, groups):
+        batches.append(PairBatch(pairs[first:first + len(group)], tuple(group), sum(counts[p] for p in group)))
+        first += len(group)
+    return batches
+
+
 def score_batch_of_pairs(model, sequences: torch.Tensor, masks: MonteCarloMasks, batch: PairBatch,
                          batching: MicroBatching, *, capacity: int, attention_mask: torch.Tensor | None = None,
                          grad_into_weight: bool = False) -> torch.Tensor:

@@ -27,12 +27,17 @@ class MicroBatching:
         torch.compile(fullgraph=True) graphs, its pairs and scored rows padded to a few buckets
         (likelihood/compiled.py); the first micro-batch of each bucket compiles. Not with active dropout in the
         two-pass engine (its pass 2 replays pass 1's random numbers, which a compiled graph draws differently).
+    one_pass: let an objective whose loss couples pairs only within a sequence (`SequenceLocal`: ESPO, VRPO-OL,
+        SPG, GDPO, coupled GRPO) skip the engine's scoring pass: each micro-batch then holds whole sequences and
+        differentiates their loss in its own graph (likelihood/engine.py). False: always the two passes (to
+        compare them; the gradient is the same).
     """
 
     micro_batch: int
     score_micro_batch: int | None = None
     chunk_size: int | None = None
     compile: bool = False
+    one_pass: bool = True
 
     def __post_init__(self) -> None:
         check_int("micro_batch", self.micro_batch, minimum=1, hint="(sequence, sample) pairs per backward graph")
@@ -42,6 +47,7 @@ class MicroBatching:
         if self.chunk_size is not None:
             check_int("chunk_size", self.chunk_size, minimum=1, hint="vocabulary rows per chunk of the LM head")
         check_bool("compile", self.compile)
+        check_bool("one_pass", self.one_pass)
 
     @classmethod
     def of(cls, value: "int | MicroBatching") -> "MicroBatching":

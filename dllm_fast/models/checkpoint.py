@@ -6,6 +6,11 @@ model-0000i-of-0000n.safetensors listed in model.safetensors.index.json. Keys ca
 families (SDAR, LLaDA2) reuse this with their config class (`cls.config_class`), key prefix (`key_prefix`) and, where
 their modules hold some weights under other names, the mapping to and from the official names
 (`official_state` / `native_state`).
+
+A checkpoint reads nothing outside its own directory (`confined`): the index names files in it (no absolute
+path, no `..`), and a symbolic link whose target lies elsewhere is followed only with
+`allow_external_links=True`, except into the `blobs/` folder of the Hugging Face cache that holds a snapshot
+(`snapshots/<revision>/` links there by design). A downloaded checkpoint cannot make the loader read other files.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import NamedTuple
@@ -35,9 +41,10 @@ COMPANION_FILES = (
 )
 
 
-def read_config(path: Path, config_class=LLaDAConfig):
+def read_config(path: Path, config_class=LLaDAConfig, *, allow_external_links: bool = False):
     """The checkpoint's config.json as `config_class` (the model family's; LLaDAConfig by default)."""
     config_file = path / "config.json"
+    confined(config_file, path, allow_external_links)
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} does not exist; a checkpoint directory needs config.json.")
     try:
@@ -50,39 +57,83 @@ def read_config(path: Path, config_class=LLaDAConfig):
         raise type(error)(f"{config_file}: {error}") from error
 
 
-def weight_files(path: Path) -> dict[str, list[str]]:
-    """Map each safetensors file of the checkpoint to the keys the index says it holds (None: read its header)."""
+def weight_files(path: Path, *, allow_external_links: bool = False) -> dict[str, list[str]]:
+    """Map each safetensors file of the checkpoint to the keys the index says it holds (None: read its header).
+    Every file lies in the checkpoint directory (`confined`)."""
     index_file = path / INDEX_NAME
+    confined(index_file, path, allow_external_links)
     if index_file.is_file():
         try:
             weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as error:
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ValueError(f"{index_file} is corrupt: {error!r}; it needs a 'weight_map' object.") from error
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_file}: weight_map is a JSON {_json_name(weight_map)}; it must be an object "
+                             "mapping each weight's name to its shard's file name (re-download the checkpoint or "
+                             "re-save it).")
         files: dict[str, list[str]] = {}
         for key, name in weight_map.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{index_file}: weight_map[{key!r}] = {name!r} must be a shard's file name.")
             files.setdefault(name, []).append(key)
+        for name in files:
+            confined(path / name, path, allow_external_links, listed=name)
         return files
     if (path / SINGLE_NAME).is_file():
+        confined(path / SINGLE_NAME, path, allow_external_links)
         return {SINGLE_NAME: None}
     shards = sorted(p.name for p in path.glob("model*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{path} holds no model*.safetensors weights.")
+    for name in shards:
+        confined(path / name, path, allow_external_links)
     return {name: None for name in shards}
 
 
-def load_checkpoint(cls, path, *, dtype=None, device=None):
+def confined(file: Path, directory: Path, allow_external_links: bool = False, *, listed: str | None = None) -> None:
+    """Refuse a checkpoint file outside its directory: an index entry (`listed`) that is absolute or climbs out
+    with `..`, or a symbolic link whose target lies outside `directory`, unless `allow_external_links` (links into
+    the blobs/ folder of the Hugging Face cache holding a snapshot are the cache's own layout, and followed)."""
+    if listed is not None and (Path(listed).is_absolute() or ".." in Path(listed).parts or "\\" in listed):
+        raise ValueError(f"{directory / INDEX_NAME} lists the shard {listed!r}, which is not a file name inside the "
+                         "checkpoint directory; a checkpoint reads only its own files (re-download it, or fix the "
+                         "index's weight_map).")
+    if allow_external_links or not os.path.lexists(file):
+        return
+    target, home = file.resolve(), directory.resolve()
+    if home == target or home in target.parents:
+        return
+    cache = home.parent.parent / "blobs"  # <repo>/snapshots/<revision> links into <repo>/blobs
+    if home.parent.name == "snapshots" and cache.resolve() in target.parents:
+        return
+    raise ValueError(f"{file} leads to {target}, outside the checkpoint directory {directory}; a checkpoint reads only "
+                     "its own files. Copy the file in, or pass allow_external_links=True (train: "
+                     "--allow-external-links true) if you trust where the link points.")
+
+
+def _json_name(value) -> str:
+    return {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def load_checkpoint(cls, path, *, dtype=None, device=None, allow_external_links: bool = False):
+    """A model of class `cls` with the weights of the checkpoint directory `path` (see the module docstring;
+    allow_external_links: follow symbolic links that lead out of the directory)."""
     dtype = _checked_dtype(dtype)
     device = _checked_device(device)
+    if not isinstance(allow_external_links, bool):
+        raise TypeError(f"allow_external_links={allow_external_links!r} must be True or False.")
     path = settled_directory(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory; from_pretrained needs a checkpoint directory "
                                 "(config.json and model*.safetensors).")
-    config = read_config(path, getattr(cls, "config_class", LLaDAConfig))
+    config = read_config(path, getattr(cls, "config_class", LLaDAConfig), allow_external_links=allow_external_links)
     with torch.device("meta"):
         model = cls(config)
     expected = {name: tuple(p.shape) for name, p in official_state(cls, model.state_dict()).items()}
     prefix = key_prefix(cls)
-    stored = _stored_weights(path, expected, prefix)
+    stored = _stored_weights(path, expected, prefix, family=_family_name(cls),
+                             allow_external_links=allow_external_links)
     missing = sorted(set(expected) - set(stored))
     if missing:
         shown = ", ".join(prefix + k for k in missing[:5])
@@ -119,12 +170,13 @@ def key_prefix(cls) -> str:
     return getattr(cls, "checkpoint_key_prefix", KEY_PREFIX)
 
 
-def _stored_weights(path: Path, expected: dict[str, tuple[int, ...]], prefix: str = KEY_PREFIX,
-                    ) -> dict[str, _StoredWeight]:
+def _stored_weights(path: Path, expected: dict[str, tuple[int, ...]], prefix: str = KEY_PREFIX, *,
+                    family: str = "LLaDA", allow_external_links: bool = False) -> dict[str, _StoredWeight]:
     """Every weight of the checkpoint by native name, with its file, shape and dtype, from the safetensors
-    headers alone (no tensor data is read); names, shapes and dtypes are checked against the architecture."""
+    headers alone (no tensor data is read); names, shapes and dtypes are checked against the architecture of the
+    model `family` (named in messages)."""
     stored: dict[str, _StoredWeight] = {}
-    for name, listed_keys in weight_files(path).items():
+    for name, listed_keys in weight_files(path, allow_external_links=allow_external_links).items():
         file = path / name
         if not file.is_file():
             raise FileNotFoundError(f"{file} is listed in {INDEX_NAME} but missing; the checkpoint is incomplete.")
@@ -139,7 +191,8 @@ def _stored_weights(path: Path, expected: dict[str, tuple[int, ...]], prefix: st
             for key in keys:
                 native = _native_key(key, file, prefix)
                 header = reader.get_slice(key)
-                weight = _StoredWeight(file, key, tuple(header.get_shape()), _torch_dtype(header.get_dtype(), key, file))
+                weight = _StoredWeight(file, key, tuple(header.get_shape()),
+                                       _torch_dtype(header.get_dtype(), key, file, family))
                 if native not in expected:
                     raise ValueError(f"{file} holds {key!r}, which the config's architecture does not have.")
                 if weight.shape != expected[native]:
@@ -189,11 +242,17 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _torch_dtype(name: str, key: str, file: Path) -> torch.dtype:
+def _torch_dtype(name: str, key: str, file: Path, family: str = "LLaDA") -> torch.dtype:
     if name not in _SAFETENSORS_DTYPES:
-        raise ValueError(f"{key} in {file} is stored as {name}; LLaDA weights must be floating point "
-                         f"({', '.join(_SAFETENSORS_DTYPES)}).")
+        raise ValueError(f"{key} in {file} is stored as {name}; {family} weights must be floating point "
+                         f"({', '.join(_SAFETENSORS_DTYPES)}): dllm_fast loads no quantized checkpoint, so "
+                         "dequantize it (or load the unquantized release).")
     return _SAFETENSORS_DTYPES[name]
+
+
+def _family_name(cls) -> str:
+    """The model family as messages name it: its class's `family_name`, else the class name less "Model"."""
+    return getattr(cls, "family_name", None) or cls.__name__.removesuffix("Model") or cls.__name__
 
 
 def _checked_dtype(dtype):

@@ -9,6 +9,7 @@ FLOPs, bounds an eager step (benchmarks/bench_rollout.py counts them).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -281,11 +282,27 @@ def fuse_linears(owner: nn.Module, fused_name: str, parts: dict[str, int], in_fe
 
 def projection_outputs(x: torch.Tensor, fused: FusedLinear, parts: Sequence[nn.Module]) -> torch.Tensor:
     """The fused GEMM's output [..., sum(out)] for input x, with any adapter of a part (a PEFT wrapper in place of
-    its ProjectionSlice) added to that part's rows. Without adapters: one GEMM. With some: the same GEMM, each
-    wrapper's delta on its rows (the wrapper gets its base rows through `base_output`), and one concatenation. A
-    part replaced by a module that does not wrap its ProjectionSlice (e.g. a plain nn.Linear) is called alone."""
+    its ProjectionSlice) added to that part's rows. Without adapters: one GEMM. With plain LoRA wrappers
+    (`lora_deltas`): the same GEMM, each wrapper's deltas added in place into its rows, the values PEFT's forward
+    gives, without the concatenation (nor, in the backward, a zero-filled full-width gradient per part). Otherwise
+    each wrapper gets its base rows through `base_output`, and one concatenation. A part replaced by a module that
+    does not wrap its ProjectionSlice (e.g. a plain nn.Linear) is called alone."""
     base = F.linear(x, fused.weight)
     if all(isinstance(part, ProjectionSlice) for part in parts):
+        return base
+    lean = []
+    for part in parts:
+        if isinstance(part, ProjectionSlice):
+            continue
+        deltas = lora_deltas(part, x) if isinstance(getattr(part, "base_layer", None), ProjectionSlice) else None
+        if deltas is None or any(delta.dtype != base.dtype for delta in deltas):
+            break
+        lean.append((part.base_layer, deltas))
+    else:
+        for inner, deltas in lean:
+            rows = base[..., inner.start:inner.stop]
+            for delta in deltas:
+                rows.add_(delta)  # PEFT's `result = result + delta`, in place: the same rounding
         return base
     outputs = []
     for part in parts:
@@ -296,6 +313,58 @@ def projection_outputs(x: torch.Tensor, fused: FusedLinear, parts: Sequence[nn.M
         rows = base[..., inner.start:inner.stop]
         outputs.append(rows if part is inner else part(x, base_output=rows))
     return torch.cat(outputs, dim=-1)
+
+
+def adapted_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """module(x) for an nn.Linear, or for a PEFT LoRA wrapper of one its base output with `lora_deltas` added (the
+    values PEFT's forward gives, without its copies of x under autocast)."""
+    deltas = lora_deltas(module, x) if isinstance(getattr(module, "base_layer", None), nn.Linear) else None
+    if deltas is None:
+        return module(x)
+    out = module.base_layer(x)
+    if any(delta.dtype != out.dtype for delta in deltas):
+        return module(x)
+    for delta in deltas:
+        out = out + delta
+    return out
+
+
+def lora_deltas(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor] | None:
+    """What a PEFT LoRA wrapper adds to its base layer's output for input x, one delta per active adapter in
+    PEFT's order, each computed as PEFT's forward computes it: lora_B(lora_A(x)) * scaling. None when `module` is
+    not such a wrapper in its plain state (merged, adapters disabled, a variant such as DoRA, active dropout), or
+    when x's dtype is not the adapters' and autocast is off: the caller then calls the module.
+
+    PEFT first casts x to the adapters' dtype (fp32 master weights on a bf16 base), which autocast then casts
+    back: bf16 -> fp32 is exact, so under autocast x goes in as it is, saving two copies of x (and two of its
+    gradient) per adapter."""
+    lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+    if not isinstance(lora_a, nn.ModuleDict) or not isinstance(lora_b, nn.ModuleDict):
+        return None
+    if getattr(module, "merged", True) or getattr(module, "disable_adapters", True):
+        return None
+    variants, dora = getattr(module, "lora_variant", {}), getattr(module, "use_dora", {})
+    autocast = torch.is_autocast_enabled(x.device.type)
+    deltas = []
+    for name in module.active_adapters:
+        if name not in lora_a.keys():
+            continue
+        dropout = module.lora_dropout[name]
+        if name in variants or dora.get(name, False) or not (
+                isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.Dropout) and not dropout.training)):
+            return None
+        if not autocast and x.dtype != lora_a[name].weight.dtype:
+            return None
+        scaling = module.scaling[name]
+        if _power_of_two(scaling):  # on the rank-wide hidden: the same values (a power of two scales exactly, the
+            deltas.append(lora_b[name](lora_a[name](x) * scaling))  # GEMM's products and sums with it), a
+        else:  # kernel over [rows, r] instead of [rows, out_features], forward and backward
+            deltas.append(lora_b[name](lora_a[name](x)) * scaling)
+    return deltas
+
+
+def _power_of_two(value) -> bool:
+    return isinstance(value, (int, float)) and value > 0 and math.frexp(value)[0] == 0.5
 
 
 def wrapped_slice(part: nn.Module) -> ProjectionSlice | None:

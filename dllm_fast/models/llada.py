@@ -40,8 +40,8 @@ from torch.utils.checkpoint import checkpoint
 
 from dllm_fast.models.config import LLaDAConfig
 from dllm_fast.models.kv_cache import KVCache
-from dllm_fast.models.layers import (RMSNorm, apply_rope, apply_rotary, at_least_fp32, attention, fuse_linears,
-                                     padding_bias, projection_outputs, rope_tables, rotary_tables)
+from dllm_fast.models.layers import (RMSNorm, adapted_linear, apply_rope, apply_rotary, at_least_fp32, attention,
+                                     fuse_linears, padding_bias, projection_outputs, rope_tables, rotary_tables)
 from dllm_fast.validation import data_checks_enabled
 
 # The shared pieces live in layers.py; these names stay importable from here.
@@ -117,10 +117,10 @@ class LLaDABlock(nn.Module):
                 layer[:, at:at + L] = qkv[:, :, H:]
             k, v = layer[:, :attend, :Hkv], layer[:, :attend, Hkv:]
         att = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_bias)
-        h = x + self.attn_out(att.transpose(1, 2).reshape(B, L, -1))
+        h = x + adapted_linear(self.attn_out, att.transpose(1, 2).reshape(B, L, -1))
         m = self.ff_norm(h)
         gate, up = projection_outputs(m, self.fused_gate_up, (self.ff_proj, self.up_proj)).chunk(2, dim=-1)
-        return h + self.ff_out(F.silu(gate) * up)
+        return h + adapted_linear(self.ff_out, F.silu(gate) * up)
 
 
 class LLaDAModel(nn.Module):
@@ -362,7 +362,8 @@ class LLaDAModel(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+        cls, path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+        *, allow_external_links: bool = False,
     ) -> "LLaDAModel":
         """Load an official LLaDA checkpoint directory (config.json + model*.safetensors, sharded or not).
 
@@ -372,11 +373,13 @@ class LLaDAModel(nn.Module):
         the checkpoint's shapes and dtype checked and no data read. config.json is validated field by field
         (name, type, range) before any weight is read. If a save was interrupted mid-swap (see save_pretrained),
         the old checkpoint is moved back into place first. The tokenizer loads separately with
-        `transformers.AutoTokenizer.from_pretrained(path)`; `save_pretrained` carries it over.
+        `transformers.AutoTokenizer.from_pretrained(path)`; `save_pretrained` carries it over. Nothing outside the
+        directory is read: its index names files in it, and a symbolic link out of it is followed only with
+        allow_external_links=True (a Hugging Face cache snapshot's links into its blobs/ are; models/checkpoint.py).
         """
         from dllm_fast.models.checkpoint import load_checkpoint
 
-        return load_checkpoint(cls, path, dtype=dtype, device=device)
+        return load_checkpoint(cls, path, dtype=dtype, device=device, allow_external_links=allow_external_links)
 
     def save_pretrained(
         self, path: str | os.PathLike, *, max_shard_size: int = 5 * 2**30, tokenizer=None

@@ -21,15 +21,17 @@ from pathlib import Path
 
 import torch
 
+from dllm_fast.models.dream import DreamModel
 from dllm_fast.models.llada import LLaDAModel
 from dllm_fast.models.llada2 import LLaDA2Model
 from dllm_fast.models.sdar import SDARModel
 
 # config.json model_type -> the class that loads it. A config.json without a model_type is read by the first.
-FAMILIES: dict[str, type] = {"llada": LLaDAModel, "sdar": SDARModel, "llada2_moe": LLaDA2Model}
+FAMILIES: dict[str, type] = {"llada": LLaDAModel, "sdar": SDARModel, "Dream": DreamModel, "llada2_moe": LLaDA2Model}
 # preset name -> (class, its config)
 PRESETS: dict[str, tuple[type, object]] = {name: (LLaDAModel, name) for name in ("tiny", "small", "llada-8b")}
 PRESETS.update({name: (SDARModel, name) for name in ("sdar-tiny", "sdar-1.7b", "sdar-8b")})
+PRESETS.update({name: (DreamModel, name) for name in ("dream-tiny", "dream-7b")})
 PRESETS.update({name: (LLaDA2Model, name) for name in ("llada2-tiny", "llada2-mini", "llada2-flash")})
 
 
@@ -41,9 +43,13 @@ def register_family(model_type: str, cls: type, presets: tuple[str, ...] = ()) -
     PRESETS.update({name: (cls, name) for name in presets})
 
 
-def model_class(directory: str | Path) -> type:
-    """The registered class for the checkpoint in `directory`, by its config.json's model_type."""
+def model_class(directory: str | Path, *, allow_external_links: bool = False) -> type:
+    """The registered class for the checkpoint in `directory`, by its config.json's model_type (read only inside
+    the directory, unless allow_external_links: models/checkpoint.py's `confined`)."""
+    from dllm_fast.models.checkpoint import confined
+
     config_file = Path(directory) / "config.json"
+    confined(config_file, Path(directory), allow_external_links)
     try:
         values = json.loads(config_file.read_text())
     except (OSError, ValueError) as error:
@@ -58,33 +64,35 @@ def model_class(directory: str | Path) -> type:
     return FAMILIES[model_type]
 
 
-def model_family(name: str | Path) -> type:
+def model_family(name: str | Path, *, allow_external_links: bool = False) -> type:
     """The class a preset name or a checkpoint directory loads as, found without reading any weight."""
     if str(name) in PRESETS:
         return PRESETS[str(name)][0]
     if not (Path(name) / "config.json").is_file():
         raise FileNotFoundError(f"model {str(name)!r} is neither a preset ({', '.join(PRESETS)}) nor a directory "
                                 "holding config.json.")
-    return model_class(name)
+    return model_class(name, allow_external_links=allow_external_links)
 
 
-def load_model(name: str | Path, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0, tokenizer=None):
+def load_model(name: str | Path, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0, tokenizer=None,
+               allow_external_links: bool = False):
     """A preset with random weights from `seed` (PRESETS; with `tokenizer`, its vocabulary and special ids are the
-    tokenizer's, see `preset_config`), or the checkpoint directory `name`."""
-    cls = model_family(name)
+    tokenizer's, see `preset_config`), or the checkpoint directory `name` (allow_external_links: follow links out
+    of it; models/checkpoint.py)."""
+    cls = model_family(name, allow_external_links=allow_external_links)
     if str(name) in PRESETS:
         return cls.with_random_weights(preset_config(str(name), tokenizer), dtype=dtype, device=device, seed=seed)
-    return cls.from_pretrained(name, dtype=dtype, device=device)
+    return cls.from_pretrained(name, dtype=dtype, device=device, allow_external_links=allow_external_links)
 
 
-def model_skeleton(name: str | Path, *, tokenizer=None):
+def model_skeleton(name: str | Path, *, tokenizer=None, allow_external_links: bool = False):
     """What `load_model(name, tokenizer=tokenizer)` gives, on the meta device: its shapes, special ids and
     max_sequence_length, with the checkpoint's config and weight headers checked and no weight read."""
-    cls = model_family(name)
+    cls = model_family(name, allow_external_links=allow_external_links)
     if str(name) in PRESETS:
         with torch.device("meta"):
             return cls(preset_config(str(name), tokenizer))
-    return cls.from_pretrained(name, device="meta")
+    return cls.from_pretrained(name, device="meta", allow_external_links=allow_external_links)
 
 
 def preset_config(name: str, tokenizer=None):

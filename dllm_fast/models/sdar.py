@@ -286,14 +286,16 @@ class SDARModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None,
-                        device: str | torch.device | None = None, *, block_length: int | None = None) -> "SDARModel":
+                        device: str | torch.device | None = None, *, block_length: int | None = None,
+                        allow_external_links: bool = False) -> "SDARModel":
         """Load an official SDAR checkpoint directory (config.json + model*.safetensors, sharded with
         model.safetensors.index.json or not), with the checks LLaDAModel.from_pretrained makes (config field by
-        field, every weight's name, shape and dtype from the headers before any is read). block_length overrides
-        config.json's block_size. The tokenizer loads with `transformers.AutoTokenizer.from_pretrained(path)`."""
+        field, every weight's name, shape and dtype from the headers before any is read; nothing read outside the
+        directory unless allow_external_links). block_length overrides config.json's block_size. The tokenizer
+        loads with `transformers.AutoTokenizer.from_pretrained(path)`."""
         from dllm_fast.models.checkpoint import load_checkpoint
 
-        model = load_checkpoint(cls, path, dtype=dtype, device=device)
+        model = load_checkpoint(cls, path, dtype=dtype, device=device, allow_external_links=allow_external_links)
         if block_length is not None:
             model.block_length = block_length
         return model

@@ -4,7 +4,8 @@ An objective is data plus a pure function. Its config dataclass holds the paper'
 sampler and n_t it needs. `prepare` turns a RolloutBatch (and the old and reference policies' lp on the same
 masks) into `LossInputs`, the constants of one update; `loss(lp, inputs)` is a differentiable function of the
 current policy's lp [N, n_t, L] alone. Separable objectives (a sum of per-(sequence, sample) terms) also give
-`pair_loss`, which lets the engine skip its scoring pass.
+`pair_loss`, which lets the engine skip its scoring pass; so does `sequence_local` (a sum of per-sequence terms:
+the engine differentiates each micro-batch's whole sequences in its own graph).
 
 One rollout batch feeds one or more inner updates. `Objective.plan_updates(model, batch, ...)` is the one place
 that plans them: it draws each update's masks and scores the old policy on the masks of the updates that run after
@@ -33,7 +34,8 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from dllm_fast.contracts import RolloutBatch, block_length, check_reference_model, unwrap_model
-from dllm_fast.likelihood import MonteCarloMasks, Separable, sample_masks, score, streaming_backward
+from dllm_fast.likelihood import (MonteCarloMasks, Separable, SequenceLocal, sample_masks, score,
+                                  streaming_backward)
 from dllm_fast.likelihood.gradients import all_or_nothing
 from dllm_fast.likelihood.mask_spec import MaskSpec
 from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
@@ -203,6 +205,9 @@ class Objective:
     name: ClassVar[str] = ""
     Config: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
     separable: ClassVar[bool] = False
+    # A sum of per-sequence terms (d loss / d lp[n] reads lp[n] alone): the engine may skip its scoring pass
+    # (likelihood.SequenceLocal). An objective that centres or normalises by other sequences' lp values is not.
+    sequence_local: ClassVar[bool] = False
     uses_old_policy: ClassVar[bool] = False  # a ratio to the old policy (reads lp_old; on-policy without it)
     # Named settings of the official scripts, e.g. a task's (`objectives.get("spg", preset="sudoku")`); options
     # given beside a preset override it.
@@ -277,6 +282,11 @@ class Objective:
     def stats(self, lp: torch.Tensor, inputs: LossInputs) -> dict[str, torch.Tensor]:
         """Diagnostics at the current lp (ratios, clip fraction, KL, bound values), as 0-dim tensors."""
         return {}
+
+    def inert_sequences(self, inputs: LossInputs) -> torch.Tensor | None:
+        """Sequence-local objectives: [N] bool, the sequences whose loss terms are constant in lp for every lp
+        (e.g. zero advantage and no KL term), which the engine scores without a graph; None: none known."""
+        return None
 
     def extra(self, batch: RolloutBatch, masks: MonteCarloMasks) -> dict[str, Any]:
         """Constants of one update beyond advantages and old/ref lp (e.g. normalisers), computed once."""
@@ -420,6 +430,10 @@ class Objective:
                 value, lp_now = streaming_backward(
                     model, batch.sequences, masks, Separable(lambda rows, n, j: self.pair_loss(rows, n, j, inputs)),
                     **engine)
+            elif self.sequence_local and update.lp is None:  # the other sequences' rows hold the old lp (ratio 1)
+                local = SequenceLocal(lambda x: self.loss(x, inputs), fill=update.lp_old,
+                                      inert=self.inert_sequences(inputs))
+                value, lp_now = streaming_backward(model, batch.sequences, masks, local, **engine)
             else:
                 value, lp_now = streaming_backward(model, batch.sequences, masks, lambda x: self.loss(x, inputs),
                                                    lp=update.lp, **engine)

@@ -58,10 +58,15 @@ class CoupledGRPO(Objective):
     name = "coupled_grpo"
     Config = CoupledGRPOConfig
     uses_old_policy = True
+    sequence_local = True
 
     @property
     def needs_reference(self) -> bool:
         return self.config.beta > 0
+
+    def inert_sequences(self, inputs: LossInputs):
+        """Without the KL term, a zero advantage makes every token's term 0 whatever its ratio."""
+        return inputs.advantages == 0 if self.config.beta == 0 else None
 
     def extra(self, batch, masks):
         """Each token's share of the loss: 1 / (its micro-batch's counted tokens x micro-batches)."""

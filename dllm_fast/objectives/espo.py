@@ -57,12 +57,17 @@ class ESPO(Objective):
     name = "espo"
     Config = ESPOConfig
     uses_old_policy = True
+    sequence_local = True
     presets = {"countdown": dict(epsilon_low=0.0, epsilon_high=0.0, beta=3e-3), "sudoku": dict(beta=1e-2),
                "code": dict(beta=1e-2)}
 
     @property
     def needs_reference(self) -> bool:
         return self.config.beta > 0
+
+    def inert_sequences(self, inputs: LossInputs):
+        """Without the KL term, a zero advantage makes a sequence's term 0 whatever its ratio."""
+        return inputs.advantages == 0 if self.config.beta == 0 else None
 
     def lengths(self, lp, masks) -> torch.Tensor | float:
         """The per-token normaliser: the fixed completion width L, or each sequence's counted length L_n."""

@@ -43,6 +43,10 @@ class GDPO(Objective):
     name = "gdpo"
     Config = GDPOConfig
     uses_old_policy = True
+    sequence_local = True
+
+    def inert_sequences(self, inputs: LossInputs):
+        return inputs.advantages == 0
 
     def ratio(self, lp, inputs: LossInputs) -> torch.Tensor:
         masks = inputs.masks

@@ -67,6 +67,10 @@ class SPG(Objective):
     name = "spg"
     Config = SPGConfig
     presets = {"sudoku": dict(beta=1.0)}
+    sequence_local = True
+
+    def inert_sequences(self, inputs: LossInputs):
+        return inputs.advantages == 0
 
     def bounds(self, lp, masks):
         """(ELBO, negative-advantage bound), [N] each, at the configured normalisation."""

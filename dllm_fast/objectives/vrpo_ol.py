@@ -30,6 +30,10 @@ class VRPOOL(Objective):
     name = "vrpo_ol"
     Config = VRPOOLConfig
     uses_old_policy = True
+    sequence_local = True
+
+    def inert_sequences(self, inputs: LossInputs):
+        return inputs.advantages == 0
 
     def log_ratio(self, lp, inputs: LossInputs) -> torch.Tensor:
         return elbo(lp, inputs.masks) - elbo(inputs.old(lp), inputs.masks)

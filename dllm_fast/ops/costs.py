@@ -20,8 +20,9 @@ from typing import Callable
 
 import torch
 
-from dllm_fast._extension import HAS_EXTENSION
+from dllm_fast import _extension  # noqa: F401 (loads dllm_fast._C: the compiled ops whose FLOPs are registered below)
 from dllm_fast.contracts import accumulate_dtype
+from dllm_fast.ops import logprobs_triton  # noqa: F401 (defines the Triton ops, likewise)
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,79 @@ def _cuda_gradient_operands(M, d, C, acc, size, upcast, tf32, need_hidden, need_
     if tf32:
         return (M * d * acc if need_weight else 0) + (C * d * acc if need_hidden else 0) + chunk_product
     return M * C * size + chunk_product
+
+
+# -- The Triton path (ops/logprobs_triton.py, ops/triton_head.py) ------------------------------------------------
+def _triton_tiles(device_type: str, columns: int) -> int:
+    """Per-row partials one kernel launch over `columns` vocabulary columns writes (one per column tile), with the
+    tiles the path runs on `device_type` (sm_90's for "cuda": what a plan for the H100/H200 prices)."""
+    from dllm_fast.ops.triton_head import planned_config, tiles_per_row
+
+    return tiles_per_row(columns, planned_config(device_type))
+
+
+@declare_workspace("masked_logprobs_triton")
+def _masked_logprobs_triton(device_type, hidden, weight, targets, chunk_size, tf32_grad_gemms=False) -> Workspace:
+    """One kernel per chunk: the logits stay in registers; each [M, tiles] block of per-tile logsumexps is written
+    and read back by one reduction, then folded into the running lse."""
+    M = hidden.shape[0]
+    V = weight.shape[0]
+    acc = _size(accumulate_dtype(hidden.dtype))
+    C, chunks = _chunks(V, chunk_size)
+    partials = M * _triton_tiles(device_type, C) * acc
+    traffic = 2 * M * _triton_tiles(device_type, V) * acc + chunks * 4 * M * acc  # partials; lse folded per chunk
+    return Workspace(partials + 4 * M * acc, traffic)  # + lse, target logit, the chunk's lse and its fold
+
+
+def _triton_walk(device_type, hidden, weight, chunk_size, need_hidden: bool, need_weight: bool,
+                 weight_grad_size: int) -> Workspace:
+    """The known-gradient walk of the Triton path: per chunk the kernel writes d(logits) [M, C] in the model's
+    dtype once, each gradient GEMM reads it; grad_hidden accumulates in fp32 (bf16 inputs on CUDA: through an
+    fp32 [M, d] product, then an add: 16 bytes per entry and chunk; in place otherwise: 8)."""
+    M, d = hidden.shape
+    V = weight.shape[0]
+    acc, size = _size(accumulate_dtype(hidden.dtype)), _size(hidden.dtype)
+    C, chunks = _chunks(V, chunk_size)
+    upcast = size != acc
+    gemms = need_hidden + need_weight
+    traffic = M * V * size * (1 + gemms) + 2 * M * _triton_tiles(device_type, V) * acc
+    bytes_ = M * C * size + M * _triton_tiles(device_type, C) * acc + 8 * M * acc  # + per-row state
+    if need_hidden:
+        through_scratch = upcast and device_type == "cuda"
+        traffic += V * d * size + chunks * M * d * acc * (4 if through_scratch else 2)
+        bytes_ += M * d * acc * (2 if through_scratch else (1 if upcast else 0))  # accumulator (+ product)
+        if device_type != "cuda":
+            bytes_ += M * d * acc + (M * C * acc + C * d * acc if upcast else 0)  # CPU: product; upcast operands
+    if need_weight:
+        traffic += chunks * M * d * size + 2 * V * d * weight_grad_size  # hidden per chunk; rows read, written
+        if device_type != "cuda" and upcast:
+            bytes_ += 2 * C * d * acc + M * d * acc  # the CPU's fp32 rows and product, upcast hidden
+    return Workspace(bytes_, traffic)
+
+
+@declare_workspace("masked_logprobs_grad_triton")
+def _masked_logprobs_grad_triton(device_type, hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size,
+                                 tf32_grad_gemms=False) -> Workspace:
+    M, d = hidden.shape
+    acc = _size(accumulate_dtype(hidden.dtype))
+    walk = _triton_walk(device_type, hidden, weight, chunk_size, True, grad_weight is not None,
+                        grad_weight.element_size() if grad_weight is not None else 0)
+    size = _size(hidden.dtype)
+    rows = M * d * (acc + (size if size != acc else 0))  # the target rows gathered (and upcast)
+    finish = Workspace(rows, M * d * (size + 3 * acc))  # grad_hidden / S + g W[target] (1 - 1/S)
+    if lse is None:  # the forward walk first
+        forward = _masked_logprobs_triton(device_type, hidden, weight, targets, chunk_size)
+        return Workspace(max(forward.bytes, walk.bytes + finish.bytes), forward.traffic + walk.traffic + finish.traffic)
+    return Workspace(walk.bytes + finish.bytes, walk.traffic + finish.traffic)
+
+
+@declare_workspace("masked_logprobs_backward_triton")
+def _masked_logprobs_backward_triton(device_type, grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size,
+                                     output_mask, tf32_grad_gemms=False) -> Workspace:
+    if (grad_logp is None and grad_lse is None) or not any(output_mask):
+        return Workspace()
+    return _triton_walk(device_type, hidden, weight, chunk_size, bool(output_mask[0]), bool(output_mask[1]),
+                        weight.element_size())
 
 
 @declare_workspace("sample_tokens")
@@ -288,16 +362,38 @@ def _sample_tokens_gemms(hidden, weight, *_):
     return hidden.dtype, [("logits", _head_gemm(hidden, weight))], False
 
 
+def _masked_logprobs_backward_triton_gemms(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size,
+                                           output_mask, tf32_grad_gemms=False):
+    """The Triton backward: one logits GEMM (the kernel, its epilogue writing d(logits)), then one cuBLAS GEMM per
+    gradient asked for; as the compiled backward's."""
+    return _masked_logprobs_backward_gemms(grad_logp, grad_lse, hidden, weight, targets, lse, chunk_size, output_mask,
+                                           tf32_grad_gemms)
+
+
+# The Triton ops run the GEMMs of their compiled twins, typed alike (bf16 operands, fp32 accumulation): the logits
+# GEMM in the Triton kernel, the gradient GEMMs in cuBLAS; they never take the TF32 option (the faces refuse it).
 _GEMMS = {"masked_logprobs": _masked_logprobs_gemms, "masked_logprobs_backward": _masked_logprobs_backward_gemms,
-          "masked_logprobs_grad": _masked_logprobs_grad_gemms, "sample_tokens": _sample_tokens_gemms}
+          "masked_logprobs_grad": _masked_logprobs_grad_gemms, "sample_tokens": _sample_tokens_gemms,
+          "masked_logprobs_triton": _masked_logprobs_gemms,
+          "masked_logprobs_backward_triton": _masked_logprobs_backward_triton_gemms,
+          "masked_logprobs_grad_triton": _masked_logprobs_grad_gemms}
 
 _FLOPS = {"masked_logprobs": _masked_logprobs_flops, "masked_logprobs_backward": _masked_logprobs_backward_flops,
-          "masked_logprobs_grad": _masked_logprobs_grad_flops, "sample_tokens": _sample_tokens_flops}
+          "masked_logprobs_grad": _masked_logprobs_grad_flops, "sample_tokens": _sample_tokens_flops,
+          "masked_logprobs_triton": _masked_logprobs_flops,
+          "masked_logprobs_backward_triton": _masked_logprobs_backward_flops,
+          "masked_logprobs_grad_triton": _masked_logprobs_grad_flops}
 
-if HAS_EXTENSION:
+
+def _register_flop_formulas() -> None:
     from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-    for _name, _formula in _FLOPS.items():
-        _op = getattr(torch.ops.dllm_fast, _name)
-        if _op not in flop_registry:  # a module reload must not register twice
-            register_flop_formula(_op)(_formula)
+    for name, formula in _FLOPS.items():
+        if not hasattr(torch.ops.dllm_fast, name):  # the compiled ops need the extension; the Triton ones do not
+            continue
+        op = getattr(torch.ops.dllm_fast, name)
+        if op not in flop_registry:  # a module reload must not register twice
+            register_flop_formula(op)(formula)
+
+
+_register_flop_formulas()

@@ -7,6 +7,14 @@
 - `logprobs_with_known_gradient`: the engine's pass 2 on top of it: logp, and a surrogate whose backward hands
   grad_hidden to the model body.
 
+Backends (ops/backend.py): "compiled" runs dllm_fast::masked_logprobs, masked_logprobs_backward and
+masked_logprobs_grad (the C++/CUDA kernels, cuBLAS or MKL for every GEMM, the softmax in a pass of its own over
+each chunk's fp32 logits); "triton" runs their twins dllm_fast::*_triton (ops/logprobs_triton.py): the logits
+GEMM in a Triton kernel whose epilogue holds the softmax (its logsumexp, or its gradient written once in bf16),
+cuBLAS for the gradient GEMMs, the same schemas, semantics and rounding. None takes "triton" for bf16 CUDA
+tensors where the kernels serve the GPU (ops/triton_head.py's probe), "compiled" otherwise; fp16 and the TF32
+option always run compiled. `head_kernels(backend)` gives either set of ops.
+
 Accumulating into `.grad` in place (never a second [V, d] tensor) keeps the streaming engine's memory flat when
 gradients accumulate over micro-batches. The weight still gets an autograd edge: its AccumulateGrad node runs
 (with no gradient) in every backward, so DDP's and FSDP2's hooks see the complete `.grad`.
@@ -29,13 +37,14 @@ CUDA), fp64 inputs fp64 GEMMs.
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import torch
 from torch._guards import detect_fake_mode
 
 from dllm_fast._extension import HAS_EXTENSION, has_kernel
 from dllm_fast.contracts import accumulate_dtype
-from dllm_fast.ops import twins
+from dllm_fast.ops import logprobs_triton, twins
 from dllm_fast.ops.backend import FLOAT_DTYPES, choose_backend, resolve_chunk_size
 from dllm_fast.validation import check_bool, check_same_device, data_checks_enabled
 
@@ -58,7 +67,7 @@ def masked_logprobs(
         targets: [M] token ids in [0, V).
         chunk_size: vocabulary columns per chunk (default: sized for the device; more than V means V). Peak
             temporary memory is about M * chunk_size * 4 bytes.
-        backend: None/"auto", "compiled" or "reference" (see module docstring).
+        backend: None/"auto", "compiled", "triton" or "reference" (see module docstring and ops/backend.py).
         grad_into_weight: for a trainable leaf `lm_head_weight` (a parameter), backward adds the weight's
             gradient straight into `lm_head_weight.grad` (created when None) instead of returning a new [V, d]
             tensor for autograd to add: no gradient-sized temporary when gradients accumulate over several
@@ -79,18 +88,21 @@ def masked_logprobs(
         The compiled backend has no second derivative (create_graph=True through it raises); the reference
         backend has.
     """
-    chunk_size = _check_masked_logprobs(hidden, lm_head_weight, targets, chunk_size)
+    _check_masked_logprobs(hidden, lm_head_weight, targets)
     targets = targets.long()
     check_bool("grad_into_weight", grad_into_weight)
     _check_tf32_grad_gemms("masked_logprobs", tf32_grad_gemms, hidden.dtype)
-    if choose_backend("masked_logprobs", hidden.device, backend) == "reference":
+    choice = choose_backend("masked_logprobs", hidden.device, backend,
+                            triton=_triton_fit("masked_logprobs", backend, hidden.dtype, tf32_grad_gemms))
+    chunk_size = _chunk_size(choice, chunk_size, hidden, lm_head_weight)
+    if choice == "reference":
         return twins.masked_logprobs(hidden, lm_head_weight, targets)
+    kernels = head_kernels(choice)
     if grad_into_weight and trainable_leaf(lm_head_weight) and torch.is_grad_enabled():
         return _WeightGradInPlace.apply(hidden.contiguous(), lm_head_weight, targets.contiguous(), chunk_size,
-                                        tf32_grad_gemms)
-    logp, _ = torch.ops.dllm_fast.masked_logprobs(
-        hidden.contiguous(), lm_head_weight.contiguous(), targets.contiguous(), chunk_size, tf32_grad_gemms
-    )
+                                        tf32_grad_gemms, kernels)
+    logp, _ = kernels.forward(hidden.contiguous(), lm_head_weight.contiguous(), targets.contiguous(), chunk_size,
+                              tf32_grad_gemms)
     return logp
 
 
@@ -135,11 +147,16 @@ def masked_logprobs_grad(
 
     The compiled path runs the op's own kernel on CPU and CUDA (never a [V, d] temporary). A device whose build
     lacks it takes the composite of the masked_logprobs forward and backward kernels instead (exact lse, four
-    GEMMs per chunk, and one [V, d] temporary added into grad_weight).
+    GEMMs per chunk, and one [V, d] temporary added into grad_weight). The Triton path (backend="triton", the
+    default for bf16 on CUDA) runs the same walk with the softmax gradient in the logits GEMM's epilogue, and
+    skips the weight's GEMM when grad_weight is None (a frozen head).
     """
     _check_grad_weight_type(grad_weight)
-    chunk_size = _check_masked_logprobs(hidden, lm_head_weight, targets, chunk_size)
+    _check_masked_logprobs(hidden, lm_head_weight, targets)
     _check_tf32_grad_gemms("masked_logprobs_grad", tf32_grad_gemms, hidden.dtype)
+    choice = choose_backend("masked_logprobs", hidden.device, backend,
+                            triton=_triton_fit("masked_logprobs_grad", backend, hidden.dtype, tf32_grad_gemms))
+    chunk_size = _chunk_size(choice, chunk_size, hidden, lm_head_weight)
     acc = accumulate_dtype(hidden.dtype)
     rows = hidden.shape[0]
     check_same_device("masked_logprobs_grad", hidden=hidden, grad_logp=grad_logp, lse=lse, grad_weight=grad_weight)
@@ -155,28 +172,68 @@ def masked_logprobs_grad(
                                                          targets=targets, grad_logp=grad_logp, lse=lse)
     hidden, weight = hidden.detach(), lm_head_weight.detach()
     targets, grad_logp = targets.long(), grad_logp.detach().to(acc)
-    if choose_backend("masked_logprobs", hidden.device, backend) == "reference":
+    if choice == "reference":
         logp, grad_hidden, weight_grad = twins.masked_logprobs_grad(hidden, weight, targets, grad_logp)
         if grad_weight is not None:
             grad_weight.add_(weight_grad)
         return logp, grad_hidden
     hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
-    if not has_kernel("masked_logprobs_grad", hidden.device.type):
+    kernels = head_kernels(choice)
+    if choice == "compiled" and not has_kernel("masked_logprobs_grad", hidden.device.type):
         return _composite_grad(hidden, weight, targets, grad_logp, grad_weight, chunk_size, tf32_grad_gemms)
     verify = lse is not None and data_checks_enabled(hidden, weight, lse)
     if verify:
         target_logit, rounding = _target_logits(hidden, weight, targets)
         slack = rounding + LSE_TOLERANCE[hidden.dtype]  # per row: how far lse may be off and pass
         _check_lse_bounds(lse, target_logit, slack, targets, weight.shape[0])
-    logp, grad_hidden = torch.ops.dllm_fast.masked_logprobs_grad(
+    logp, grad_hidden = kernels.grad(
         hidden, weight, targets, grad_logp.contiguous(), None if lse is None else lse.contiguous(), grad_weight,
         chunk_size, tf32_grad_gemms)
     if verify:
         rows = _rows_off(lse, target_logit, slack, targets, logp, weight.shape[0])
         if rows.numel():
             _recompute_rows(rows, hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size, tf32_grad_gemms,
-                            logp, grad_hidden)
+                            logp, grad_hidden, kernels)
     return logp, grad_hidden
+
+
+class HeadKernels(NamedTuple):
+    """One backend's three LM-head ops, with the schemas of dllm_fast::masked_logprobs, masked_logprobs_backward
+    and masked_logprobs_grad (csrc/include/dllm_fast/schemas.h)."""
+
+    forward: Callable
+    backward: Callable
+    grad: Callable
+
+
+def head_kernels(backend: str) -> HeadKernels:
+    """The LM-head ops of `backend` ("compiled" or "triton"), looked up in torch.ops on each call (a dictionary
+    filled lazily would be a global that torch.compile guards on, recompiling once it fills)."""
+    suffix = "_triton" if backend == "triton" else ""
+    ops = torch.ops.dllm_fast
+    return HeadKernels(getattr(ops, "masked_logprobs" + suffix), getattr(ops, "masked_logprobs_backward" + suffix),
+                       getattr(ops, "masked_logprobs_grad" + suffix))
+
+
+def _triton_fit(op: str, backend, dtype: torch.dtype, tf32_grad_gemms: bool) -> str:
+    """How well the Triton kernels fit a call (backend.choose_backend's `triton`): "best" for bf16, "able" for
+    fp32/fp64, "no" for fp16 or the TF32 option. An explicit backend='triton' they cannot take is refused here."""
+    fits = dtype in logprobs_triton.DTYPES and not tf32_grad_gemms
+    if (backend == "triton") and not fits:
+        reason = ("tf32_grad_gemms=True runs on the compiled kernels only" if tf32_grad_gemms else
+                  f"the Triton kernels take {', '.join(str(t) for t in logprobs_triton.DTYPES)}, not {dtype} (fp16's "
+                  "d(logits) need the compiled kernels' power-of-two scaling)")
+        raise ValueError(f"{op}: backend='triton' was requested, but {reason}; pass backend='compiled' or None.")
+    if not fits:
+        return "no"
+    return "best" if dtype == torch.bfloat16 else "able"
+
+
+def _chunk_size(choice: str, chunk_size, hidden, weight) -> int:
+    """The chunk to run with: the Triton walk's default chunk holds d(logits) in the model's dtype (2 bytes an
+    entry for bf16) where the compiled kernels' holds fp32 logits (4)."""
+    entry = hidden.element_size() if choice == "triton" else 4
+    return resolve_chunk_size("masked_logprobs", chunk_size, hidden.shape[0], weight.shape[0], hidden.device, entry)
 
 
 # A row whose given lse was off by more than this (|log S| for the walk's measured normaliser S), by the inputs'
@@ -220,20 +277,20 @@ def _rows_off(lse, target_logit, slack, targets, logp, vocab) -> torch.Tensor:
 
 
 def _recompute_rows(rows, hidden, weight, targets, grad_logp, lse, grad_weight, chunk_size, tf32, logp,
-                    grad_hidden) -> None:
+                    grad_hidden, kernels: HeadKernels | None = None) -> None:
     """Rows whose lse was off get exact logp and grad_hidden, and grad_weight the difference between their true
     and their added gradient, in place.
 
     The walk added g (onehot - S p) for such a row (p its softmax) where g (onehot - p) was due: the difference
     g (S - 1) p is added by a walk with upstream -g (S - 1) and the exact logsumexp, which adds
     -g (S - 1) (onehot - p), plus g (S - 1) h into the target's row."""
+    kernels = kernels or head_kernels("compiled")
     h, t, g = hidden[rows], targets[rows], grad_logp[rows]
-    exact_lse = torch.ops.dllm_fast.masked_logprobs(h, weight, t, chunk_size)[1]
-    logp[rows], grad_hidden[rows] = torch.ops.dllm_fast.masked_logprobs_grad(h, weight, t, g, exact_lse, None,
-                                                                             chunk_size, tf32)
+    exact_lse = kernels.forward(h, weight, t, chunk_size)[1]
+    logp[rows], grad_hidden[rows] = kernels.grad(h, weight, t, g, exact_lse, None, chunk_size, tf32)
     if grad_weight is not None:
         excess = g * (torch.exp(exact_lse - lse[rows]) - 1)  # g (S - 1)
-        torch.ops.dllm_fast.masked_logprobs_grad(h, weight, t, -excess, exact_lse, grad_weight, chunk_size, tf32)
+        kernels.grad(h, weight, t, -excess, exact_lse, grad_weight, chunk_size, tf32)
         grad_weight.index_add_(0, t, (excess[:, None] * h.to(excess.dtype)).to(grad_weight.dtype))
 
 
@@ -397,10 +454,11 @@ class _WeightGradInPlace(torch.autograd.Function):
     the backward accumulates into `.grad` (`.backward()`): `torch.autograd.grad` gets it as a tensor instead."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, tf32_grad_gemms):
-        logp, lse = torch.ops.dllm_fast.masked_logprobs(hidden, weight, targets, chunk_size, tf32_grad_gemms)
+    def forward(ctx, hidden, weight, targets, chunk_size, tf32_grad_gemms, kernels):
+        logp, lse = kernels.forward(hidden, weight, targets, chunk_size, tf32_grad_gemms)
         ctx.save_for_backward(hidden, targets, lse)
         ctx.weight, ctx.chunk_size, ctx.tf32 = weight, chunk_size, tf32_grad_gemms  # the parameter itself
+        ctx.kernels = kernels
         # Held (autograd keeps it weakly) to ask the backward whether it accumulates into .grad. A compiled graph
         # (likelihood/compiled.py) runs under .backward() only, and cannot trace the question: None.
         ctx.accumulate_grad = None if torch.compiler.is_compiling() else accumulate_grad_node(weight)
@@ -415,14 +473,14 @@ class _WeightGradInPlace(torch.autograd.Function):
         into_grad = ctx.needs_input_grad[1] and (ctx.accumulate_grad is None
                                                  or _backward_accumulates(ctx.accumulate_grad))
         if ctx.needs_input_grad[1] and into_grad is None:  # torch.autograd.grad: return it, leave .grad alone
-            grad_hidden, grad_weight = torch.ops.dllm_fast.masked_logprobs_backward(
+            grad_hidden, grad_weight = ctx.kernels.backward(
                 grad_logp, None, hidden, weight, targets, lse, chunk_size, [ctx.needs_input_grad[0], True], ctx.tf32)
-            return grad_hidden, grad_weight, None, None, None
+            return (grad_hidden if ctx.needs_input_grad[0] else None), grad_weight, None, None, None, None
         buffer = weight_grad_buffer(ctx.weight) if into_grad else None
         # lse comes from this op's own forward on the same tensors: exact, nothing to verify.
-        _, grad_hidden = torch.ops.dllm_fast.masked_logprobs_grad(
+        _, grad_hidden = ctx.kernels.grad(
             hidden, weight, targets, grad_logp.to(lse.dtype).contiguous(), lse, buffer, chunk_size, ctx.tf32)
-        return (grad_hidden if ctx.needs_input_grad[0] else None), None, None, None, None
+        return (grad_hidden if ctx.needs_input_grad[0] else None), None, None, None, None, None
 
 
 def accumulate_grad_node(parameter: torch.Tensor):
@@ -447,8 +505,8 @@ _NO_DOUBLE_BACKWARD = (
     "masked_logprobs for higher-order gradients.")
 
 
-def _check_masked_logprobs(hidden, weight, targets, chunk_size) -> int:
-    """Check the arguments; returns the chunk size to run with."""
+def _check_masked_logprobs(hidden, weight, targets) -> None:
+    """Check the tensor arguments."""
     check_same_device("masked_logprobs", hidden=hidden, lm_head_weight=weight, targets=targets)
     if hidden.dim() != 2:
         raise ValueError(
@@ -476,7 +534,6 @@ def _check_masked_logprobs(hidden, weight, targets, chunk_size) -> int:
     if targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"masked_logprobs: targets must be int64 (or int32) token ids, got {targets.dtype}; "
                         "pass targets.long().")
-    return resolve_chunk_size("masked_logprobs", chunk_size, hidden.shape[0], weight.shape[0], hidden.device)
 
 
 if HAS_EXTENSION:

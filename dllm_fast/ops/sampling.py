@@ -53,7 +53,7 @@ def sample_tokens(
 
     Returns:
         tokens [N] int64, and confidence [N] fp32 (fp64 for fp64 inputs): softmax(hidden @ W.T)[token] under the
-        unscaled logits.
+        unscaled logits. Neither carries a gradient: inputs that require one are read as constants.
     """
     _check_rows_and_head("sample_tokens", hidden, lm_head_weight, row_ids=row_ids)
     temperature = check_temperature("sample_tokens: temperature", temperature)
@@ -69,6 +69,9 @@ def sample_tokens(
         if len(ids) > MAX_TOKEN_IDS:
             raise ValueError(f"sample_tokens: {name} holds {len(ids)} distinct ids; at most {MAX_TOKEN_IDS} on every "
                              "device (the CUDA kernel takes them by value).")
+    # Sampling has no gradient (tokens are integers, the confidence steers decoding only): weights that train
+    # are read as constants, as under torch.no_grad, on every backend.
+    hidden, lm_head_weight = hidden.detach(), lm_head_weight.detach()
     if row_ids is None:
         row_ids = torch.arange(N, device=hidden.device)
     if check_finite:

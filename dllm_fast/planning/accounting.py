@@ -274,7 +274,7 @@ class Accountant(TorchDispatchMode):
     def _on_host(self, tensors: list[torch.Tensor]) -> bool:
         return bool(tensors) and all(id(t.untyped_storage()) in self._host for t in tensors)
 
-    def _category_of(self, tensor: torch.Tensor) -> str | None:
+    def category_of(self, tensor: torch.Tensor) -> str | None:
         entry = self._live.get(id(tensor.untyped_storage()))
         return None if entry is None else entry[1]
 
@@ -348,6 +348,18 @@ class Accountant(TorchDispatchMode):
         """Count a transient: memory above what is alive now, by category, that an op or a replayed call holds
         for a moment (a kernel's workspace, the peak of a call that is not run again)."""
         self._raise_peaks(extra)
+
+    def assert_peaks(self, at_peak: dict[str, int], category_peaks: dict[str, int]) -> None:
+        """Count the peaks of work not run op by op, exactly: `at_peak`, the memory above what is alive now, by
+        category, when its total peaked; `category_peaks`, the most each category rose above it at any point."""
+        memory, total = self.memory, self.total + sum(at_peak.values())
+        for mark in self._marks:
+            peaks = mark.category_peaks
+            for category, size in memory.items():
+                peaks[category] = max(peaks[category], size + category_peaks[category])
+            if total > mark.peak:
+                mark.peak = total
+                mark.peak_memory = {c: memory[c] + at_peak[c] for c in CATEGORIES}
 
     def assert_peak_at(self, memory: dict[str, int], extra: dict[str, int], marks: list[Mark]) -> None:
         """`assert_peak` at an earlier moment, when `memory` was alive, for the marks that were open then."""
@@ -461,7 +473,7 @@ class Accountant(TorchDispatchMode):
         for t in outputs:
             self.track(t)
         if (packet is aten._to_copy and args[0].requires_grad and args[0].is_leaf
-                and torch.is_autocast_enabled("cpu") and self._category_of(args[0]) == "parameters"):
+                and torch.is_autocast_enabled("cpu") and self.category_of(args[0]) == "parameters"):
             # autocast keeps this cast of a trainable leaf until the autocast region ends
             self.cached_casts.add(id(outputs[0].untyped_storage()))
         if extra is not None and extra.bytes:
@@ -500,6 +512,16 @@ class Accountant(TorchDispatchMode):
         the plan does not run op by op (a value check the plan answers without computing it)."""
         if kernels and not self._fused:
             self._add_kernels(None, (), 0, moved, 0, kernels)
+
+    def read_back(self, tensor: torch.Tensor) -> None:
+        """The host reads `tensor`'s values in one copy (tolist, answered without running its ops): one host
+        sync, unless the tensor lives on the host or is empty."""
+        if self.before_op is not None:
+            self.before_op()
+        if tensor.numel() == 0 or self._on_host([tensor]):
+            return
+        for ledger in (self.costs, *(mark.costs for mark in self._marks)):
+            ledger.sync()
 
     def fused_call(self, func, args, kwargs):
         """Call `func`, a function the GPU runs as one kernel (_FUSED_ON_GPU), counting one kernel that reads its

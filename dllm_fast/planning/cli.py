@@ -31,7 +31,7 @@ configured shapes and dtypes. Per phase: peak memory by category, FLOPs, bytes m
 the GPU; then the verdict and the largest n_t, micro-batch and group size that fit. Planner estimates, not
 measurements. Takes every option of `train`, plus those below; the options that do not shape one step (steps,
 evaluation, checkpoints, output directory, device) are checked as train checks them and otherwise unused."""
-ENGINES = ("streaming", "all_graphs")
+ENGINES = ("streaming", "two_pass", "all_graphs")
 WEIGHT_DTYPES = ("float32", "bfloat16")
 
 
@@ -46,8 +46,10 @@ def add_plan_arguments(parser) -> None:
                        help="every weight, gradient and optimizer state in float32 or bfloat16 (default: what train "
                             "loads, dllm_fast/train/precision.py: fp32 with bf16 autocast on GPU)")
     group.add_argument("--engine", default="streaming", choices=ENGINES, metavar="NAME",
-                       help="streaming: the objective's engine, as train runs it (default); all_graphs: every "
-                            "pair's graph kept until one backward, the naive way, for comparison")
+                       help="streaming: the objective's engine, as train runs it (default); two_pass: the same "
+                            "engine with its scoring pass for every objective that is not separable (as before "
+                            "one-pass sequence-local objectives); all_graphs: every pair's graph kept until one "
+                            "backward, the naive way, for comparison")
     group.add_argument("--search", default=True, type=value_converter("search", bool, False), metavar="true|false",
                        help="also find the largest n_t, micro-batch and group size that fit (default: true)")
 

@@ -30,6 +30,9 @@ from dllm_fast.planning.accounting import flat_values
 from torch.utils._pytree import tree_map_only
 
 _DEVICE = torch.ops.prim.device.default
+_TO_COPY = torch.ops.aten._to_copy.default
+_NEVER_PROPAGATED = {torch.ops.aten._nested_tensor_from_tensor_list.default}  # as FakeTensorMode
+_NOT_CONSTANT = object()
 # Real tensors above this size stay fake: no device-scale buffer is ever allocated on the host.
 DEFAULT_CONSTANT_BYTES = 256 << 20
 
@@ -52,13 +55,20 @@ class Assumptions:
 class PlanningFakeMode(FakeTensorMode):
     """FakeTensorMode whose constants cover the step's small data (see the module docstring)."""
 
-    def __init__(self, assumptions: Assumptions = Assumptions(), *, constant_bytes: int = DEFAULT_CONSTANT_BYTES):
+    def __init__(self, assumptions: Assumptions = Assumptions(), *, constant_bytes: int = DEFAULT_CONSTANT_BYTES,
+                 shortcut_constants: bool = True):
+        """shortcut_constants: an op on constants alone is computed without FakeTensorMode's cache attempt
+        (`_on_constants`), one on constants and model outputs with the constants' values left out, so that
+        FakeTensorMode's cache serves it (`_without_constants`); False runs both through FakeTensorMode's own
+        path (the same results, slower: for tests)."""
         super().__init__()
+        self.shortcut_constants = shortcut_constants
         self.assumptions = assumptions
         self.constant_bytes = constant_bytes
         self._assumed_outputs = _assumed_outputs()
         self._fake_factories = 0
         self._depth = 0  # > 1 inside another op's fake implementation (e.g. _to_copy's empty_strided)
+        self._writes_nothing_table: dict = {}  # op -> _writes_nothing(op)
 
     def may_turn_const(self, t: torch.Tensor) -> bool:
         return (not self.is_our_fake(t) and t.device.type != "meta" and t.layout == torch.strided
@@ -68,18 +78,115 @@ class PlanningFakeMode(FakeTensorMode):
         if func is _DEVICE:  # a tensor's .device: the hot path
             return super().dispatch(func, types, args, kwargs)
         kwargs = kwargs or {}
+        tensors = [a for a in flat_values((args, kwargs)) if isinstance(a, torch.Tensor)]
+        shadowed = None
+        if tensors and self.shortcut_constants:
+            out = self._on_constants(func, tensors, args, kwargs)
+            if out is not _NOT_CONSTANT:
+                return out
+            shadowed = self._without_constants(func, tensors, args, kwargs)
         self._depth += 1
         try:
-            out = super().dispatch(func, types, args, kwargs)
+            if shadowed is None:
+                out = super().dispatch(func, types, args, kwargs)
+            else:
+                try:
+                    out = super().dispatch(func, types, *shadowed)
+                except Exception:  # it needs their values (or fails with them too, and raises below)
+                    out = super().dispatch(func, types, args, kwargs)
         finally:
             self._depth -= 1
-        tensors = [a for a in flat_values((args, kwargs)) if isinstance(a, torch.Tensor)]
         if not tensors:  # a factory: real when small enough
             return out if self._depth else self._real_factory(func, args, kwargs, out)
         assumed = self._assumed_outputs.get(func.overloadpacket)
         if assumed is not None and not all(is_constant(a) for a in tensors):
             return assumed(self, args, out)
         return out
+
+    def _on_constants(self, func, tensors, args, kwargs):
+        """An op whose tensor inputs are all constants of this mode, computed as FakeTensorMode's constant
+        propagation computes it (the op on the values, each output a constant), without the cache-key attempt
+        and argument flattening that precede it there: about a third of a plan's ops are on the step's small
+        data. _NOT_CONSTANT leaves the op to FakeTensorMode: an op that writes its inputs, draws random numbers
+        or changes a view in place, or one whose output cannot be a constant (it then runs again there, as an op
+        that writes nothing may)."""
+        if not self._writes_nothing(func) or torch.Tag.nondeterministic_seeded in func.tags:
+            return _NOT_CONSTANT
+        for t in tensors:
+            if not (type(t) is FakeTensor and t.constant is not None and t.fake_mode is self):
+                return _NOT_CONSTANT
+        if func is _TO_COPY and kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "cpu":
+            return _NOT_CONSTANT  # as FakeTensorMode: no device initialised for a constant
+        with no_dispatch():
+            out = func(*_mapped(args, _value), **{name: _mapped(value, _value) for name, value in kwargs.items()})
+        outputs = [t for t in flat_values(out) if isinstance(t, torch.Tensor)]
+        if not all(self.may_turn_const(t) for t in outputs):
+            return _NOT_CONSTANT
+        if isinstance(out, torch.Tensor):
+            return self._as_constant(out)
+        return tree_map_only(torch.Tensor, self._as_constant, out)
+
+    def _writes_nothing(self, func) -> bool:
+        """Whether `func` is an aten or library op that writes none of its inputs, their values or their views'
+        shapes (the ops the shortcuts below take)."""
+        writes_nothing = self._writes_nothing_table.get(func)
+        if writes_nothing is None:
+            writes_nothing = self._writes_nothing_table[func] = (
+                isinstance(func, torch._ops.OpOverload) and not func._schema.is_mutable
+                and torch.Tag.inplace_view not in func.tags and func not in _NEVER_PROPAGATED)
+        return writes_nothing
+
+    def _without_constants(self, func, tensors, args, kwargs):
+        """(args, kwargs) with each constant of this mode as a fake tensor without its value (on the same fake
+        storage), for an op on constants and model outputs together that writes none of its inputs; None for
+        other ops. Its output is no constant either way, and without constants FakeTensorMode's cache serves it
+        (a constant input bypasses the cache: 0.6 ms an op instead of 0.1). An op that needs the values (a
+        boolean mask's count) raises without them (DynamicOutputShapeException), and is run with them."""
+        if not self._writes_nothing(func):
+            return None
+        constant = [type(t) is FakeTensor and t.constant is not None and t.fake_mode is self for t in tensors]
+        if all(constant) or not any(constant):
+            return None
+        valueless = self._valueless
+        return _mapped(args, valueless), {name: _mapped(value, valueless) for name, value in kwargs.items()}
+
+    def _valueless(self, t):
+        """A constant of this mode as a fake tensor without a value on the same fake storage; others as they are."""
+        if type(t) is not FakeTensor or t.constant is None or t.fake_mode is not self:
+            return t
+        with no_dispatch():
+            meta = torch.empty((), dtype=t.dtype, device="meta").set_(t.untyped_storage(), t.storage_offset(),
+                                                                      t.shape, t.stride())
+            return FakeTensor(self, meta, t.device)
+
+    def _as_constant(self, real: torch.Tensor) -> FakeTensor:
+        """The constant of an op's output `real`, as FakeTensorConverter.from_real_tensor(make_constant=True)
+        makes it, at a seventh of the cost (20 against 160 us): the fake tensor already made of `real` if any;
+        else one on the meta storage of `real`'s storage (a view of an input shares the input's), registered as
+        from_real_tensor registers it (its meta storage and tensor, and its storage's constants, dropped when a
+        fake value is written into them)."""
+        converter = self.fake_tensor_converter
+        known = converter._get_memo(real)
+        if known is not None:
+            return known
+        storage = real.untyped_storage()
+        if storage.nbytes() == 0:
+            return converter.from_real_tensor(self, real, make_constant=True)
+        meta_converter = converter.meta_converter
+        storage_id = meta_converter.describer.get_storage_id(storage)
+        meta_storage = meta_converter.storage_memo.get(storage_id)
+        with no_dispatch():
+            new = meta_storage is None
+            if new:
+                meta_storage = torch.UntypedStorage(storage.nbytes(), device="meta")
+            meta = torch.empty((), dtype=real.dtype, device="meta").set_(meta_storage, real.storage_offset(),
+                                                                         real.shape, real.stride())
+            fake = FakeTensor(self, meta, real.device, constant=real)
+        if new:
+            meta_converter.storage_memo[storage_id] = fake.untyped_storage()
+        converter.set_tensor_memo(real, fake)
+        converter.add_constant_storage_mapping(fake)
+        return fake
 
     @contextlib.contextmanager
     def fake_factories(self):
@@ -117,6 +224,19 @@ class PlanningFakeMode(FakeTensorMode):
         return self.constant(real)
 
 
+def _mapped(tree, fn):
+    """`tree` (an op's argument: a tensor, or a list or tuple of them) with fn(tensor) for each tensor."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_mapped(item, fn) for item in tree)
+    return tree
+
+
+def _value(t: FakeTensor) -> torch.Tensor:
+    return t.constant
+
+
 def is_constant(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor) and t.constant is not None
 
@@ -143,8 +263,12 @@ def _assumed_outputs() -> dict:
         return mode.filled(logp.shape, logp.dtype, mode.assumptions.logprob), grad_hidden
 
     ops = torch.ops.dllm_fast
-    return {ops.sample_tokens: sample_tokens, ops.masked_logprobs: masked_logprobs,
-            ops.masked_logprobs_grad: masked_logprobs_grad}
+    assumed = {ops.sample_tokens: sample_tokens, ops.masked_logprobs: masked_logprobs,
+               ops.masked_logprobs_grad: masked_logprobs_grad}
+    if hasattr(ops, "masked_logprobs_triton"):  # the Triton LM head's ops (backend="triton"), same outputs
+        assumed.update({ops.masked_logprobs_triton: masked_logprobs,
+                        ops.masked_logprobs_grad_triton: masked_logprobs_grad})
+    return assumed
 
 
 class FiniteValues(TorchFunctionMode):
@@ -178,9 +302,33 @@ class FiniteValues(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def fake_world(mode: PlanningFakeMode, count=None):
-    """Enter the fake mode and its finiteness answers (`count`: see FiniteValues)."""
-    with mode, FiniteValues(mode, count):
+def constants_read_at_once(mode: PlanningFakeMode, read=None):
+    """tolist of a constant of `mode` is its value, read from the host in one copy: `read(tensor)`, if given, is
+    called once (one host sync on a GPU, as dllm_fast.testing.syncs counts it). FakeTensor.tolist, a Python
+    method that no mode sees, would read each element on its own: an op and a host sync per element (a
+    [512]-pair count read 512 times, 0.1 s of CPU). Other tensors' tolist is FakeTensor's."""
+    original = FakeTensor.tolist
+
+    def tolist(self):
+        if self.constant is None or self.fake_mode is not mode:
+            return original(self)
+        if read is not None:
+            read(self)
+        with no_dispatch():
+            return self.constant.tolist()
+
+    FakeTensor.tolist = tolist
+    try:
+        yield
+    finally:
+        FakeTensor.tolist = original
+
+
+@contextlib.contextmanager
+def fake_world(mode: PlanningFakeMode, count=None, read=None):
+    """Enter the fake mode, its finiteness answers (`count`: see FiniteValues) and its reads of constants
+    (`read`: see constants_read_at_once)."""
+    with mode, FiniteValues(mode, count), constants_read_at_once(mode, read):
         yield mode
 
 

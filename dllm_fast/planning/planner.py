@@ -14,6 +14,7 @@ The largest settings that fit (search.py) come from the same kind of fits, each 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -24,7 +25,8 @@ from dllm_fast.likelihood import MicroBatching
 from dllm_fast.planning.accounting import Target
 from dllm_fast.planning.fit import extrapolate
 from dllm_fast.planning.gpus import GPU, gpu as gpu_named
-from dllm_fast.planning.step import PHASES, UPDATE_PHASES, PhasePlan, Session, fixed_n_t, probe_n_t
+from dllm_fast.planning.step import (PHASES, UPDATE_PHASES, PhasePlan, Session, fixed_n_t, one_pass, probe_n_t,
+                                     two_pass_line)
 from dllm_fast.train.config import TrainConfig, micro_batching
 from dllm_fast.train.settings import AUTO, DEFAULT_MICRO_BATCH
 
@@ -85,7 +87,9 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
               allow_tf32: bool = False) -> Plan:
     """Plan one step of `config` on `gpu` (a name from planning.GPUS; None plans for this machine's CPU, without
     a time). prompt_length: tokens per prompt (default: the task's longest training prompt under the configured
-    tokenizer). engine: "streaming" (the trainer's) or "all_graphs" (every pair's graph at once). weights_dtype:
+    tokenizer). engine: "streaming" (the trainer's), "two_pass" (the streaming engine without its one-pass route
+    for sequence-local objectives: MicroBatching(one_pass=False)) or "all_graphs" (every pair's graph at once).
+    weights_dtype:
     None (what train loads: dllm_fast.train.precision), "float32" or "bfloat16" (every weight, gradient and
     optimizer state in that dtype). search: also find the largest n_t, micro-batch and group size that fit.
     --compile plans what train compiles: rollouts under true, or auto on a GPU; scoring under true only."""
@@ -103,18 +107,26 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     weights_dtype = str(session.precision.trainable).removeprefix("torch.")
     # --micro-batch auto: planned at the default; the search's largest is what train fits (train/micro_batch.py)
     batching = micro_batching(config, auto=DEFAULT_MICRO_BATCH)
+    if engine == "two_pass":
+        batching = dataclasses.replace(batching, one_pass=False)
     n_t = session.objective.config.n_t
     check_plannable(config, prompt_length, session.base, batching)
     with _readable_data_errors(), session:
         rollout = session.rollout(prompts=config.run.prompts_per_step, group_size=config.run.group_size,
                                   prompt_length=prompt_length)
         probes = probe_n_t(config, rollout.batch.num_rollouts, batching.micro_batch)
-        fresh = session.updates(rollout.batch, n_t=probes[0], batching=batching)
+        direct = one_pass(config, batching.micro_batch, n_t, allowed=batching.one_pass)
+        if direct:  # the engine's one pass: planned at n_t itself (it is not on the two-pass line of the probes)
+            updates = session.updates(rollout.batch, n_t=n_t, batching=batching)
+        line = two_pass_line(batching)
+        fresh = session.updates(rollout.batch, n_t=probes[0], batching=line)
         if probes[0] == probes[1]:  # a fixed n_t: planned as configured, nothing to extrapolate
             runs = {probes[0]: fresh}
         else:
-            runs = {x: session.updates(rollout.batch, n_t=x, batching=batching) for x in probes}
-        if n_t == probes[0]:
+            runs = {x: session.updates(rollout.batch, n_t=x, batching=line) for x in probes}
+        if direct:
+            pass
+        elif n_t == probes[0]:
             updates = fresh
         else:
             updates = {name: extrapolate(runs[probes[0]][name], runs[probes[1]][name], *probes, n_t, fresh[name])
@@ -128,7 +140,7 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
         if search and gpu is not None:
             from dllm_fast.planning.search import largest_settings
 
-            plan.largest, search_notes = largest_settings(session, plan, rollout, runs, probes, batching, fresh)
+            plan.largest, search_notes = largest_settings(session, plan, rollout, runs, probes, line, fresh)
             plan.notes += search_notes
     plan.seconds = time.perf_counter() - started
     return plan

@@ -57,8 +57,12 @@ class Replayer:
     """Wraps modules' forwards to replay identical calls (see the module docstring). `state` returns whatever
     else decides what a call computes (e.g. whether LoRA adapters are enabled)."""
 
-    def __init__(self, accountant: Accountant, mode: PlanningFakeMode, state=lambda: None):
+    def __init__(self, accountant: Accountant, mode: PlanningFakeMode, state=lambda: None, *,
+                 link_all_parameters: bool = False):
+        """link_all_parameters: a replayed call takes every parameter its backward reaches into the graph, not
+        only those without a gradient (the same plan, slower: for tests)."""
         self.accountant, self.mode = accountant, mode
+        self.link_all_parameters = link_all_parameters
         self.state = state
         self.records: dict[tuple, CallRecord] = {}
         self.calls = {"run": 0, "replayed": 0}
@@ -252,7 +256,12 @@ class Replayer:
                 self._region_kept.append(kept)
             inputs = [t for t in flat_values((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
             named = self._named[id(module)]
-            params = [named[name] for name in record.parameters]
+            # The parameters without a gradient: the replayed backward makes theirs (accumulating into an existing
+            # one adds no memory, and its cost is in the recorded backward), so the others need no edge in the
+            # graph (hundreds of adapters' parameters per call with LoRA, an autograd input each), except one that
+            # puts the call in the graph when nothing else does.
+            reached = [named[name] for name in record.parameters]
+            params = reached if self.link_all_parameters else [p for p in reached if p.grad is None] or reached[:1]
             if torch.is_grad_enabled() and (inputs or params):
                 return _ReplayedCall.apply(self, record, len(inputs), *inputs, *params)
             return torch.empty(record.output_shape, dtype=record.output_dtype)
@@ -283,3 +292,55 @@ class _ReplayedCall(torch.autograd.Function):
                      for i, (shape, dtype) in enumerate(ctx.shapes[:ctx.num_inputs])]
             grads += [torch.empty(p.shape, dtype=p.dtype) if p.grad is None else None for p in ctx.params]
         return (None, None, None, *grads)
+
+
+@dataclass
+class WorkRecord:
+    """The ledger of some work, relative to where it started: its costs, its memory above the start when the total
+    peaked (`peak`) and each category's most above it (`category_peaks`), and what it left (`left`: memory after
+    less memory before)."""
+
+    costs: Costs
+    peak: dict[str, int]
+    category_peaks: dict[str, int]
+    left: dict[str, int]
+
+
+class RecordedWork:
+    """Work whose ledger depends only on a key (e.g. an optimizer step: the trainable parameters' and gradients'
+    shapes, dtypes and categories) is run once per key and replayed after: its costs and peaks added to the
+    ledger as running it would, then `effects()` leaves the state it leaves (e.g. gradients set to None), checked
+    against the recorded memory left. The key given is completed with the launches queued since the last sync,
+    which decide where the launch queue fills up (accounting.Accountant._bound_run_ahead), so that the replayed
+    costs are the run's exactly."""
+
+    def __init__(self, accountant: Accountant, *, enabled: bool = True):
+        """enabled=False runs the work every time (the same plan, slower: for tests)."""
+        self.accountant = accountant
+        self.enabled = enabled
+        self.records: dict[tuple, WorkRecord] = {}
+
+    def run(self, key: tuple, work, effects) -> bool:
+        """Run `work()` or replay its record for `key`; True when replayed."""
+        accountant = self.accountant
+        key = (key, accountant.costs.open_launches)
+        before = dict(accountant.memory)
+        record = self.records.get(key) if self.enabled else None
+        if record is None:
+            mark = accountant.mark()
+            try:
+                work()
+            finally:
+                accountant.release(mark)
+            self.records[key] = WorkRecord(
+                mark.costs, mark.peak_above(), {c: mark.category_peaks[c] - mark.memory[c] for c in CATEGORIES},
+                {c: accountant.memory[c] - before[c] for c in CATEGORIES})
+            return False
+        accountant.add_costs(record.costs)
+        accountant.assert_peaks(record.peak, record.category_peaks)
+        effects()
+        left = {c: accountant.memory[c] - before[c] for c in CATEGORIES}
+        if left != record.left:
+            raise RuntimeError(f"planner: replayed work left {left} bytes by category where its run left "
+                               f"{record.left}; its key {key[0]!r} misses something that decides its memory.")
+        return True

@@ -32,16 +32,17 @@ import torch
 from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch
 from dllm_fast.likelihood import MicroBatching, score
+from dllm_fast.models.merged_lora import merged_for_rollouts
 from dllm_fast.ops.backend import chunks_sized_for
 from dllm_fast.planning.accounting import CATEGORIES, Accountant, Costs, Target
 from dllm_fast.planning.fake import Assumptions, PlanningFakeMode, fake_module, fake_world
-from dllm_fast.planning.replay import Replayer
+from dllm_fast.planning.replay import RecordedWork, Replayer
 from dllm_fast.train import step as train_step
 from dllm_fast.train.config import TrainConfig, check_block_length, compiles_scoring, take_block_length
 from dllm_fast.train.sources import model_source
 from dllm_fast.train.precision import Precision, training_models, training_precision
 
-ENGINES = ("streaming", "all_graphs")
+ENGINES = ("streaming", "two_pass", "all_graphs")
 PHASES = train_step.PHASES  # rollout, then per step the update phases
 UPDATE_PHASES = PHASES[1:]
 
@@ -93,10 +94,13 @@ class Session:
     Enter it (`with session:`) to run phases; tensors made inside belong to it."""
 
     def __init__(self, config: TrainConfig, *, target: Target, weights_dtype: torch.dtype | None = None,
-                 engine: str = "streaming", assumptions: Assumptions | None = None, optimizer: bool = True):
+                 engine: str = "streaming", assumptions: Assumptions | None = None, optimizer: bool = True,
+                 fast: bool = True):
         """weights_dtype: every model's weights in this dtype (None: what train loads for the target's device,
         dllm_fast.train.precision). optimizer: allocate the AdamW state a training step holds (False for a
-        rollout on its own)."""
+        rollout on its own). fast=False plans the same step without the shortcuts that leave the plan as it is
+        (every optimizer step run, every op on constants through FakeTensorMode's own path, every parameter a
+        replayed call reaches linked into its graph): for tests that they change nothing."""
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is not one of {', '.join(ENGINES)}.")
         self.config, self.target, self.engine = config, target, engine
@@ -111,7 +115,8 @@ class Session:
             confidence = threshold / 2 if threshold is not None else Assumptions.confidence
             assumptions = Assumptions(confidence=confidence,
                                       avoid_ids=frozenset(i for i in special if i is not None))
-        self.mode = PlanningFakeMode(assumptions)
+        self.fast = fast
+        self.mode = PlanningFakeMode(assumptions, shortcut_constants=fast)
         self.accountant = Accountant(target)
         self.bf16 = self.precision.compute is not None
         self.generate_config = config.generate_config(target.device_type)  # the rollouts, as train runs them
@@ -127,22 +132,26 @@ class Session:
     def __enter__(self) -> "Session":
         stack = self._stack
         stack.enter_context(chunks_sized_for(self.target.device_type))
+        stack.enter_context(_one_thread())
         stack.enter_context(_library_caches_kept())
         stack.enter_context(_compiled_calls_planned(self.accountant))
-        stack.enter_context(fake_world(self.mode, self.accountant.count_kernels))
+        stack.enter_context(fake_world(self.mode, self.accountant.count_kernels, self.accountant.read_back))
         stack.enter_context(self.accountant)
         stack.callback(self.accountant.close)
         for module in self._models:
             for tensor in [*module.parameters(), *module.buffers()]:
                 self.accountant.track(tensor, "parameters")
         self.accountant.watch_gradients(self.trainable)
-        self.replayer = Replayer(self.accountant, self.mode, state=_adapter_state(self.policy))
+        self.replayer = Replayer(self.accountant, self.mode, state=_adapter_state(self.policy),
+                                 link_all_parameters=not self.fast)
+        self._recorded = RecordedWork(self.accountant, enabled=self.fast)
+        self._replayed = set()
         for model in (self.base, self.reference):
             if model is not None:
                 self.replayer.install(model)
                 for block in model.shard_units():
                     self.replayer.install(block)
-        _allocate_kv_cache_as(self.base, self.accountant)
+        _allocate_kv_cache_as(self.base, self.accountant, self.mode)
         c = self.config
         self.optimizer = None
         if self.with_optimizer:
@@ -154,6 +163,18 @@ class Session:
 
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)
+
+    def _replay(self, merged) -> None:
+        """The merged copy of a LoRA policy that merged rollouts sample through (models.merged_lora), once: its
+        own weights counted as parameters, its calls replayed as the policy's are."""
+        if id(merged) in self._replayed:
+            return
+        self._replayed.add(id(merged))
+        for parameter in merged.parameters():
+            self.accountant.classify(parameter, "parameters", only_from="temporaries")
+        self.replayer.install(merged)
+        for block in merged.shard_units():
+            self.replayer.install(block)
 
     @property
     def weight_bytes(self) -> int:
@@ -197,11 +218,14 @@ class Session:
         rollouts = self.generate_config
         if rollouts.threshold is not None:  # confidences below the threshold: one token a step (see Assumptions)
             rollouts = replace(rollouts, assumed_steps_per_block=rollouts.block_length)
+        merge = c.lora.enabled and c.lora.merge_rollouts
+        if merge:  # the merged copy roll_out samples through, its calls replayed like the policy's
+            self._replay(merged_for_rollouts(self.policy, refresh=False))
         # as train does: trajectory objectives (TraceRL) ask generate to record the decoding order
         result = train_step.roll_out(self.policy, input_ids, attention_mask, rollouts,
                                      generator=torch.Generator().manual_seed(c.run.seed + 1),
                                      record_unmask_step=getattr(self.objective, "needs_unmask_step", False),
-                                     hooks=self._hooks({"rollout": plan}))
+                                     hooks=self._hooks({"rollout": plan}), merge_adapters=merge)
         rewards = torch.arange(input_ids.shape[0], dtype=torch.float32) % 2
         return Rollout(plan, RolloutBatch.from_generation(result, rewards, group_size=group_size), int(result.nfe))
 
@@ -217,13 +241,29 @@ class Session:
                                        generator=torch.Generator().manual_seed(c.run.seed + 2), batching=batching,
                                        hooks=hooks)
         optimization = train_step.Optimization(self.trainable, self.optimizer, c.optim.grad_clip)
-        backward = None if self.engine == "streaming" else functools.partial(_all_graphs_backward, objective)
-        for update in plan:  # the trainer's check of a finite gradient norm is a host sync; the plan assumes it passes
-            train_step.run_update(objective, self.policy, batch, update, batching=batching, optimization=optimization,
-                                  ref_model=self.reference, hooks=hooks, backward=backward)
+        backward = functools.partial(_all_graphs_backward, objective) if self.engine == "all_graphs" else None
+        for update in plan:  # train_step.run_update, its optimizer step replayed once recorded (optimizer_step)
+            output = train_step.inner_update(objective, self.policy, batch, update, batching=batching,
+                                             ref_model=self.reference, hooks=hooks, backward=backward)
+            self.optimizer_step(optimization, phases[train_step.OPTIMIZER_STEP])  # the output alive, as there
+            del output
         if phases["old-policy scoring"].calls_run + phases["old-policy scoring"].calls_replayed == 0:
             phases["old-policy scoring"].runs = 0  # mu = 1, or an objective without a ratio: nothing scored
         return phases
+
+    def optimizer_step(self, optimization: train_step.Optimization, plan: PhasePlan) -> None:
+        """train_step.optimizer_step as a phase, run once per kind and replayed after (replay.RecordedWork): its
+        work (clipping, AdamW, zeroing) is decided by the trainable parameters and their gradients (shapes, dtypes,
+        strides, the gradients' categories). The trainer's check of a finite gradient norm is a host sync; the plan
+        assumes it passes. A replay leaves what the step leaves: the gradients set to None."""
+        accountant = self.accountant
+        key = (id(optimization.optimizer), optimization.grad_clip, torch.is_grad_enabled(), tuple(
+            (tuple(p.shape), p.dtype) + (() if p.grad is None else (
+                tuple(p.grad.shape), p.grad.dtype, p.grad.stride(), accountant.category_of(p.grad)))
+            for p in optimization.trainable))
+        with self.phase(plan):  # the phase opened here: train_step.optimizer_step's own hook is not called
+            self._recorded.run(key, lambda: train_step.optimizer_step(optimization, hooks=train_step.NO_HOOKS),
+                               lambda: optimization.optimizer.zero_grad(set_to_none=True))
 
     def _hooks(self, phases: dict[str, PhasePlan]) -> train_step.StepHooks:
         """train/step.py's hooks for this session: each phase of the step accounted into its PhasePlan."""
@@ -256,15 +296,30 @@ def fixed_n_t(config: TrainConfig) -> bool:
     return objectives.get(config.objective.name, **config.objective.options).config.sampler == "trajectory"
 
 
+def one_pass(config: TrainConfig, micro_batch: int, n_t: int, *, allowed: bool = True) -> bool:
+    """Whether the engine differentiates the objective at n_t in one pass (`streaming_backward`: a loss that
+    couples pairs only within a sequence, when a micro-batch holds a sequence's n_t samples; `allowed` is
+    MicroBatching.one_pass). Its cost is not on the two-pass line, so neither side extrapolates to the other."""
+    objective = objectives.get(config.objective.name, **config.objective.options)
+    return allowed and objective.sequence_local and n_t <= micro_batch
+
+
 def probe_n_t(config: TrainConfig, rollouts: int, micro_batch: int) -> tuple[int, int]:
     """Two small n_t to plan the updates at, from which larger ones are extrapolated (fit.py): the smallest at
     which every kind of micro-batch runs (at least two micro-batches of pairs), and the first valid one from four
-    times it. An objective with a fixed n_t is planned at it, twice the same."""
+    times it. An objective with a fixed n_t is planned at it, twice the same. The probes are planned with two
+    passes (`two_pass_line`), the line every n_t above the micro-batch is on."""
     if fixed_n_t(config):
         n_t = objectives.get(config.objective.name, **config.objective.options).config.n_t
         return n_t, n_t
     low = valid_n_t(config, -(-2 * micro_batch // max(rollouts, 1)))
     return low, valid_n_t(config, 4 * low)
+
+
+def two_pass_line(batching: MicroBatching) -> MicroBatching:
+    """`batching` with the engine's one pass off: the probes' setting, so that every n_t planned for an
+    extrapolation takes the two passes a large n_t takes (one pass is for n_t <= micro-batch, planned directly)."""
+    return replace(batching, one_pass=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -301,12 +356,14 @@ def _adapter_state(policy):
     return lambda: bool(first.disable_adapters)
 
 
-def _allocate_kv_cache_as(base, accountant: Accountant) -> None:
-    """Count what the model's new_cache allocates as the KV cache."""
+def _allocate_kv_cache_as(base, accountant: Accountant, mode: PlanningFakeMode) -> None:
+    """Count what the model's new_cache allocates as the KV cache, and keep it fake: it holds model outputs, which
+    the plan never reads, and a real buffer of each layer's keys (under the constant limit, e.g. 89 MB a layer for
+    sdar-8b's 64 rollouts of 676 tokens) would be allocated and zeroed on the host for nothing."""
     original = base.new_cache
 
     def new_cache(*args, **kwargs):
-        with accountant.allocating_as("kv_cache"):
+        with accountant.allocating_as("kv_cache"), mode.fake_factories():
             return original(*args, **kwargs)
 
     base.new_cache = new_cache
@@ -342,6 +399,19 @@ def _compiled_calls_planned(accountant: Accountant):
         for module, compiled_step in zip(rollout_modules, kept[0]):
             module.compiled_step = compiled_step
         compiled_module.compiled = kept[1]
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Plan on one CPU thread: the real arithmetic of a plan is on the step's small data (masks, token ids), too
+    small for threads to help, and on a busy host a parallel region waits for every thread to be scheduled (a
+    [64, 438] mask gather took 6 ms on two threads of a loaded 2-core machine, 0.3 ms on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

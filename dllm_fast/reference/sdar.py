@@ -83,11 +83,13 @@ def _row(tokens: torch.Tensor, attention_mask: torch.Tensor | None, n: int) -> i
 @torch.no_grad()
 def generate(weights, config, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *, gen_length: int,
              steps: int | None = None, threshold: float | None = None, mask_token_id: int, forward_fn=None,
-             head: torch.Tensor | None = None) -> torch.Tensor:
+             head: torch.Tensor | None = None, full_last_block: bool = False) -> torch.Tensor:
     """Greedy block decoding, each prompt alone: [B, P] left-padded prompts -> completions [B, gen_length].
 
     Every step runs the whole sequence so far (through the current block) with the dense block-causal mask. The
-    first block holds the prompt's last partial block; the last block ends at gen_length. Per step of a block:
+    first block holds the prompt's last partial block; the last block ends at gen_length, or with full_last_block
+    (the official generate's canvas of whole blocks) at the end of its block, its positions after the completion
+    masked, decoded with it and dropped. Per step of a block:
     every masked position's argmax (the mask token never) and its probability; unmask the schedule's count
     (the block size split evenly over steps / (gen_length / block), remainder first) of the most probable, ties
     to the lowest position ("low_confidence_static"); with a threshold too, at least that count and every one
@@ -103,9 +105,10 @@ def generate(weights, config, input_ids: torch.Tensor, attention_mask: torch.Ten
     for n in range(input_ids.shape[0]):
         prompt = input_ids[n, _row(input_ids, attention_mask, n):]
         P = prompt.shape[0]
-        x = torch.cat([prompt, torch.full((gen_length,), mask_token_id, dtype=prompt.dtype)])
-        for block in range(P // b, -(-(P + gen_length) // b)):
-            start, end = block * b, min((block + 1) * b, P + gen_length)
+        total = -(-(P + gen_length) // b) * b if full_last_block else P + gen_length
+        x = torch.cat([prompt, torch.full((total - P,), mask_token_id, dtype=prompt.dtype)])
+        for block in range(P // b, -(-total // b)):
+            start, end = block * b, min((block + 1) * b, total)
             for step in range(b if steps_per_block is None else steps_per_block):
                 masked = x[start:end] == mask_token_id
                 if not masked.any():
@@ -128,7 +131,7 @@ def generate(weights, config, input_ids: torch.Tensor, attention_mask: torch.Ten
                 chosen[order[:count]] = True
                 chosen &= masked
                 x[start:end] = torch.where(chosen, tokens, x[start:end])
-        rows.append(x[P:])
+        rows.append(x[P:P + gen_length])
     return torch.stack(rows)
 
 

@@ -7,8 +7,19 @@ first generated tokens. In a left-padded batch the rows' block boundaries theref
 The rollout decodes on a canvas of its own where row n is shifted right by s_n = (-pad_n) mod block_length (more
 left padding), which puts every row's position 0 on a multiple of the block length, so that all rows share the
 block windows [k b, (k + 1) b). Row n's completion is the gen_length columns from P + s_n; the canvas ends at
-W = b ceil((P + max s + G) / b); columns after a row's completion do not exist for it (attention mask 0, never
-decoded), so its last block ends with its completion. The result is mapped back to [B, P + G].
+W = b ceil((P + max s + G) / b). By default columns after a row's completion do not exist for it (attention mask
+0, never decoded), so its last block ends with its completion; with full_last_block (the official generate's
+way) they are mask positions of its last block, decoded with it and then dropped: they attend and are attended,
+so they change the last block's tokens. The result is mapped back to [B, P + G].
+
+Forwards. A window runs until the most masked row in it is complete: at most min(steps per block, b) forwards
+(its schedule, or one token per step), fewer in a partial window. A row whose prompt length is not a multiple of
+b spans G / b + 1 windows (its first and last blocks partial), so a batch decodes at most G / b + 1 windows when
+its rows share one alignment and G / b + 2 when they do not (`max_block_forwards`): a mixed batch can run more
+forwards than gen_length (each forward unmasks at least one token of some row, not of every row).
+`GenerationResult.nfe` is the count and bounds `unmask_step` (each position's forward, counted over the batch).
+The planner's count is the real one: on its constant prompts (planning/fake.py) the layout and every window's
+masked count are known without reading a computed value.
 
 Work. The columns [0, F) that hold only whole prompt blocks of every row are prefilled in one forward. Each
 window then runs the plan's steps through the shared denoising step (rollout/step.py, eager or compiled):
@@ -38,8 +49,8 @@ rollout gives: the tokens before it are decoded, and a decoded token never chang
 Host syncs: one at the start (the rows' extreme shifts, which size the canvas), one per block (its masked count
 and the previous block's non-finite flag; with eos_early_stop one more, whether every row has ended), and with a
 threshold one per step (as generate's threshold decoding).
-On fake tensors (the planner) none: the widest canvas any batch of the shape needs, every block run for its
-steps (or assumed_steps_per_block).
+On fake tensors (the planner) none: the layout of the prompts' constant mask (else the widest canvas any batch of
+the shape needs), every window run for the steps its masked count takes (or assumed_steps_per_block).
 """
 
 from __future__ import annotations
@@ -66,9 +77,9 @@ def generate_blocks(model, plan: DecodingPlan, input_ids: torch.Tensor, attentio
     B, P = input_ids.shape
     b, G = block_length, gen_length
     reads_values = data_checks_enabled(input_ids, attention_mask, model.lm_head_weight)
-    layout = Layout.of(input_ids, attention_mask, G, b, read=reads_values)
+    layout = Layout.of(input_ids, attention_mask, G, b, read=reads_values, full_last_block=plan.full_last_block)
     shapes = ("blocks", device, B, P, G, b, layout.width, layout.prefilled, plan.steps_per_block,
-              plan.record_unmask_step, plan.cache, model.lm_head_weight.dtype)
+              plan.record_unmask_step, plan.cache, model.lm_head_weight.dtype, plan.full_last_block)
     state = _start(model, plan, input_ids, layout, b, generator, shapes, _KEPT_STATES)
     constants = step_constants(model, plan, 0, b, B)
     step_fn = denoise_step
@@ -96,7 +107,7 @@ def generate_blocks(model, plan: DecodingPlan, input_ids: torch.Tensor, attentio
             positions = torch.arange(start, end, device=device)
             state.counters[STEP_IN_BLOCK] = 0
             state.counters[NOISE_STEP] = 0  # the noise is keyed by the step within the block
-            remaining = b
+            remaining = layout.masked_in(window)  # b for a fake batch of unknown layout
             if reads_values:  # one host sync per block: its masked count, and the last block's non-finite flag
                 remaining, any_bad = masked_left_and_bad(state, positions, mask_id)
                 if any_bad:
@@ -152,6 +163,12 @@ def _every_row_ended(state: RolloutState, layout: "Layout", column: int, eos: in
     return bool(((completion == eos) & (layout.completion_columns < column)).any(dim=1).all())
 
 
+def max_block_forwards(plan: DecodingPlan, gen_length: int, block_length: int) -> int:
+    """The most forwards a block rollout of `plan` can run: gen_length / block_length + 2 windows (rows of two
+    alignments: a partial first and last block each) of at most min(steps per block, block_length) forwards."""
+    return (gen_length // block_length + 2) * plan.step_limit(block_length)
+
+
 def check_block_call(model, plan: DecodingPlan, block_length: int) -> None:
     """What a block-diffusion rollout cannot take, refused by name."""
     model_block = block_length_of(model)
@@ -171,32 +188,72 @@ class Layout:
     """Where each row sits on the block rollout's canvas (see the module docstring).
 
     shift [B]: s_n; width: W; prefilled: F, the columns every row's whole prompt blocks fill;
-    completion_columns [B, G]: the canvas columns of each row's completion; tokens [B, W] the initial canvas and
-    mask [B, W] int64 (1 on each row's real tokens and completion)."""
+    completion_columns [B, G]: the canvas columns of each row's completion; tokens [B, W] the initial canvas (-1
+    where no token is), decoded [B, W] bool the columns decoded (the completion, and with full_last_block the rest
+    of its last block) and mask [B, W] int64 (1 on each row's real tokens and decoded columns). spans: each row's
+    decoded columns [start, end) as Python ints when its shift is known (read, or the planner's constant prompts),
+    else None (a fake batch: the widest layout)."""
 
-    def __init__(self, shift, width, prefilled, completion_columns, tokens, mask):
+    def __init__(self, shift, width, prefilled, completion_columns, tokens, mask, decoded, block_length, spans):
         self.shift, self.width, self.prefilled = shift, width, prefilled
         self.completion_columns, self.tokens, self.mask = completion_columns, tokens, mask
+        self.decoded, self.block_length, self.spans = decoded, block_length, spans
 
     @classmethod
-    def of(cls, input_ids, attention_mask, gen_length: int, block_length: int, read: bool) -> "Layout":
-        """The layout of a batch. With `read` the extreme shifts are read in one host sync (the tightest canvas);
-        without (fake tensors) the widest canvas any batch of this shape needs."""
+    def of(cls, input_ids, attention_mask, gen_length: int, block_length: int, read: bool,
+           full_last_block: bool = False) -> "Layout":
+        """The layout of a batch. With `read` the shifts are read in one host sync (the tightest canvas); a fake
+        batch's are known when its mask is a planner's constant (or absent), else the widest canvas any batch of
+        this shape needs is taken."""
         B, P = input_ids.shape
         b, G, device = block_length, gen_length, input_ids.device
         real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.ne(0)
         pad = (~real).sum(dim=1)
         shift = (-pad) % b
-        low, high = torch.stack([shift.min(), shift.max()]).tolist() if read else (0, b - 1)
+        shifts = known_shifts(attention_mask, b, B, shift if read else None)
+        low, high = (min(shifts), max(shifts)) if shifts is not None else (0, b - 1)
         width = b * math.ceil((P + high + G) / b)
         prefilled = b * ((P + low) // b)
-        source = torch.arange(width, device=device)[None, :] - shift[:, None]  # column in [prompt | completion]
+        column = torch.arange(width, device=device)[None, :]
+        source = column - shift[:, None]  # column in [prompt | completion]
         inside = (source >= 0) & (source < P + G)
         original = torch.cat([input_ids.long(), torch.full((B, G), -1, dtype=torch.long, device=device)], dim=1)
         tokens = original.gather(1, source.clamp(0, P + G - 1)).masked_fill(~inside, -1)
-        mask = (inside & (source >= pad[:, None])).long()
+
+        def end_of(completion_end):  # where a row's decoding ends: its completion, or its last block's end
+            return (completion_end + b - 1) // b * b if full_last_block else completion_end
+
+        end = end_of(P + shift + G)
+        decoded = ((source >= P) & inside) | ((source >= P + G) & (column < end[:, None]))
+        mask = ((inside & (source >= pad[:, None])) | decoded).long()
         completion_columns = (P + shift)[:, None] + torch.arange(G, device=device)[None, :]
-        return cls(shift, width, prefilled, completion_columns, tokens, mask)
+        spans = None if shifts is None else [(P + s, end_of(P + s + G)) for s in shifts]
+        return cls(shift, width, prefilled, completion_columns, tokens, mask, decoded, b, spans)
+
+    def masked_in(self, window: int) -> int:
+        """The most positions any row decodes in window `window` (its masked count before the window's first
+        step), from the layout alone: the block length when the rows' shifts are unknown (a fake batch)."""
+        if self.spans is None:
+            return self.block_length
+        low, high = window * self.block_length, (window + 1) * self.block_length
+        return max(max(0, min(high, end) - max(low, start)) for start, end in self.spans)
+
+
+def known_shifts(attention_mask, block_length: int, batch: int, shift=None) -> list[int] | None:
+    """Each row's shift as Python ints, or None where they cannot be known: from `shift` (a real tensor: one host
+    sync), without padding (all 0), or from a planner's constant mask (a fake tensor carrying its real value,
+    planning/fake.py); a fake mask without one has no values to read."""
+    if shift is not None:
+        return shift.tolist()
+    if attention_mask is None:
+        return [0] * batch
+    constant = getattr(attention_mask, "constant", None)
+    if constant is None:
+        return None
+    from torch.utils._mode_utils import no_dispatch
+
+    with no_dispatch():  # the constant is a real tensor: read it outside the fake mode
+        return ((-(constant == 0).sum(dim=1)) % block_length).tolist()
 
 
 def _start(model, plan: DecodingPlan, input_ids, layout: Layout, block_length: int, generator, shapes,
@@ -204,17 +261,16 @@ def _start(model, plan: DecodingPlan, input_ids, layout: Layout, block_length: i
     """The call's buffers (compiled: the model's last call's, refilled in place, as generate keeps them)."""
     device, mask_id = input_ids.device, model.mask_token_id
     B, G = input_ids.shape[0], layout.completion_columns.shape[1]
-    # -1 marks what is not a token: the completion (masked) and the columns around the rows (padded with EOS).
-    completion = torch.zeros_like(layout.tokens, dtype=torch.bool).scatter_(1, layout.completion_columns, True)
-    canvas = layout.tokens.masked_fill(completion, mask_id).masked_fill(layout.tokens.eq(-1) & ~completion,
-                                                                        model.eos_token_id)
+    # -1 marks what is not a token: the decoded columns (masked) and the columns around the rows (padded with EOS).
+    canvas = layout.tokens.masked_fill(layout.decoded, mask_id).masked_fill(layout.tokens.eq(-1) & ~layout.decoded,
+                                                                            model.eos_token_id)
     noise_key = torch.zeros((), dtype=torch.long, device=device)
     if plan.temperature > 0:
         noise_key = torch.randint(2**62, (), generator=generator, device=device)
     kept = kept_states.get(model) if plan.compile else None
     if kept is not None and kept[0] == shapes:
         kept[1].restart(canvas, layout.mask, noise_key)
-        kept[1].row_base.copy_(_row_base(layout, G, block_length))
+        kept[1].row_base.copy_(_row_base(layout, G, block_length, plan.full_last_block))
         return kept[1]
     schedule = None
     if plan.steps_per_block is not None:
@@ -227,7 +283,7 @@ def _start(model, plan: DecodingPlan, input_ids, layout: Layout, block_length: i
     state = RolloutState(
         canvas=canvas, kv=kv, attention_mask=layout.mask, masked_prompt=None, noise_key=noise_key,
         counters=torch.zeros(3, dtype=torch.long, device=device), schedule=schedule,
-        row_base=_row_base(layout, G, block_length),
+        row_base=_row_base(layout, G, block_length, plan.full_last_block),
         not_finite=torch.zeros(B, layout.width, dtype=torch.bool, device=device),
         unmask_step=torch.full((B, layout.width), -1, dtype=torch.long, device=device)
         if plan.record_unmask_step else None)
@@ -236,14 +292,28 @@ def _start(model, plan: DecodingPlan, input_ids, layout: Layout, block_length: i
     return state
 
 
-def _row_base(layout: Layout, gen_length: int, block_length: int) -> torch.Tensor:
-    """[B, 1]: what the step adds to a canvas column for the noise counter's position word, row * G + b plus the
+def _row_base(layout: Layout, gen_length: int, block_length: int, full_last_block: bool = False) -> torch.Tensor:
+    """What the step adds to a canvas column for the noise counter's position word: [B, 1] row * G + b plus the
     completion position: unique per (row, completion position), independent of the batch's padding, and
-    non-negative on the prompt tail decoded with the first block (fewer than b columns; its noise is unused)."""
+    non-negative on the prompt tail decoded with the first block (fewer than b columns; its noise is unused).
+    With full_last_block, [B, 3]: that, the column where each row's completion ends, and the jump that moves the
+    words of the positions after it to B * G + b + row * b on, beyond every row's completion words (which stay
+    the default's: only what the extra positions change in the logits changes a sample)."""
     first = layout.completion_columns[:, :1]
-    rows = torch.arange(first.shape[0], device=first.device)[:, None]
-    return rows * gen_length + block_length - first
+    B, G, b = first.shape[0], gen_length, block_length
+    rows = torch.arange(B, device=first.device)[:, None]
+    base = rows * G + b - first
+    if not full_last_block:
+        return base
+    end = first + G
+    return torch.cat([base, end, (B * G + b + rows * b) - (base + end)], dim=1)
 
 
 def _raise_not_finite(state: RolloutState, layout: Layout, plan: DecodingPlan, model) -> None:
     raise_if_not_finite(state.not_finite.gather(1, layout.completion_columns), 0, plan.cfg_scale, model.lm_head_weight)
+    if state.not_finite.any():  # a position of a full last block after the completion
+        row, column = (int(v) for v in state.not_finite.nonzero()[0])
+        after = column - int(layout.completion_columns[row, -1])
+        raise ValueError(f"generate: the model's output for prompt {row} at the {after}. position after its "
+                         "completion (full_last_block decodes the rest of the last block) is NaN or infinite; check "
+                         "the model's weights and inputs (e.g. fp16 overflow).")

@@ -36,6 +36,7 @@ class DecodingPlan:
     compile: bool = False
     record_unmask_step: bool = False
     assumed_steps_per_block: int | None = None
+    full_last_block: bool = False
     eos_early_stop: bool = False
 
     def step_limit(self, block_length: int) -> int:
@@ -68,13 +69,12 @@ def initial_canvas(input_ids, attention_mask, gen_length: int, mask_id: int):
 
 def check_generate_args(model, input_ids, attention_mask, config: GenerateConfig, *, generator=None,
                         record_unmask_step=False) -> DecodingPlan:
-    """Validate a generate() call, once, and return its plan: the one check of a GenerateConfig (errors name the
-    field as generate's keyword). The checks that read the prompts' values cost one host sync (and the model's own
-    token-id check, `check_input_ids`, one more); they are skipped where validation.data_checks_enabled says
-    values cannot be read (fake tensors, torch.compile tracing)."""
+    """Validate a generate() call, once, and return its plan: the prompts here, the settings by
+    `check_generate_config` (errors name the field as generate's keyword). The checks that read the prompts' values
+    cost one host sync (and the model's own token-id check, `check_input_ids`, one more); they are skipped where
+    validation.data_checks_enabled says values cannot be read (fake tensors, torch.compile tracing)."""
     if not isinstance(config, GenerateConfig):
         raise TypeError(f"config must be a GenerateConfig, got {type(config).__name__}.")
-    gen_length, block_length, steps, threshold = config.gen_length, config.block_length, config.steps, config.threshold
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a [B, P] tensor of prompt token ids, got {getattr(input_ids, 'shape', input_ids)!r}.")
     check_same_device("generate", **{"input_ids": input_ids, "attention_mask": attention_mask,
@@ -90,11 +90,33 @@ def check_generate_args(model, input_ids, attention_mask, config: GenerateConfig
                           check_values=False)
     if data_checks_enabled(input_ids, attention_mask):
         check_prompt_values(model, input_ids, attention_mask)
+    plan = check_generate_config(model, config, prompt_length=input_ids.shape[1], batch=input_ids.shape[0],
+                                 record_unmask_step=record_unmask_step)
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
+        if generator.device.type != input_ids.device.type:
+            raise ValueError(f"generator is on {generator.device} but input_ids on {input_ids.device}; pass "
+                             f"torch.Generator(device={str(input_ids.device)!r}).manual_seed(seed).")
+    return plan
+
+
+def check_generate_config(model, config: GenerateConfig, *, prompt_length: int | None = None,
+                          batch: int | None = None, record_unmask_step=False) -> DecodingPlan:
+    """The checks of a GenerateConfig against the model that decodes it, without prompts (a trainer checks its
+    rollouts' settings this way before it writes anything; a meta-device skeleton of the model will do), and its
+    plan. With prompt_length and batch, also the bounds that depend on them (the model's positions, the noise
+    counter's position word). Errors name the field as generate's keyword, its value and the fix."""
+    if not isinstance(config, GenerateConfig):
+        raise TypeError(f"config must be a GenerateConfig, got {type(config).__name__}.")
+    gen_length, block_length, steps, threshold = config.gen_length, config.block_length, config.steps, config.threshold
     check_int("gen_length", gen_length, minimum=1)
-    P, limit = input_ids.shape[1], max_positions(model)
-    check_positions(model, P + gen_length, f"prompts of {P} tokens (their padded length) plus gen_length={gen_length}",
-                    f"Lower gen_length to at most {limit - P}, or shorten the prompts." if limit and P < limit else
-                    "Shorten the prompts: alone they fill the model's positions.")
+    if prompt_length is not None:
+        P, limit = prompt_length, max_positions(model)
+        check_positions(model, P + gen_length,
+                        f"prompts of {P} tokens (their padded length) plus gen_length={gen_length}",
+                        f"Lower gen_length to at most {limit - P}, or shorten the prompts." if limit and P < limit else
+                        "Shorten the prompts: alone they fill the model's positions.")
     check_int("block_length", block_length, minimum=1)
     if gen_length % block_length != 0:
         raise ValueError(f"gen_length={gen_length} is not a multiple of block_length={block_length}; "
@@ -126,14 +148,9 @@ def check_generate_args(model, input_ids, attention_mask, config: GenerateConfig
     confidence_eos_eot_inf = check_bool("confidence_eos_eot_inf", config.confidence_eos_eot_inf)
     if confidence_eos_eot_inf and getattr(model, "eot_token_id", None) is None:
         raise ValueError("confidence_eos_eot_inf needs the model's end-of-turn id; set its config's eot_token_id.")
-    if generator is not None:
-        if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
-        if generator.device.type != input_ids.device.type:
-            raise ValueError(f"generator is on {generator.device} but input_ids on {input_ids.device}; pass "
-                             f"torch.Generator(device={str(input_ids.device)!r}).manual_seed(seed).")
     compile = check_bool("compile", config.compile)
     check_bool("record_unmask_step", record_unmask_step)
+    full_last_block = check_bool("full_last_block", config.full_last_block)
     assumed_steps_per_block = config.assumed_steps_per_block
     if assumed_steps_per_block is not None:
         check_int("assumed_steps_per_block", assumed_steps_per_block, minimum=1, maximum=block_length,
@@ -145,11 +162,22 @@ def check_generate_args(model, input_ids, attention_mask, config: GenerateConfig
     if eos_early_stop and block_length_of(model) is None:
         raise ValueError("eos_early_stop=True stops a block-diffusion rollout once every row has decoded its EOS "
                          "(LLaDA2's generate); this model decodes bidirectionally: pass eos_early_stop=False.")
-    if input_ids.shape[0] * gen_length > 2**32:
-        raise ValueError(f"{input_ids.shape[0]} prompts x gen_length={gen_length} completion positions exceed "
-                         "2^32, the noise counter's position word; generate in smaller batches.")
-    return DecodingPlan(steps_per_block, temperature, threshold, cfg_scale, policy, rule, logits_eos_inf,
-                        confidence_eos_eot_inf, compile, record_unmask_step, assumed_steps_per_block, eos_early_stop)
+    # The noise counter's position word numbers every decoded position of every row (a block rollout's words
+    # start at block_length; a full last block decodes up to block_length - 1 positions past each completion).
+    blocks = block_length_of(model) is not None
+    per_row = gen_length + (block_length if full_last_block and blocks else 0)
+    if batch is not None and batch * per_row + (block_length if blocks else 0) > 2**32:
+        raise ValueError(f"{batch} prompts x {per_row} decoded positions (gen_length={gen_length}"
+                         f"{' plus a full last block' if per_row > gen_length else ''}) exceed 2^32, the noise "
+                         "counter's position word; generate in smaller batches.")
+    plan = DecodingPlan(steps_per_block, temperature, threshold, cfg_scale, policy, rule, logits_eos_inf,
+                        confidence_eos_eot_inf, compile, record_unmask_step, assumed_steps_per_block, full_last_block,
+                        eos_early_stop)
+    if block_length_of(model) is not None:
+        from dllm_fast.rollout.blocks import check_block_call  # blocks.py builds on this module
+
+        check_block_call(model, plan, block_length)
+    return plan
 
 
 def check_prompt_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:

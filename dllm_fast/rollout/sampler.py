@@ -57,7 +57,8 @@ def generate(
         steps: total denoising steps (a multiple of the number of blocks); each step of a block unmasks
             block_length / steps_per_block tokens (the remainder goes to the first steps). A block is left as
             soon as it is complete (Fast-dLLM), so with more steps per block than block_length the extra steps
-            run no forward and cost nothing: a call runs at most gen_length forwards.
+            run no forward and cost nothing: a call runs at most gen_length forwards (a block-diffusion model's,
+            whose blocks align to each prompt, at most gen_length + 2 block_length: see below).
         temperature: 0 is greedy; T > 0 samples softmax(logits / T) exactly (Gumbel-max with Philox noise keyed
             by a key drawn once from `generator`, the denoising step, the row, and the position in the
             completion, so a prompt's sample depends on its row but not on how wide the batch is padded).
@@ -80,7 +81,12 @@ def generate(
             call compiles. A compiled step decodes every position of its block (static shapes), so the LM head
             also runs on already decoded positions; the tokens are those of eager mode.
         record_unmask_step: also return GenerationResult.unmask_step, for each completion position the forward
-            (0-based, counted across blocks like nfe) that unmasked it. Off, it costs nothing.
+            (0-based, counted across blocks like nfe) that unmasked it: every step lies in [0, nfe). Off, it costs
+            nothing.
+        full_last_block: block-diffusion models: decode each row's last block whole, as the official SDAR (and
+            LLaDA2) generate does: the positions of the last block after the completion are masked, decoded with
+            it and dropped, and they change its tokens. Default False: the last block ends with the completion.
+            (A bidirectional model's blocks start at the prompt's end: its last block is always whole.)
         eos_early_stop: block-diffusion models only: once every row's finished blocks hold an EOS, decode no
             further block (LLaDA2's generate); the completions up to their first EOS are unchanged, later
             undecoded positions are EOS.
@@ -90,13 +96,18 @@ def generate(
 
     Bounds (each refused at once, naming the value and the fix): the padded prompt length plus gen_length fits the
     model's positions (`max_sequence_length`, when the model declares it), as the trainer's; steps < 2^31 (the noise
-    key's step word); B x gen_length <= 2^32 (its position word). Within them a call's cost is bounded by its
-    gen_length forwards, whatever steps is.
+    key's step word); B x gen_length <= 2^32 (its position word; B x (gen_length + block_length) with
+    full_last_block). Within them a call's cost is bounded by its gen_length forwards (+ 2 block_length on a
+    block-diffusion model), whatever steps is.
 
     On a block-diffusion model (contracts.block_length: SDAR) the completion is decoded block by block with the
     model's blocks, aligned to each prompt's first token (rollout/blocks.py): block_length must be the model's,
     cache is "block" (the exact cache of finished blocks) or "none", threshold with steps is SDAR's dynamic rule
-    (every candidate above the threshold, at least the schedule's count), and cfg_scale is 0.
+    (every candidate above the threshold, at least the schedule's count), and cfg_scale is 0. A prompt whose
+    length is not a multiple of block_length starts with a partial block and ends with one, and a batch whose rows
+    fall on different alignments decodes the union of their block windows: at most gen_length / block_length + 2
+    windows of at most min(steps per block, block_length) forwards each (`blocks.max_block_forwards`), so nfe can
+    exceed gen_length; it is the exact count, and bounds unmask_step.
 
     The mask token is never sampled nor argmaxed: it is removed from sampling and from the confidence softmax,
     like EOS under logits_eos_inf (a deviation from LLaDA's generate.py, whose completions can hold it). A NaN or

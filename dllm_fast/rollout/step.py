@@ -69,7 +69,8 @@ class RolloutState:
     attention_mask: [B, P + G] (doubled for CFG) or None. masked_prompt: CFG's unconditional prompt [B, P].
     noise_key: [] int64, the call's random key (0 at T = 0). counters: [3] int64 (NOISE_STEP, FORWARDS,
     STEP_IN_BLOCK). schedule: [steps per block] tokens a fixed-schedule step unmasks (None in threshold mode).
-    row_base: [B, 1] row * gen_length. not_finite: [B, G] completion positions whose output had no defined
+    row_base: [B, 1] row * gen_length; a block rollout's full last block adds two columns, the column where each
+    row's completion ends and the jump of the words from there on (rollout/blocks.py). not_finite: [B, G] completion positions whose output had no defined
     confidence. unmask_step: [B, G] the forward that unmasked each position (-1: not yet), or None.
     """
 
@@ -142,7 +143,7 @@ def denoise_step(model, state: RolloutState, constants: StepConstants, block: to
     # A non-finite output is flagged (the caller raises), zeroed so the kernel never sees it, and never unmasked.
     bad_rows = ~torch.isfinite(rows_hidden).all(dim=-1)
     rows_hidden = rows_hidden.masked_fill(bad_rows[..., None], 0)
-    stream = state.noise_key ^ ((state.counters[NOISE_STEP] << 32) | (state.row_base + completion_at))
+    stream = state.noise_key ^ ((state.counters[NOISE_STEP] << 32) | position_words(state.row_base, completion_at))
     tokens, confidence = ops.sample_tokens(
         rows_hidden.reshape(-1, rows_hidden.shape[-1]), weight, temperature=c.temperature, seed=0, offset=0,
         row_ids=stream.reshape(-1), suppress_ids=c.suppress_ids, confidence_exclude_ids=c.exclude_ids,
@@ -167,6 +168,16 @@ def denoise_step(model, state: RolloutState, constants: StepConstants, block: to
         previous = state.unmask_step.gather(1, completion_at)
         state.unmask_step.scatter_(1, completion_at, torch.where(transfer, state.counters[FORWARDS], previous))
     state.counters.add_(1)
+
+
+def position_words(row_base: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The noise counter's position word of each decoded column [B, n]: row_base [B, 1] plus the column, and with
+    a block rollout's full last block ([B, 3]: also the column where each completion ends and the jump after it,
+    rollout/blocks.py) the positions after the completion moved beyond every row's completion words."""
+    words = row_base[:, :1] + columns
+    if row_base.shape[1] == 3:
+        words = words + (columns >= row_base[:, 1:2]) * row_base[:, 2:3]
+    return words
 
 
 @functools.cache

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dllm_fast.files import atomic_directory, disk_full, follow_umask, write_text_atomic
+from dllm_fast.files import atomic_directory, disk_full, follow_umask, settled_directory, write_text_atomic
 from dllm_fast.models.loading import family_of, load_model
 from dllm_fast.train.settings import AUTO
 from dllm_fast.train.distributed import full_state, set_full_state
@@ -40,6 +40,7 @@ def save_checkpoint(run) -> None:
                                 "mask_generator": run.mask_generator.get_state()})
     if run.ranks.writer:
         target = run.run_dir.path(CHECKPOINT)
+        previous = settled_directory(target).is_dir()
         try:
             with atomic_directory(target) as directory:
                 if run.config.lora.enabled:
@@ -55,7 +56,7 @@ def save_checkpoint(run) -> None:
                             "micro_batch": run.batching.micro_batch}, directory / STATE)
                 write_text_atomic(directory / CONFIG, json.dumps(run.config.to_dict(), indent=2) + "\n")
         except (OSError, RuntimeError) as error:
-            raise _write_failure(error, target) from error
+            raise _write_failure(error, target, previous) from error
     run.ranks.barrier()
 
 
@@ -195,15 +196,18 @@ def unsharded_copy(model, state: dict | None):
     return whole
 
 
-def _write_failure(error: Exception, target: Path) -> OSError:
+def _write_failure(error: Exception, target: Path, previous: bool = True) -> OSError:
     """An error of a checkpoint write, said plainly: libraries word a full disk as e.g. "[enforce fail at
-    inline_container.cc] ... file write failed"."""
+    inline_container.cc] ... file write failed". previous: whether a checkpoint was there before this write (the
+    run's first has none to fall back on)."""
     text = " ".join(str(error).split())
     full = disk_full(error, target.parent) or any(words in text for words in ("file write failed", "enforce fail"))
     cause = "the disk is full (or over its quota)" if full else "the write failed"
+    left = ("The previous checkpoint is intact; free some space and resume with --resume true." if previous else
+            "This was the run's first checkpoint: there is none to resume from, and nothing half-written is left; "
+            "free some space and start the run again.")
     return OSError(getattr(error, "errno", None) or (errno.ENOSPC if full else errno.EIO),
-                   f"could not write the checkpoint {target}: {cause} ({text[:200]}). The previous checkpoint is "
-                   "intact; free some space and resume with --resume true.")
+                   f"could not write the checkpoint {target}: {cause} ({text[:200]}). {left}")
 
 
 def seed_everything(seed: int) -> None:

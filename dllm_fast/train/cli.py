@@ -21,15 +21,15 @@ import re
 import sys
 import textwrap
 import typing
+from pathlib import Path
 
 from dllm_fast.train.config import TrainConfig, read_config_file
 from dllm_fast.train.settings import OPTIONS, SECTIONS, Option, field_choices, flag, registry_choices
-from dllm_fast.train.typed import literal_words
+from dllm_fast.train.typed import element_type, is_list, read_value
 
 PROG = "python -m dllm_fast train"
 DESCRIPTION = """RL training. With no options: the embedded default, RL from a tiny sudoku4 model on CPU, printing
 base vs final greedy test accuracy and writing the curves (python -m dllm_fast train --help for this list)."""
-_TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 def add_config_arguments(parser: argparse.ArgumentParser, argv: typing.Sequence[str] = ()) -> None:
     """Add `--config FILE` and one flag per TrainConfig setting to `parser`, in one group per section. With
     `--objective NAME` in `argv`, the help also lists that objective's own options and their defaults."""
-    parser.add_argument("--config", metavar="FILE", help="a YAML or JSON file of options, flat (lr: 1e-4) or nested "
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="a YAML or JSON file of options, flat (lr: 1e-4) or nested "
                                                          "by section (optim: {lr: 1e-4}); the file's values, then "
                                                          "the flags, override the defaults")
     groups = {name: parser.add_argument_group(f"{name} settings (config.{name})", _summary(cls))
@@ -56,13 +56,27 @@ def add_config_arguments(parser: argparse.ArgumentParser, argv: typing.Sequence[
 
 def _argument(setting: Option) -> dict:
     """argparse's keywords for one setting's flag."""
-    kind = _element_type(setting.hint)
-    options = dict(dest=setting.key, default=argparse.SUPPRESS, help=_help_line(setting.field),
-                   type=_converter(setting.key, kind, _optional(setting.hint), literal_words(setting.hint)),
+    kind = element_type(setting.hint)
+    options = dict(dest=setting.key, default=argparse.SUPPRESS, help=_help_line(setting.field), action=_Store,
+                   type=value_converter(setting.key, setting.hint),
                    metavar=setting.field.metadata.get("metavar") or _metavar(kind, field_choices(setting.field)))
-    if _is_list(setting.hint):
+    if is_list(setting.hint):
         options["nargs"] = "+"
     return options
+
+
+class _Store(argparse._StoreAction):
+    """A setting's flag: its values read as its type (a list's each by argparse's `type`, then the list whole, so
+    that `--lora-targets none` is None). Given twice, the last one counts, as on any command line (a wrapper's
+    flags override its base's); a config file's repeated key is refused instead (config.read_config_file)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if isinstance(values, list) and self.dest in OPTIONS:  # `--lora-targets none`: the list as a whole
+            try:
+                values = read_value(OPTIONS[self.dest].hint, values, flag(self.dest))
+            except TypeError as error:
+                raise argparse.ArgumentError(None, str(error)) from None
+        setattr(namespace, self.dest, values)
 
 
 def _summary(cls: type) -> str:
@@ -121,8 +135,8 @@ def parse(parser: argparse.ArgumentParser, arguments: typing.Sequence[str]) -> a
 # -- the command --------------------------------------------------------------------------------------------
 def main(argv: typing.Sequence[str] = ()) -> None:
     """`python -m dllm_fast train ...`. A bad option, value or run directory is one line on stderr (exit status
-    2), found before the model loads; an error while training is one line too (exit status 1). --debug shows the
-    traceback instead."""
+    2), found before anything is written; an error while training is one line too (exit status 1). --debug shows
+    the traceback instead."""
     argv = list(argv)
     debug = "--debug" in argv
     parser = new_parser(prog=PROG, description=DESCRIPTION)
@@ -143,12 +157,22 @@ def main(argv: typing.Sequence[str] = ()) -> None:
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"{PROG}: interrupted; a checkpoint already in {config.run.output_dir} is intact (continue from it with "
-              "--resume true).", file=sys.stderr)
+        from dllm_fast.files import settled_directory
+        from dllm_fast.train.checkpoint import CHECKPOINT
+
+        if settled_directory(Path(config.run.output_dir) / CHECKPOINT).is_dir():
+            print(f"{PROG}: interrupted; the checkpoint in {config.run.output_dir} is intact (continue from it with "
+                  "--resume true).", file=sys.stderr)
+        else:
+            print(f"{PROG}: interrupted before the run's first checkpoint: there is none to continue from; start the "
+                  "run again.", file=sys.stderr)
         raise SystemExit(130) from None
     except (ValueError, TypeError, OSError, RuntimeError, FloatingPointError, MemoryError) as error:
         if debug:
             raise
+        if getattr(error, "refused_setting", False):  # found before the run started: a bad option, as above
+            print(f"{PROG}: {' '.join(str(error).split())}", file=sys.stderr)
+            raise SystemExit(2) from None
         print(f"{PROG}: {_plain(error)} (--debug shows the traceback)", file=sys.stderr)
         raise SystemExit(1) from None
     if result.rank != 0:
@@ -216,65 +240,22 @@ def _metavar(kind, choices) -> str:
     return {bool: "true|false", int: "N", float: "X", dict: "JSON"}.get(kind, "TEXT")
 
 
-def _is_list(hint) -> bool:
-    return any(typing.get_origin(h) is list or h is list for h in (hint, *typing.get_args(hint)))
-
-
-def _optional(hint) -> bool:
-    return type(None) in typing.get_args(hint)
-
-
-def _element_type(hint):
-    """The type one command-line value converts to: list[int] -> int, int | None -> int, dict -> dict."""
-    for candidate in (hint, *typing.get_args(hint)):
-        if candidate is type(None):
-            continue
-        if typing.get_origin(candidate) is list:
-            return typing.get_args(candidate)[0]
-        if typing.get_origin(candidate) is dict or candidate is dict:
-            return dict
-        if candidate in (bool, int, float, str):
-            return candidate
-    return str
-
-
-def _converter(name: str, kind, optional: bool, words: tuple[str, ...] = ()):
-    """A flag's value from text: `kind` (true/false for bools, JSON for dicts), none for an optional field, or one
-    of `words` (e.g. auto)."""
-    option = flag(name)
-    also = "".join(f" or {word}" for word in words)
+def value_converter(name: str, hint, optional: bool = False):
+    """argparse's `type` for a setting of type `hint` (None too with `optional`; one command-line value, a list's
+    each): the one reader of every setting (typed.read_value), so a flag, a config file and Python read the same
+    text alike. The planner's own flags read their values with it too."""
+    hint = hint | None if optional else hint
+    option, kind = flag(name), element_type(hint)
+    element = kind if is_list(hint) else hint  # a list's values one by one; _Store reads the list whole
 
     def convert(value: str):
-        if optional and value.lower() in ("none", "null"):
-            return None
-        if value.lower() in words:
-            return value.lower()
-        if kind is bool:
-            if value.lower() not in _TRUE + _FALSE:
-                raise argparse.ArgumentTypeError(f"{option} takes true or false{also}, got {value!r}.")
-            return value.lower() in _TRUE
-        if kind is dict:
-            try:
-                parsed = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise argparse.ArgumentTypeError(f"{option} takes a JSON object, e.g. '{{\"beta\": 1.5}}'; got "
-                                                 f"{value!r} ({error}).") from None
-            if not isinstance(parsed, dict):
-                raise argparse.ArgumentTypeError(f"{option} takes a JSON object, got {value!r}.")
-            return parsed
-        if kind in (int, float):
-            try:
-                return kind(value)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"{option} takes {'an integer' if kind is int else 'a number'}"
-                                                 f"{also}, got {value!r}.") from None
-        return value
+        try:
+            return read_value(element, value, option)
+        except TypeError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
-    convert.__name__ = kind.__name__
+    convert.__name__ = getattr(kind, "__name__", "value")
     return convert
-
-
-value_converter = _converter  # the planner's own flags read values the same way (true/false, none, numbers)
 
 
 def _dashed(arguments: typing.Sequence[str]) -> list[str]:

@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -28,7 +29,7 @@ from typing import Any, Callable
 from dllm_fast.contracts import MAX_PAIRS
 from dllm_fast.train.settings import (AUTO, OPTIONS, SECTIONS, EvalSettings, LoraSettings, ModelSettings,
                                       ObjectiveSettings, OptimSettings, RolloutSettings, RunSettings)
-from dllm_fast.train.typed import check_type
+from dllm_fast.train.typed import Scalar, plain_value, read_value, shown
 
 __all__ = ["TrainConfig", "RunSettings", "ModelSettings", "RolloutSettings", "ObjectiveSettings", "OptimSettings",
            "LoraSettings", "EvalSettings", "read_config_file", "task_options", "compiles_rollouts",
@@ -66,7 +67,9 @@ class TrainConfig:
         if self.run.parallel == "fsdp2" and self.lora.enabled:
             raise ValueError("--parallel fsdp2 shards a full fine-tune; with --lora true use --parallel ddp.")
         rollout = self.rollout
-        from dllm_fast.train.sources import block_diffusion_model
+        from dllm_fast.train.sources import block_diffusion_model, check_cache
+
+        check_cache(self.model, rollout.cache)
 
         if rollout.threshold is not None and rollout.steps is not None and not block_diffusion_model(self.model):
             raise ValueError(f"--threshold {rollout.threshold} sets the steps adaptively; pass --diffusion-steps none "
@@ -133,19 +136,26 @@ class TrainConfig:
 
 
 # -- flat and nested keys -----------------------------------------------------------------------------------------
-def flat_values(values: dict[str, Any], unknown: Callable[[str, list[str]], Exception]) -> dict[str, tuple[Any, str]]:
+def flat_values(values: dict[str, Any], unknown: Callable[[str, list[str]], Exception],
+                lines: dict[str, int] | None = None) -> dict[str, tuple[Any, str]]:
     """Settings given flat (`lr`), nested (`optim: {lr: ...}`, a mapping or a section object) or both, by flat key:
     {key: (value, the key as it was given)}. A section's name with a mapping (or its object) is the section, with
     any other value the flat setting of that name (`lora: true`, `model: small`). The same setting given both flat
-    and in a mapping is a ValueError naming it; a section object is a base that both override (so that
-    `dataclasses.replace(config, lr=...)` works). An unknown name is `unknown(name, the valid names)`."""
+    and in a mapping is a ValueError naming both (with their `lines` in a file, by the key as given); a section
+    object is a base that both override (so that `dataclasses.replace(config, lr=...)` works). An unknown name is
+    `unknown(name, the valid names)`."""
     out: dict[str, tuple[Any, str]] = {}
     base: dict[str, tuple[Any, str]] = {}  # a section object's values, which any other way of giving them overrides
+    lines = lines or {}
+
+    def at(spelt: str) -> str:
+        return f" (line {lines[spelt]})" if spelt in lines else ""
 
     def put(key: str, value: Any, spelt: str) -> None:
         if key in out:
-            raise ValueError(f"{OPTIONS[key].path} is given twice, as {out[key][1]} and as {spelt}; keep one "
-                             f"(flat: {key}, nested: {OPTIONS[key].path}).")
+            first = out[key][1]
+            raise ValueError(f"{OPTIONS[key].path} is given twice, as {first}{at(first)} and as {spelt}{at(spelt)}; "
+                             f"keep one (flat: {key}, nested: {OPTIONS[key].path}).")
         out[key] = (value, spelt)
 
     for name, value in values.items():
@@ -163,7 +173,7 @@ def flat_values(values: dict[str, Any], unknown: Callable[[str, list[str]], Exce
         elif name in OPTIONS:
             put(name, value, name)
         elif section is not None:  # `run: 3`: a section that is neither a mapping nor a flat setting
-            raise TypeError(f"{name} = {value!r} must be a mapping of the {name} settings (e.g. "
+            raise TypeError(f"{name} = {shown(value)} must be a mapping of the {name} settings (e.g. "
                             f"{name}: {{{next(iter(f.name for f in dataclasses.fields(section)))}: ...}}).")
         else:
             raise unknown(str(name), list(OPTIONS) + list(SECTIONS))
@@ -186,8 +196,9 @@ def _option_error(name: str, valid: list[str]) -> Exception:
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The settings of a YAML or JSON config file, flat or nested, by flat key, each checked for its field's type
-    (the message names the file and the key as the file writes it)."""
+    """The settings of a YAML or JSON config file, flat or nested, by flat key, each read as its field's type by
+    the one reader of every setting (typed.read_value: a value written as text reads as its flag would). A key or
+    section given twice is refused naming both lines, as is one setting given both flat and nested."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist.")
@@ -200,40 +211,71 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         raise ValueError(f"config file {path} is not UTF-8 text ({error}).") from None
-    if path.suffix == ".json":
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"config file {path} is not valid JSON: {error}.") from None
-    else:
-        import yaml
-
-        try:
-            values = yaml.load(text, Loader=_config_loader())
-        except yaml.YAMLError as error:
-            raise ValueError(f"config file {path} is not valid YAML: {' '.join(str(error).split())}") from None
-        values = {} if values is None else values
+    values, lines = (_json_values if path.suffix == ".json" else _yaml_values)(text, path)
     if not isinstance(values, dict):
         raise ValueError(f"config file {path} must hold a mapping of option names to values, got a "
-                         f"{type(values).__name__}.")
+                         f"{type(plain_value(values)).__name__}.")
 
     def unknown(name: str, valid: list[str]) -> Exception:
         return ValueError(f"config file {path}: unknown option(s) [{name!r}]{_closest(name, valid)}; the options "
                           f"are {sorted(OPTIONS)}, or nested by section ({', '.join(SECTIONS)}).")
 
     try:
-        given = flat_values(values, unknown)
+        given = flat_values(values, unknown, lines)
     except TypeError as error:
         raise TypeError(f"config file {path}: {error}") from None
     except ValueError as error:
         if str(error).startswith(f"config file {path}"):
             raise
         raise ValueError(f"config file {path}: {error}") from None
-    return {key: check_type(OPTIONS[key].hint, value, f"{path}: {spelt}", from_file=True,
-                            example=OPTIONS[key].example) for key, (value, spelt) in given.items()}
+    return {key: read_value(OPTIONS[key].hint, value, f"{path}: {spelt}", example=OPTIONS[key].example)
+            for key, (value, spelt) in given.items()}
 
 
 MAX_CONFIG_BYTES = 2**20
+
+
+def _repeated(path: Path, key: str, first: int, second: int) -> ValueError:
+    return ValueError(f"config file {path}: {key} is given twice, on lines {first} and {second}; keep one (the "
+                      "second would silently replace the first).")
+
+
+def _yaml_values(text: str, path: Path) -> tuple[Any, dict[str, int]]:
+    """A YAML file's mappings, lists and scalars (typed.Scalar: the text as written, with the value YAML gives it),
+    and the line of every key by its dotted name. A repeated key is refused naming both lines."""
+    import yaml
+
+    loader = _config_loader()(text)
+    lines: dict[str, int] = {}
+
+    def tree(node, keys: tuple[str, ...]):
+        if isinstance(node, yaml.MappingNode):
+            out, seen = {}, {}
+            for key_node, value_node in node.value:
+                line = key_node.start_mark.line + 1
+                if not isinstance(key_node, yaml.ScalarNode):
+                    raise ValueError(f"config file {path}, line {line}: a key must be an option's name.")
+                key = key_node.value
+                dotted = ".".join((*keys, key))
+                if key in seen:
+                    raise _repeated(path, dotted, seen[key], line)
+                seen[key] = lines[dotted] = line
+                out[key] = tree(value_node, (*keys, key))
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            return [tree(item, keys) for item in node.value]
+        typed = loader.construct_object(node, deep=True)
+        if node.style is None and isinstance(typed, str) and _YAML12_FLOAT.fullmatch(node.value):
+            typed = float(node.value)  # YAML 1.1 reads 1e-4 (no dot) as text; YAML 1.2 and JSON as a number
+        return Scalar(node.value, typed, plain=node.style is None)
+
+    try:
+        node = loader.get_single_node()
+        return ({} if node is None else tree(node, ())), lines
+    except yaml.YAMLError as error:
+        raise ValueError(f"config file {path} is not valid YAML: {' '.join(str(error).split())}") from None
+    finally:
+        loader.dispose()
 
 
 def _config_loader():
@@ -249,6 +291,64 @@ def _config_loader():
             return super().compose_node(parent, index)
 
     return ConfigLoader
+
+
+_YAML12_FLOAT = re.compile(r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?")
+
+
+class _RepeatedKey(Exception):
+    pass
+
+
+def _json_values(text: str, path: Path) -> tuple[Any, dict[str, int]]:
+    """A JSON file's values and the line of every key by its dotted name. A repeated key is refused naming both
+    lines."""
+    def pairs(items):
+        out = {}
+        for key, value in items:
+            if key in out:
+                raise _RepeatedKey(key)
+            out[key] = value
+        return out
+
+    try:
+        values = json.loads(text, object_pairs_hook=pairs)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"config file {path} is not valid JSON: {error}.") from None
+    except _RepeatedKey:
+        seen: dict[tuple[int, str], int] = {}
+        for dotted, where, line in _json_key_lines(text):
+            if (where, dotted) in seen:
+                raise _repeated(path, dotted, seen[where, dotted], line) from None
+            seen[where, dotted] = line
+        raise
+    return values, {dotted: line for dotted, _, line in _json_key_lines(text)}
+
+
+_JSON_TOKEN = re.compile(r'"(?:[^"\\\n]|\\.)*"|[{}\[\]:,\n]')
+
+
+def _json_key_lines(text: str) -> list[tuple[str, int, int]]:
+    """(dotted key, the number of the object holding it, line) of every object key of a valid JSON text, in
+    order (a list's objects are numbered apart, so two of them may hold the same key)."""
+    found, stack, line, objects = [], [], 1, 0  # stack: [kind, keys, expecting a key, the last key, object number]
+    for match in _JSON_TOKEN.finditer(text):
+        token = match.group()
+        if token == "\n":
+            line += 1
+        elif token in "{[":
+            keys = () if not stack else (*stack[-1][1], stack[-1][3]) if stack[-1][0] == "{" else stack[-1][1]
+            objects += 1
+            stack.append([token, keys, True, None, objects])
+        elif token in "}]":
+            stack.pop()
+        elif token in ",:":
+            if stack and stack[-1][0] == "{":
+                stack[-1][2] = token == ","
+        elif stack and stack[-1][0] == "{" and stack[-1][2]:
+            stack[-1][3] = json.loads(token)
+            found.append((".".join((*stack[-1][1], stack[-1][3])), stack[-1][4], line))
+    return found
 
 
 # -- what the names of a config mean ----------------------------------------------------------------------------

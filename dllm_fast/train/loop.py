@@ -33,7 +33,7 @@ from dllm_fast.train.config import TrainConfig
 from dllm_fast.train.distributed import distributed_session
 from dllm_fast.train.evaluation import evaluate_lengths
 from dllm_fast.train.metrics import PLOT, PhaseMeter, plot_curves, progress_bar, step_metrics
-from dllm_fast.train.run import Run
+from dllm_fast.train.run import Run, RunSetup
 from dllm_fast.train.run_dir import RunDirectory
 
 
@@ -54,11 +54,18 @@ class TrainResult:
 
 
 def train(config: TrainConfig) -> TrainResult:
-    """Run the training `config` describes (see the module docstring). The run directory is locked for the run:
-    a second trainer on it is refused."""
-    with (distributed_session(config.run.device) as ranks,
-          RunDirectory(config.run.output_dir, ranks).locked() as run_dir):
-        return _train(Run(config, ranks, run_dir))
+    """Run the training `config` describes (see the module docstring). Every setting is checked first (RunSetup:
+    nothing is written to the run directory by a run that cannot start); then the run directory is locked for the
+    run: a second trainer on it is refused."""
+    with distributed_session(config.run.device) as ranks:
+        run_dir = RunDirectory(config.run.output_dir, ranks)
+        try:
+            setup = RunSetup(config, ranks, run_dir)
+        except (ValueError, TypeError, OSError) as error:
+            error.refused_setting = True  # a setting that cannot work, found before the run started (cli: exit 2)
+            raise
+        with run_dir.locked():
+            return _train(Run(config, ranks, run_dir, setup))
 
 
 def _train(run: Run) -> TrainResult:

@@ -28,7 +28,8 @@ def resumed_config(saved: TrainConfig, given: dict[str, Any], where: str) -> Tra
     if differing:
         raise ValueError(_resume_refusal(saved, given, differing, where))
     kept = {name: value for name, value in given.items() if name in CHANGEABLE_ON_RESUME + RUN_CONTROL}
-    return saved.replace(**kept)
+    # How the saved run started (e.g. --overwrite true) is not how this one does: its run control is this call's.
+    return saved.replace(**{"resume": False, "overwrite": False, **kept})
 
 
 def check_resumable(config: TrainConfig, saved: TrainConfig, where: str) -> None:

@@ -39,14 +39,14 @@ from dllm_fast.train.settings import AUTO, DEFAULT_MICRO_BATCH
 from dllm_fast.train.sources import model_source
 
 
-class Run:
-    """What one training run holds; see the module docstring. Everything is built and checked before anything is
-    written: a run that fails to start leaves the run directory as it was."""
+class RunSetup:
+    """Everything a run checks and decides before it writes anything: the device, the precision, the rollouts'
+    settings against the model (its cache, its blocks, the evaluation's lengths), the task, the objective, the
+    model's and tokenizer's files (without reading any weight), the sizes and the run directory's state. `train`
+    builds it before it takes the run directory's lock, so a setting that cannot work leaves the directory as it
+    was (no .lock, config.json or metrics.jsonl)."""
 
-    def __init__(self, config: TrainConfig, ranks: Ranks = Ranks(), run_dir: RunDirectory | None = None):
-        self.config, self.ranks = config, ranks
-        self.run_dir = run_dir if run_dir is not None else RunDirectory(config.run.output_dir, ranks)
-        self.output_dir = self.run_dir.root
+    def __init__(self, config: TrainConfig, ranks: Ranks, run_dir: RunDirectory):
         self.device = torch.device("cuda" if config.run.device == "auto" and torch.cuda.is_available()
                                    else ("cpu" if config.run.device == "auto" else config.run.device))
         if self.device.type == "cuda" and ranks.world > 1:
@@ -60,31 +60,58 @@ class Run:
             raise ValueError("--threshold decoding takes a different number of model calls on each rank, which "
                              "FSDP2's sharded forwards cannot; use a fixed schedule (--diffusion-steps) or DDP.")
         for name in (METRICS, PLOT, CONFIG, CHECKPOINT):  # a link out of the directory, or the wrong kind: refused
-            self.run_dir.expect(name, directory=name == CHECKPOINT)
-        self.previous = self._previous_checkpoint()
+            run_dir.expect(name, directory=name == CHECKPOINT)
+        previous_checkpoint(config, run_dir)
         if config.run.threads is not None:
             cpus = os.cpu_count() or 1
             if config.run.threads > cpus:  # OpenMP fails to start that many threads and the process dies
                 raise ValueError(f"--threads {config.run.threads} is more than this machine's {cpus} CPUs; use at most "
                                  f"{cpus} (or leave it out for torch's default).")
-            torch.set_num_threads(config.run.threads)
-        seed_everything(config.run.seed + ranks.rank)
         # The dtype of every weight and the compute dtype (precision.py), and what compiles (--compile).
         self.precision = training_precision(config, self.device.type)
-        self.bf16 = self.precision.compute is not None
         # The rollouts' settings, one object: every rollout and evaluation decodes with it.
         self.generate_config = config.generate_config(self.device.type)
-        self.compiled_rollouts = self.generate_config.compile
         self.task = get_task(config.run.task, **task_options(config))
         self.objective = objectives.get(config.objective.name, **config.objective.options)
         check_rollout_records(self.objective, config.objective.name)
         self.data = PromptStream(self.task.train_examples(seed=config.run.seed), seed=config.run.seed)
         self.test_examples = self.task.test_examples()[:config.eval.examples]
         # The model, its tokenizer and the task's prompts agree before any weight is read.
-        source, self.tokenizer, skeleton = model_and_tokenizer_plan(config)
-        check_lengths(config, self.task, self.data.examples, self.test_examples, self.tokenizer, skeleton)
+        self.source, self.tokenizer, skeleton = model_and_tokenizer_plan(config)
         check_sizes(config, skeleton, self.device, ranks, self.objective.needs_reference, self.precision)
         check_block_length(config, skeleton)
+        take_block_length(config, skeleton)
+        check_rollout_settings(config, self.generate_config, skeleton)
+        # last: it tokenizes every prompt of the task
+        check_lengths(config, self.task, self.data.examples, self.test_examples, self.tokenizer, skeleton)
+
+    def apply(self, config: TrainConfig) -> None:
+        """What the setup changes in this process: torch's threads."""
+        if config.run.threads is not None:
+            torch.set_num_threads(config.run.threads)
+
+
+class Run:
+    """What one training run holds; see the module docstring. Everything is built and checked before anything is
+    written (`RunSetup`, then the weights): a run that fails to start leaves the run directory as it was."""
+
+    def __init__(self, config: TrainConfig, ranks: Ranks = Ranks(), run_dir: RunDirectory | None = None,
+                 setup: RunSetup | None = None):
+        self.config, self.ranks = config, ranks
+        self.run_dir = run_dir if run_dir is not None else RunDirectory(config.run.output_dir, ranks)
+        self.output_dir = self.run_dir.root
+        setup = setup if setup is not None else RunSetup(config, ranks, self.run_dir)
+        setup.apply(config)
+        self.device, self.share, self.sharded = setup.device, setup.share, setup.sharded
+        self.previous = previous_checkpoint(config, self.run_dir)  # again: under the lock, it is the truth
+        seed_everything(config.run.seed + ranks.rank)
+        self.precision = setup.precision
+        self.bf16 = self.precision.compute is not None
+        self.generate_config = setup.generate_config
+        self.compiled_rollouts = self.generate_config.compile
+        self.task, self.objective, self.data = setup.task, setup.objective, setup.data
+        self.test_examples, self.tokenizer = setup.test_examples, setup.tokenizer
+        source = setup.source
         # What the run decided for its device, said before the first step (on CPU by default: nothing).
         self.setup_notes = [self.precision.describe(config.lora.enabled)] if self.bf16 else []
         # The trainer's flags for the engine's micro-batching, in one place; --micro-batch auto is fitted to the
@@ -98,7 +125,8 @@ class Run:
                                     "step compiles the denoising step (compile_seconds in metrics.jsonl)")
         self.batching = micro_batching(config, auto=fitted)
         base = load_model(source, dtype=self.precision.base_dtype(config.lora.enabled), device=self.device,
-                          seed=config.run.seed, tokenizer=self.tokenizer).train()
+                          seed=config.run.seed, tokenizer=self.tokenizer,
+                          allow_external_links=config.model.allow_external_links).train()
         take_block_length(config, base)
         base.set_gradient_checkpointing(config.model.gradient_checkpointing)
         # The reference policy: the initial weights, frozen. With LoRA, the objective disables the adapters instead.
@@ -126,17 +154,6 @@ class Run:
             write_text_atomic(self.run_dir.path(CONFIG), json.dumps(config.to_dict(), indent=2) + "\n")
         ranks.barrier()
 
-    def _previous_checkpoint(self) -> bool:
-        """Whether the run directory holds a checkpoint; with --resume, it must be one this config continues."""
-        checkpoint = self.run_dir.path(CHECKPOINT)
-        previous = settled_directory(checkpoint).is_dir()
-        if previous and not (self.config.run.resume or self.config.run.overwrite):  # a new run would replace it
-            raise FileExistsError(f"{self.output_dir} holds the checkpoint of an earlier run; continue it with "
-                                  "--resume true, replace it with --overwrite true, or pick another --output-dir.")
-        if previous and self.config.run.resume:
-            check_resumable(self.config, saved_config(checkpoint), str(checkpoint / CONFIG))
-        return previous
-
     def autocast(self):
         return self.precision.autocast(self.device.type)
 
@@ -151,7 +168,8 @@ class Run:
         # core: DDP's wrapper adds nothing to sampling; FSDP2's is the model
         result = train_step.roll_out(self.core, input_ids, attention_mask, self.generate_config,
                                      generator=self.rollout_generator,
-                                     record_unmask_step=self.objective.needs_unmask_step, hooks=self.step_hooks)
+                                     record_unmask_step=self.objective.needs_unmask_step, hooks=self.step_hooks,
+                                     merge_adapters=c.lora.enabled and c.lora.merge_rollouts)
         return result, decode_completions(self.tokenizer, result), time.perf_counter() - started
 
     def rollout_batch(self, examples, rollout, completions) -> RolloutBatch:
@@ -185,6 +203,34 @@ class Run:
 # Setup helpers
 
 
+def previous_checkpoint(config: TrainConfig, run_dir: RunDirectory) -> bool:
+    """Whether the run directory holds a checkpoint; with --resume, it must be one this config continues."""
+    checkpoint = run_dir.path(CHECKPOINT)
+    previous = settled_directory(checkpoint).is_dir()
+    if previous and not (config.run.resume or config.run.overwrite):  # a new run would replace it
+        raise FileExistsError(f"{run_dir.root} holds the checkpoint of an earlier run; continue it with "
+                              "--resume true, replace it with --overwrite true, or pick another --output-dir.")
+    if previous and config.run.resume:
+        check_resumable(config, saved_config(checkpoint), str(checkpoint / CONFIG))
+    return previous
+
+
+def check_rollout_settings(config: TrainConfig, rollouts, model) -> None:
+    """The rollouts' and every evaluation's settings suit the model (its caches, its blocks), checked as generate
+    checks them (rollout.plan.check_generate_config) on the model's skeleton, before anything is written."""
+    from dllm_fast.rollout.plan import check_generate_config
+    from dllm_fast.train.evaluation import eval_config
+
+    for where, settings in [("the rollouts", rollouts)] + [
+            (f"the evaluation at --eval-gen-lengths {length}", eval_config(rollouts, config, length, model))
+            for length in config.eval.gen_lengths]:
+        try:
+            check_generate_config(model, settings)
+        except (ValueError, TypeError) as error:
+            raise type(error)(f"--model {config.model.name!r} cannot decode {where} with these settings: "
+                              f"{error}") from None
+
+
 def auto_micro_batch(config: TrainConfig, device: torch.device, ranks: Ranks) -> tuple[int, str]:
     """--micro-batch auto: (the micro-batch, a line saying how it was chosen). On CPU the default; on CUDA the
     planner's fit (dllm_fast.train.micro_batch), the smallest over the ranks so that all cut pairs alike."""
@@ -203,7 +249,8 @@ def load_model_and_tokenizer(config: TrainConfig, device: torch.device | str):
     """The policy's initial weights and its tokenizer, from the embedded default, a checkpoint directory or a
     preset with random weights (see `model_and_tokenizer_plan`)."""
     source, tokenizer, _ = model_and_tokenizer_plan(config)
-    model = load_model(source, dtype=torch.float32, device=device, seed=config.run.seed, tokenizer=tokenizer)
+    model = load_model(source, dtype=torch.float32, device=device, seed=config.run.seed, tokenizer=tokenizer,
+                       allow_external_links=config.model.allow_external_links)
     return model.train(), tokenizer
 
 
@@ -213,7 +260,7 @@ def model_and_tokenizer_plan(config: TrainConfig):
     default's, whose vocabulary and special ids a preset then takes."""
     source, _, tokenizer_dir = model_source(config.model, config.lora)
     tokenizer = load_tokenizer(tokenizer_dir)
-    skeleton = model_skeleton(source, tokenizer=tokenizer)
+    skeleton = model_skeleton(source, tokenizer=tokenizer, allow_external_links=config.model.allow_external_links)
     check_tokenizer(skeleton, tokenizer, model_name=repr(config.model.name), tokenizer_name=str(tokenizer_dir))
     return source, tokenizer, skeleton
 

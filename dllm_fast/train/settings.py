@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dllm_fast.train.typed import check_type
+from dllm_fast.train.typed import read_value
 from dllm_fast.validation import check_float, check_int
 
 SCHEDULES = ("constant", "cosine", "linear")
@@ -52,12 +52,13 @@ def flag(key: str) -> str:
 
 
 class _Settings:
-    """A section: its fields' types, checked when built (a path becomes its string), then its own `check`."""
+    """A section: each field read as its type by the one reader of every setting (typed.read_value: a value that is
+    not of the type reads from its text as its flag would; a path becomes its string), then its own `check`."""
 
     def __post_init__(self) -> None:
         for config_field in dataclasses.fields(self):
             key = config_field.metadata.get("key") or config_field.name
-            value = check_type(_hints(type(self))[config_field.name], getattr(self, config_field.name), flag(key),
+            value = read_value(_hints(type(self))[config_field.name], getattr(self, config_field.name), flag(key),
                                example=config_field.metadata.get("example", ""))
             object.__setattr__(self, config_field.name, value)
         self.check()
@@ -125,6 +126,9 @@ class ModelSettings(_Settings):
                                               "presets)", metavar="DIR")
     bf16: bool | None = option(None, help="autocast to bf16 (default: on CUDA, not on CPU)")
     gradient_checkpointing: bool = option(False, help="recompute each block in backward")
+    allow_external_links: bool = option(False, help="load a checkpoint whose files are symbolic links out of its "
+                                                    "directory (by default it reads only its own files; a Hugging "
+                                                    "Face cache snapshot's links into its blobs/ are its own)")
 
 
 @dataclass
@@ -149,6 +153,10 @@ class RolloutSettings(_Settings):
                                              "ones compile (metrics: compile_seconds). auto: the rollouts on CUDA, "
                                              "where CUDA graphs pay, nothing on CPU",
                                   metavar="true|false|auto")
+    full_last_block: bool = option(False, help="block-diffusion models: decode each completion's last block whole, "
+                                               "as the official SDAR generate does (its positions after the "
+                                               "completion are decoded, then dropped, and change its tokens); "
+                                               "default: the last block ends with the completion")
 
     def check(self) -> None:
         check_int("--gen-length", self.gen_length, minimum=1)
@@ -183,7 +191,7 @@ class RolloutSettings(_Settings):
 
         return GenerateConfig(gen_length=self.gen_length, block_length=self.block_length, steps=self.steps,
                               temperature=self.temperature, remasking=self.remasking, cache=self.cache,
-                              threshold=self.threshold, compile=compile)
+                              threshold=self.threshold, compile=compile, full_last_block=self.full_last_block)
 
 
 @dataclass
@@ -257,6 +265,10 @@ class LoraSettings(_Settings):
     targets: list[str] | None = option(None, key="lora_targets", help="module names to adapt (default: every one "
                                                                       "the model family allows)", metavar="MODULE",
                                        example="[q_proj, v_proj]")
+    merge_rollouts: bool = option(False, key="lora_merge_rollouts",
+                                  help="roll out through a copy of the adapted weights with the adapters merged in "
+                                       "(one GEMM a projection; the copy's memory, 14 GB at LLaDA-8B with every "
+                                       "projection adapted; equal to the adapters in exact arithmetic)")
 
     def check(self) -> None:
         check_int("--lora-rank", self.rank, minimum=1)

@@ -22,7 +22,7 @@ def model_source(model: ModelSettings, lora: LoraSettings) -> tuple[Any, type, P
     name = model.name
     source = SUDOKU4_DIR if name == "sudoku4" else name
     try:
-        family = model_family(source)
+        family = model_family(source, allow_external_links=model.allow_external_links)
     except FileNotFoundError:
         raise FileNotFoundError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}), 'sudoku4' "
                                 "(the embedded default), nor a directory holding config.json.") from None
@@ -45,14 +45,41 @@ def block_diffusion_model(model: ModelSettings) -> bool:
     """Whether --model is of a block-diffusion family (SDAR): its rollouts decode the model's own blocks, and
     --threshold with --diffusion-steps is SDAR's dynamic rule. False when the model cannot be found (the setup
     checks name that)."""
+    return bool(getattr(known_family(model), "block_diffusion", False))
+
+
+def known_family(model: ModelSettings) -> type | None:
+    """The class --model loads as, or None when it cannot be found (the setup checks name that)."""
     from dllm_fast.assets import SUDOKU4_DIR
     from dllm_fast.models.loading import model_family
 
     try:
-        family = model_family(SUDOKU4_DIR if model.name == "sudoku4" else model.name)
+        return model_family(SUDOKU4_DIR if model.name == "sudoku4" else model.name,
+                            allow_external_links=model.allow_external_links)
     except (FileNotFoundError, ValueError):
-        return False
-    return bool(getattr(family, "block_diffusion", False))
+        return None
+
+
+def check_cache(model: ModelSettings, cache: str) -> None:
+    """--cache suits the model's family: a block-diffusion model's exact "block" cache for it alone, Fast-dLLM's
+    approximate "prefix" and "dual" for bidirectional models that predict each position from itself."""
+    family = known_family(model)
+    if family is None:
+        return
+    name = f"--model {model.name!r}"
+    if getattr(family, "block_diffusion", False):
+        if cache not in ("block", "none"):
+            raise ValueError(f"--cache {cache} is Fast-dLLM's approximate cache for bidirectional models; {name} is "
+                             f"a block-diffusion model ({family.__name__}) whose cache is exact: pass --cache block "
+                             "(or none to recompute every step).")
+    elif cache == "block":
+        raise ValueError(f"--cache block keeps the exact keys and values of finished blocks, which only a "
+                         f"block-diffusion model (e.g. SDAR) has; {name} is a {family.__name__}: pass --cache prefix "
+                         "or dual (Fast-dLLM's approximate caches) or none.")
+    elif cache in ("prefix", "dual") and getattr(family, "logit_shift", 0) != 0:
+        raise ValueError(f"--cache {cache} needs a model that predicts each position from itself; {name} "
+                         f"({family.__name__}) predicts token i from position i - 1 (logit_shift 1): pass --cache "
+                         "none.")
 
 
 # A directory holds a tokenizer when it has one of these (transformers' fast, configured or SentencePiece files).

@@ -27,6 +27,7 @@ import torch
 
 from dllm_fast.contracts import RolloutBatch
 from dllm_fast.likelihood import MicroBatching
+from dllm_fast.models.merged_lora import merged_for_rollouts
 from dllm_fast.objectives import InnerUpdate, Objective, ObjectiveOutput
 from dllm_fast.rollout import generate
 from dllm_fast.rollout.config import GenerateConfig
@@ -55,15 +56,19 @@ NO_HOOKS = StepHooks()
 
 
 def roll_out(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerateConfig, *,
-             generator: torch.Generator, record_unmask_step: bool, hooks: StepHooks = NO_HOOKS):
+             generator: torch.Generator, record_unmask_step: bool, hooks: StepHooks = NO_HOOKS,
+             merge_adapters: bool = False):
     """`generate`'s result for the prompts. The model samples in eval mode (no dropout) and is left in the mode it
-    was in. record_unmask_step: trajectory objectives (TraceRL) replay the decoding order, so only they ask for it."""
+    was in. record_unmask_step: trajectory objectives (TraceRL) replay the decoding order, so only they ask for it.
+    merge_adapters: a LoRA policy samples through a copy of its adapted weights with the adapters merged in
+    (models.merged_lora: one GEMM a projection; refreshed when the adapters have moved)."""
     with hooks.phase(ROLLOUT):
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad(), hooks.autocast():
-                return generate(model, input_ids, attention_mask, config, generator=generator,
+                sampler = merged_for_rollouts(model) if merge_adapters else model
+                return generate(sampler, input_ids, attention_mask, config, generator=generator,
                                 record_unmask_step=record_unmask_step)
         finally:
             model.train(was_training)
