@@ -118,6 +118,7 @@ def test_lora_adapts_attention_and_shared_experts_not_the_routed_ones(tmp_path):
     assert not any(".experts." in n.replace("shared_experts", "") or "mlp.gate." in n for n in names)
 
 
+@pytest.mark.slow
 def test_the_planner_plans_a_lora_step():
     from dllm_fast.planning.gpus import GPU
     from dllm_fast.planning.planner import plan_step
@@ -184,6 +185,7 @@ def fsdp2_worker(rank, rendezvous, result_path):
     os._exit(0)  # see test_distributed.worker: torch 2.13's gloo thread can abort a finalizing interpreter
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_fsdp2_ranks_equal_one_process(tmp_path):
     """FSDP2 shards every layer (the stacked experts by expert) across 2 gloo ranks; one update of each rank's

@@ -282,15 +282,16 @@ class LLaDA2Model(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None,
-                        device: str | torch.device | None = None, *, block_length: int | None = None
-                        ) -> "LLaDA2Model":
+                        device: str | torch.device | None = None, *, block_length: int | None = None,
+                        allow_external_links: bool = False) -> "LLaDA2Model":
         """Load an official LLaDA2 checkpoint directory (config.json + model*.safetensors, sharded with
         model.safetensors.index.json or not), with the checks LLaDAModel.from_pretrained makes (config field by
-        field, every weight's official name, shape and dtype from the headers before any is read). block_length
-        sets the block size (32 by default). The tokenizer loads with `transformers.AutoTokenizer`."""
+        field, every weight's official name, shape and dtype from the headers before any is read; nothing read
+        outside the directory unless allow_external_links). block_length sets the block size (32 by default).
+        The tokenizer loads with `transformers.AutoTokenizer`."""
         from dllm_fast.models.checkpoint import load_checkpoint
 
-        model = load_checkpoint(cls, path, dtype=dtype, device=device)
+        model = load_checkpoint(cls, path, dtype=dtype, device=device, allow_external_links=allow_external_links)
         if block_length is not None:
             model.block_length = block_length
         return model
