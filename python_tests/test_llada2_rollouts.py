@@ -59,6 +59,21 @@ def test_greedy_tokens_with_kv_reuse_equal_the_decoder_that_recomputes_every_blo
     assert torch.equal(out.sequences[:, :ids.shape[1]], ids) and (out.completion_ids != MASK).all()
 
 
+@pytest.mark.parametrize("full_last_block", [False, True])
+def test_the_last_block_whole_or_ended_at_the_completion_as_the_decoder_that_recomputes(full_last_block):
+    """The official LLaDA2 generate decodes a whole last block (full_last_block=True); by default it ends with the
+    completion. Blocks count from each row's first real token, so with prompts of 11 - n real tokens a completion
+    of 16 ends mid-block in every row but those with n = 3 and 7, and the two differ."""
+    model = llada2()
+    ids, mask = prompts(B=8)
+    expected = naive(model, ids, mask, gen_length=16, steps=8, full_last_block=full_last_block)
+    out = dllm_fast.generate(model, ids, mask, gen_length=16, block_length=4, steps=8, cache="block",
+                             full_last_block=full_last_block)
+    assert torch.equal(out.completion_ids, expected)
+    other = naive(model, ids, mask, gen_length=16, steps=8, full_last_block=not full_last_block)
+    assert not torch.equal(other, expected)  # the option changes tokens here
+
+
 def test_every_expert_provider_and_the_fp32_cache_give_the_same_tokens():
     model = llada2(dtype=torch.float32, seed=3)
     ids, mask = prompts(B=8, P=13, seed=2)
