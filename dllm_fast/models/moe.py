@@ -20,13 +20,13 @@ projection another, [E, d, I]; their state-dict entries keep the official per-ex
 (`experts.<e>.gate_proj.weight` ...) through LLaDA2Model's checkpoint hooks. A forward sorts the (token, slot)
 pairs by expert (a stable argsort) and runs each projection for all experts at once:
 
-- "grouped_mm": torch._grouped_mm over the sorted rows with per-expert offsets, no host sync; the default for bf16
-  rows on CUDA (one grouped-GEMM kernel), under torch.compile and on fake tensors (the planner prices it as one
-  grouped GEMM): its CUDA and meta kernels take bf16 only (its eager CPU kernel, a GEMM per expert, also fp32);
+- "grouped_mm": torch._grouped_mm over the sorted rows with per-expert offsets, no host sync; the default wherever
+  it takes the rows: bf16 on CUDA (one grouped-GEMM kernel), under torch.compile and on fake tensors (the planner
+  prices it as one grouped GEMM), and bf16, fp16 or fp32 in eager CPU mode (its CPU kernel, a GEMM per expert
+  that has rows: 1.2-1.5x the loop's rollouts at llada2-mini's widths, benchmarks/bench_moe_rollout.py);
 - "bmm": the sorted rows padded per expert into [E, cap, d] and multiplied by batched GEMMs (cap: the most rows
   any expert has, one host read; the tokens' count, a bound, where no value can be read: compiled or fake, E / k
-  times the work). The default elsewhere (eager CPU, where torch._grouped_mm has no fast kernel; fp64 and fp32,
-  which its CUDA kernel does not take);
+  times the work). The default where torch._grouped_mm does not run (fp64; fp32 on CUDA, compiled or fake);
 - "loop": one GEMM per expert that has rows, the official code's inference loop (host syncs; a benchmark baseline,
   never the default).
 
@@ -136,8 +136,7 @@ def choose_provider(provider: str, rows: torch.Tensor, width: int) -> str:
                              f"fp16/fp32 in eager CPU mode) and widths whose rows are 16-byte aligned (hidden "
                              f"{rows.shape[-1]}, expert {width} in {rows.dtype}); use 'bmm'.")
         return provider
-    wanted = rows.device.type == "cuda" or torch.compiler.is_compiling() or detect_fake_mode(rows) is not None
-    return "grouped_mm" if wanted and _grouped_mm_takes(rows, width) else "bmm"
+    return "grouped_mm" if _grouped_mm_takes(rows, width) else "bmm"
 
 
 def _grouped_mm_takes(rows: torch.Tensor, width: int) -> bool:
