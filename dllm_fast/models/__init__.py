@@ -5,7 +5,10 @@ from dllm_fast.models.dream import DreamModel
 from dllm_fast.models.dream_config import DreamConfig
 from dllm_fast.models.hf_diffusion import HFDiffusionLM
 from dllm_fast.models.llada import LLaDAModel
+from dllm_fast.models.llada2 import LLaDA2Model
+from dllm_fast.models.llada2_config import LLaDA2Config
 from dllm_fast.models.sdar import SDARModel
 from dllm_fast.models.sdar_config import SDARConfig
 
-__all__ = ["DreamConfig", "DreamModel", "HFDiffusionLM", "LLaDAConfig", "LLaDAModel", "SDARConfig", "SDARModel"]
+__all__ = ["DreamConfig", "DreamModel", "HFDiffusionLM", "LLaDA2Config", "LLaDA2Model", "LLaDAConfig", "LLaDAModel",
+           "SDARConfig", "SDARModel"]

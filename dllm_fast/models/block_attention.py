@@ -20,6 +20,8 @@ its output (never used) stays finite.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from dllm_fast.validation import check_int
@@ -93,6 +95,61 @@ def _every_row_reads(allowed: torch.Tensor) -> torch.Tensor:
 def attention_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """allowed (bool) -> the additive bias SDPA takes: 0 where allowed, dtype's most negative value elsewhere."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+class CallLayout(NamedTuple):
+    """What a block-diffusion forward attends with: `allowed` [B, 1, T, K], the RoPE `positions` [B, T], where a
+    cached call writes its keys and values (`written`: an int, or the [T] columns as a tensor) and how many keys
+    it reads (`keys`)."""
+
+    allowed: torch.Tensor
+    positions: torch.Tensor
+    written: int | torch.Tensor
+    keys: int
+
+
+def call_layout(model, input_ids: torch.Tensor, attention_mask, position_ids, cache, cache_start, attend_length,
+                clean_length) -> CallLayout:
+    """The layout of a block-diffusion model's forward call (SDARModel.forward's docstring has the rules): plain,
+    cached (`model._check_cache` checks the cache arguments) or two-stream (clean_length), in blocks of
+    `model.block_length`; position_ids, when given, replace the positions."""
+    B, T = input_ids.shape
+    device = input_ids.device
+    written: int | torch.Tensor = cache_start
+    keys = T
+    if clean_length is not None:
+        if cache is not None:
+            raise ValueError("clean_length (the two-stream layout of likelihoods) takes no cache.")
+        check_key_mask(attention_mask, B, clean_length)
+        first = first_token(attention_mask, B, device)
+        allowed, positions = two_stream(clean_length, T, first, model.block_length, attention_mask)
+    else:
+        if cache is not None:
+            keys = model._check_cache(cache, B, T, cache_start, attend_length)
+            if isinstance(cache_start, torch.Tensor):
+                written = cache_start + torch.arange(T, device=device)
+                columns = written
+            else:
+                columns = torch.arange(cache_start, cache_start + T, device=device)
+        elif isinstance(cache_start, torch.Tensor) or cache_start != 0 or attend_length is not None:
+            raise ValueError("cache_start and attend_length need a cache; pass cache=KVCache.for_model(...).")
+        else:
+            columns = torch.arange(T, device=device)
+        check_key_mask(attention_mask, B, keys)
+        first = first_token(attention_mask, B, device)
+        allowed = block_causal(columns, keys, first, model.block_length, attention_mask)
+        positions = positions_of(columns, first)
+    if position_ids is not None:
+        if position_ids.shape != input_ids.shape:
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected {(B, T)}.")
+        positions = position_ids
+    return CallLayout(allowed, positions, written, keys)
+
+
+def check_key_mask(attention_mask, batch: int, keys: int) -> None:
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, keys):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, keys)} "
+                         "(one entry per key).")
 
 
 def check_block_length(value, name: str = "block_length") -> int:

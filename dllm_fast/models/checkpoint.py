@@ -3,7 +3,9 @@
 A checkpoint directory holds config.json (LLaDA's field names) and either model.safetensors or shards
 model-0000i-of-0000n.safetensors listed in model.safetensors.index.json. Keys carry the official names,
 "model.transformer.<...>.weight"; the native module's state_dict keys are the same without "model.". Other
-families (SDAR) reuse this with their config class (`cls.config_class`) and key prefix (`key_prefix`).
+families (SDAR, LLaDA2) reuse this with their config class (`cls.config_class`), key prefix (`key_prefix`) and, where
+their modules hold some weights under other names, the mapping to and from the official names
+(`official_state` / `native_state`).
 
 A checkpoint reads nothing outside its own directory (`confined`): the index names files in it (no absolute
 path, no `..`), and a symbolic link whose target lies elsewhere is followed only with
@@ -128,7 +130,7 @@ def load_checkpoint(cls, path, *, dtype=None, device=None, allow_external_links:
     config = read_config(path, getattr(cls, "config_class", LLaDAConfig), allow_external_links=allow_external_links)
     with torch.device("meta"):
         model = cls(config)
-    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    expected = {name: tuple(p.shape) for name, p in official_state(cls, model.state_dict()).items()}
     prefix = key_prefix(cls)
     stored = _stored_weights(path, expected, prefix, family=_family_name(cls),
                              allow_external_links=allow_external_links)
@@ -137,7 +139,7 @@ def load_checkpoint(cls, path, *, dtype=None, device=None, allow_external_links:
         shown = ", ".join(prefix + k for k in missing[:5])
         raise ValueError(f"{path} lacks {len(missing)} weights the config requires, e.g. {shown}.")
     dtype = dtype or _majority_dtype(stored)
-    model.load_state_dict(_read_weights(stored, dtype, device), strict=True, assign=True)
+    model.load_state_dict(native_state(cls, _read_weights(stored, dtype, device)), strict=True, assign=True)
     model.name_or_path = str(path)
     return model
 
@@ -147,6 +149,19 @@ class _StoredWeight(NamedTuple):
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+def official_state(cls, state: dict) -> dict:
+    """A state dict under the checkpoint's names: the family's `official_state_dict` where its modules store some
+    weights otherwise (LLaDA2's stacked experts), else the state dict as it is."""
+    convert = getattr(cls, "official_state_dict", None)
+    return state if convert is None else convert(state)
+
+
+def native_state(cls, state: dict) -> dict:
+    """The inverse of official_state: the family's `native_state_dict`, else the state dict as it is."""
+    convert = getattr(cls, "native_state_dict", None)
+    return state if convert is None else convert(state)
 
 
 def key_prefix(cls) -> str:
@@ -276,7 +291,8 @@ def save_checkpoint(model, path, *, max_shard_size: int, tokenizer=None) -> None
     # Companions come from the directory the model was loaded from (else `path`), read before the swap.
     source = Path(getattr(model, "name_or_path", None) or path)
     prefix = key_prefix(type(model))
-    tensors = {prefix + k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = official_state(type(model), model.state_dict())
+    tensors = {prefix + k: v.detach().contiguous().cpu() for k, v in state.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key, tensor in tensors.items():

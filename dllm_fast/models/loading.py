@@ -23,14 +23,16 @@ import torch
 
 from dllm_fast.models.dream import DreamModel
 from dllm_fast.models.llada import LLaDAModel
+from dllm_fast.models.llada2 import LLaDA2Model
 from dllm_fast.models.sdar import SDARModel
 
 # config.json model_type -> the class that loads it. A config.json without a model_type is read by the first.
-FAMILIES: dict[str, type] = {"llada": LLaDAModel, "sdar": SDARModel, "Dream": DreamModel}
+FAMILIES: dict[str, type] = {"llada": LLaDAModel, "sdar": SDARModel, "Dream": DreamModel, "llada2_moe": LLaDA2Model}
 # preset name -> (class, its config)
 PRESETS: dict[str, tuple[type, object]] = {name: (LLaDAModel, name) for name in ("tiny", "small", "llada-8b")}
 PRESETS.update({name: (SDARModel, name) for name in ("sdar-tiny", "sdar-1.7b", "sdar-8b")})
 PRESETS.update({name: (DreamModel, name) for name in ("dream-tiny", "dream-7b")})
+PRESETS.update({name: (LLaDA2Model, name) for name in ("llada2-tiny", "llada2-mini", "llada2-flash")})
 
 
 def register_family(model_type: str, cls: type, presets: tuple[str, ...] = ()) -> None:

@@ -41,8 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dllm_fast.models.block_attention import (attention_bias, block_causal, check_block_length, first_token,
-                                              positions_of, two_stream)
+from dllm_fast.models.block_attention import attention_bias, call_layout, check_block_length
 from dllm_fast.models.kv_cache import KVCache
 from dllm_fast.models.llada import LLaDAModel, RMSNorm, _normal_, apply_rotary, at_least_fp32, rotary_tables
 from dllm_fast.models.sdar_config import SDARConfig
@@ -198,35 +197,9 @@ class SDARModel(nn.Module):
         With clean_length=S (no cache), input_ids are [clean (S) | noisy (T - S)], the noisy stream a copy of the
         clean columns [2S - T, S) with some tokens masked; see the module docstring.
         """
-        B, T = self._check_ids(input_ids)
-        device = input_ids.device
-        written: int | torch.Tensor = cache_start
-        if clean_length is not None:
-            if cache is not None:
-                raise ValueError("clean_length (the two-stream layout of likelihoods) takes no cache.")
-            self._check_mask(attention_mask, B, clean_length)
-            first = first_token(attention_mask, B, device)
-            allowed, positions = two_stream(clean_length, T, first, self.block_length, attention_mask)
-        else:
-            if cache is not None:
-                keys = self._check_cache(cache, B, T, cache_start, attend_length)
-                if isinstance(cache_start, torch.Tensor):
-                    written = cache_start + torch.arange(T, device=device)
-                    columns = written
-                else:
-                    columns = torch.arange(cache_start, cache_start + T, device=device)
-            elif isinstance(cache_start, torch.Tensor) or cache_start != 0 or attend_length is not None:
-                raise ValueError("cache_start and attend_length need a cache; pass cache=KVCache.for_model(...).")
-            else:
-                keys, columns = T, torch.arange(T, device=device)
-            self._check_mask(attention_mask, B, keys)
-            first = first_token(attention_mask, B, device)
-            allowed = block_causal(columns, keys, first, self.block_length, attention_mask)
-            positions = positions_of(columns, first)
-        if position_ids is not None:
-            if position_ids.shape != input_ids.shape:
-                raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected {(B, T)}.")
-            positions = position_ids
+        self._check_ids(input_ids)
+        allowed, positions, written, keys = call_layout(self, input_ids, attention_mask, position_ids, cache,
+                                                        cache_start, attend_length, clean_length)
         x = self.model["embed_tokens"](input_ids)
         cos, sin = rotary_tables(positions, self.config.head_dim, self.config.rope_theta, at_least_fp32(x.dtype))
         bias = attention_bias(allowed, x.dtype)
@@ -251,12 +224,6 @@ class SDARModel(nn.Module):
         if input_ids.device.type == "cpu" and data_checks_enabled(input_ids):
             self.check_input_ids(input_ids)
         return tuple(input_ids.shape)
-
-    @staticmethod
-    def _check_mask(attention_mask, batch: int, keys: int) -> None:
-        if attention_mask is not None and tuple(attention_mask.shape) != (batch, keys):
-            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, keys)} "
-                             "(one entry per key).")
 
     # What LLaDAModel does the same way, for any model with its config's n_layers / n_kv_heads / head_dim /
     # embedding_size: the token-id check, the cache checks and allocation, full logits, gradient checkpointing.

@@ -97,6 +97,18 @@ def _cpu_flash_attention_backward_flops(grad_out_shape, query_shape, key_shape, 
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
+# torch's flop counter has no formula for the grouped GEMM of a mixture of experts' routed experts
+# (models/moe.py); each row meets only its own group's matrix. By operand ranks, with offs splitting the 2D side:
+# (2D, 3D) rows by expert, out [M, N]; (3D, 3D) a batch, out [E, M, N]; (2D, 2D) the contracted dim split (the
+# weights' gradient), out [E, M, N]; (3D, 2D) the output columns split, out [M, N].
+@register_flop_formula(aten._grouped_mm)
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    contracted = a_shape[-1]
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * out_shape[1] * out_shape[2] * contracted
+    return 2 * math.prod(out_shape) * contracted
+
+
 # Fields of Costs that add up; the rest describe the ends of its timeline (see Costs).
 ADDITIVE = ("flops", "bytes", "kernels", "syncs", "device_seconds", "host_seconds", "roofline_seconds")
 
@@ -553,8 +565,9 @@ class Accountant(TorchDispatchMode):
                 compute = "fp64" if dtype == torch.float64 else (
                     "tf32" if dtype == torch.float32 and self.target.allow_tf32 else "fp32")
                 by_type = {(dtype, compute): flops}
+        grouped = calibration.grouped_gemm if packet is aten._grouped_mm else 1.0  # its rate against a dense GEMM's
         compute_floor = sum(f / gpu.peak_flops(dtype, compute) for (dtype, compute), f in by_type.items())
-        compute = sum(f / (gpu.peak_flops(dtype, compute) * calibration.gemm_efficiency(dtype, compute))
+        compute = sum(f / (gpu.peak_flops(dtype, compute) * calibration.gemm_efficiency(dtype, compute) * grouped)
                       for (dtype, compute), f in by_type.items())
         memory = moved / (gpu.bandwidth * calibration.bandwidth)
         traffic_seconds = traffic / (gpu.bandwidth * calibration.bandwidth)
@@ -621,6 +634,8 @@ def _distinct_bytes(t: torch.Tensor) -> int:
 
 
 def _moved_bytes(packet, args, kwargs, outputs) -> int:
+    if packet is aten._grouped_mm and args[0].dim() == 2 and args[1].dim() == 3:
+        return _routed_expert_bytes(args, outputs)
     if packet in _INDEXED_WRITES:
         return 2 * sum(_distinct_bytes(t) for t in _tensors((args[1:], kwargs)))
     read = sum(_distinct_bytes(t) for t in _tensors((args[1:], kwargs)))
@@ -630,6 +645,17 @@ def _moved_bytes(packet, args, kwargs, outputs) -> int:
     if packet not in _OVERWRITES and args:
         read += sum(_distinct_bytes(t) for t in _tensors(args[0]))
     return read + written
+
+
+def _routed_expert_bytes(args, outputs) -> int:
+    """Bytes a routed experts' grouped GEMM moves: its rows and output, and the weights of the experts that have
+    rows. The plan cannot read the routing, so rows are taken as spread uniformly: M rows over E experts leave
+    an expert without any with probability (1 - 1/E)^M (a decoding step of a few tokens reads few experts; a
+    training micro-batch reads them all)."""
+    rows, weights = args[0], args[1]
+    experts = weights.shape[0]
+    touched = 1.0 - (1.0 - 1.0 / experts) ** rows.shape[0]
+    return int(_distinct_bytes(rows) + touched * _distinct_bytes(weights) + sum(_distinct_bytes(t) for t in outputs))
 
 
 def _compute_dtype(args) -> torch.dtype:

@@ -50,6 +50,10 @@ class Calibration:
     # stream, about 1,000 entries (not fitted; NVIDIA developer forums, "CUDA stream are blocked when launch lots
     # of kernels (>1000)", https://forums.developer.nvidia.com/t/68937)
     launch_queue: int = 1024
+    # torch._grouped_mm (a mixture of experts' routed GEMMs) against a dense GEMM of the same FLOPs: not fitted (no
+    # grouped GEMM has been timed here). CUTLASS's grouped GEMMs reach about 80% of a dense GEMM's rate on H100 at
+    # LLaDA2's expert widths (hundreds of rows an expert); an assumption until a GPU run measures it.
+    grouped_gemm: float = 0.8
 
     def gemm_efficiency(self, dtype: torch.dtype, compute: str) -> float:
         if dtype in (torch.bfloat16, torch.float16):

@@ -82,8 +82,8 @@ def _row(tokens: torch.Tensor, attention_mask: torch.Tensor | None, n: int) -> i
 
 @torch.no_grad()
 def generate(weights, config, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *, gen_length: int,
-             steps: int | None = None, threshold: float | None = None, mask_token_id: int,
-             full_last_block: bool = False) -> torch.Tensor:
+             steps: int | None = None, threshold: float | None = None, mask_token_id: int, forward_fn=None,
+             head: torch.Tensor | None = None, full_last_block: bool = False) -> torch.Tensor:
     """Greedy block decoding, each prompt alone: [B, P] left-padded prompts -> completions [B, gen_length].
 
     Every step runs the whole sequence so far (through the current block) with the dense block-causal mask. The
@@ -94,10 +94,12 @@ def generate(weights, config, input_ids: torch.Tensor, attention_mask: torch.Ten
     (the block size split evenly over steps / (gen_length / block), remainder first) of the most probable, ties
     to the lowest position ("low_confidence_static"); with a threshold too, at least that count and every one
     above the threshold ("low_confidence_dynamic"); with a threshold and no steps, the most probable one plus
-    every one at or above the threshold (Fast-dLLM). A block is left once complete.
+    every one at or above the threshold (Fast-dLLM). A block is left once complete. forward_fn and head: another
+    block-diffusion family's forward (same signature as `forward`) and LM head (reference/llada2.py).
     """
     b = config.block_size
-    head = lm_head(weights, config)
+    forward_fn = forward if forward_fn is None else forward_fn
+    head = lm_head(weights, config) if head is None else head
     steps_per_block = None if steps is None else steps // (gen_length // b)
     rows = []
     for n in range(input_ids.shape[0]):
@@ -111,7 +113,7 @@ def generate(weights, config, input_ids: torch.Tensor, attention_mask: torch.Ten
                 masked = x[start:end] == mask_token_id
                 if not masked.any():
                     break
-                hidden = forward(weights, config, x[:end], dense_block_causal_mask(end, b), torch.arange(end))
+                hidden = forward_fn(weights, config, x[:end], dense_block_causal_mask(end, b), torch.arange(end))
                 logits = hidden[start:end] @ head.T
                 logits[:, mask_token_id] = float("-inf")
                 probs = torch.softmax(logits, dim=-1)
@@ -134,16 +136,18 @@ def generate(weights, config, input_ids: torch.Tensor, attention_mask: torch.Ten
 
 
 def block_logprobs(weights, config, sequences: torch.Tensor, masked: torch.Tensor, prompt_length: int,
-                   attention_mask: torch.Tensor | None, mask_token_id: int) -> torch.Tensor:
+                   attention_mask: torch.Tensor | None, mask_token_id: int, forward_fn=None,
+                   head: torch.Tensor | None = None) -> torch.Tensor:
     """lp [N, n_t, L]: log p(x_i) at every masked completion position i (0 elsewhere), scored block by block.
 
     sequences [N, P + L] left-padded; masked [N, n_t, P + L] bool. Sample j of row n scores each block k that
     holds a masked completion position with a forward on [the row's columns before block k, the prompt's masked
     as the sample masks them and the completion clean; then block k as the sample masks it], through block k's
-    end, with the dense block-causal mask. Differentiable in the weights.
+    end, with the dense block-causal mask. Differentiable in the weights. forward_fn and head: as in `generate`.
     """
     b = config.block_size
-    head = lm_head(weights, config)
+    forward_fn = forward if forward_fn is None else forward_fn
+    head = lm_head(weights, config) if head is None else head
     N, n_t, S = masked.shape
     L = S - prompt_length
     out = []
@@ -163,7 +167,7 @@ def block_logprobs(weights, config, sequences: torch.Tensor, masked: torch.Tenso
                 if not targets:
                     continue
                 ids = torch.cat([context[:start], noisy[start:end]])
-                hidden = forward(weights, config, ids, dense_block_causal_mask(end, b), torch.arange(end))
+                hidden = forward_fn(weights, config, ids, dense_block_causal_mask(end, b), torch.arange(end))
                 logp = torch.log_softmax(hidden[targets] @ head.T, dim=-1)
                 values = logp.gather(-1, tokens[targets][:, None])[:, 0]
                 lp = lp.index_put((torch.tensor(targets) - P,), values)

@@ -41,8 +41,14 @@ an already decoded or prompt position when fewer masked ones are left than the s
 The noise of T > 0 sampling is keyed by (the step within the block, the row, the completion position), so a
 prompt's sample does not depend on how far the batch pads it.
 
+EOS early stop (`eos_early_stop=True`, what LLaDA2's generate does after each block): once every row's completion
+holds an EOS in its finished blocks, no later block is decoded; the completion's undecoded positions are EOS (and
+their unmask_step the last forward's). The completion up to and including each row's first EOS is the one a full
+rollout gives: the tokens before it are decoded, and a decoded token never changes.
+
 Host syncs: one at the start (the rows' extreme shifts, which size the canvas), one per block (its masked count
-and the previous block's non-finite flag), and with a threshold one per step (as generate's threshold decoding).
+and the previous block's non-finite flag; with eos_early_stop one more, whether every row has ended), and with a
+threshold one per step (as generate's threshold decoding).
 On fake tensors (the planner) none: the layout of the prompts' constant mask (else the widest canvas any batch of
 the shape needs), every window run for the steps its masked count takes (or assumed_steps_per_block).
 """
@@ -90,9 +96,14 @@ def generate_blocks(model, plan: DecodingPlan, input_ids: torch.Tensor, attentio
                   cache=state.kv)
     stored = layout.prefilled  # columns whose final keys and values are in the cache
     nfe = 0
+    decoded_to = layout.width  # columns decoded (less when every row ended early)
     with _graph_limit(COMPILED_STEP_GRAPHS) if plan.compile else nullcontext():
         for window in range(layout.prefilled // b, layout.width // b):
             start, end = window * b, (window + 1) * b
+            if plan.eos_early_stop and reads_values and window > layout.prefilled // b and \
+                    _every_row_ended(state, layout, start, model.eos_token_id):
+                decoded_to = start
+                break
             positions = torch.arange(start, end, device=device)
             state.counters[STEP_IN_BLOCK] = 0
             state.counters[NOISE_STEP] = 0  # the noise is keyed by the step within the block
@@ -124,11 +135,17 @@ def generate_blocks(model, plan: DecodingPlan, input_ids: torch.Tensor, attentio
             if plan.threshold is not None and plan.assumed_steps_per_block is None:
                 check_block_done(remaining, window, plan.step_limit(b))
         if reads_values:
-            left, any_bad = masked_left_and_bad(state, torch.arange(layout.width, device=device), mask_id)
+            left, any_bad = masked_left_and_bad(state, torch.arange(decoded_to, device=device), mask_id)
             if any_bad:
                 _raise_not_finite(state, layout, plan, model)
-            check_block_done(left, layout.width // b - 1, plan.step_limit(b))
+            check_block_done(left, decoded_to // b - 1, plan.step_limit(b))
     completion = state.canvas.gather(1, layout.completion_columns)
+    if decoded_to < layout.width:  # stopped early: what no step decoded is EOS, unmasked with the last forward
+        undecoded = completion == mask_id
+        completion = completion.masked_fill(undecoded, model.eos_token_id)
+        if state.unmask_step is not None:
+            state.unmask_step.scatter_(1, layout.completion_columns, state.unmask_step.gather(
+                1, layout.completion_columns).masked_fill(undecoded, nfe - 1))
     sequences = torch.cat([input_ids.long(), completion], dim=1)
     unmask_step = None if state.unmask_step is None else state.unmask_step.gather(1, layout.completion_columns)
     result_mask = None
@@ -136,6 +153,14 @@ def generate_blocks(model, plan: DecodingPlan, input_ids: torch.Tensor, attentio
         result_mask = torch.cat([attention_mask.long(), torch.ones_like(completion)], dim=1)
     return GenerationResult(sequences, completion, completion_mask(completion, model.eos_token_id), nfe,
                             result_mask, unmask_step)
+
+
+def _every_row_ended(state: RolloutState, layout: "Layout", column: int, eos: int) -> bool:
+    """Whether every row's completion holds an EOS before canvas column `column` (all decoded: the blocks before
+    the current one are complete), so nothing after it can change the completion up to its first EOS. One host
+    sync."""
+    completion = state.canvas.gather(1, layout.completion_columns)
+    return bool(((completion == eos) & (layout.completion_columns < column)).any(dim=1).all())
 
 
 def max_block_forwards(plan: DecodingPlan, gen_length: int, block_length: int) -> int:

@@ -18,7 +18,8 @@ class GenerateConfig:
     """The settings of a rollout, as `dllm_fast.generate` takes them (its docstring says what each means): the
     lengths, the schedule (steps or a threshold), temperature, remasking, classifier-free guidance, the cache, the
     EOS rules, compilation, for planning on fake tensors assumed_steps_per_block, and for block-diffusion models
-    full_last_block (the official SDAR/LLaDA2 generate's whole last block; off by default). The generator and
+    full_last_block (the official SDAR/LLaDA2 generate's whole last block; off by default) and eos_early_stop
+    (stop once every row has ended, as LLaDA2's generate does). The generator and
     record_unmask_step are not settings: they travel beside it. Values are checked where the config is used
     (errors name the field, as generate's keyword), so a config can be built before its model exists."""
 
@@ -35,6 +36,7 @@ class GenerateConfig:
     compile: bool = False
     assumed_steps_per_block: int | None = None
     full_last_block: bool = False
+    eos_early_stop: bool = False
 
 
 SETTINGS = tuple(field.name for field in dataclasses.fields(GenerateConfig))

@@ -37,6 +37,7 @@ class DecodingPlan:
     record_unmask_step: bool = False
     assumed_steps_per_block: int | None = None
     full_last_block: bool = False
+    eos_early_stop: bool = False
 
     def step_limit(self, block_length: int) -> int:
         """Most steps a block may take: its schedule, or one unmasked token per step under a threshold. Never more
@@ -157,6 +158,10 @@ def check_generate_config(model, config: GenerateConfig, *, prompt_length: int |
         if threshold is None:
             raise ValueError(f"assumed_steps_per_block={assumed_steps_per_block} replaces threshold decoding's read "
                              "of the masked count; with a fixed schedule (steps) the steps are known: drop it.")
+    eos_early_stop = check_bool("eos_early_stop", config.eos_early_stop)
+    if eos_early_stop and block_length_of(model) is None:
+        raise ValueError("eos_early_stop=True stops a block-diffusion rollout once every row has decoded its EOS "
+                         "(LLaDA2's generate); this model decodes bidirectionally: pass eos_early_stop=False.")
     # The noise counter's position word numbers every decoded position of every row (a block rollout's words
     # start at block_length; a full last block decodes up to block_length - 1 positions past each completion).
     blocks = block_length_of(model) is not None
@@ -166,7 +171,8 @@ def check_generate_config(model, config: GenerateConfig, *, prompt_length: int |
                          f"{' plus a full last block' if per_row > gen_length else ''}) exceed 2^32, the noise "
                          "counter's position word; generate in smaller batches.")
     plan = DecodingPlan(steps_per_block, temperature, threshold, cfg_scale, policy, rule, logits_eos_inf,
-                        confidence_eos_eot_inf, compile, record_unmask_step, assumed_steps_per_block, full_last_block)
+                        confidence_eos_eot_inf, compile, record_unmask_step, assumed_steps_per_block, full_last_block,
+                        eos_early_stop)
     if block_length_of(model) is not None:
         from dllm_fast.rollout.blocks import check_block_call  # blocks.py builds on this module
 

@@ -87,6 +87,9 @@ def generate(
             LLaDA2) generate does: the positions of the last block after the completion are masked, decoded with
             it and dropped, and they change its tokens. Default False: the last block ends with the completion.
             (A bidirectional model's blocks start at the prompt's end: its last block is always whole.)
+        eos_early_stop: block-diffusion models only: once every row's finished blocks hold an EOS, decode no
+            further block (LLaDA2's generate); the completions up to their first EOS are unchanged, later
+            undecoded positions are EOS.
         assumed_steps_per_block: threshold decoding only: instead of reading the masked count after every step
             (one host sync), assume each block completes in this many steps. For planning on fake tensors, where
             no value can be read; a real run checks at each block's end that the block is complete.

@@ -12,7 +12,8 @@ Each step (steps 2, 4 and 5 are the phases of dllm_fast.train.step, which the pl
      inside the objective's entry point, on the same masks);
   5. run the inner updates through `Objective.backward` (exact gradient, memory independent of n_t), each
      followed by gradient clipping, an AdamW step and the learning-rate schedule.
-Around the loop: JSONL metrics and a progress bar, greedy evaluation at several generation lengths, atomic
+Around the loop: JSONL metrics (a mixture-of-experts model's also report its experts' balance in the update
+phase's forwards: router_load_max, router_load_cv, router_idle_experts) and a progress bar, greedy evaluation at several generation lengths, atomic
 checkpoints every K steps from which `--resume true` continues bit for bit, and a PNG of the curves at the end.
 
 Scaling out: `torchrun --nproc_per_node N -m dllm_fast train ...` runs DDP (default) or FSDP2 (`--parallel
@@ -26,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dllm_fast.models.moe import router_load
 from dllm_fast.train.checkpoint import save_checkpoint
 from dllm_fast.train.config import TrainConfig
 from dllm_fast.train.distributed import distributed_session
@@ -95,7 +97,7 @@ def _train(run: Run) -> TrainResult:
             plan = run.plan_updates(batch)
 
         # 5. Inner updates: objective gradient, clip, AdamW, schedule.
-        with phases.phase("update"):
+        with phases.phase("update"), router_load(run.model) as load:  # experts' balance (MoE models)
             updates = [run.update(batch, update) for update in plan]
 
         group_size = config.run.group_size
@@ -104,6 +106,7 @@ def _train(run: Run) -> TrainResult:
         row = step_metrics(step + 1, batch, correct, updates, rollout, rollout_seconds,
                            time.perf_counter() - step_started, run.schedule.get_last_lr()[0], phases, pairs,
                            run.batching.micro_batch)
+        row.update(load.metrics())
         run.step = step + 1
         if run.step % config.eval.every == 0 or run.step == config.run.steps:
             row.update(evaluate_lengths(run))
