@@ -132,3 +132,22 @@ def test_refusals_name_the_flag(arguments, message):
     result = subprocess.run([sys.executable, "-m", "dllm_fast", "plan", "--model", "tiny", "--parallel", "fsdp2",
                              *arguments], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_llada2_flash_full_fine_tune_plans_on_eight_h200s_with_fsdp2():
+    """Issue 39: the planner plans a llada2-flash full fine-tune on 8 H200s with FSDP2 (memory per GPU, step time),
+    labelled as estimates (about 15 s of CPU)."""
+    import json
+
+    result = subprocess.run([sys.executable, "-m", "dllm_fast", "plan", "--model", "llada2-flash", "--parallel",
+                             "fsdp2", "--gpus", "8", "--gpu", "h200", "--prompts-per-step", "8", "--group-size", "8",
+                             "--gen-length", "256", "--block-length", "32", "--diffusion-steps", "256", "--cache",
+                             "block", "--micro-batch", "8", "--gradient-checkpointing", "true", "--search", "false",
+                             "--json"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["world"] == 8 and plan["parallel"] == "fsdp2" and plan["label"].startswith("PLANNER ESTIMATE")
+    assert plan["peak_bytes"] > 0 and plan["fits"] in (True, False) and plan["step_seconds"] > 0
+    assert plan["shapes"]["rollouts"] == 8 and plan["communication_seconds"]["rollout"] > 0
+    assert "per GPU of 8, FSDP2" in plan["summary"]
