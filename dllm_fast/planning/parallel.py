@@ -99,10 +99,10 @@ def per_gpu(phases: dict[str, PhasePlan], session: Session, world: int, parallel
         if parallel == "fsdp2":
             backward = phase.grad_forwards > 0
             held = shape.root + 2 * shape.unit if phase.forwards else 0
-            memory["parameters"] = max(0, memory["parameters"] - shape.parameters) + -(-shape.parameters // world) + held
-            if backward and phase.grad_forwards > phase.runs:  # accumulated unsharded: whole
-                pass
-            else:
+            whole = max(0, memory["parameters"] - shape.parameters)  # the reference copy, buffers
+            memory["parameters"] = whole + -(-shape.parameters // world) + held
+            accumulated = phase.grad_forwards > phase.runs  # several backwards an update: unsharded, whole
+            if not accumulated:
                 memory["gradients"] = -(-memory["gradients"] // world)
                 if backward:
                     memory["gradients"] += shape.root_trained + 2 * shape.unit_trained

@@ -76,8 +76,8 @@ def text(plan: Plan) -> str:
                     f"{plan.weight_bytes / 1e9:.1f} GB of weights at {plan.gpu.bandwidth / 1e12:.2f} TB/s)"
                     if plan.gpu is not None else ""))
     if plan.communication:
-        lines.append(f"communication per GPU ({plan.parallel.upper()}, overlapped with compute; in time s): " + "; ".join(
-            f"{name} {seconds:.2f} s" for name, seconds in plan.communication.items()))
+        lines.append(f"communication per GPU ({plan.parallel.upper()}, overlapped with compute; in time s): "
+                     + "; ".join(f"{name} {seconds:.2f} s" for name, seconds in plan.communication.items()))
     lines.append(verdict(plan))
     if plan.largest:
         lines.append("largest that fit, the others as configured: " + "; ".join(
