@@ -6,7 +6,8 @@
     python -m dllm_fast plan --config run.yaml --gpu a100-80gb --json      # the same flags as train, plus these
 
 It takes every flag of `train` (python -m dllm_fast train --help), plus --gpu, --json, --prompt-length,
---weights-dtype, --engine and --search. It prints per phase (rollout, old-policy and reference scoring, inner
+--weights-dtype, --engine, --search and --gpus (one GPU of N under torchrun, in --parallel's mode:
+dllm_fast/planning/parallel.py). It prints per phase (rollout, old-policy and reference scoring, inner
 updates, optimizer steps) the peak memory by category, FLOPs, bytes moved and the time on the GPU (a roofline
 calibrated on a measured H200, with the host's launch costs: dllm_fast/planning/calibration.py), then
 the verdict and the largest n_t, micro-batch and group size that fit. Every number is a planner estimate. A
@@ -50,8 +51,21 @@ def add_plan_arguments(parser) -> None:
                             "engine with its scoring pass for every objective that is not separable (as before "
                             "one-pass sequence-local objectives); all_graphs: every pair's graph kept until one "
                             "backward, the naive way, for comparison")
+    group.add_argument("--gpus", default=1, type=_gpu_count, metavar="N",
+                       help="plan one GPU of N under torchrun, in --parallel's mode (ddp or fsdp2): each rank's share "
+                            "of --prompts-per-step, its memory and its communication (default: 1)")
     group.add_argument("--search", default=True, type=value_converter("search", bool, False), metavar="true|false",
                        help="also find the largest n_t, micro-batch and group size that fit (default: true)")
+
+
+def _gpu_count(value: str) -> int:
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"--gpus {value!r} must be a whole number of GPUs, at least 1.")
+    return count
 
 
 def _gpu_name(name: str) -> str:
@@ -73,6 +87,10 @@ def main(argv: typing.Sequence[str] = ()) -> None:
     try:
         args = parse(parser, argv)
         config = config_from_arguments(args)
+        if args.gpus > 1:  # checked before anything loads
+            from dllm_fast.planning.parallel import rank_config
+
+            rank_config(config, args.gpus)
         if args.prompt_length is not None and args.prompt_length < 1:
             raise ValueError(f"--prompt-length {args.prompt_length} must be at least 1 (tokens per prompt).")
     except (ValueError, TypeError, OSError) as error:
@@ -89,7 +107,7 @@ def main(argv: typing.Sequence[str] = ()) -> None:
         torch.set_num_threads(config.run.threads)
     try:
         plan = plan_step(config, gpu=args.gpu, prompt_length=args.prompt_length, engine=args.engine,
-                         weights_dtype=args.weights_dtype, search=args.search)
+                         weights_dtype=args.weights_dtype, search=args.search, world=args.gpus)
     except ImportError as error:  # a package the configuration needs (LoRA: peft) is not installed
         if debug:
             raise

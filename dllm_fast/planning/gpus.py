@@ -15,6 +15,12 @@ context and the caching allocator. Sources:
   (BF16 312 TFLOPS dense, TF32 156, FP32 19.5; 2,039 GB/s for 80GB, 1,555 GB/s for 40GB).
 - L40S: NVIDIA L40S datasheet, https://www.nvidia.com/en-us/data-center/l40s/ (BF16 362.05 TFLOPS dense, TF32
   183, FP32 91.6; 864 GB/s; 48 GB GDDR6).
+
+`interconnect`: the bus bandwidth (bytes/s per GPU, NCCL's busbw) a plan on several GPUs communicates at. An
+assumption, not fitted: about 80% of one direction of the GPU-to-GPU link, what NCCL typically reaches on large
+messages. NVLink 4 (H100/H200 SXM): 900 GB/s both directions, 450 each, so 360 GB/s; H100 NVL's NVLink bridge
+600 GB/s (240); A100 SXM's NVLink 3 600 GB/s (240); PCIe Gen5 x16 (H100 PCIe) 64 GB/s a direction (51); PCIe
+Gen4 x16 (L40S) 32 GB/s a direction (25.6). 0: unknown.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class GPU:
     fp32_flops: float  # CUDA cores: fp32 GEMMs and anything else in fp32
     bandwidth: float
     memory: int
+    interconnect: float = 0.0  # bus bandwidth between GPUs, bytes/s (see the module docstring)
 
     def peak_flops(self, dtype: torch.dtype, compute: str | None = None, *, allow_tf32: bool = False) -> float:
         """The peak a GEMM with operands of `dtype` can reach, with products in `compute` ("fp32": accumulated in
@@ -53,13 +60,13 @@ class GPU:
 
 _T, _G = 1e12, 1e9
 GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
-    GPU("h100", "NVIDIA H100 SXM 80GB", 989.4 * _T, 494.7 * _T, 66.9 * _T, 3.35e12, 80 * _G),
-    GPU("h100-pcie", "NVIDIA H100 PCIe 80GB", 756.5 * _T, 378.0 * _T, 51.2 * _T, 2.0e12, 80 * _G),
-    GPU("h100-nvl", "NVIDIA H100 NVL 94GB", 835.5 * _T, 417.5 * _T, 60.0 * _T, 3.9e12, 94 * _G),
-    GPU("h200", "NVIDIA H200 SXM 141GB", 989.4 * _T, 494.7 * _T, 66.9 * _T, 4.8e12, 141 * _G),
-    GPU("a100-80gb", "NVIDIA A100 SXM 80GB", 312.0 * _T, 156.0 * _T, 19.5 * _T, 2.039e12, 80 * _G),
-    GPU("a100-40gb", "NVIDIA A100 SXM 40GB", 312.0 * _T, 156.0 * _T, 19.5 * _T, 1.555e12, 40 * _G),
-    GPU("l40s", "NVIDIA L40S 48GB", 362.05 * _T, 183.0 * _T, 91.6 * _T, 864e9, 48 * _G),
+    GPU("h100", "NVIDIA H100 SXM 80GB", 989.4 * _T, 494.7 * _T, 66.9 * _T, 3.35e12, 80 * _G, 360e9),
+    GPU("h100-pcie", "NVIDIA H100 PCIe 80GB", 756.5 * _T, 378.0 * _T, 51.2 * _T, 2.0e12, 80 * _G, 51.2e9),
+    GPU("h100-nvl", "NVIDIA H100 NVL 94GB", 835.5 * _T, 417.5 * _T, 60.0 * _T, 3.9e12, 94 * _G, 240e9),
+    GPU("h200", "NVIDIA H200 SXM 141GB", 989.4 * _T, 494.7 * _T, 66.9 * _T, 4.8e12, 141 * _G, 360e9),
+    GPU("a100-80gb", "NVIDIA A100 SXM 80GB", 312.0 * _T, 156.0 * _T, 19.5 * _T, 2.039e12, 80 * _G, 240e9),
+    GPU("a100-40gb", "NVIDIA A100 SXM 40GB", 312.0 * _T, 156.0 * _T, 19.5 * _T, 1.555e12, 40 * _G, 240e9),
+    GPU("l40s", "NVIDIA L40S 48GB", 362.05 * _T, 183.0 * _T, 91.6 * _T, 864e9, 48 * _G, 25.6e9),
 )}
 
 

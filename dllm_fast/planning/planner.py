@@ -25,6 +25,7 @@ from dllm_fast.likelihood import MicroBatching
 from dllm_fast.planning.accounting import Target
 from dllm_fast.planning.fit import extrapolate
 from dllm_fast.planning.gpus import GPU, gpu as gpu_named
+from dllm_fast.planning.parallel import per_gpu, rank_config
 from dllm_fast.planning.step import (PHASES, UPDATE_PHASES, PhasePlan, Session, fixed_n_t, one_pass, probe_n_t,
                                      two_pass_line)
 from dllm_fast.train.config import TrainConfig, micro_batching
@@ -54,6 +55,9 @@ class Plan:
     largest: dict[str, int | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    world: int = 1  # GPUs under torchrun: the plan is one rank's (its share of the prompts), see parallel.py
+    parallel: str | None = None  # "ddp" or "fsdp2" when world > 1
+    communication: dict[str, float] = field(default_factory=dict)  # seconds of collectives by phase (world > 1)
 
     @property
     def peak(self) -> int:
@@ -84,7 +88,7 @@ class Plan:
 
 def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_length: int | None = None,
               engine: str = "streaming", weights_dtype: str | None = None, search: bool = True,
-              allow_tf32: bool = False) -> Plan:
+              allow_tf32: bool = False, world: int = 1) -> Plan:
     """Plan one step of `config` on `gpu` (a name from planning.GPUS; None plans for this machine's CPU, without
     a time). prompt_length: tokens per prompt (default: the task's longest training prompt under the configured
     tokenizer). engine: "streaming" (the trainer's), "two_pass" (the streaming engine without its one-pass route
@@ -92,8 +96,12 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     weights_dtype:
     None (what train loads: dllm_fast.train.precision), "float32" or "bfloat16" (every weight, gradient and
     optimizer state in that dtype). search: also find the largest n_t, micro-batch and group size that fit.
-    --compile plans what train compiles: rollouts under true, or auto on a GPU; scoring under true only."""
+    --compile plans what train compiles: rollouts under true, or auto on a GPU; scoring under true only.
+    world: GPUs under torchrun, with config.run.parallel ("ddp" or "fsdp2"): the plan is one GPU's, its rank's
+    share of the prompts (planning/parallel.py; the search is left out)."""
     started = time.perf_counter()
+    total = config
+    config = rank_config(config, world)
     if weights_dtype is not None and weights_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weights_dtype={weights_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)} (or None: "
                          "what train loads).")
@@ -137,7 +145,15 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
                          micro_batch=batching.micro_batch, score_micro_batch=batching.scoring),
                     rollout.nfe, session.weight_bytes, autocast=session.bf16, compiled=session.compile)
         plan.notes += _notes(plan, probes, n_t, session)
-        if search and gpu is not None:
+        if world > 1:
+            plan.config, plan.world, plan.parallel = total, world, config.run.parallel
+            plan.communication, parallel_notes = per_gpu(plan.phases, session, world, config.run.parallel,
+                                                         None if gpu is None else gpu.interconnect)
+            plan.notes += parallel_notes
+            if search:
+                plan.notes.append("largest settings: not searched on several GPUs (plan them with --gpus 1, or "
+                                  "plan each candidate)")
+        elif search and gpu is not None:
             from dllm_fast.planning.search import largest_settings
 
             plan.largest, search_notes = largest_settings(session, plan, rollout, runs, probes, line, fresh)

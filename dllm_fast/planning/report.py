@@ -30,11 +30,19 @@ def summary(plan: Plan) -> str:
             f"; {c.objective.name} n_t={shapes['n_t']}, mu={c.objective.inner_updates}, {plan.engine} engine, "
             "micro-batch "
             f"{shapes['micro_batch']} (scoring {shapes['score_micro_batch']})\n"
-            f"{c.run.prompts_per_step} prompts x G={c.run.group_size} = {shapes['rollouts']} rollouts, prompt "
+            f"{_prompts(plan)} x G={c.run.group_size} = {shapes['rollouts']} rollouts, prompt "
             f"{plan.prompt_length} + gen {rollout.gen_length} tokens (block {rollout.block_length}, {schedule}, cache "
             f"{rollout.cache}"
             f"{compiled})"
-            f"; on {target}")
+            f"; on {target}" + (f"\nper GPU of {plan.world}, {plan.parallel.upper()} (torchrun): every number "
+                                "below is one GPU's" if plan.world > 1 else ""))
+
+
+def _prompts(plan: Plan) -> str:
+    prompts = plan.config.run.prompts_per_step
+    if plan.world == 1:
+        return f"{prompts} prompts"
+    return f"{prompts // plan.world} prompts per GPU ({prompts} per step over {plan.world} GPUs)"
 
 
 def text(plan: Plan) -> str:
@@ -67,6 +75,9 @@ def text(plan: Plan) -> str:
                  + (f"; weight-streaming floor {plan.weight_streaming_floor:.2f} s (each forward reads "
                     f"{plan.weight_bytes / 1e9:.1f} GB of weights at {plan.gpu.bandwidth / 1e12:.2f} TB/s)"
                     if plan.gpu is not None else ""))
+    if plan.communication:
+        lines.append(f"communication per GPU ({plan.parallel.upper()}, overlapped with compute; in time s): "
+                     + "; ".join(f"{name} {seconds:.2f} s" for name, seconds in plan.communication.items()))
     lines.append(verdict(plan))
     if plan.largest:
         lines.append("largest that fit, the others as configured: " + "; ".join(
@@ -89,6 +100,13 @@ def _largest(name: str, value: int | None) -> str:
 def verdict(plan: Plan) -> str:
     if plan.gpu is None:
         return f"peak {_gb(plan.peak)} GB (no GPU to compare with)"
+    if plan.world > 1:
+        return _verdict(plan).replace(f" on {plan.gpu.description}",
+                                      f" on each of {plan.world} x {plan.gpu.description} ({plan.parallel.upper()})")
+    return _verdict(plan)
+
+
+def _verdict(plan: Plan) -> str:
     worst = max((p for p in plan.phases.values() if p.runs), key=lambda p: p.peak)
     if plan.fits:
         return (f"verdict: FITS on {plan.gpu.description}: peak {_gb(plan.peak)} GB ({worst.name}) of "
@@ -108,6 +126,9 @@ def as_dict(plan: Plan) -> dict:
                                               "memory_bytes": plan.gpu.memory, "bandwidth_bytes_per_s":
                                               plan.gpu.bandwidth, "bf16_flops_per_s": plan.gpu.bf16_flops},
         "engine": plan.engine,
+        "world": plan.world,
+        "parallel": plan.parallel,
+        "communication_seconds": plan.communication,
         "weights_dtype": plan.weights_dtype,
         "prompt_length": plan.prompt_length,
         "shapes": plan.shapes,

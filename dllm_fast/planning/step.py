@@ -65,9 +65,13 @@ class PhasePlan:
     extrapolated_from: tuple[float, float] | None = None
     start: int = 0  # bytes alive when the phase first started
     category_peaks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    forwards: int = 0  # top-level calls of the policy (what FSDP2 all-gathers the weights for), over its runs
+    grad_forwards: int = 0  # those of them with autograd on: each has a backward
 
     def add(self, peak: int, memory: dict[str, int], costs: Costs, calls_run: int, calls_replayed: int,
-            start: int = 0, category_peaks: dict[str, int] | None = None) -> None:
+            start: int = 0, category_peaks: dict[str, int] | None = None, forwards: tuple[int, int] = (0, 0)) -> None:
+        self.forwards += forwards[0]
+        self.grad_forwards += forwards[1]
         if not self.runs:
             self.start = start
         for category, size in (category_peaks or {}).items():
@@ -142,6 +146,10 @@ class Session:
             for tensor in [*module.parameters(), *module.buffers()]:
                 self.accountant.track(tensor, "parameters")
         self.accountant.watch_gradients(self.trainable)
+        # the policy's top-level calls, counted per phase (planning/parallel.py: FSDP2 gathers the weights per call)
+        self.policy_calls = {False: 0, True: 0}
+        counter = self.policy.register_forward_pre_hook(self._count_policy_call)
+        stack.callback(counter.remove)
         self.replayer = Replayer(self.accountant, self.mode, state=_adapter_state(self.policy),
                                  link_all_parameters=not self.fast)
         self._recorded = RecordedWork(self.accountant, enabled=self.fast)
@@ -163,6 +171,9 @@ class Session:
 
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)
+
+    def _count_policy_call(self, module, args) -> None:
+        self.policy_calls[torch.is_grad_enabled()] += 1
 
     def _replay(self, merged) -> None:
         """The merged copy of a LoRA policy that merged rollouts sample through (models.merged_lora), once: its
@@ -188,14 +199,16 @@ class Session:
 
     @contextlib.contextmanager
     def phase(self, plan: PhasePlan):
-        accountant, calls = self.accountant, dict(self.replayer.calls)
+        accountant, calls, policy_calls = self.accountant, dict(self.replayer.calls), dict(self.policy_calls)
         with self.replayer.region():
             mark = accountant.mark()
             yield
         accountant.release(mark)
+        forwards = [self.policy_calls[grad] - policy_calls[grad] for grad in (False, True)]
         plan.add(mark.peak, mark.peak_memory, mark.costs,
                  self.replayer.calls["run"] - calls["run"], self.replayer.calls["replayed"] - calls["replayed"],
-                 start=sum(mark.memory.values()), category_peaks=mark.category_peaks)
+                 start=sum(mark.memory.values()), category_peaks=mark.category_peaks,
+                 forwards=(sum(forwards), forwards[1]))
 
     def measure(self, name: str, fn):
         """Run `fn()` as a phase of its own: (its PhasePlan, what it returned). For plans of single calls (a
