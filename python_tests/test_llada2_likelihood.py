@@ -1,7 +1,7 @@
 """Likelihoods of LLaDA2: lp[N, n_t, L] from the one-forward two-stream scoring equals per-block scoring on the fp64
 twin (reference/llada2.py: a forward per block on [the clean earlier blocks, the block noisy]) to 1e-12; the
 streaming engine's gradient equals fp64 autograd through the per-block scoring to 1e-10 (the router's weights and
-the experts included); memory stays flat in n_t."""
+the experts included); memory stays flat in n_t; the one-pass engine equals the two-pass one."""
 
 import copy
 
@@ -123,3 +123,24 @@ def test_memory_is_flat_in_n_t():
         peaks[n_t] = allocated.peak
     gradients = sum(p.numel() * p.element_size() for p in model.parameters())
     assert gradients <= peaks[1] and peaks[32] <= 1.05 * peaks[1], peaks
+
+
+@pytest.mark.parametrize("name", ["espo", "spg"])
+def test_one_pass_engine_equals_two_passes_on_llada2(name):
+    """The one-pass engine (a micro-batch holding a sequence's every mask differentiates its loss in one graph)
+    on LLaDA2's block-causal attention and experts: loss, lp and gradient equal the two-pass engine's (fp64)."""
+    from dllm_fast.objectives import InnerUpdate
+    from test_objectives import draw as draw_masks, make, relative_error, rollout_batch
+    from test_one_pass_engine import REWARDS, constants, run
+
+    model = llada2()
+    objective = make(name)
+    batch = rollout_batch(model, rewards=REWARDS)
+    masks = draw_masks(objective, model, batch)
+    lp_old, lp_ref = constants(model, objective, batch, masks)
+    update = InnerUpdate(masks, lp_old=lp_old)
+    want, want_grads = run(model, objective, batch, update, lp_ref, MicroBatching(masks.n_t, one_pass=False))
+    got, grads = run(model, objective, batch, update, lp_ref, MicroBatching(2 * masks.n_t))
+    assert relative_error(grads, want_grads) < 1e-10
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got.lp, want.lp, rtol=1e-12, atol=1e-14)
