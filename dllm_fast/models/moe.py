@@ -23,7 +23,8 @@ pairs by expert (a stable argsort) and runs each projection for all experts at o
 - "grouped_mm": torch._grouped_mm over the sorted rows with per-expert offsets, no host sync; the default wherever
   it takes the rows: bf16 on CUDA (one grouped-GEMM kernel), under torch.compile and on fake tensors (the planner
   prices it as one grouped GEMM), and bf16, fp16 or fp32 in eager CPU mode (its CPU kernel, a GEMM per expert
-  that has rows: 1.2-1.5x the loop's rollouts at llada2-mini's widths, benchmarks/bench_moe_rollout.py);
+  that has rows, without the loop's host syncs: near the loop's rollouts at llada2-mini's widths, and 4-5x the
+  padded form's, benchmarks/bench_moe_rollout.py);
 - "bmm": the sorted rows padded per expert into [E, cap, d] and multiplied by batched GEMMs (cap: the most rows
   any expert has, one host read; the tokens' count, a bound, where no value can be read: compiled or fake, E / k
   times the work). The default where torch._grouped_mm does not run (fp64; fp32 on CUDA, compiled or fake);
