@@ -4,14 +4,15 @@ updating on the whole batch (DDP and FSDP2)."""
 
 import os
 import sys
+from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, completion_mask
 from dllm_fast.models import LLaDAConfig, LLaDAModel
+from dllm_fast.testing.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
 
@@ -59,7 +60,8 @@ def worker(rank, engine, objective_name, rendezvous, result_path):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=120))  # a lost peer fails the collective, never hangs it
     try:
         model = make_model()
         objective = make_objective(objective_name)
@@ -108,8 +110,7 @@ def worker(rank, engine, objective_name, rendezvous, result_path):
 def test_two_ranks_equal_one_process_on_the_same_data(engine, objective_name, tmp_path):
     result = tmp_path / "rank0.pt"
     rendezvous = tmp_path / "rendezvous"
-    mp.start_processes(worker, args=(engine, objective_name, str(rendezvous), str(result)), nprocs=WORLD,
-                       start_method="spawn", join=True)
+    run_ranks(worker, (engine, objective_name, str(rendezvous), str(result)), WORLD)
     distributed = torch.load(result)
 
     model = make_model()

@@ -9,19 +9,18 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import dllm_fast
 from dllm_fast import objectives
 from dllm_fast.assets import SUDOKU4_DIR
 from dllm_fast.contracts import RolloutBatch, completion_mask
 from dllm_fast.models import LLaDA2Config, LLaDA2Model
+from dllm_fast.testing.ranks import run_ranks
 from dllm_fast.train import TrainConfig, train
 from test_llada2_model import official_config, write_official_checkpoint
 
@@ -133,7 +132,6 @@ def test_the_planner_plans_a_lora_step():
 
 
 WORLD, G, P, L = 2, 2, 4, 8
-RANKS_TIMEOUT_S = 240  # spawn, import and one update take about 10 s here (2 shared cores)
 
 
 def make_model():
@@ -190,27 +188,13 @@ def fsdp2_worker(rank, rendezvous, result_path):
     os._exit(0)  # see test_distributed.worker: torch 2.13's gloo thread can abort a finalizing interpreter
 
 
-def run_ranks(worker, args, timeout_s=RANKS_TIMEOUT_S):
-    """Spawn WORLD ranks of worker(rank, *args); a rank's failure raises, and ranks still running after
-    timeout_s are killed and the test fails, so the suite never hangs on a stuck process group."""
-    context = mp.start_processes(worker, args=args, nprocs=WORLD, start_method="spawn", join=False)
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                process.join(5)
-            pytest.fail(f"{WORLD} ranks of {worker.__name__} still ran after {timeout_s} s; killed")
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_fsdp2_ranks_equal_one_process(tmp_path):
     """FSDP2 shards every layer (the stacked experts by expert) across 2 gloo ranks; one update of each rank's
     share gives a single process's update on the whole batch."""
     result = tmp_path / "rank0.pt"
-    run_ranks(fsdp2_worker, (str(tmp_path / "rendezvous"), str(result)))
+    run_ranks(fsdp2_worker, (str(tmp_path / "rendezvous"), str(result)), WORLD)
     distributed = torch.load(result)
     model = make_model()
     batch = make_batch()
