@@ -761,23 +761,46 @@ def test_a_rank_with_nothing_to_backpropagate_still_joins_the_all_reduce():
     assert all(p.grad is None or not p.grad.any() for p in trainable(model))
 
 
-def test_distributed_data_parallel_wrapper(tmp_path):
-    """A DDP-wrapped model (one gloo process): forwards go through the wrapper, attributes come from .module,
-    and the gradient equals the unwrapped model's."""
+def ddp_worker(rank, rendezvous, result_path):
+    """test_distributed_data_parallel_wrapper's process (see there)."""
+    import os
+    import sys
+    from datetime import timedelta
+
     import torch.distributed as dist
 
+    torch.set_num_threads(1)
     model = tiny_model()
     sequences, attention_mask = rollouts(model)
     masks = draw(model, sequences, "stratified_l", n_t=4)
     objective = lambda lp: -torch.exp(elbo(lp, masks) / 10).sum()  # noqa: E731
     _, want = engine_gradient(model, sequences, masks, objective, attention_mask, micro_batch=5)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=1,
+                            timeout=timedelta(seconds=120))
     try:
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        assert likelihood.engine.default_grad_sync(wrapped) == wrapped.no_sync
+        same_sync = likelihood.engine.default_grad_sync(wrapped) == wrapped.no_sync
         model.zero_grad(set_to_none=True)
         streaming_backward(wrapped, sequences, masks, objective, micro_batch=5, attention_mask=attention_mask)
         got = [p.grad.clone() for p in trainable(model)]
+        torch.save({"same_sync": same_sync, "error": float(relative_error(got, want))}, result_path)
     finally:
         dist.destroy_process_group()
-    assert relative_error(got, want) < 1e-12
+    # Freeing the DDP reducer's gloo group can deadlock when the interpreter frees it (its worker thread waits
+    # for the GIL that the freeing thread holds, torch 2.13): the result is saved, so leave without finalizing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_distributed_data_parallel_wrapper(tmp_path):
+    """A DDP-wrapped model (one gloo process, spawned: see ddp_worker): forwards go through the wrapper,
+    attributes come from .module, and the gradient equals the unwrapped model's."""
+    from dllm_fast.testing.ranks import run_ranks
+
+    result = tmp_path / "result.pt"
+    run_ranks(ddp_worker, (str(tmp_path / "rendezvous"), str(result)), 1, timeout_s=180)
+    outcome = torch.load(result)
+    assert outcome["same_sync"]
+    assert outcome["error"] < 1e-12
