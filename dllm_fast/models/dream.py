@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dllm_fast.models.block_attention import first_token, positions_of
 from dllm_fast.models.dream_config import DreamConfig
-from dllm_fast.models.layers import padding_bias
+from dllm_fast.models.layers import ConfigTokenIds, padding_bias
 from dllm_fast.models.llada import LLaDAModel, RMSNorm, _normal_, apply_rotary, at_least_fp32, rotary_tables
 from dllm_fast.models.sdar import SDARMLP
 from dllm_fast.validation import data_checks_enabled
@@ -78,7 +78,7 @@ class DreamLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DreamModel(nn.Module):
+class DreamModel(ConfigTokenIds, nn.Module):
     """Dream-family masked diffusion LM. `forward` returns final-normed hidden states; the LM head is
     `lm_head_weight`, applied by the fused ops (or `logits()`)."""
 
@@ -107,18 +107,6 @@ class DreamModel(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return (self.model["embed_tokens"] if self.config.tie_word_embeddings else self.lm_head).weight
-
-    @property
-    def mask_token_id(self) -> int:
-        return self.config.mask_token_id
-
-    @property
-    def eos_token_id(self) -> int:
-        return self.config.eos_token_id
-
-    @property
-    def eot_token_id(self) -> int | None:
-        return self.config.eot_token_id
 
     @property
     def device(self) -> torch.device:

@@ -34,6 +34,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, shape, None, eps) * weight
 
 
+
+class ConfigTokenIds:
+    """The model contract's special ids, as every native family reads them from its config."""
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.config.eos_token_id
+
+    @property
+    def eot_token_id(self) -> int | None:
+        return self.config.eot_token_id
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()

@@ -40,8 +40,9 @@ from torch.utils.checkpoint import checkpoint
 
 from dllm_fast.models.config import LLaDAConfig
 from dllm_fast.models.kv_cache import KVCache
-from dllm_fast.models.layers import (RMSNorm, adapted_linear, apply_rope, apply_rotary, at_least_fp32, attention,
-                                     fuse_linears, padding_bias, projection_outputs, rope_tables, rotary_tables)
+from dllm_fast.models.layers import (ConfigTokenIds, RMSNorm, adapted_linear, apply_rope, apply_rotary, at_least_fp32,
+                                     attention, fuse_linears, padding_bias, projection_outputs, rope_tables,
+                                     rotary_tables)
 from dllm_fast.validation import data_checks_enabled
 
 # The shared pieces live in layers.py; these names stay importable from here.
@@ -123,7 +124,7 @@ class LLaDABlock(nn.Module):
         return h + adapted_linear(self.ff_out, F.silu(gate) * up)
 
 
-class LLaDAModel(nn.Module):
+class LLaDAModel(ConfigTokenIds, nn.Module):
     """LLaDA-architecture masked diffusion LM. `forward` returns final-normed hidden states; the LM head is
     `lm_head_weight`, applied by the fused ops (or `logits()` for convenience)."""
 
@@ -151,18 +152,6 @@ class LLaDAModel(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         head = self.transformer["wte"] if self.config.weight_tying else self.transformer["ff_out"]
         return head.weight
-
-    @property
-    def mask_token_id(self) -> int:
-        return self.config.mask_token_id
-
-    @property
-    def eos_token_id(self) -> int:
-        return self.config.eos_token_id
-
-    @property
-    def eot_token_id(self) -> int | None:
-        return self.config.eot_token_id
 
     @property
     def device(self) -> torch.device:

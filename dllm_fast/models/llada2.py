@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dllm_fast.models.block_attention import attention_bias, call_layout, check_block_length
 from dllm_fast.models.kv_cache import KVCache
-from dllm_fast.models.layers import RMSNorm, at_least_fp32, attention, rotary_tables
+from dllm_fast.models.layers import ConfigTokenIds, RMSNorm, at_least_fp32, attention, rotary_tables
 from dllm_fast.models.llada import LLaDAModel, _normal_
 from dllm_fast.models.llada2_config import LLaDA2Config
 from dllm_fast.models.moe import EXPERT_PROVIDERS, Experts, MixtureOfExperts, SwiGLU
@@ -113,7 +113,7 @@ class LLaDA2Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class LLaDA2Model(nn.Module):
+class LLaDA2Model(ConfigTokenIds, nn.Module):
     """LLaDA2-family mixture-of-experts block-diffusion LM. `forward` returns final-normed hidden states; the LM
     head is `lm_head_weight`, applied by the fused ops (or `logits()`)."""
 
@@ -142,18 +142,6 @@ class LLaDA2Model(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return (self.model["word_embeddings"] if self.config.tie_word_embeddings else self.lm_head).weight
-
-    @property
-    def mask_token_id(self) -> int:
-        return self.config.mask_token_id
-
-    @property
-    def eos_token_id(self) -> int:
-        return self.config.eos_token_id
-
-    @property
-    def eot_token_id(self) -> int | None:
-        return self.config.eot_token_id
 
     @property
     def block_length(self) -> int:

@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dllm_fast.models.block_attention import attention_bias, call_layout, check_block_length
 from dllm_fast.models.kv_cache import KVCache
+from dllm_fast.models.layers import ConfigTokenIds
 from dllm_fast.models.llada import LLaDAModel, RMSNorm, _normal_, apply_rotary, at_least_fp32, rotary_tables
 from dllm_fast.models.sdar_config import SDARConfig
 from dllm_fast.validation import data_checks_enabled
@@ -113,7 +114,7 @@ class SDARLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class SDARModel(nn.Module):
+class SDARModel(ConfigTokenIds, nn.Module):
     """SDAR-family block-diffusion LM. `forward` returns final-normed hidden states; the LM head is
     `lm_head_weight`, applied by the fused ops (or `logits()`)."""
 
@@ -142,18 +143,6 @@ class SDARModel(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return (self.model["embed_tokens"] if self.config.tie_word_embeddings else self.lm_head).weight
-
-    @property
-    def mask_token_id(self) -> int:
-        return self.config.mask_token_id
-
-    @property
-    def eos_token_id(self) -> int:
-        return self.config.eos_token_id
-
-    @property
-    def eot_token_id(self) -> int | None:
-        return self.config.eot_token_id
 
     @property
     def block_length(self) -> int:
