@@ -140,3 +140,181 @@ def test_the_plugin_registers_in_every_process_that_imports_verl():
     code = "import verl.trainer.ppo.core_algos as c; print(sorted(k for k in c.POLICY_LOSS_REGISTRY if 'dllm' in k))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == str(sorted(adapter.PREFIX + n for n in adapter.SUPPORTED)), out.stderr[-2000:]
+
+
+# -- bad input (issue 45.1): every argument of the loss is checked, each error naming it -------------------------
+
+def espo():
+    return [o for o in adapter.default_objectives() if o.name == "espo"][0]
+
+
+def with_info(**info):
+    full = {"dp_size": 1, "batch_num_tokens": 100, "global_batch_size": 12, **info}
+    return types.SimpleNamespace(global_batch_info=full)
+
+
+@pytest.mark.parametrize("field", adapter.losses.GLOBAL_FIELDS)
+@pytest.mark.parametrize("value", [-1, 0, -3.0, float("nan"), float("inf"), "12", [12], True, 2.5, object()])
+def test_global_batch_info_fields_are_positive_whole_numbers(field, value):
+    old, new, advantage, mask = micro_batch()
+    with pytest.raises(ValueError, match=f"global_batch_info {field}="):
+        adapter.policy_loss(espo(), old, new, advantage, mask, config=with_info(**{field: value}))
+
+
+@pytest.mark.parametrize("name", adapter.SUPPORTED)
+def test_global_counts_below_the_micro_batch_are_refused(name):
+    objective = [o for o in adapter.default_objectives() if o.name == name][0]
+    old, new, advantage, mask = micro_batch()
+    with pytest.raises(ValueError, match="global_batch_size=5 is smaller than this micro-batch's 6 sequences"):
+        adapter.policy_loss(objective, old, new, advantage, mask, config=with_info(global_batch_size=5))
+    tokens = int(mask.sum())
+    with pytest.raises(ValueError, match=f"batch_num_tokens={tokens - 1} is smaller than this micro-batch's "
+                                         f"{tokens} response tokens"):
+        adapter.policy_loss(objective, old, new, advantage, mask, config=with_info(batch_num_tokens=tokens - 1))
+
+
+def test_global_counts_of_numpy_and_torch_scalars_are_read_as_ints():
+    np = pytest.importorskip("numpy")
+    old, new, advantage, mask = micro_batch()
+    as_ints, _ = adapter.policy_loss(espo(), old, new, advantage, mask, config=with_info(global_batch_size=12))
+    for value in (np.int64(12), torch.tensor(12), 12.0):
+        loss, _ = adapter.policy_loss(espo(), old, new, advantage, mask, config=with_info(global_batch_size=value))
+        assert loss.item() == as_ints.item()
+    torch.testing.assert_close(as_ints * 2, adapter.policy_loss(espo(), old, new, advantage, mask)[0])
+
+
+def test_loss_scale_factor_is_refused():
+    old, new, advantage, mask = micro_batch()
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        adapter.policy_loss(espo(), old, new, advantage, mask, config=with_info(loss_scale_factor=512))
+
+
+@pytest.mark.parametrize("argument", ["log_prob", "old_log_prob"])
+@pytest.mark.parametrize("row,value", [(0, float("nan")), (3, float("inf")), (5, float("-inf")), (2, 0.5),
+                                       (3, 1e-3)])
+def test_log_probs_that_are_not_log_probabilities_name_the_row(argument, row, value):
+    old, new, advantage, mask = micro_batch()
+    tensors = {"old_log_prob": old.clone(), "log_prob": new.detach().clone()}
+    tensors[argument][row, 0] = value
+    with pytest.raises(ValueError, match=f"{argument} row {row} \\(position 0\\) holds"):
+        adapter.policy_loss(espo(), tensors["old_log_prob"], tensors["log_prob"].requires_grad_(), advantage, mask)
+
+
+def test_values_where_the_mask_scores_nothing_are_not_read():
+    old, new, advantage, mask = micro_batch()
+    base, _ = adapter.policy_loss(espo(), old, new, advantage, mask)
+    old, new2 = old.clone(), new.detach().clone()
+    old[1, 4], new2[4, 3] = float("nan"), 7.0  # padding (mask 0) may hold anything, as in verl
+    loss, _ = adapter.policy_loss(espo(), old, new2.requires_grad_(), advantage, mask)
+    torch.testing.assert_close(loss, base)
+
+
+@pytest.mark.parametrize("row", [0, 2, 5])
+def test_advantages_that_vary_within_a_row_are_refused_naming_the_estimators(row):
+    old, new, advantage, mask = micro_batch()
+    advantage = advantage.clone()
+    advantage[row, 0] += 0.5
+    with pytest.raises(ValueError, match=f"advantages vary within row {row}.*grpo, grpo_vectorized, rloo"):
+        adapter.policy_loss(espo(), old, new, advantage, mask)
+    advantage[row, 0] = float("nan")
+    with pytest.raises(ValueError, match=f"advantages row {row} \\(position 0\\) is nan"):
+        adapter.policy_loss(espo(), old, new, advantage, mask)
+
+
+def test_advantages_may_differ_where_the_mask_scores_nothing():
+    old, new, advantage, mask = micro_batch()
+    base, _ = adapter.policy_loss(espo(), old, new, advantage, mask)
+    advantage = advantage.clone()
+    advantage[1, 4] = 99.0  # beyond row 1's response: verl zeroes it there, others may not
+    torch.testing.assert_close(adapter.policy_loss(espo(), old, new, advantage, mask)[0], base)
+
+
+@pytest.mark.parametrize("value", [0.5, 2, -1, 1.0001])
+def test_response_masks_other_than_zero_or_one_are_refused(value):
+    old, new, advantage, mask = micro_batch()
+    mask = mask.double()
+    mask[2, 1] = value
+    with pytest.raises(ValueError, match=r"response_mask\[2, 1\] ="):
+        adapter.policy_loss(espo(), old, new, advantage, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.float32, torch.float64])
+def test_a_zero_one_mask_of_any_dtype_gives_the_same_loss(dtype):
+    old, new, advantage, mask = micro_batch()
+    base, _ = adapter.policy_loss(espo(), old, new, advantage, mask)
+    torch.testing.assert_close(adapter.policy_loss(espo(), old, new, advantage, mask.to(dtype))[0], base)
+
+
+@pytest.mark.parametrize("name", adapter.SUPPORTED)
+def test_an_empty_row_contributes_nothing_and_counts_as_a_sequence(name):
+    """A row without response tokens: finite loss, zero gradient on that row, and the loss is the objective on the
+    other rows, counted as one more sequence of zero loss (sequence-normalised) or not at all (token-normalised),
+    so micro-batches holding empty rows still add up to the global batch."""
+    objective = [o for o in adapter.default_objectives() if o.name == name][0]
+    old, new, advantage, mask = micro_batch()
+    mask = mask.clone()
+    mask[2] = 0
+    loss, _ = adapter.policy_loss(objective, old, new, advantage, mask)
+    assert torch.isfinite(loss)
+    (grad,) = torch.autograd.grad(loss, new)
+    assert (grad[2] == 0).all() and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    rest = [0, 1, 3, 4, 5]
+    without, _ = adapter.policy_loss(objective, old[rest], new[rest], advantage[rest], mask[rest])
+    scale = 1.0 if adapter.token_normalised(objective) else 5 / 6
+    torch.testing.assert_close(loss, without * scale)
+    info = {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": 6}
+    config = types.SimpleNamespace(global_batch_info=info)
+    parts = [adapter.policy_loss(objective, old[r], new[r], advantage[r], mask[r], config=config)[0]
+             for r in (slice(0, 3), slice(3, 6))]
+    torch.testing.assert_close(sum(parts), loss)
+
+
+@pytest.mark.parametrize("name", adapter.SUPPORTED)
+@pytest.mark.parametrize("rows", [0, 3])
+def test_an_empty_micro_batch_gives_zero_loss_and_zero_gradient(name, rows):
+    objective = [o for o in adapter.default_objectives() if o.name == name][0]
+    old, new, advantage, mask = micro_batch()
+    new = new.detach()[:rows].clone().requires_grad_()
+    empty = torch.zeros(rows, mask.shape[1], dtype=torch.long)
+    loss, metrics = adapter.policy_loss(objective, old[:rows], new, advantage[:rows], empty,
+                                        config=with_info(batch_num_tokens=10))
+    assert loss.item() == 0.0 and metrics == {}
+    loss.backward()
+    assert new.grad is not None and (new.grad == 0).all()
+
+
+@pytest.mark.parametrize("argument", ["old_log_prob", "log_prob", "advantages", "response_mask"])
+def test_arguments_of_the_wrong_type_or_shape_are_named(argument):
+    np = pytest.importorskip("numpy")
+    old, new, advantage, mask = micro_batch()
+    given = {"old_log_prob": old, "log_prob": new, "advantages": advantage, "response_mask": mask}
+    call = lambda **change: adapter.policy_loss(espo(), **{**given, **change})  # noqa: E731
+    with pytest.raises(TypeError, match=f"{argument} must be a torch.Tensor of shape \\[batch, response_length\\]"
+                                        ".*numpy.ndarray"):
+        call(**{argument: given[argument].detach().numpy()})
+    with pytest.raises(ValueError, match=f"{argument} must have shape \\[batch, response_length\\], got "
+                                         r"\(6, 5, 1\) \(3-D\)"):
+        call(**{argument: given[argument].detach()[:, :, None]})
+    if argument != "log_prob":
+        with pytest.raises(ValueError, match=f"{argument} has shape \\(6, 4\\) but log_prob \\(6, 5\\)"):
+            call(**{argument: given[argument].detach()[:, :4]})
+    if argument != "response_mask":
+        with pytest.raises(TypeError, match=f"{argument} must have a floating dtype.*torch.int64"):
+            call(**{argument: given[argument].detach().long()})
+
+
+@pytest.mark.parametrize("setting,value", [("loss_agg_mode", "seq-mean-token-mean"), ("clip_ratio", 0.28),
+                                           ("clip_ratio_high", 0.28), ("clip_ratio_low", 0.1), ("clip_ratio_c", 10.0)])
+def test_verl_settings_the_objective_replaces_are_refused(setting, value):
+    old, new, advantage, mask = micro_batch()
+    config = types.SimpleNamespace(global_batch_info={}, **({} if setting == "loss_agg_mode" else {setting: value}))
+    kwargs = {"loss_agg_mode": value} if setting == "loss_agg_mode" else {}
+    with pytest.raises(ValueError, match=f"actor.{setting}={value!r} is verl's own loss setting"):
+        adapter.policy_loss(espo(), old, new, advantage, mask, config=config, **kwargs)
+
+
+def test_objectives_normalising_in_their_own_micro_batches_are_refused():
+    old, new, advantage, mask = micro_batch()
+    objective = objectives.get("diffu_grpo", beta=0.0, normalize_per="micro_batch", micro_batch_rows=2)
+    with pytest.raises(ValueError, match="micro_batch_rows=2 normalises within micro-batches of its own"):
+        adapter.policy_loss(objective, old, new, advantage, mask)
