@@ -1,0 +1,227 @@
+"""dllm_fast as verl's actor engine (integrations/verl/engine.py), driven in-process with verl's own classes:
+verl's EngineRegistry builds the engine from verl's config dataclasses, verl's DataProto and padding helpers make
+the batch its PPO trainer hands the actor, verl's advantage estimators fill `advantages`, and the engine's own
+`infer_batch` (compute_log_prob), `train_batch` (zero_grad, forward_backward_batch, verl's clipped optimizer
+step) and `lr_scheduler_step` run the step, on gloo with one rank, in fp64 on the CPU.
+
+The property (issue 47.4): on the same prompts, completions, masks and seeds, the verl step gives the same loss and
+the same parameter update as dllm_fast's own trainer step (`train.step.run_update`), to 1e-9, for the default
+objective and one of each kind, over two inner updates (verl's ppo_epochs=2: the first on-policy, the second after
+the policy moved, on the old policy's log-probs scored before it moved).
+
+These tests need verl (the documented venv, docs/integrations.md); without it they skip, naming it.
+"""
+
+import contextlib
+import functools
+import os
+import socket
+
+import pytest
+import torch
+
+verl = pytest.importorskip("verl", reason="verl is not installed: the engine's tests drive verl's own classes "
+                                          "(run them in the verl venv, docs/integrations.md)")
+
+import numpy as np  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from verl import DataProto  # noqa: E402
+from verl.plugin.platform import platform_manager  # noqa: E402
+from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
+from verl.trainer.config import CheckpointConfig  # noqa: E402
+from verl.trainer.ppo import core_algos  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig  # noqa: E402
+from verl.workers.engine import EngineRegistry  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
+
+import dllm_fast  # noqa: E402
+from dllm_fast import objectives  # noqa: E402
+from dllm_fast.contracts import RolloutBatch  # noqa: E402
+from dllm_fast.integrations.verl import batch as verl_batch  # noqa: E402
+from dllm_fast.integrations.verl import engine as verl_engine  # noqa: E402
+from dllm_fast.integrations.verl.settings import advantage_estimator_for  # noqa: E402
+from dllm_fast.likelihood import MicroBatching, score  # noqa: E402
+from dllm_fast.models.loading import load_model  # noqa: E402
+from dllm_fast.objectives import InnerUpdate  # noqa: E402
+from dllm_fast.train import step as train_step  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+
+MODEL = os.path.join(os.path.dirname(dllm_fast.__file__), "assets", "sudoku4")
+G, PROMPTS, PROMPT_LENGTH, GEN_LENGTH = 4, 2, 6, 8
+PAIRS = 8  # (sequence, sample) pairs per backward graph, in both trainers
+LR = 1e-3
+# One of each kind (issue 47.4): the default objective; one pass (separable); two passes (a non-linear sequence
+# loss); a reference term; wd1's group softmax; TraceRL's trajectory (the rollout's decoding order).
+KINDS = {"espo": {}, "bgpo": {"n_t": 4}, "vrpo_ol": {}, "rspo": {}, "wd1": {}, "tracerl": {}}
+
+
+class CPUPlatform(PlatformBase):
+    """The least of verl's platform interface its FSDP engine reads, on the CPU. dllm_fast's verl plugin registers
+    the product's CPU platform; the in-process test sets this one only where verl's current platform is not a CPU."""
+
+    device_name, vendor_name = "cpu", "cpu"
+    device_module = torch.cpu
+
+    def is_available(self): return True
+    def current_device(self): return "cpu"
+    def device_count(self): return 1
+    def set_device(self, index): pass
+    def synchronize(self, index=None): pass
+    def manual_seed(self, seed): torch.manual_seed(seed)
+    def manual_seed_all(self, seed): torch.manual_seed(seed)
+    def set_allocator_settings(self, settings): pass
+    def empty_cache(self): pass
+    def communication_backend_name(self): return "gloo"
+    def cudart(self): return None
+    def get_device_capability(self, index=0): return None, None
+    def is_ipc_supported(self): return False
+    def nvtx_range(self, msg): return contextlib.nullcontext()
+    def profiler_start(self): pass
+    def profiler_stop(self): pass
+    def ray_noset_envvars(self): return []
+    def ray_resource_name(self): return "CPU"
+    def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank gloo process group on verl's CPU platform, with the engine registered."""
+    previous = platform_manager.get_platform()
+    if previous.device_name != "cpu":
+        platform_manager.set_platform(CPUPlatform())
+    started = not dist.is_initialized()
+    if started:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    verl_engine.register_engine()
+    yield
+    if started:
+        dist.destroy_process_group()
+    platform_manager.set_platform(previous)
+
+
+def build_engine(name: str, **section):
+    model_config = HFModelConfig(path=MODEL, model_type="dllm_fast", enable_gradient_checkpointing=False,
+                                 override_config={"dllm_fast": {"objective": name, "options": KINDS[name],
+                                                                "micro_batch": PAIRS, **section}})
+    engine_config = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp64", use_torch_compile=False,
+                                     mixed_precision={"param_dtype": "fp64", "reduce_dtype": "fp64"})
+    optimizer_config = FSDPOptimizerConfig(lr=LR, total_training_steps=4, lr_warmup_steps=0, weight_decay=0.01)
+    engine = EngineRegistry.new(model_type="dllm_fast", backend="fsdp2", model_config=model_config,
+                                engine_config=engine_config, optimizer_config=optimizer_config,
+                                checkpoint_config=CheckpointConfig())
+    engine.initialize()
+    return engine, optimizer_config
+
+
+def rollouts(policy, seed=0):
+    """G completions of each of PROMPTS prompts by dllm_fast's sampler (the decoding order recorded), rewards."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, 100, (PROMPTS, PROMPT_LENGTH), generator=generator).repeat_interleave(G, 0)
+    attention = torch.ones_like(prompts)
+    attention[:G, :2] = 0  # the first prompt is left-padded
+    prompts = prompts.masked_fill(attention == 0, policy.eos_token_id)
+    result = dllm_fast.generate(policy, prompts, attention, gen_length=GEN_LENGTH, block_length=GEN_LENGTH,
+                                steps=GEN_LENGTH, temperature=1.0, generator=generator, record_unmask_step=True)
+    rewards = torch.rand(PROMPTS * G, generator=generator, dtype=torch.float64).float()
+    return result, rewards
+
+
+def verl_data(result, rewards, objective, eos_token_id):
+    """verl's actor batch of the rollouts, as its PPO trainer builds it: a response runs through its first EOS
+    and is padded after it, the reward sits on its last token, advantages come from verl's estimator."""
+    completion = result.sequences[:, PROMPT_LENGTH:]
+    lengths = result.completion_mask.sum(-1)
+    response_mask = (torch.arange(GEN_LENGTH)[None] < lengths[:, None]).long()
+    responses = completion.masked_fill(response_mask == 0, eos_token_id)
+    attention = torch.cat([result.attention_mask[:, :PROMPT_LENGTH].long(), response_mask], dim=1)
+    token_rewards = torch.zeros(len(rewards), GEN_LENGTH)
+    token_rewards[torch.arange(len(rewards)), lengths - 1] = rewards
+    uid = np.array([f"prompt-{row // G}" for row in range(len(rewards))], dtype=object)
+    estimator = advantage_estimator_for(objective) or "grpo"
+    if "rloo" in estimator:
+        advantages, _ = core_algos.compute_rloo_outcome_advantage(token_rewards, response_mask, uid)
+    else:
+        advantages, _ = core_algos.compute_grpo_outcome_advantage(
+            token_rewards, response_mask, uid, norm_adv_by_std_in_grpo="norm_adv_by_std_in_grpo=true" in estimator)
+    prompts = result.sequences[:, :PROMPT_LENGTH]
+    batch = DataProto.from_single_dict({
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp_min(0),
+        "response_mask": response_mask, "token_level_rewards": token_rewards, "advantages": advantages,
+        verl_batch.UNMASK_STEP_KEY: result.unmask_step, verl_batch.FORWARDS_KEY: torch.full((len(rewards),), result.nfe)})
+    batch.non_tensor_batch["uid"] = uid
+    batch.meta_info["temperature"] = 1.0
+    data = left_right_2_no_padding(batch.to_tensordict())
+    tu.assign_non_tensor(data, micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
+    return data, list(uid)
+
+
+def full(parameter):
+    value = parameter.detach()
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def parameters(engine):
+    return {name.removeprefix("diffusion_lm."): full(p).clone() for name, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_a_verl_step_is_the_trainers_step(one_rank, name):
+    # TraceRL's z-score (population std, no epsilon) is none of verl's estimators: verl's grpo fills `advantages`
+    matched = advantage_estimator_for(objectives.get(name, **KINDS[name])) is not None
+    engine, optimizer_config = build_engine(name, check_advantages=matched)
+    objective = engine.objective
+    policy = load_model(MODEL, dtype=torch.float64, device="cpu").train()  # dllm_fast's trainer's copy
+    reference = load_model(MODEL, dtype=torch.float64, device="cpu").eval().requires_grad_(False)
+    for n, p in policy.named_parameters():
+        assert torch.equal(parameters(engine)[n], p.detach()), n
+    with torch.no_grad():
+        result, rewards = rollouts(policy)
+    data, uids = verl_data(result, rewards, objective, policy.eos_token_id)
+    actor = FSDPActorConfig(strategy="fsdp2", ppo_mini_batch_size=PROMPTS, ppo_micro_batch_size_per_gpu=2,
+                            rollout_n=G, ppo_epochs=2)
+    loss_function = functools.partial(ppo_loss, config=actor)
+
+    # the trainer's step on the same rollouts and masks: RolloutBatch.from_generation, the engine's row seeds
+    batch = RolloutBatch.from_generation(result, rewards, group_size=G)
+    masks = verl_batch.row_masks(objective, batch, verl_batch.row_keys(batch, uids), seed=engine.settings.seed,
+                                 model=policy)
+    batching = MicroBatching(PAIRS)
+    with torch.no_grad():
+        lp_old = score(policy, batch.sequences, masks, micro_batch=batching, attention_mask=batch.attention_mask)
+    optimization = train_step.Optimization([p for p in policy.parameters() if p.requires_grad],
+                                           torch.optim.AdamW(policy.parameters(), lr=LR, betas=(0.9, 0.999),
+                                                             weight_decay=optimizer_config.weight_decay),
+                                           grad_clip=optimizer_config.clip_grad)
+    plan = [InnerUpdate(masks), InnerUpdate(masks, lp_old=lp_old)]  # verl's epochs reuse each row's masks
+
+    with engine.eval_mode():
+        scored = engine.infer_batch(data)
+    per_token = no_padding_2_padding(scored["model_output"]["log_probs"], data)
+    want = verl_batch.per_token(lp_old, masks)
+    torch.testing.assert_close(per_token * data["response_mask"], want * data["response_mask"], rtol=0, atol=1e-9)
+
+    for epoch, update in enumerate(plan):
+        with engine.train_mode():
+            out = engine.train_batch(data, loss_function=loss_function)
+        engine.lr_scheduler_step()
+        ours, norm = train_step.run_update(objective, policy, batch, update, batching=batching,
+                                           optimization=optimization, ref_model=reference)
+        assert out["metrics"]["dllm_fast/policy_moved"] == [float(epoch > 0)]
+        assert abs(out["loss"][0] - float(ours.loss)) <= 1e-9, (epoch, out["loss"], float(ours.loss))
+        assert abs(out["metrics"]["grad_norm"] - float(norm)) <= 1e-9 * max(1.0, float(norm))
+        after = parameters(engine)
+        initial = dict(reference.named_parameters())
+        moved = 0.0
+        for n, p in policy.named_parameters():
+            torch.testing.assert_close(after[n], p.detach(), rtol=0, atol=1e-9, msg=f"{name} epoch {epoch}: {n}")
+            moved = max(moved, float((p.detach() - initial[n]).abs().max()))
+        assert moved > 1e-4  # the update did move the weights: the comparison is not of two unchanged models
+    assert float(ours.loss) != 0.0  # after the policy moved (espo's on-policy loss is 0: ratio 1, mean(A) = 0)
