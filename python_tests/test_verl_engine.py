@@ -13,6 +13,7 @@ These tests need verl (the documented venv, docs/integrations.md); without it th
 """
 
 import contextlib
+import dataclasses
 import functools
 import os
 import socket
@@ -39,7 +40,7 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 
 import dllm_fast  # noqa: E402
 from dllm_fast import objectives  # noqa: E402
-from dllm_fast.contracts import RolloutBatch  # noqa: E402
+from dllm_fast.contracts import RolloutBatch, completion_mask  # noqa: E402
 from dllm_fast.integrations.verl import batch as verl_batch  # noqa: E402
 from dllm_fast.integrations.verl import engine as verl_engine  # noqa: E402
 from dllm_fast.integrations.verl.settings import advantage_estimator_for  # noqa: E402
@@ -54,6 +55,8 @@ MODEL = os.path.join(os.path.dirname(dllm_fast.__file__), "assets", "sudoku4")
 G, PROMPTS, PROMPT_LENGTH, GEN_LENGTH = 4, 2, 6, 8
 PAIRS = 8  # (sequence, sample) pairs per backward graph, in both trainers
 LR = 1e-3
+PAD = 7  # verl pads responses with the tokenizer's pad id; not EOS here, so the canvas's EOS must be restored
+SHUFFLED = [0, 4, 1, 5, 2, 6, 3, 7]  # verl's rows need not keep a prompt's group together: the engine regroups
 # One of each kind (issue 47.4): the default objective; one pass (separable); two passes (a non-linear sequence
 # loss); a reference term; wd1's group softmax; TraceRL's trajectory (the rollout's decoding order).
 KINDS = {"espo": {}, "bgpo": {"n_t": 4}, "vrpo_ol": {}, "rspo": {}, "wd1": {}, "tracerl": {}}
@@ -129,6 +132,12 @@ def rollouts(policy, seed=0):
     prompts = prompts.masked_fill(attention == 0, policy.eos_token_id)
     result = dllm_fast.generate(policy, prompts, attention, gen_length=GEN_LENGTH, block_length=GEN_LENGTH,
                                 steps=GEN_LENGTH, temperature=1.0, generator=generator, record_unmask_step=True)
+    # Two completions end early, as the sampler leaves a canvas that decoded EOS there (EOS to the end).
+    sequences = result.sequences.clone()
+    sequences[1, PROMPT_LENGTH + 5:] = policy.eos_token_id
+    sequences[6, PROMPT_LENGTH + 2:] = policy.eos_token_id
+    result = dataclasses.replace(result, sequences=sequences, completion_ids=sequences[:, PROMPT_LENGTH:],
+                                 completion_mask=completion_mask(sequences[:, PROMPT_LENGTH:], policy.eos_token_id))
     rewards = torch.rand(PROMPTS * G, generator=generator, dtype=torch.float64).float()
     return result, rewards
 
@@ -139,7 +148,7 @@ def verl_data(result, rewards, objective, eos_token_id):
     completion = result.sequences[:, PROMPT_LENGTH:]
     lengths = result.completion_mask.sum(-1)
     response_mask = (torch.arange(GEN_LENGTH)[None] < lengths[:, None]).long()
-    responses = completion.masked_fill(response_mask == 0, eos_token_id)
+    responses = completion.masked_fill(response_mask == 0, PAD)
     attention = torch.cat([result.attention_mask[:, :PROMPT_LENGTH].long(), response_mask], dim=1)
     token_rewards = torch.zeros(len(rewards), GEN_LENGTH)
     token_rewards[torch.arange(len(rewards)), lengths - 1] = rewards
@@ -151,12 +160,13 @@ def verl_data(result, rewards, objective, eos_token_id):
         advantages, _ = core_algos.compute_grpo_outcome_advantage(
             token_rewards, response_mask, uid, norm_adv_by_std_in_grpo="norm_adv_by_std_in_grpo=true" in estimator)
     prompts = result.sequences[:, :PROMPT_LENGTH]
-    batch = DataProto.from_single_dict({
-        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-        "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp_min(0),
-        "response_mask": response_mask, "token_level_rewards": token_rewards, "advantages": advantages,
-        verl_batch.UNMASK_STEP_KEY: result.unmask_step, verl_batch.FORWARDS_KEY: torch.full((len(rewards),), result.nfe)})
-    batch.non_tensor_batch["uid"] = uid
+    fields = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+              "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp_min(0),
+              "response_mask": response_mask, "token_level_rewards": token_rewards, "advantages": advantages,
+              verl_batch.UNMASK_STEP_KEY: result.unmask_step,
+              verl_batch.FORWARDS_KEY: torch.full((len(rewards),), result.nfe)}
+    batch = DataProto.from_single_dict({key: value[SHUFFLED] for key, value in fields.items()})
+    batch.non_tensor_batch["uid"] = uid[SHUFFLED]
     batch.meta_info["temperature"] = 1.0
     data = left_right_2_no_padding(batch.to_tensordict())
     tu.assign_non_tensor(data, micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
@@ -184,6 +194,7 @@ def test_a_verl_step_is_the_trainers_step(one_rank, name):
         assert torch.equal(parameters(engine)[n], p.detach()), n
     with torch.no_grad():
         result, rewards = rollouts(policy)
+    assert (result.completion_mask.sum(-1) < GEN_LENGTH).any()  # some response is cut at its EOS and padded
     data, uids = verl_data(result, rewards, objective, policy.eos_token_id)
     actor = FSDPActorConfig(strategy="fsdp2", ppo_mini_batch_size=PROMPTS, ppo_micro_batch_size_per_gpu=2,
                             rollout_n=G, ppo_epochs=2)
@@ -205,7 +216,7 @@ def test_a_verl_step_is_the_trainers_step(one_rank, name):
     with engine.eval_mode():
         scored = engine.infer_batch(data)
     per_token = no_padding_2_padding(scored["model_output"]["log_probs"], data)
-    want = verl_batch.per_token(lp_old, masks)
+    want = verl_batch.per_token(lp_old, masks)[SHUFFLED]
     torch.testing.assert_close(per_token * data["response_mask"], want * data["response_mask"], rtol=0, atol=1e-9)
 
     for epoch, update in enumerate(plan):
