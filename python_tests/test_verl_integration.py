@@ -318,3 +318,189 @@ def test_objectives_normalising_in_their_own_micro_batches_are_refused():
     objective = objectives.get("diffu_grpo", beta=0.0, normalize_per="micro_batch", micro_batch_rows=2)
     with pytest.raises(ValueError, match="micro_batch_rows=2 normalises within micro-batches of its own"):
         adapter.policy_loss(objective, old, new, advantage, mask)
+
+
+# -- the actor engine's settings and batch conversion (no verl needed: integrations/verl/settings.py, batch.py) ----
+
+from dllm_fast.integrations.verl import batch as verl_batch  # noqa: E402
+from dllm_fast.integrations.verl import settings as verl_settings  # noqa: E402
+from dllm_fast.likelihood import elbo  # noqa: E402
+
+SECTION = "actor_rollout_ref.model.override_config.dllm_fast"
+
+
+def test_the_section_builds_the_objective_with_its_options():
+    settings = verl_settings.EngineSettings.from_section({"objective": "vrpo_ol", "options": {"n_t": 6},
+                                                         "micro_batch": 12, "seed": 3})
+    assert settings.objective.name == "vrpo_ol" and settings.objective.config.n_t == 6
+    assert (settings.micro_batch, settings.seed, settings.check_advantages) == (12, 3, True)
+    assert verl_settings.EngineSettings.from_section(None).objective.name == "espo"
+    assert verl_settings.EngineSettings.from_section({"objective": "spg", "preset": "sudoku"}).objective.config.n_t \
+        == objectives.get("spg", preset="sudoku").config.n_t
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"objectiv": "espo"}, f"{SECTION} has no key 'objectiv'"),
+    ({"objective": "ppo"}, f"{SECTION}.objective='ppo' is not a dllm_fast objective; available: diffu_grpo"),
+    ({"objective": 3}, f"{SECTION}.objective=3 is not a dllm_fast objective"),
+    ({"options": [1]}, f"{SECTION}.options must be a mapping"),
+    ({"objective": "espo", "options": {"n_t": 3}}, f"{SECTION} \\(objective 'espo'\\): n_t=3 must be even"),
+    ({"objective": "espo", "options": {"nt": 4}}, f"{SECTION} \\(objective 'espo'\\): espo has no option 'nt'"),
+    ({"objective": "espo", "preset": "nope"}, f"{SECTION} \\(objective 'espo'\\): espo has no preset 'nope'"),
+    ({"micro_batch": 0}, f"{SECTION}.micro_batch=0 must be an int >= 1"),
+    ({"micro_batch": "8"}, f"{SECTION}.micro_batch='8' must be an int >= 1"),
+    ({"micro_batch": True}, f"{SECTION}.micro_batch=True must be an int >= 1"),
+    ({"seed": -1}, f"{SECTION}.seed=-1 must be an int >= 0"),
+    ({"check_advantages": "yes"}, f"{SECTION}.check_advantages='yes' must be true or false"),
+    ({"rollout": 0.9}, f"{SECTION}.rollout must be a mapping"),
+    ([1, 2], f"{SECTION} must be a mapping"),
+])
+def test_bad_sections_are_refused_naming_the_key(section, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        verl_settings.EngineSettings.from_section(section)
+
+
+def verl_config(**changes):
+    """The smallest verl PPO config selecting the engine, with dotted `changes` applied."""
+    config = {"data": {"train_batch_size": 4},
+              "algorithm": {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": False, "use_kl_in_reward": False},
+              "trainer": {"balance_batch": False, "nnodes": 1, "n_gpus_per_node": 2},
+              "actor_rollout_ref": {
+                  "model": {"model_type": "dllm_fast", "override_config": {"dllm_fast": {"objective": "espo"}}},
+                  "rollout": {"n": 4, "temperature": 1.0},
+                  "actor": {"strategy": "fsdp2", "ppo_mini_batch_size": 4, "loss_agg_mode": "token-mean",
+                            "clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
+                            "entropy_coeff": 0, "use_kl_loss": False, "shuffle": False,
+                            "policy_loss": {"loss_mode": "vanilla"}}}}
+    for dotted, value in changes.items():
+        node, *path, last = [config] + dotted.split("__")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return config
+
+
+def test_a_config_that_selects_the_engine_is_checked_and_one_that_does_not_is_left_alone():
+    assert verl_settings.check_verl_config(verl_config()).objective.name == "espo"
+    assert verl_settings.check_verl_config(verl_config(actor_rollout_ref__model__model_type="language_model")) is None
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"actor_rollout_ref__actor__strategy": "fsdp"}, "actor_rollout_ref.actor.strategy='fsdp'.*set .*=fsdp2"),
+    ({"actor_rollout_ref__actor__loss_agg_mode": "seq-mean-token-sum"}, "actor.loss_agg_mode='seq-mean-token-sum'"),
+    ({"actor_rollout_ref__actor__clip_ratio": 0.28}, "actor.clip_ratio=0.28 is verl's own loss setting"),
+    ({"actor_rollout_ref__actor__clip_ratio_high": 0.28}, "actor.clip_ratio_high=0.28"),
+    ({"actor_rollout_ref__actor__policy_loss": {"loss_mode": "gspo"}}, "policy_loss.loss_mode='gspo'"),
+    ({"actor_rollout_ref__actor__entropy_coeff": 0.01}, "entropy_coeff=0.01"),
+    ({"actor_rollout_ref__actor__use_kl_loss": True}, "use_kl_loss=true"),
+    ({"actor_rollout_ref__actor__shuffle": True}, "actor_rollout_ref.actor.shuffle=true"),
+    ({"algorithm__adv_estimator": "gae"}, "algorithm.adv_estimator='gae' is not an outcome estimator.*grpo"),
+    ({"algorithm__adv_estimator": "reinforce_plus_plus"}, "adv_estimator='reinforce_plus_plus'"),
+    ({"algorithm__use_kl_in_reward": True}, "algorithm.use_kl_in_reward=true"),
+    ({"algorithm__rollout_correction": {"bypass_mode": True}}, "rollout_correction.bypass_mode=true"),
+    ({"actor_rollout_ref__rollout__n": 1}, "actor_rollout_ref.rollout.n=1"),
+    ({"trainer__balance_batch": True}, "trainer.balance_batch=true"),
+    ({"actor_rollout_ref__model__override_config": {"dllm_fast": {"objective": "espo", "rollout": {
+        "temperature": 0.7}}}}, "rollout.temperature=0.7 but actor_rollout_ref.rollout.temperature=1.0"),
+    ({"actor_rollout_ref__model__override_config": {"dllm_fast": {"objective": "nope"}}}, "objective='nope'"),
+])
+def test_verl_settings_the_engine_would_override_are_refused_naming_them(change, message):
+    with pytest.raises(ValueError, match=message):
+        verl_settings.check_verl_config(verl_config(**change))
+
+
+def test_balance_batch_is_harmless_with_one_rank_and_one_mini_batch():
+    one = verl_config(trainer__balance_batch=True, trainer__n_gpus_per_node=1)
+    assert verl_settings.check_verl_config(one) is not None
+    with pytest.raises(ValueError, match="trainer.balance_batch=true"):
+        verl_settings.check_verl_config({**one, "data": {"train_batch_size": 8}})
+
+
+def test_the_advantage_settings_named_for_each_objective():
+    named = {name: verl_settings.advantage_estimator_for(objectives.get(name)) for name in objectives.available()}
+    assert named["espo"] == "algorithm.adv_estimator=grpo algorithm.norm_adv_by_std_in_grpo=false"
+    assert named["bgpo"] == "algorithm.adv_estimator=grpo algorithm.norm_adv_by_std_in_grpo=true"
+    assert named["coupled_grpo"] == "algorithm.adv_estimator=rloo"
+    assert named["tracerl"] is None  # TraceRL's population-std z-score is none of verl's
+
+
+def verl_rows(eos=9, pad=0):
+    """A verl actor batch of 2 prompts x 3 completions in the order verl's shuffling might leave them."""
+    generator = torch.Generator().manual_seed(1)
+    P, R = 3, 5
+    prompts = torch.randint(10, 50, (2, P), generator=generator).repeat_interleave(3, 0)
+    prompts[:3, 0] = pad
+    responses = torch.randint(10, 50, (6, R), generator=generator)
+    lengths = torch.tensor([5, 2, 5, 3, 5, 5])
+    responses[1, 1], responses[3, 2] = eos, eos
+    response_mask = (torch.arange(R)[None] < lengths[:, None]).long()
+    responses = responses.masked_fill(response_mask == 0, pad)
+    attention = torch.cat([torch.ones(6, P, dtype=torch.long), response_mask], 1)
+    attention[:3, 0] = 0
+    rewards = torch.zeros(6, R)
+    rewards[torch.arange(6), lengths - 1] = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.25])
+    order = [0, 3, 1, 4, 2, 5]
+    uid = [f"p{row // 3}" for row in range(6)]
+    return {"prompts": prompts[order], "responses": responses[order], "attention_mask": attention[order],
+            "response_mask": response_mask[order], "token_level_rewards": rewards[order],
+            "uid": [uid[i] for i in order]}
+
+
+def test_verl_rows_become_whole_groups_with_the_canvas_restored():
+    data = verl_rows()
+    rows = verl_batch.rows_from_verl(data, eos_token_id=9, device=torch.device("cpu"), grouped=True)
+    assert rows.order == [0, 2, 4, 1, 3, 5] and rows.batch.group_size == 3 and rows.uids == ["p0"] * 3 + ["p1"] * 3
+    completion = rows.batch.completion_ids
+    assert (completion[1, 2:] == 9).all() and (completion[3, 3:] == 9).all()  # past each response: EOS, attended
+    assert rows.batch.completion_mask.sum(-1).tolist() == [5, 2, 5, 3, 5, 5]
+    assert rows.batch.attention_mask[:, 3:].all() and not rows.batch.attention_mask[:3, 0].any()
+    torch.testing.assert_close(rows.batch.rewards, torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.25]))
+
+
+def test_mini_batches_that_cut_a_group_are_refused_naming_the_settings():
+    data = verl_rows()
+    half = {k: v[:4] for k, v in data.items()}  # p0 x2, p1 x2 of 3 each
+    with pytest.raises(ValueError, match="holds 2 of prompt 'p0''s 3 completions.*trainer.balance_batch=false"):
+        verl_batch.rows_from_verl(half, eos_token_id=9, device=torch.device("cpu"), grouped=True,
+                                  group_sizes=verl_batch.Counter(data["uid"]))
+    uneven = {k: v[:5] for k, v in data.items()}
+    with pytest.raises(ValueError, match="prompt groups of this mini-batch differ in size"):
+        verl_batch.rows_from_verl(uneven, eos_token_id=9, device=torch.device("cpu"), grouped=True)
+    without = {k: v for k, v in data.items() if k != "token_level_rewards"}
+    with pytest.raises(KeyError, match="no 'token_level_rewards'"):
+        verl_batch.rows_from_verl(without, eos_token_id=9, device=torch.device("cpu"), grouped=True)
+    with pytest.raises(KeyError, match="no 'dllm_fast_unmask_step'"):
+        verl_batch.rows_from_verl(data, eos_token_id=9, device=torch.device("cpu"), grouped=True, unmask_step=True)
+
+
+@pytest.mark.parametrize("name", ["espo", "bgpo", "spg", "gdpo"])
+def test_a_rows_masks_do_not_depend_on_the_batch_it_is_in(name):
+    """Each row's masks come from its own seed: the scoring's batch, the update's mini-batch, another rank's share
+    or another order give the same masks for the same row."""
+    objective = objectives.get(name)
+    data = verl_rows()
+    model = types.SimpleNamespace(eos_token_id=9)
+    whole = verl_batch.rows_from_verl(data, eos_token_id=9, device=torch.device("cpu"), grouped=False)
+    masks = verl_batch.row_masks(objective, whole.batch, whole.keys, seed=5, model=model)
+    for rows in ([4, 1], [5, 0, 3]):
+        part = verl_batch.rows_from_verl({k: [v[i] for i in rows] if isinstance(v, list) else v[rows]
+                                          for k, v in data.items()}, eos_token_id=9, device=torch.device("cpu"),
+                                         grouped=False)
+        some = verl_batch.row_masks(objective, part.batch, part.keys, seed=5, model=model)
+        assert torch.equal(some.masked, masks.masked[rows]) and torch.equal(some.weight, masks.weight[rows])
+    other = verl_batch.row_masks(objective, whole.batch, whole.keys, seed=6, model=model)
+    assert not torch.equal(other.masked, masks.masked)
+
+
+def test_per_token_values_sum_to_the_elbo_and_sit_where_verl_reads_them():
+    objective = objectives.get("espo")
+    rows = verl_batch.rows_from_verl(verl_rows(), eos_token_id=9, device=torch.device("cpu"), grouped=True)
+    masks = verl_batch.row_masks(objective, rows.batch, rows.keys, seed=0, model=types.SimpleNamespace(eos_token_id=9))
+    lp = -torch.rand(masks.scored.shape, dtype=torch.float64) * masks.scored
+    values = verl_batch.per_token(lp, masks)
+    torch.testing.assert_close(values.sum(-1), elbo(lp, masks))
+    nested = verl_batch.verl_token_values(values, rows)
+    for k, r in enumerate(rows.order):
+        p, q = int(rows.prompt_lengths[k]), int(rows.response_lengths[k])
+        row = nested[r]
+        assert row.shape == (p + q,) and torch.equal(row[p - 1:p - 1 + q], values[k, :q])
