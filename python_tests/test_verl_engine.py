@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import os
 import socket
+import types
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig  # noqa: E402
 from verl.workers.engine import EngineRegistry  # noqa: E402
-from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.workers.utils.losses import ppo_loss, sft_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
 import dllm_fast  # noqa: E402
@@ -48,6 +49,8 @@ from dllm_fast.likelihood import MicroBatching, score  # noqa: E402
 from dllm_fast.models.loading import load_model  # noqa: E402
 from dllm_fast.objectives import InnerUpdate  # noqa: E402
 from dllm_fast.train import step as train_step  # noqa: E402
+from dllm_fast.train.precision import add_lora  # noqa: E402
+from dllm_fast.train.settings import LoraSettings  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -109,14 +112,15 @@ def one_rank():
     platform_manager.set_platform(previous)
 
 
-def build_engine(name: str, **section):
+def build_engine(name: str, *, lora_rank=0, lora_alpha=16, strategy="fsdp2", **section):
     model_config = HFModelConfig(path=MODEL, model_type="dllm_fast", enable_gradient_checkpointing=False,
+                                 lora_rank=lora_rank, lora_alpha=lora_alpha,
                                  override_config={"dllm_fast": {"objective": name, "options": KINDS[name],
                                                                 "micro_batch": PAIRS, **section}})
-    engine_config = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp64", use_torch_compile=False,
+    engine_config = FSDPEngineConfig(strategy=strategy, model_dtype="fp64", use_torch_compile=False,
                                      mixed_precision={"param_dtype": "fp64", "reduce_dtype": "fp64"})
     optimizer_config = FSDPOptimizerConfig(lr=LR, total_training_steps=4, lr_warmup_steps=0, weight_decay=0.01)
-    engine = EngineRegistry.new(model_type="dllm_fast", backend="fsdp2", model_config=model_config,
+    engine = EngineRegistry.new(model_type="dllm_fast", backend=strategy, model_config=model_config,
                                 engine_config=engine_config, optimizer_config=optimizer_config,
                                 checkpoint_config=CheckpointConfig())
     engine.initialize()
@@ -182,23 +186,24 @@ def parameters(engine):
     return {name.removeprefix("diffusion_lm."): full(p).clone() for name, p in engine.module.named_parameters()}
 
 
-@pytest.mark.parametrize("name", list(KINDS))
-def test_a_verl_step_is_the_trainers_step(one_rank, name):
-    # TraceRL's z-score (population std, no epsilon) is none of verl's estimators: verl's grpo fills `advantages`
-    matched = advantage_estimator_for(objectives.get(name, **KINDS[name])) is not None
-    engine, optimizer_config = build_engine(name, check_advantages=matched)
+def actor_loss(**settings):
+    """verl's actor loss as its worker binds it: ppo_loss with the actor's config (two PPO epochs)."""
+    actor = FSDPActorConfig(**{"strategy": "fsdp2", "ppo_mini_batch_size": PROMPTS, "ppo_micro_batch_size_per_gpu": 2,
+                               "rollout_n": G, "ppo_epochs": 2, **settings})
+    return functools.partial(ppo_loss, config=actor)
+
+
+def same_step(engine, optimizer_config, policy, reference, trainer_reference=None):
+    """verl's step (compute_log_prob, then two epochs of train_batch and the LR schedule) beside dllm_fast's
+    trainer's (`run_update` twice, the second on the old policy's lp scored before the first), on the same rollouts
+    and masks: the same per-token scores, losses, gradient norms and parameters after each update, to 1e-9."""
     objective = engine.objective
-    policy = load_model(MODEL, dtype=torch.float64, device="cpu").train()  # dllm_fast's trainer's copy
-    reference = load_model(MODEL, dtype=torch.float64, device="cpu").eval().requires_grad_(False)
     for n, p in policy.named_parameters():
         assert torch.equal(parameters(engine)[n], p.detach()), n
     with torch.no_grad():
         result, rewards = rollouts(policy)
     assert (result.completion_mask.sum(-1) < GEN_LENGTH).any()  # some response is cut at its EOS and padded
     data, uids = verl_data(result, rewards, objective, policy.eos_token_id)
-    actor = FSDPActorConfig(strategy="fsdp2", ppo_mini_batch_size=PROMPTS, ppo_micro_batch_size_per_gpu=2,
-                            rollout_n=G, ppo_epochs=2)
-    loss_function = functools.partial(ppo_loss, config=actor)
 
     # the trainer's step on the same rollouts and masks: RolloutBatch.from_generation, the engine's row seeds
     batch = RolloutBatch.from_generation(result, rewards, group_size=G)
@@ -207,9 +212,9 @@ def test_a_verl_step_is_the_trainers_step(one_rank, name):
     batching = MicroBatching(PAIRS)
     with torch.no_grad():
         lp_old = score(policy, batch.sequences, masks, micro_batch=batching, attention_mask=batch.attention_mask)
-    optimization = train_step.Optimization([p for p in policy.parameters() if p.requires_grad],
-                                           torch.optim.AdamW(policy.parameters(), lr=LR, betas=(0.9, 0.999),
-                                                             weight_decay=optimizer_config.weight_decay),
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimization = train_step.Optimization(trainable, torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.999),
+                                                                        weight_decay=optimizer_config.weight_decay),
                                            grad_clip=optimizer_config.clip_grad)
     plan = [InnerUpdate(masks), InnerUpdate(masks, lp_old=lp_old)]  # verl's epochs reuse each row's masks
 
@@ -219,20 +224,172 @@ def test_a_verl_step_is_the_trainers_step(one_rank, name):
     want = verl_batch.per_token(lp_old, masks)[SHUFFLED]
     torch.testing.assert_close(per_token * data["response_mask"], want * data["response_mask"], rtol=0, atol=1e-9)
 
+    initial = {n: p.detach().clone() for n, p in policy.named_parameters()}
     for epoch, update in enumerate(plan):
         with engine.train_mode():
-            out = engine.train_batch(data, loss_function=loss_function)
+            out = engine.train_batch(data, loss_function=actor_loss())
         engine.lr_scheduler_step()
         ours, norm = train_step.run_update(objective, policy, batch, update, batching=batching,
-                                           optimization=optimization, ref_model=reference)
+                                           optimization=optimization, ref_model=trainer_reference)
         assert out["metrics"]["dllm_fast/policy_moved"] == [float(epoch > 0)]
         assert abs(out["loss"][0] - float(ours.loss)) <= 1e-9, (epoch, out["loss"], float(ours.loss))
         assert abs(out["metrics"]["grad_norm"] - float(norm)) <= 1e-9 * max(1.0, float(norm))
         after = parameters(engine)
-        initial = dict(reference.named_parameters())
         moved = 0.0
         for n, p in policy.named_parameters():
-            torch.testing.assert_close(after[n], p.detach(), rtol=0, atol=1e-9, msg=f"{name} epoch {epoch}: {n}")
+            torch.testing.assert_close(after[n], p.detach(), rtol=0, atol=1e-9, msg=f"{objective.name} epoch {epoch}: {n}")
             moved = max(moved, float((p.detach() - initial[n]).abs().max()))
         assert moved > 1e-4  # the update did move the weights: the comparison is not of two unchanged models
     assert float(ours.loss) != 0.0  # after the policy moved (espo's on-policy loss is 0: ratio 1, mean(A) = 0)
+    return data
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_a_verl_step_is_the_trainers_step(one_rank, name):
+    # TraceRL's z-score (population std, no epsilon) is none of verl's estimators: verl's grpo fills `advantages`
+    matched = advantage_estimator_for(objectives.get(name, **KINDS[name])) is not None
+    engine, optimizer_config = build_engine(name, check_advantages=matched)
+    policy = load_model(MODEL, dtype=torch.float64, device="cpu").train()  # dllm_fast's trainer's copy
+    reference = load_model(MODEL, dtype=torch.float64, device="cpu").eval().requires_grad_(False)
+    same_step(engine, optimizer_config, policy, reference, trainer_reference=reference)
+
+
+def test_lora_with_the_adapters_disabled_as_the_reference(one_rank):
+    """LoRA through dllm_fast's add_lora on the family's modules, and rspo's reference term scored by the policy
+    with its adapters disabled, in both trainers."""
+    engine, optimizer_config = build_engine("rspo", lora_rank=4, lora_alpha=8)
+    assert engine.reference is None and hasattr(engine.module.diffusion_lm, "disable_adapter")
+    lora = LoraSettings(enabled=True, rank=4, alpha=8)
+    policy = add_lora(load_model(MODEL, dtype=torch.float64, device="cpu"), types.SimpleNamespace(lora=lora)).train()
+    with torch.no_grad():  # the adapters' random initialisation, as the engine drew it
+        for n, p in policy.named_parameters():
+            p.copy_(parameters(engine)[n])
+    trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    same_step(engine, optimizer_config, policy, None)
+
+
+# -- bad input (issue 47.7): each refusal names the setting --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def espo_engine(one_rank):
+    engine, _ = build_engine("espo")
+    policy = load_model(MODEL, dtype=torch.float64, device="cpu")
+    with torch.no_grad():
+        result, rewards = rollouts(policy)
+    return engine, result, rewards
+
+
+def test_the_engine_is_verls_for_model_type_dllm_fast(one_rank):
+    assert verl_engine.register_engine() is verl_engine.DllmFastEngine  # idempotent
+    for backend in ("fsdp", "fsdp2"):
+        assert EngineRegistry.get_engine_cls("dllm_fast", backend) is verl_engine.DllmFastEngine
+    with pytest.raises(ValueError, match="actor_rollout_ref.actor.strategy='fsdp'.*strategy=fsdp2"):
+        build_engine("espo", strategy="fsdp")
+
+
+@pytest.mark.parametrize("version", ["0.8.5", "0.10.0", "1.0"])
+def test_a_verl_of_another_version_is_refused_naming_the_versions(version):
+    with pytest.raises(RuntimeError, match=f"verl {version} is installed.*install verl>=0.9,<0.10"):
+        verl_engine.check_verl_version(version)
+    verl_engine.check_verl_version()  # the installed one
+
+
+def test_an_update_before_the_old_policy_was_scored_is_refused(one_rank):
+    engine, _ = build_engine("espo")
+    policy = load_model(MODEL, dtype=torch.float64, device="cpu")
+    with torch.no_grad():
+        result, rewards = rollouts(policy)
+    data, _ = verl_data(result, rewards, engine.objective, policy.eos_token_id)
+    with pytest.raises(RuntimeError, match="before verl's compute_log_prob"), engine.train_mode():
+        engine.train_batch(data, loss_function=actor_loss())
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"loss_agg_mode": "seq-mean-token-mean"}, "actor.loss_agg_mode='seq-mean-token-mean' is verl's own loss setting"),
+    ({"clip_ratio": 0.3}, "actor.clip_ratio=0.3 is verl's own loss setting"),
+    ({"policy_loss": {"loss_mode": "gspo"}}, "policy_loss.loss_mode='gspo'"),
+    ({"entropy_coeff": 0.001}, "entropy_coeff=0.001"),
+    ({"use_kl_loss": True}, "use_kl_loss=true"),
+])
+def test_verl_actor_settings_the_objective_replaces_are_refused(espo_engine, settings, message):
+    engine, result, rewards = espo_engine
+    data, _ = verl_data(result, rewards, engine.objective, engine.module.eos_token_id)
+    with engine.eval_mode():
+        engine.infer_batch(data)
+    with pytest.raises(ValueError, match=message), engine.train_mode():
+        engine.train_batch(data, loss_function=actor_loss(**settings))
+    with pytest.raises(ValueError, match="verl's actor passed 'sft_loss'"), engine.train_mode():
+        engine.train_batch(data, loss_function=functools.partial(sft_loss, config=None))
+
+
+def test_advantages_other_than_the_objectives_are_refused_naming_verls_settings(espo_engine):
+    engine, result, rewards = espo_engine
+    scaled = objectives.get("bgpo")  # verl's grpo with std scaling, which espo's own advantages are not
+    data, _ = verl_data(result, rewards, scaled, engine.module.eos_token_id)
+    with engine.eval_mode():
+        engine.infer_batch(data)
+    with pytest.raises(ValueError, match="espo's own .*set algorithm.adv_estimator=grpo "
+                                         "algorithm.norm_adv_by_std_in_grpo=false"), engine.train_mode():
+        engine.train_batch(data, loss_function=actor_loss())
+
+
+def test_a_mini_batch_that_cuts_a_prompt_group_is_refused(espo_engine):
+    engine, result, rewards = espo_engine
+    data, _ = verl_data(result, rewards, engine.objective, engine.module.eos_token_id)
+    with engine.eval_mode():
+        engine.infer_batch(data)
+    half = tu.chunk_tensordict(data, 2)[0]  # verl's rows are shuffled: two completions of each prompt
+    with pytest.raises(ValueError, match="holds 2 of prompt 'prompt-.''s 4 completions.*balance_batch=false"), \
+            engine.train_mode():
+        engine.train_batch(half, loss_function=actor_loss())
+
+
+def test_a_rollout_temperature_given_twice_must_agree(one_rank):
+    engine, _ = build_engine("espo", rollout={"temperature": 0.7})
+    policy = load_model(MODEL, dtype=torch.float64, device="cpu")
+    with torch.no_grad():
+        result, rewards = rollouts(policy)
+    data, _ = verl_data(result, rewards, engine.objective, policy.eos_token_id)
+    with engine.eval_mode():
+        engine.infer_batch(data)
+    with pytest.raises(ValueError, match="rollout.temperature=0.7 but actor_rollout_ref.rollout.temperature=1.0"), \
+            engine.train_mode():
+        engine.train_batch(data, loss_function=actor_loss())
+
+
+def test_tracerl_without_the_decoding_order_names_the_batch_key(one_rank):
+    engine, _ = build_engine("tracerl", check_advantages=False)
+    policy = load_model(MODEL, dtype=torch.float64, device="cpu")
+    with torch.no_grad():
+        result, rewards = rollouts(policy)
+    data, _ = verl_data(result, rewards, engine.objective, policy.eos_token_id)
+    del data[verl_batch.UNMASK_STEP_KEY]
+    with pytest.raises(KeyError, match="no 'dllm_fast_unmask_step'"), engine.eval_mode():
+        engine.infer_batch(data)
+
+
+def test_a_model_no_loader_reads_is_refused_naming_the_path(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    config = types.SimpleNamespace(local_path=str(tmp_path), path=str(tmp_path), trust_remote_code=False,
+                                   hf_config=types.SimpleNamespace(model_type="bert"))
+    with pytest.raises(ValueError, match=f"actor_rollout_ref.model.path='{tmp_path}' has model_type 'bert', which "
+                                         "neither a dllm_fast family"):
+        verl_engine.load_diffusion_lm(config, torch.float32, meta=False)
+
+
+@pytest.mark.parametrize("name", ["espo", "bgpo", "coupled_grpo", "vrpo_ol"])
+def test_the_verl_estimator_named_for_an_objective_computes_its_advantages(name):
+    objective = objectives.get(name)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25, 0.0, 0.0, 1.0, 1.0])
+    uid = np.array(["a"] * 4 + ["b"] * 4, dtype=object)
+    token_rewards, mask = torch.zeros(8, 3), torch.ones(8, 3)
+    token_rewards[:, -1] = rewards
+    named = advantage_estimator_for(objective)
+    if "rloo" in named:
+        theirs, _ = core_algos.compute_rloo_outcome_advantage(token_rewards, mask, uid)
+    else:
+        theirs, _ = core_algos.compute_grpo_outcome_advantage(token_rewards, mask, uid,
+                                                              norm_adv_by_std_in_grpo="=true" in named)
+    batch = types.SimpleNamespace(rewards=rewards, group_size=4)
+    torch.testing.assert_close(objective.advantages(batch), theirs[:, 0].double(), rtol=0, atol=1e-6)

@@ -65,8 +65,13 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import verl
 from packaging.version import Version
+
+try:
+    import verl
+except ImportError as error:  # the plugin imports this module only where verl is installed
+    raise ImportError("dllm_fast.integrations.verl.engine is dllm_fast's actor engine for verl and needs verl>=0.9,"
+                      f"<0.10 (see docs/integrations.md for the venv); dllm_fast itself does not. ({error})") from error
 from verl.utils.fsdp_utils import CPUOffloadPolicy, MixedPrecisionPolicy, apply_fsdp2, fsdp2_load_full_state_dict
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
