@@ -146,7 +146,7 @@ def rollouts(policy, seed=0):
     return result, rewards
 
 
-def verl_data(result, rewards, objective, eos_token_id):
+def verl_data(result, rewards, objective, eos_token_id, order=SHUFFLED):
     """verl's actor batch of the rollouts, as its PPO trainer builds it: a response runs through its first EOS
     and is padded after it, the reward sits on its last token, advantages come from verl's estimator."""
     completion = result.sequences[:, PROMPT_LENGTH:]
@@ -169,8 +169,8 @@ def verl_data(result, rewards, objective, eos_token_id):
               "response_mask": response_mask, "token_level_rewards": token_rewards, "advantages": advantages,
               verl_batch.UNMASK_STEP_KEY: result.unmask_step,
               verl_batch.FORWARDS_KEY: torch.full((len(rewards),), result.nfe)}
-    batch = DataProto.from_single_dict({key: value[SHUFFLED] for key, value in fields.items()})
-    batch.non_tensor_batch["uid"] = uid[SHUFFLED]
+    batch = DataProto.from_single_dict({key: value[order] for key, value in fields.items()})
+    batch.non_tensor_batch["uid"] = uid[order]
     batch.meta_info["temperature"] = 1.0
     data = left_right_2_no_padding(batch.to_tensordict())
     tu.assign_non_tensor(data, micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
@@ -345,6 +345,20 @@ def test_a_mini_batch_that_cuts_a_prompt_group_is_refused(espo_engine):
         engine.train_batch(half, loss_function=actor_loss())
 
 
+def test_rows_the_old_policy_did_not_score_are_refused_after_the_policy_moved(espo_engine):
+    engine, result, rewards = espo_engine
+    data, _ = verl_data(result, rewards, engine.objective, engine.module.eos_token_id)
+    with engine.eval_mode():
+        engine.infer_batch(data)
+    with engine.train_mode():
+        engine.train_batch(data, loss_function=actor_loss())  # an optimizer step: the policy has moved
+    with torch.no_grad():
+        other, other_rewards = rollouts(load_model(MODEL, dtype=torch.float64, device="cpu"), seed=1)
+    unscored, _ = verl_data(other, other_rewards, engine.objective, engine.module.eos_token_id)
+    with pytest.raises(RuntimeError, match="compute_log_prob did not score it on this rank"), engine.train_mode():
+        engine.train_batch(unscored, loss_function=actor_loss())
+
+
 def test_a_rollout_temperature_given_twice_must_agree(one_rank):
     engine, _ = build_engine("espo", rollout={"temperature": 0.7})
     policy = load_model(MODEL, dtype=torch.float64, device="cpu")
@@ -375,7 +389,7 @@ def test_a_model_no_loader_reads_is_refused_naming_the_path(tmp_path):
                                    hf_config=types.SimpleNamespace(model_type="bert"))
     with pytest.raises(ValueError, match=f"actor_rollout_ref.model.path='{tmp_path}' has model_type 'bert', which "
                                          "neither a dllm_fast family"):
-        verl_engine.load_diffusion_lm(config, torch.float32, meta=False)
+        verl_engine.load_diffusion_lm(config, torch.float32)
 
 
 @pytest.mark.parametrize("name", ["espo", "bgpo", "coupled_grpo", "vrpo_ol"])
@@ -393,3 +407,65 @@ def test_the_verl_estimator_named_for_an_objective_computes_its_advantages(name)
                                                               norm_adv_by_std_in_grpo="=true" in named)
     batch = types.SimpleNamespace(rewards=rewards, group_size=4)
     torch.testing.assert_close(objective.advantages(batch), theirs[:, 0].double(), rtol=0, atol=1e-6)
+
+
+# -- two ranks (opt-in: each rank imports verl, about 12 s of CPU apiece, beyond this file's budget) ---------------
+
+def _two_rank_worker(rank, port, out):
+    platform_manager.set_platform(CPUPlatform())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        verl_engine.register_engine()
+        engine, _ = build_engine("espo")
+        policy = load_model(MODEL, dtype=torch.float64, device="cpu")
+        with torch.no_grad():
+            result, rewards = rollouts(policy)
+        data, _ = verl_data(result, rewards, engine.objective, policy.eos_token_id, order=list(range(PROMPTS * G)))
+        share = tu.chunk_tensordict(data, 2)[rank]  # verl's dispatch: one prompt group per rank
+        with engine.eval_mode():
+            engine.infer_batch(share)
+        norms = []
+        for _ in range(2):
+            with engine.train_mode():
+                norms.append(engine.train_batch(share, loss_function=actor_loss())["metrics"]["grad_norm"])
+            engine.lr_scheduler_step()
+        state = parameters(engine)
+        if rank == 0:
+            torch.save({"parameters": state, "norms": norms}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(os.environ.get("DLLM_FAST_VERL_TWO_RANKS") != "1",
+                    reason="two verl processes cost about 25 s of CPU; set DLLM_FAST_VERL_TWO_RANKS=1 to run")
+def test_two_ranks_give_the_trainers_step_on_the_whole_batch(tmp_path):
+    """FSDP2 over two gloo ranks, each with one prompt group: verl's averaged gradient and global clipping give the
+    trainer's step on the whole batch in one process (each rank's objective is its groups' mean)."""
+    from dllm_fast.testing.ranks import run_ranks
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "rank0.pt"
+    run_ranks(_two_rank_worker, (port, str(out)), 2, timeout_s=900)
+    saved = torch.load(out)
+    policy = load_model(MODEL, dtype=torch.float64, device="cpu").train()
+    reference = load_model(MODEL, dtype=torch.float64, device="cpu").eval().requires_grad_(False)
+    objective = objectives.get("espo")
+    with torch.no_grad():
+        result, rewards = rollouts(policy)
+    batch = RolloutBatch.from_generation(result, rewards, group_size=G)
+    uids = [f"prompt-{row // G}" for row in range(PROMPTS * G)]
+    masks = verl_batch.row_masks(objective, batch, verl_batch.row_keys(batch, uids), seed=42, model=policy)
+    batching = MicroBatching(PAIRS)
+    with torch.no_grad():
+        lp_old = score(policy, batch.sequences, masks, micro_batch=batching, attention_mask=batch.attention_mask)
+    optimization = train_step.Optimization(list(policy.parameters()), torch.optim.AdamW(
+        policy.parameters(), lr=LR, weight_decay=0.01), grad_clip=1.0)
+    for k, update in enumerate([InnerUpdate(masks), InnerUpdate(masks, lp_old=lp_old)]):
+        _, norm = train_step.run_update(objective, policy, batch, update, batching=batching,
+                                        optimization=optimization, ref_model=reference)
+        assert abs(saved["norms"][k] - float(norm)) <= 1e-9
+    for name, p in policy.named_parameters():
+        torch.testing.assert_close(saved["parameters"][name], p.detach(), rtol=0, atol=1e-9, msg=name)

@@ -107,7 +107,8 @@ def test_unsupported_settings_are_named():
 
 
 def test_registration_without_verl_says_how_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "verl", None)
+    for name in [name for name in sys.modules if name == "verl" or name.startswith("verl.")] + ["verl"]:
+        monkeypatch.setitem(sys.modules, name, None)  # also where another test imported verl already
     with pytest.raises(ImportError, match=r"pip install verl>=0.9"):
         adapter.register_verl_losses()
 
@@ -504,3 +505,20 @@ def test_per_token_values_sum_to_the_elbo_and_sit_where_verl_reads_them():
         p, q = int(rows.prompt_lengths[k]), int(rows.response_lengths[k])
         row = nested[r]
         assert row.shape == (p + q,) and torch.equal(row[p - 1:p - 1 + q], values[k, :q])
+
+
+def test_an_omegaconf_config_is_checked_as_its_dict():
+    omegaconf = pytest.importorskip("omegaconf", reason="omegaconf comes with verl")
+    config = omegaconf.OmegaConf.create(verl_config())
+    assert verl_settings.check_verl_config(config).objective.name == "espo"
+    config.actor_rollout_ref.actor.clip_ratio = 0.3
+    with pytest.raises(ValueError, match="actor.clip_ratio=0.3"):
+        verl_settings.check_verl_config(config)
+
+
+def test_the_engine_module_without_verl_says_what_it_needs(monkeypatch):
+    for name in [name for name in sys.modules if name == "verl" or name.startswith("verl.")] + ["verl"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.delitem(sys.modules, "dllm_fast.integrations.verl.engine", raising=False)
+    with pytest.raises(ImportError, match=r"needs verl>=0.9,<0.10 \(see docs/integrations.md"):
+        import dllm_fast.integrations.verl.engine  # noqa: F401

@@ -13,8 +13,8 @@ diffusion LM with any dllm_fast objective, its paper's estimator intact, inside 
 This module imports verl; only verl's processes import it (`dllm_fast.integrations.verl` itself does not).
 
 What runs where (verl's PPO step, per data-parallel rank):
-- building (`initialize`): the policy through dllm_fast's loaders (`models.loading.load_model`: rank 0 reads the
-  weights, the others build the meta skeleton and receive them from rank 0), wrapped as a
+- building (`initialize`): the policy through dllm_fast's loaders (`models.loading.load_model`, every rank
+  reading the checkpoint, then sharding it in place), wrapped as a
   `transformers.PreTrainedModel` (`DiffusionPreTrainedModel`, which verl's checkpoints need), with LoRA through
   dllm_fast's `add_lora` when `actor_rollout_ref.model.lora_rank > 0` (on the family's modules; verl's
   `target_modules="all-linear"` means all of them), sharded by FSDP2 over the model's own units
@@ -72,7 +72,7 @@ try:
 except ImportError as error:  # the plugin imports this module only where verl is installed
     raise ImportError("dllm_fast.integrations.verl.engine is dllm_fast's actor engine for verl and needs verl>=0.9,"
                       f"<0.10 (see docs/integrations.md for the venv); dllm_fast itself does not. ({error})") from error
-from verl.utils.fsdp_utils import CPUOffloadPolicy, MixedPrecisionPolicy, apply_fsdp2, fsdp2_load_full_state_dict
+from verl.utils.fsdp_utils import CPUOffloadPolicy, MixedPrecisionPolicy, apply_fsdp2
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
@@ -177,7 +177,7 @@ class DllmFastEngine(FSDPEngine):
 
     def _build_module(self):
         """The dllm_fast model of actor_rollout_ref.model.path, wrapped as a PreTrainedModel for verl."""
-        model = load_diffusion_lm(self.model_config, self._dtype(), meta=self.rank != 0)
+        model = load_diffusion_lm(self.model_config, self._dtype())
         if self.model_config.enable_gradient_checkpointing and hasattr(model, "set_gradient_checkpointing"):
             model.set_gradient_checkpointing(True)
         module = DiffusionPreTrainedModel(model)
@@ -240,9 +240,10 @@ class DllmFastEngine(FSDPEngine):
                   "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                                     cast_forward_inputs=True),
                   "reshard_after_forward": None if self.engine_config.reshard_after_forward else False}
-        full_state = module.state_dict()
+        # Every rank read the whole checkpoint, so sharding in place leaves each rank its rows: no broadcast from
+        # rank 0 (verl's fsdp2_load_full_state_dict cannot fill the parts of dllm_fast's fused weights on a meta
+        # skeleton, which load through their own _load_from_state_dict).
         apply_fsdp2(module, kwargs, self.engine_config)
-        fsdp2_load_full_state_dict(module, full_state, self.device_mesh, offload_policy)
         return module
 
     def initialize(self):
@@ -389,17 +390,15 @@ class DllmFastEngine(FSDPEngine):
                              "to train on the objective's while verl logs its own.")
 
 
-def load_diffusion_lm(model_config, dtype: torch.dtype, *, meta: bool):
-    """The model of verl's `actor_rollout_ref.model.path` through dllm_fast's loaders: a dllm_fast family's
-    checkpoint (on the meta device when `meta`, to be filled from rank 0), else an HF diffusion LM behind
-    HFDiffusionLM. A path neither loads is refused, naming the setting and the model type."""
-    from dllm_fast.models.loading import FAMILIES, load_model, model_skeleton
+def load_diffusion_lm(model_config, dtype: torch.dtype):
+    """The model of verl's `actor_rollout_ref.model.path` through dllm_fast's loaders, on the CPU: a dllm_fast
+    family's checkpoint, else an HF diffusion LM behind HFDiffusionLM. A path neither loads is refused, naming the
+    setting and the model type."""
+    from dllm_fast.models.loading import FAMILIES, load_model
 
     path = Path(model_config.local_path)
     model_type = getattr(model_config.hf_config, "model_type", None)
     if model_type in FAMILIES:
-        if meta:
-            return model_skeleton(path).to(dtype)
         return load_model(path, dtype=dtype, device="cpu")
     from dllm_fast.models.hf_diffusion import HFDiffusionLM
 
