@@ -244,6 +244,7 @@ class DllmFastEngine(FSDPEngine):
         # rank 0 (verl's fsdp2_load_full_state_dict cannot fill the parts of dllm_fast's fused weights on a meta
         # skeleton, which load through their own _load_from_state_dict).
         apply_fsdp2(module, kwargs, self.engine_config)
+        module.register_state_dict_post_hook(_own_storage)
         return module
 
     def initialize(self):
@@ -408,6 +409,20 @@ def load_diffusion_lm(model_config, dtype: torch.dtype):
         raise ValueError(f"actor_rollout_ref.model.path={model_config.path!r} has model_type {model_type!r}, which "
                          f"neither a dllm_fast family ({', '.join(FAMILIES)}) nor dllm_fast's HF adapter loads "
                          f"({' '.join(str(error).split())[:300]}).") from None
+
+
+def _own_storage(module, state_dict, prefix, local_metadata) -> None:
+    """State-dict entries that are DTensor views into a larger shard (the parts of dllm_fast's fused weights, e.g.
+    LLaDA's k_proj inside fused_qkv) as copies of their own: torch.save, which verl's checkpoints use, cannot save
+    a DTensor whose local tensor is such a view."""
+    from torch.distributed.tensor import DTensor
+
+    for key, value in state_dict.items():
+        if isinstance(value, DTensor):
+            local = value.to_local()
+            if local.storage_offset() != 0 or local.untyped_storage().nbytes() != local.nbytes:
+                state_dict[key] = DTensor.from_local(local.clone(), value.device_mesh, value.placements,
+                                                     shape=value.shape, stride=value.stride())
 
 
 def _actor_config(loss_function):
