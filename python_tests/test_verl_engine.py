@@ -239,7 +239,8 @@ def same_step(engine, optimizer_config, policy, reference, trainer_reference=Non
         after = parameters(engine)
         moved = 0.0
         for n, p in policy.named_parameters():
-            torch.testing.assert_close(after[n], p.detach(), rtol=0, atol=1e-9, msg=f"{objective.name} epoch {epoch}: {n}")
+            torch.testing.assert_close(after[n], p.detach(), rtol=0, atol=1e-9,
+                                       msg=f"{objective.name} epoch {epoch}: {n}")
             moved = max(moved, float((p.detach() - initial[n]).abs().max()))
         assert moved > 1e-4  # the update did move the weights: the comparison is not of two unchanged models
     assert float(ours.loss) != 0.0  # after the policy moved (espo's on-policy loss is 0: ratio 1, mean(A) = 0)

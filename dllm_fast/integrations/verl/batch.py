@@ -81,8 +81,9 @@ def rows_from_verl(data, *, eos_token_id: int, device: torch.device, grouped: bo
     attention = _field(data, "attention_mask", "which prompt and response positions are tokens")
     for name, value in (("prompts", prompts), ("responses", responses), ("attention_mask", attention)):
         if not isinstance(value, torch.Tensor) or value.is_nested or value.dim() != 2:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ""
             raise TypeError(f"verl's batch field {name!r} must be a padded [batch, length] tensor, got "
-                            f"{type(value).__name__}{'' if not isinstance(value, torch.Tensor) else tuple(value.shape)}.")
+                            f"{type(value).__name__}{shape}.")
     B, P = prompts.shape
     R = responses.shape[1]
     if tuple(attention.shape) != (B, P + R):
@@ -136,15 +137,15 @@ def _group_size(uids: list[str], group_sizes: Counter | None) -> int:
         for uid, count in counts.items():
             whole = group_sizes.get(uid)
             if whole is not None and whole != count:
-                raise ValueError(f"this mini-batch holds {count} of prompt {uid!r}'s {whole} completions: the objective's "
-                                 f"advantages (and wd1's softmax) are computed per prompt group, so each mini-batch on "
-                                 f"each rank must hold whole groups. Set {GROUPING_SETTINGS}.")
+                raise ValueError(f"this mini-batch holds {count} of prompt {uid!r}'s {whole} completions: the "
+                                 "objective's advantages (and wd1's softmax) are computed per prompt group, so each "
+                                 f"mini-batch on each rank must hold whole groups. Set {GROUPING_SETTINGS}.")
     sizes = set(counts.values())
     if len(sizes) != 1:
         uid, count = min(counts.items(), key=lambda kv: kv[1])
-        raise ValueError(f"the prompt groups of this mini-batch differ in size (prompt {uid!r} has {count} completions, "
-                         f"others {max(sizes)}); each mini-batch must hold whole groups of actor_rollout_ref.rollout.n "
-                         f"completions. Set {GROUPING_SETTINGS}.")
+        raise ValueError(f"the prompt groups of this mini-batch differ in size (prompt {uid!r} has {count} "
+                         f"completions, others {max(sizes)}); each mini-batch must hold whole groups of "
+                         f"actor_rollout_ref.rollout.n completions. Set {GROUPING_SETTINGS}.")
     return sizes.pop()
 
 

@@ -330,8 +330,8 @@ class DllmFastEngine(FSDPEngine):
         """One verl mini-batch on this rank: the objective's exact gradient on its masks (module docstring)."""
         self._check_update(data, loss_function)
         if self.old_policy is None:
-            raise RuntimeError("the dllm_fast engine's update ran before verl's compute_log_prob scored this batch: the "
-                               "objective's masks and the old policy's log-probs come from that scoring. Keep "
+            raise RuntimeError("the dllm_fast engine's update ran before verl's compute_log_prob scored this batch: "
+                               "the objective's masks and the old policy's log-probs come from that scoring. Keep "
                                "algorithm.rollout_correction.bypass_mode off.")
         rows = self._rows(data, grouped=True, group_sizes=self.old_policy.group_sizes)
         batch = rows.batch
@@ -384,11 +384,12 @@ class DllmFastEngine(FSDPEngine):
             match = advantage_estimator_for(self.objective)
             fix = (f"set {match}" if match else "no verl estimator computes them: set the objective's options "
                    "(advantage, scale_rewards, std_epsilon, population_std) to grpo's or rloo's")
+            c = self.objective.config
             raise ValueError(f"verl's advantage of prompt {rows.uids[k]!r}'s completion is {float(theirs[k]):.6g}, "
-                             f"{self.objective.name}'s own {float(ours[k]):.6g} (advantage="
-                             f"{self.objective.config.advantage!r}, scale_rewards={self.objective.config.scale_rewards}); "
-                             f"the engine trains on the objective's: {fix}, or {SECTION_PATH}.check_advantages=false "
-                             "to train on the objective's while verl logs its own.")
+                             f"{self.objective.name}'s own {float(ours[k]):.6g} (advantage={c.advantage!r}, "
+                             f"scale_rewards={c.scale_rewards}, std_epsilon={c.std_epsilon}, population_std="
+                             f"{c.population_std}); the engine trains on the objective's: {fix}, or {SECTION_PATH}"
+                             ".check_advantages=false to train on the objective's while verl logs its own.")
 
 
 def load_diffusion_lm(model_config, dtype: torch.dtype):

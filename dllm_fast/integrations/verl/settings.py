@@ -141,9 +141,9 @@ def check_actor_settings(objective: Objective, actor) -> None:
         raise ValueError(f"actor_rollout_ref.actor.entropy_coeff={entropy!r}: the dllm_fast engine computes no token "
                          "entropies (a diffusion policy's per-token entropy is not its objective's); set it to 0.")
     if _get(actor, "use_kl_loss", False):
-        raise ValueError("actor_rollout_ref.actor.use_kl_loss=true adds verl's per-token KL, which the dllm_fast engine "
-                         f"does not compute; the objective's own KL is scored on its masks: set {SECTION_PATH}.options"
-                         f".beta (espo, diffu_grpo, coupled_grpo) and use_kl_loss=false.")
+        raise ValueError("actor_rollout_ref.actor.use_kl_loss=true adds verl's per-token KL, which the dllm_fast "
+                         "engine does not compute; the objective's own KL is scored on its masks: set "
+                         f"{SECTION_PATH}.options.beta (espo, diffu_grpo, coupled_grpo) and use_kl_loss=false.")
 
 
 def advantage_estimator_for(objective: Objective) -> str | None:
@@ -179,9 +179,9 @@ def check_verl_config(config) -> EngineSettings | None:
                          f"sequence, which {objective.name} takes; use one of {', '.join(ONE_VALUE_PER_SEQUENCE)} "
                          f"({advantage_estimator_for(objective) or 'grpo'} matches its options).")
     if _get(config, "algorithm.use_kl_in_reward", False):
-        raise ValueError("algorithm.use_kl_in_reward=true needs verl's per-token reference log-probs, which the dllm_fast "
-                         f"engine does not produce; set it to false and give the objective its own KL ({SECTION_PATH}"
-                         ".options.beta).")
+        raise ValueError("algorithm.use_kl_in_reward=true needs verl's per-token reference log-probs, which the "
+                         "dllm_fast engine does not produce; set it to false and give the objective its own KL "
+                         f"({SECTION_PATH}.options.beta).")
     if _get(config, "algorithm.rollout_correction.bypass_mode", False):
         raise ValueError("algorithm.rollout_correction.bypass_mode=true replaces the old policy's scoring with the "
                          "rollout's log-probs, which a diffusion rollout does not give; leave it off.")
@@ -192,8 +192,9 @@ def check_verl_config(config) -> EngineSettings | None:
     temperature = settings.rollout.get("temperature")
     verl_temperature = _get(config, "actor_rollout_ref.rollout.temperature", 1.0)
     if temperature is not None and not _same_number(temperature, verl_temperature):
-        raise ValueError(f"{SECTION_PATH}.rollout.temperature={temperature!r} but actor_rollout_ref.rollout.temperature="
-                         f"{verl_temperature!r}: give the rollout's temperature once, as verl's rollout.temperature.")
+        raise ValueError(f"{SECTION_PATH}.rollout.temperature={temperature!r} but actor_rollout_ref.rollout."
+                         f"temperature={verl_temperature!r}: give the rollout's temperature once, as verl's "
+                         "rollout.temperature.")
     whole_batch = _get(config, "actor_rollout_ref.actor.ppo_mini_batch_size") == _get(config, "data.train_batch_size")
     if _get(config, "trainer.balance_batch", True) and not (whole_batch and _world(config) == 1):
         raise ValueError("trainer.balance_batch=true reorders the batch's rows across data-parallel ranks and "
