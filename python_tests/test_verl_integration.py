@@ -107,7 +107,8 @@ def test_unsupported_settings_are_named():
 
 
 def test_registration_without_verl_says_how_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "verl", None)
+    for name in [name for name in sys.modules if name == "verl" or name.startswith("verl.")] + ["verl"]:
+        monkeypatch.setitem(sys.modules, name, None)  # also where another test imported verl already
     with pytest.raises(ImportError, match=r"pip install verl>=0.9"):
         adapter.register_verl_losses()
 
@@ -140,3 +141,384 @@ def test_the_plugin_registers_in_every_process_that_imports_verl():
     code = "import verl.trainer.ppo.core_algos as c; print(sorted(k for k in c.POLICY_LOSS_REGISTRY if 'dllm' in k))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == str(sorted(adapter.PREFIX + n for n in adapter.SUPPORTED)), out.stderr[-2000:]
+
+
+# -- bad input (issue 45.1): every argument of the loss is checked, each error naming it -------------------------
+
+def espo():
+    return [o for o in adapter.default_objectives() if o.name == "espo"][0]
+
+
+def with_info(**info):
+    full = {"dp_size": 1, "batch_num_tokens": 100, "global_batch_size": 12, **info}
+    return types.SimpleNamespace(global_batch_info=full)
+
+
+@pytest.mark.parametrize("field", adapter.losses.GLOBAL_FIELDS)
+@pytest.mark.parametrize("value", [-1, 0, -3.0, float("nan"), float("inf"), "12", [12], True, 2.5, object()])
+def test_global_batch_info_fields_are_positive_whole_numbers(field, value):
+    old, new, advantage, mask = micro_batch()
+    with pytest.raises(ValueError, match=f"global_batch_info {field}="):
+        adapter.policy_loss(espo(), old, new, advantage, mask, config=with_info(**{field: value}))
+
+
+@pytest.mark.parametrize("name", adapter.SUPPORTED)
+def test_global_counts_below_the_micro_batch_are_refused(name):
+    objective = [o for o in adapter.default_objectives() if o.name == name][0]
+    old, new, advantage, mask = micro_batch()
+    with pytest.raises(ValueError, match="global_batch_size=5 is smaller than this micro-batch's 6 sequences"):
+        adapter.policy_loss(objective, old, new, advantage, mask, config=with_info(global_batch_size=5))
+    tokens = int(mask.sum())
+    with pytest.raises(ValueError, match=f"batch_num_tokens={tokens - 1} is smaller than this micro-batch's "
+                                         f"{tokens} response tokens"):
+        adapter.policy_loss(objective, old, new, advantage, mask, config=with_info(batch_num_tokens=tokens - 1))
+
+
+def test_global_counts_of_numpy_and_torch_scalars_are_read_as_ints():
+    np = pytest.importorskip("numpy")
+    old, new, advantage, mask = micro_batch()
+    as_ints, _ = adapter.policy_loss(espo(), old, new, advantage, mask, config=with_info(global_batch_size=12))
+    for value in (np.int64(12), torch.tensor(12), 12.0):
+        loss, _ = adapter.policy_loss(espo(), old, new, advantage, mask, config=with_info(global_batch_size=value))
+        assert loss.item() == as_ints.item()
+    torch.testing.assert_close(as_ints * 2, adapter.policy_loss(espo(), old, new, advantage, mask)[0])
+
+
+def test_loss_scale_factor_is_refused():
+    old, new, advantage, mask = micro_batch()
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        adapter.policy_loss(espo(), old, new, advantage, mask, config=with_info(loss_scale_factor=512))
+
+
+@pytest.mark.parametrize("argument", ["log_prob", "old_log_prob"])
+@pytest.mark.parametrize("row,value", [(0, float("nan")), (3, float("inf")), (5, float("-inf")), (2, 0.5),
+                                       (3, 1e-3)])
+def test_log_probs_that_are_not_log_probabilities_name_the_row(argument, row, value):
+    old, new, advantage, mask = micro_batch()
+    tensors = {"old_log_prob": old.clone(), "log_prob": new.detach().clone()}
+    tensors[argument][row, 0] = value
+    with pytest.raises(ValueError, match=f"{argument} row {row} \\(position 0\\) holds"):
+        adapter.policy_loss(espo(), tensors["old_log_prob"], tensors["log_prob"].requires_grad_(), advantage, mask)
+
+
+def test_values_where_the_mask_scores_nothing_are_not_read():
+    old, new, advantage, mask = micro_batch()
+    base, _ = adapter.policy_loss(espo(), old, new, advantage, mask)
+    old, new2 = old.clone(), new.detach().clone()
+    old[1, 4], new2[4, 3] = float("nan"), 7.0  # padding (mask 0) may hold anything, as in verl
+    loss, _ = adapter.policy_loss(espo(), old, new2.requires_grad_(), advantage, mask)
+    torch.testing.assert_close(loss, base)
+
+
+@pytest.mark.parametrize("row", [0, 2, 5])
+def test_advantages_that_vary_within_a_row_are_refused_naming_the_estimators(row):
+    old, new, advantage, mask = micro_batch()
+    advantage = advantage.clone()
+    advantage[row, 0] += 0.5
+    with pytest.raises(ValueError, match=f"advantages vary within row {row}.*grpo, grpo_vectorized, rloo"):
+        adapter.policy_loss(espo(), old, new, advantage, mask)
+    advantage[row, 0] = float("nan")
+    with pytest.raises(ValueError, match=f"advantages row {row} \\(position 0\\) is nan"):
+        adapter.policy_loss(espo(), old, new, advantage, mask)
+
+
+def test_advantages_may_differ_where_the_mask_scores_nothing():
+    old, new, advantage, mask = micro_batch()
+    base, _ = adapter.policy_loss(espo(), old, new, advantage, mask)
+    advantage = advantage.clone()
+    advantage[1, 4] = 99.0  # beyond row 1's response: verl zeroes it there, others may not
+    torch.testing.assert_close(adapter.policy_loss(espo(), old, new, advantage, mask)[0], base)
+
+
+@pytest.mark.parametrize("value", [0.5, 2, -1, 1.0001])
+def test_response_masks_other_than_zero_or_one_are_refused(value):
+    old, new, advantage, mask = micro_batch()
+    mask = mask.double()
+    mask[2, 1] = value
+    with pytest.raises(ValueError, match=r"response_mask\[2, 1\] ="):
+        adapter.policy_loss(espo(), old, new, advantage, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.float32, torch.float64])
+def test_a_zero_one_mask_of_any_dtype_gives_the_same_loss(dtype):
+    old, new, advantage, mask = micro_batch()
+    base, _ = adapter.policy_loss(espo(), old, new, advantage, mask)
+    torch.testing.assert_close(adapter.policy_loss(espo(), old, new, advantage, mask.to(dtype))[0], base)
+
+
+@pytest.mark.parametrize("name", adapter.SUPPORTED)
+def test_an_empty_row_contributes_nothing_and_counts_as_a_sequence(name):
+    """A row without response tokens: finite loss, zero gradient on that row, and the loss is the objective on the
+    other rows, counted as one more sequence of zero loss (sequence-normalised) or not at all (token-normalised),
+    so micro-batches holding empty rows still add up to the global batch."""
+    objective = [o for o in adapter.default_objectives() if o.name == name][0]
+    old, new, advantage, mask = micro_batch()
+    mask = mask.clone()
+    mask[2] = 0
+    loss, _ = adapter.policy_loss(objective, old, new, advantage, mask)
+    assert torch.isfinite(loss)
+    (grad,) = torch.autograd.grad(loss, new)
+    assert (grad[2] == 0).all() and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    rest = [0, 1, 3, 4, 5]
+    without, _ = adapter.policy_loss(objective, old[rest], new[rest], advantage[rest], mask[rest])
+    scale = 1.0 if adapter.token_normalised(objective) else 5 / 6
+    torch.testing.assert_close(loss, without * scale)
+    info = {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": 6}
+    config = types.SimpleNamespace(global_batch_info=info)
+    parts = [adapter.policy_loss(objective, old[r], new[r], advantage[r], mask[r], config=config)[0]
+             for r in (slice(0, 3), slice(3, 6))]
+    torch.testing.assert_close(sum(parts), loss)
+
+
+@pytest.mark.parametrize("name", adapter.SUPPORTED)
+@pytest.mark.parametrize("rows", [0, 3])
+def test_an_empty_micro_batch_gives_zero_loss_and_zero_gradient(name, rows):
+    objective = [o for o in adapter.default_objectives() if o.name == name][0]
+    old, new, advantage, mask = micro_batch()
+    new = new.detach()[:rows].clone().requires_grad_()
+    empty = torch.zeros(rows, mask.shape[1], dtype=torch.long)
+    loss, metrics = adapter.policy_loss(objective, old[:rows], new, advantage[:rows], empty,
+                                        config=with_info(batch_num_tokens=10))
+    assert loss.item() == 0.0 and metrics == {}
+    loss.backward()
+    assert new.grad is not None and (new.grad == 0).all()
+
+
+@pytest.mark.parametrize("argument", ["old_log_prob", "log_prob", "advantages", "response_mask"])
+def test_arguments_of_the_wrong_type_or_shape_are_named(argument):
+    np = pytest.importorskip("numpy")
+    old, new, advantage, mask = micro_batch()
+    given = {"old_log_prob": old, "log_prob": new, "advantages": advantage, "response_mask": mask}
+    call = lambda **change: adapter.policy_loss(espo(), **{**given, **change})  # noqa: E731
+    with pytest.raises(TypeError, match=f"{argument} must be a torch.Tensor of shape \\[batch, response_length\\]"
+                                        ".*numpy.ndarray"):
+        call(**{argument: given[argument].detach().numpy()})
+    with pytest.raises(ValueError, match=f"{argument} must have shape \\[batch, response_length\\], got "
+                                         r"\(6, 5, 1\) \(3-D\)"):
+        call(**{argument: given[argument].detach()[:, :, None]})
+    if argument != "log_prob":
+        with pytest.raises(ValueError, match=f"{argument} has shape \\(6, 4\\) but log_prob \\(6, 5\\)"):
+            call(**{argument: given[argument].detach()[:, :4]})
+    if argument != "response_mask":
+        with pytest.raises(TypeError, match=f"{argument} must have a floating dtype.*torch.int64"):
+            call(**{argument: given[argument].detach().long()})
+
+
+@pytest.mark.parametrize("setting,value", [("loss_agg_mode", "seq-mean-token-mean"), ("clip_ratio", 0.28),
+                                           ("clip_ratio_high", 0.28), ("clip_ratio_low", 0.1), ("clip_ratio_c", 10.0)])
+def test_verl_settings_the_objective_replaces_are_refused(setting, value):
+    old, new, advantage, mask = micro_batch()
+    config = types.SimpleNamespace(global_batch_info={}, **({} if setting == "loss_agg_mode" else {setting: value}))
+    kwargs = {"loss_agg_mode": value} if setting == "loss_agg_mode" else {}
+    with pytest.raises(ValueError, match=f"actor.{setting}={value!r} is verl's own loss setting"):
+        adapter.policy_loss(espo(), old, new, advantage, mask, config=config, **kwargs)
+
+
+def test_objectives_normalising_in_their_own_micro_batches_are_refused():
+    old, new, advantage, mask = micro_batch()
+    objective = objectives.get("diffu_grpo", beta=0.0, normalize_per="micro_batch", micro_batch_rows=2)
+    with pytest.raises(ValueError, match="micro_batch_rows=2 normalises within micro-batches of its own"):
+        adapter.policy_loss(objective, old, new, advantage, mask)
+
+
+# -- the actor engine's settings and batch conversion (no verl needed: integrations/verl/settings.py, batch.py) ----
+
+from dllm_fast.integrations.verl import batch as verl_batch  # noqa: E402
+from dllm_fast.integrations.verl import settings as verl_settings  # noqa: E402
+from dllm_fast.likelihood import elbo  # noqa: E402
+
+SECTION = "actor_rollout_ref.model.override_config.dllm_fast"
+
+
+def test_the_section_builds_the_objective_with_its_options():
+    settings = verl_settings.EngineSettings.from_section({"objective": "vrpo_ol", "options": {"n_t": 6},
+                                                         "micro_batch": 12, "seed": 3})
+    assert settings.objective.name == "vrpo_ol" and settings.objective.config.n_t == 6
+    assert (settings.micro_batch, settings.seed, settings.check_advantages) == (12, 3, True)
+    assert verl_settings.EngineSettings.from_section(None).objective.name == "espo"
+    assert verl_settings.EngineSettings.from_section({"objective": "spg", "preset": "sudoku"}).objective.config.n_t \
+        == objectives.get("spg", preset="sudoku").config.n_t
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"objectiv": "espo"}, f"{SECTION} has no key 'objectiv'"),
+    ({"objective": "ppo"}, f"{SECTION}.objective='ppo' is not a dllm_fast objective; available: diffu_grpo"),
+    ({"objective": 3}, f"{SECTION}.objective=3 is not a dllm_fast objective"),
+    ({"options": [1]}, f"{SECTION}.options must be a mapping"),
+    ({"objective": "espo", "options": {"n_t": 3}}, f"{SECTION} \\(objective 'espo'\\): n_t=3 must be even"),
+    ({"objective": "espo", "options": {"nt": 4}}, f"{SECTION} \\(objective 'espo'\\): espo has no option 'nt'"),
+    ({"objective": "espo", "preset": "nope"}, f"{SECTION} \\(objective 'espo'\\): espo has no preset 'nope'"),
+    ({"micro_batch": 0}, f"{SECTION}.micro_batch=0 must be an int >= 1"),
+    ({"micro_batch": "8"}, f"{SECTION}.micro_batch='8' must be an int >= 1"),
+    ({"micro_batch": True}, f"{SECTION}.micro_batch=True must be an int >= 1"),
+    ({"seed": -1}, f"{SECTION}.seed=-1 must be an int >= 0"),
+    ({"check_advantages": "yes"}, f"{SECTION}.check_advantages='yes' must be true or false"),
+    ({"rollout": 0.9}, f"{SECTION}.rollout must be a mapping"),
+    ([1, 2], f"{SECTION} must be a mapping"),
+])
+def test_bad_sections_are_refused_naming_the_key(section, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        verl_settings.EngineSettings.from_section(section)
+
+
+def verl_config(**changes):
+    """The smallest verl PPO config selecting the engine, with dotted `changes` applied."""
+    config = {"data": {"train_batch_size": 4},
+              "algorithm": {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": False, "use_kl_in_reward": False},
+              "trainer": {"balance_batch": False, "nnodes": 1, "n_gpus_per_node": 2},
+              "actor_rollout_ref": {
+                  "model": {"model_type": "dllm_fast", "override_config": {"dllm_fast": {"objective": "espo"}}},
+                  "rollout": {"n": 4, "temperature": 1.0},
+                  "actor": {"strategy": "fsdp2", "ppo_mini_batch_size": 4, "loss_agg_mode": "token-mean",
+                            "clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
+                            "entropy_coeff": 0, "use_kl_loss": False, "shuffle": False,
+                            "policy_loss": {"loss_mode": "vanilla"}}}}
+    for dotted, value in changes.items():
+        node, *path, last = [config] + dotted.split("__")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return config
+
+
+def test_a_config_that_selects_the_engine_is_checked_and_one_that_does_not_is_left_alone():
+    assert verl_settings.check_verl_config(verl_config()).objective.name == "espo"
+    assert verl_settings.check_verl_config(verl_config(actor_rollout_ref__model__model_type="language_model")) is None
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"actor_rollout_ref__actor__strategy": "fsdp"}, "actor_rollout_ref.actor.strategy='fsdp'.*set .*=fsdp2"),
+    ({"actor_rollout_ref__actor__loss_agg_mode": "seq-mean-token-sum"}, "actor.loss_agg_mode='seq-mean-token-sum'"),
+    ({"actor_rollout_ref__actor__clip_ratio": 0.28}, "actor.clip_ratio=0.28 is verl's own loss setting"),
+    ({"actor_rollout_ref__actor__clip_ratio_high": 0.28}, "actor.clip_ratio_high=0.28"),
+    ({"actor_rollout_ref__actor__policy_loss": {"loss_mode": "gspo"}}, "policy_loss.loss_mode='gspo'"),
+    ({"actor_rollout_ref__actor__entropy_coeff": 0.01}, "entropy_coeff=0.01"),
+    ({"actor_rollout_ref__actor__use_kl_loss": True}, "use_kl_loss=true"),
+    ({"actor_rollout_ref__actor__shuffle": True}, "actor_rollout_ref.actor.shuffle=true"),
+    ({"algorithm__adv_estimator": "gae"}, "algorithm.adv_estimator='gae' is not an outcome estimator.*grpo"),
+    ({"algorithm__adv_estimator": "reinforce_plus_plus"}, "adv_estimator='reinforce_plus_plus'"),
+    ({"algorithm__use_kl_in_reward": True}, "algorithm.use_kl_in_reward=true"),
+    ({"algorithm__rollout_correction": {"bypass_mode": True}}, "rollout_correction.bypass_mode=true"),
+    ({"actor_rollout_ref__rollout__n": 1}, "actor_rollout_ref.rollout.n=1"),
+    ({"trainer__balance_batch": True}, "trainer.balance_batch=true"),
+    ({"actor_rollout_ref__model__override_config": {"dllm_fast": {"objective": "espo", "rollout": {
+        "temperature": 0.7}}}}, "rollout.temperature=0.7 but actor_rollout_ref.rollout.temperature=1.0"),
+    ({"actor_rollout_ref__model__override_config": {"dllm_fast": {"objective": "nope"}}}, "objective='nope'"),
+])
+def test_verl_settings_the_engine_would_override_are_refused_naming_them(change, message):
+    with pytest.raises(ValueError, match=message):
+        verl_settings.check_verl_config(verl_config(**change))
+
+
+def test_balance_batch_is_harmless_with_one_rank_and_one_mini_batch():
+    one = verl_config(trainer__balance_batch=True, trainer__n_gpus_per_node=1)
+    assert verl_settings.check_verl_config(one) is not None
+    with pytest.raises(ValueError, match="trainer.balance_batch=true"):
+        verl_settings.check_verl_config({**one, "data": {"train_batch_size": 8}})
+
+
+def test_the_advantage_settings_named_for_each_objective():
+    named = {name: verl_settings.advantage_estimator_for(objectives.get(name)) for name in objectives.available()}
+    assert named["espo"] == "algorithm.adv_estimator=grpo algorithm.norm_adv_by_std_in_grpo=false"
+    assert named["bgpo"] == "algorithm.adv_estimator=grpo algorithm.norm_adv_by_std_in_grpo=true"
+    assert named["coupled_grpo"] == "algorithm.adv_estimator=rloo"
+    assert named["tracerl"] is None  # TraceRL's population-std z-score is none of verl's
+
+
+def verl_rows(eos=9, pad=0):
+    """A verl actor batch of 2 prompts x 3 completions in the order verl's shuffling might leave them."""
+    generator = torch.Generator().manual_seed(1)
+    P, R = 3, 5
+    prompts = torch.randint(10, 50, (2, P), generator=generator).repeat_interleave(3, 0)
+    prompts[:3, 0] = pad
+    responses = torch.randint(10, 50, (6, R), generator=generator)
+    lengths = torch.tensor([5, 2, 5, 3, 5, 5])
+    responses[1, 1], responses[3, 2] = eos, eos
+    response_mask = (torch.arange(R)[None] < lengths[:, None]).long()
+    responses = responses.masked_fill(response_mask == 0, pad)
+    attention = torch.cat([torch.ones(6, P, dtype=torch.long), response_mask], 1)
+    attention[:3, 0] = 0
+    rewards = torch.zeros(6, R)
+    rewards[torch.arange(6), lengths - 1] = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.25])
+    order = [0, 3, 1, 4, 2, 5]
+    uid = [f"p{row // 3}" for row in range(6)]
+    return {"prompts": prompts[order], "responses": responses[order], "attention_mask": attention[order],
+            "response_mask": response_mask[order], "token_level_rewards": rewards[order],
+            "uid": [uid[i] for i in order]}
+
+
+def test_verl_rows_become_whole_groups_with_the_canvas_restored():
+    data = verl_rows()
+    rows = verl_batch.rows_from_verl(data, eos_token_id=9, device=torch.device("cpu"), grouped=True)
+    assert rows.order == [0, 2, 4, 1, 3, 5] and rows.batch.group_size == 3 and rows.uids == ["p0"] * 3 + ["p1"] * 3
+    completion = rows.batch.completion_ids
+    assert (completion[1, 2:] == 9).all() and (completion[3, 3:] == 9).all()  # past each response: EOS, attended
+    assert rows.batch.completion_mask.sum(-1).tolist() == [5, 2, 5, 3, 5, 5]
+    assert rows.batch.attention_mask[:, 3:].all() and not rows.batch.attention_mask[:3, 0].any()
+    torch.testing.assert_close(rows.batch.rewards, torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.25]))
+
+
+def test_mini_batches_that_cut_a_group_are_refused_naming_the_settings():
+    data = verl_rows()
+    half = {k: v[:4] for k, v in data.items()}  # p0 x2, p1 x2 of 3 each
+    with pytest.raises(ValueError, match="holds 2 of prompt 'p0''s 3 completions.*trainer.balance_batch=false"):
+        verl_batch.rows_from_verl(half, eos_token_id=9, device=torch.device("cpu"), grouped=True,
+                                  group_sizes=verl_batch.Counter(data["uid"]))
+    uneven = {k: v[:5] for k, v in data.items()}
+    with pytest.raises(ValueError, match="prompt groups of this mini-batch differ in size"):
+        verl_batch.rows_from_verl(uneven, eos_token_id=9, device=torch.device("cpu"), grouped=True)
+    without = {k: v for k, v in data.items() if k != "token_level_rewards"}
+    with pytest.raises(KeyError, match="no 'token_level_rewards'"):
+        verl_batch.rows_from_verl(without, eos_token_id=9, device=torch.device("cpu"), grouped=True)
+    with pytest.raises(KeyError, match="no 'dllm_fast_unmask_step'"):
+        verl_batch.rows_from_verl(data, eos_token_id=9, device=torch.device("cpu"), grouped=True, unmask_step=True)
+
+
+@pytest.mark.parametrize("name", ["espo", "bgpo", "spg", "gdpo"])
+def test_a_rows_masks_do_not_depend_on_the_batch_it_is_in(name):
+    """Each row's masks come from its own seed: the scoring's batch, the update's mini-batch, another rank's share
+    or another order give the same masks for the same row."""
+    objective = objectives.get(name)
+    data = verl_rows()
+    model = types.SimpleNamespace(eos_token_id=9)
+    whole = verl_batch.rows_from_verl(data, eos_token_id=9, device=torch.device("cpu"), grouped=False)
+    masks = verl_batch.row_masks(objective, whole.batch, whole.keys, seed=5, model=model)
+    for rows in ([4, 1], [5, 0, 3]):
+        part = verl_batch.rows_from_verl({k: [v[i] for i in rows] if isinstance(v, list) else v[rows]
+                                          for k, v in data.items()}, eos_token_id=9, device=torch.device("cpu"),
+                                         grouped=False)
+        some = verl_batch.row_masks(objective, part.batch, part.keys, seed=5, model=model)
+        assert torch.equal(some.masked, masks.masked[rows]) and torch.equal(some.weight, masks.weight[rows])
+    other = verl_batch.row_masks(objective, whole.batch, whole.keys, seed=6, model=model)
+    assert not torch.equal(other.masked, masks.masked)
+
+
+def test_per_token_values_sum_to_the_elbo_and_sit_where_verl_reads_them():
+    objective = objectives.get("espo")
+    rows = verl_batch.rows_from_verl(verl_rows(), eos_token_id=9, device=torch.device("cpu"), grouped=True)
+    masks = verl_batch.row_masks(objective, rows.batch, rows.keys, seed=0, model=types.SimpleNamespace(eos_token_id=9))
+    lp = -torch.rand(masks.scored.shape, dtype=torch.float64) * masks.scored
+    values = verl_batch.per_token(lp, masks)
+    torch.testing.assert_close(values.sum(-1), elbo(lp, masks))
+    nested = verl_batch.verl_token_values(values, rows)
+    for k, r in enumerate(rows.order):
+        p, q = int(rows.prompt_lengths[k]), int(rows.response_lengths[k])
+        row = nested[r]
+        assert row.shape == (p + q,) and torch.equal(row[p - 1:p - 1 + q], values[k, :q])
+
+
+def test_an_omegaconf_config_is_checked_as_its_dict():
+    omegaconf = pytest.importorskip("omegaconf", reason="omegaconf comes with verl")
+    config = omegaconf.OmegaConf.create(verl_config())
+    assert verl_settings.check_verl_config(config).objective.name == "espo"
+    config.actor_rollout_ref.actor.clip_ratio = 0.3
+    with pytest.raises(ValueError, match="actor.clip_ratio=0.3"):
+        verl_settings.check_verl_config(config)
+
+
+def test_the_engine_module_without_verl_says_what_it_needs(monkeypatch):
+    for name in [name for name in sys.modules if name == "verl" or name.startswith("verl.")] + ["verl"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.delitem(sys.modules, "dllm_fast.integrations.verl.engine", raising=False)
+    with pytest.raises(ImportError, match=r"needs verl>=0.9,<0.10 \(see docs/integrations.md"):
+        import dllm_fast.integrations.verl.engine  # noqa: F401
