@@ -1,0 +1,98 @@
+"""dllm_fast's checkpoints as transformers sees them, for verl, which reads every model through transformers'
+auto classes:
+
+- `register_config_types()`: each model family's config.json `model_type` (llada, sdar, Dream, llada2_moe)
+  registered with `AutoConfig` as a plain `PretrainedConfig` holding the file's fields, so that verl's
+  `HFModelConfig` (built in the driver, the task runner, every worker) can read a dllm_fast checkpoint without
+  remote code. A checkpoint that ships its own code (auto_map, `trust_remote_code=True`) still gets it: transformers
+  prefers the remote class there.
+- `register_causal_lm()`: LLaDA as an `AutoModelForCausalLM` (`causal_lm_class()`, LLaDAForCausalLM: the native model under the
+  official key names, logits out), so that verl's stock FSDP engine can load and train a dllm_fast LLaDA
+  checkpoint. Its log-probs are verl's (next-token, on the unmasked sequence), not a diffusion likelihood: it
+  exercises verl's dataflow and is no substitute for dllm_fast's own engine (`model_type=dllm_fast`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from dllm_fast.models.loading import FAMILIES
+
+_CONFIG_CLASSES: dict[str, type] = {}
+
+
+def _config_class(model_type: str) -> type:
+    if model_type not in _CONFIG_CLASSES:
+        name = "DllmFast" + "".join(part.capitalize() for part in model_type.split("_")) + "Config"
+        _CONFIG_CLASSES[model_type] = type(name, (PretrainedConfig,), {"model_type": model_type})
+    return _CONFIG_CLASSES[model_type]
+
+
+def register_config_types() -> list[str]:
+    """Register the families' model types transformers does not know yet; returns those registered."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    added = []
+    for model_type in FAMILIES:
+        if model_type not in CONFIG_MAPPING:
+            AutoConfig.register(model_type, _config_class(model_type))
+            added.append(model_type)
+    return added
+
+
+@functools.lru_cache(maxsize=None)
+def causal_lm_class() -> type:
+    """`LLaDAForCausalLM`, built on first use (transformers' modeling classes take seconds to import)."""
+    from transformers import PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutput
+
+    from dllm_fast.models.config import LLaDAConfig
+    from dllm_fast.models.llada import LLaDAModel
+
+    class LLaDAForCausalLM(PreTrainedModel):
+        """LLaDAModel under transformers' loading (module docstring): `model` is the native model, so the parameter
+        names are the official checkpoint's keys ("model.transformer...") and `from_pretrained` reads an official
+        checkpoint as it is."""
+
+        config_class = _config_class("llada")
+        base_model_prefix = "model"
+        _no_split_modules = ["LLaDABlock"]
+        supports_gradient_checkpointing = True
+
+        def __init__(self, config):
+            super().__init__(config)
+            names = set(LLaDAConfig.__dataclass_fields__) - {"extra"}
+            values = config.to_dict()
+            self.model = LLaDAModel(LLaDAConfig(**{k: values[k] for k in names if values.get(k) is not None}))
+            self.post_init()
+
+        def _init_weights(self, module):
+            """The native model initialises itself (or is loaded); nothing to redo."""
+
+        def get_input_embeddings(self):
+            return self.model.transformer["wte"]
+
+        def get_output_embeddings(self):
+            return self.model.transformer["wte"] if self.model.config.weight_tying else self.model.transformer["ff_out"]
+
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, **unused) -> CausalLMOutput:
+            if attention_mask is not None and attention_mask.dim() != 2:
+                attention_mask = None
+            hidden = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids)
+            return CausalLMOutput(logits=torch.nn.functional.linear(hidden, self.model.lm_head_weight))
+
+    return LLaDAForCausalLM
+
+
+def register_causal_lm() -> None:
+    """`AutoModelForCausalLM` for model_type "llada" (a second call changes nothing)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    register_config_types()
+    config_class = _config_class("llada")
+    if config_class not in MODEL_FOR_CAUSAL_LM_MAPPING._extra_content:
+        AutoModelForCausalLM.register(config_class, causal_lm_class())
