@@ -197,6 +197,44 @@ def native_weights(model, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str
     return state
 
 
+def fused_views(model, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Where the parts of a fused projection (models.layers.FusedLinear: q, k, v as rows of one weight) arrive as
+    consecutive rows of one storage (a dllm_fast actor's own fused weight), hand the fused weight over as one view
+    of that storage, so that assigning it aliases the actor's weight instead of copying the rows into a new one.
+    Returns the state dict and the part names it replaced."""
+    from dllm_fast.models.layers import FusedLinear, ProjectionSlice
+
+    modules = dict(model.named_modules())
+    slices: dict[int, list[tuple[int, str]]] = {}
+    for name, module in modules.items():
+        if isinstance(module, ProjectionSlice):
+            slices.setdefault(id(module.fused), []).append((module.start, f"{name}.weight" if name else "weight"))
+    state, replaced = dict(state), set()
+    for name, module in modules.items():
+        if not isinstance(module, FusedLinear) or id(module) not in slices:
+            continue
+        keys = [key for _, key in sorted(slices[id(module)])]
+        tensors = [state.get(key) for key in keys]
+        if any(t is None for t in tensors):
+            continue
+        first = tensors[0]
+        rows, width = sum(t.shape[0] for t in tensors), module.in_features
+        offset, consecutive = first.storage_offset(), True
+        for t in tensors:
+            consecutive &= (t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                            and t.dtype == first.dtype and t.dim() == 2 and t.stride() == (width, 1)
+                            and t.storage_offset() == offset)
+            offset += t.shape[0] * width
+        if not consecutive:
+            continue
+        fused = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, width), (width, 1))
+        for key in keys:
+            del state[key]
+        state[f"{name}.weight" if name else "weight"] = fused
+        replaced.update(keys)
+    return state, replaced
+
+
 def _strip_to(name: str, names: set[str]) -> str | None:
     parts = name.split(".")
     for start in range(len(parts)):
@@ -264,7 +302,12 @@ class DllmFastRollout(BaseRollout):
             if tensor.is_floating_point() and tensor.dtype != dtype:
                 tensor = tensor.to(dtype=dtype)
             state[name] = tensor.detach().to(device)
-        self.model.load_state_dict(state, strict=True, assign=True)
+        state, parts = fused_views(self.model, state)
+        result = self.model.load_state_dict(state, strict=False, assign=True)
+        missing = sorted(set(result.missing_keys) - parts)
+        if missing or result.unexpected_keys:
+            raise ValueError(f"the actor's weights do not fit the rollout's model: missing {missing[:3]}, "
+                             f"unexpected {result.unexpected_keys[:3]}.")
         self.model.eval()
         for name, value in [*self.model.named_parameters(), *self.model.named_buffers()]:
             if value.is_meta:
