@@ -3,7 +3,8 @@
 verl ships CUDA, NPU and ROCm platforms; without an accelerator it falls back to CUDA and its first
 `torch.cuda` call fails. The platform here is picked by verl's auto-detection where none of those is available
 (it is registered after them and answers `is_platform_available` only then), or by `VERL_PLATFORM=cpu`:
-- the device is "cpu", collectives run on gloo, and the device module is `torch.cpu` with the memory and RNG
+- the device is "cpu", collectives run on gloo (a worker joins its process group as verl first asks for the
+  backend: `PlatformCPU.communication_backend_name`), and the device module is `torch.cpu` with the memory and RNG
   calls verl makes answered for the host (empty_cache does nothing, mem_get_info reads the host's memory);
 - Ray resources: verl places every worker in a placement-group bundle of one `ray_resource_name()` unit and
   `ResourcePoolManager` counts Ray's "GPU" resource against `trainer.n_gpus_per_node * trainer.nnodes`. On the CPU
@@ -122,6 +123,11 @@ class PlatformCPU(PlatformBase):
         return None, None
 
     def communication_backend_name(self) -> str:
+        """gloo. verl's workers build their process group's backend as "cpu:gloo,<device>:<this>", which torch
+        refuses for device "cpu" (a duplicate device type), so a worker process (one with torch.distributed's
+        RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, as verl's worker group sets them) joins its gloo
+        process group here, on that first call, with the same environment: verl then finds it initialized."""
+        join_worker_process_group()
         return "gloo"
 
     def visible_devices_envvar(self) -> str:
@@ -151,6 +157,18 @@ class PlatformCPU(PlatformBase):
 
     def cudart(self) -> Any:
         return None
+
+
+def join_worker_process_group() -> None:
+    """Initialize the default gloo process group of a verl worker process (communication_backend_name says
+    why); nothing where one exists or the process is no distributed worker."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() or not all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                                       "MASTER_PORT")):
+        return
+    dist.init_process_group(backend="gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            init_method=os.environ.get("DIST_INIT_METHOD") or None)
 
 
 def register_cpu_engines() -> None:
