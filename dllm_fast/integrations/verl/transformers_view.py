@@ -24,10 +24,19 @@ from dllm_fast.models.loading import FAMILIES
 _CONFIG_CLASSES: dict[str, type] = {}
 
 
+def _config_init(self, tie_word_embeddings=None, weight_tying=False, **fields):
+    """The file's fields as attributes; tie_word_embeddings (which verl reads) from LLaDA's weight_tying where the
+    file has only that."""
+    PretrainedConfig.__init__(self, **fields)
+    self.weight_tying = weight_tying
+    self.tie_word_embeddings = bool(weight_tying if tie_word_embeddings is None else tie_word_embeddings)
+
+
 def _config_class(model_type: str) -> type:
     if model_type not in _CONFIG_CLASSES:
         name = "DllmFast" + "".join(part.capitalize() for part in model_type.split("_")) + "Config"
-        _CONFIG_CLASSES[model_type] = type(name, (PretrainedConfig,), {"model_type": model_type})
+        _CONFIG_CLASSES[model_type] = type(name, (PretrainedConfig,), {"model_type": model_type,
+                                                                       "__init__": _config_init})
     return _CONFIG_CLASSES[model_type]
 
 
@@ -71,6 +80,19 @@ def causal_lm_class() -> type:
 
         def _init_weights(self, module):
             """The native model initialises itself (or is loaded); nothing to redo."""
+
+        @classmethod
+        def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, torch_dtype=None, dtype=None,
+                            **kwargs):
+            """The checkpoint through dllm_fast's own loader (transformers' would set the fused projections'
+        parts one by one, which are views, not parameters)."""
+            path = pretrained_model_name_or_path
+            config = config if config is not None else AutoConfig.from_pretrained(path)
+            with torch.device("meta"):
+                model = cls(config)
+            dtype = dtype if dtype is not None else torch_dtype
+            model.model = LLaDAModel.from_pretrained(path, dtype=None if dtype in (None, "auto") else dtype)
+            return model.eval()
 
         def get_input_embeddings(self):
             return self.model.transformer["wte"]
