@@ -90,6 +90,7 @@ def run_overrides(data: Path, out: Path, total_steps: int) -> list[str]:
         "trainer.experiment_name=sudoku4",
         f"trainer.default_local_dir={out / 'checkpoints'}",
         "trainer.resume_mode=auto",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",  # verl's V1 trainer's store: one actor
         "ray_kwargs.ray_init.num_cpus=16",
         "++ray_kwargs.ray_init.include_dashboard=false",
     ]
@@ -98,7 +99,7 @@ def run_overrides(data: Path, out: Path, total_steps: int) -> list[str]:
 def launch(data: Path, out: Path, total_steps: int, log: Path) -> str:
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DISABLE_USAGE_STATS": "1",
            "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1",
+           "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     if not _entry_point_installed():  # a checkout that is not pip-installed: name the plugin module instead
         env["VERL_USE_EXTERNAL_MODULES"] = "dllm_fast.integrations.verl_plugin"

@@ -110,11 +110,12 @@ def causal_lm_class() -> type:
 
 
 def register_causal_lm() -> None:
-    """`AutoModelForCausalLM` for model_type "llada" (a second call changes nothing)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    """`AutoModelForCausalLM` and `AutoModel` for model_type "llada" (verl picks AutoModel for an architecture named
+    otherwise than *ForCausalLM, as LLaDA's "LLaDAModelLM"); a second call changes nothing."""
+    from transformers import AutoModel, AutoModelForCausalLM
 
     register_config_types()
     config_class = _config_class("llada")
-    if config_class not in MODEL_FOR_CAUSAL_LM_MAPPING._extra_content:
-        AutoModelForCausalLM.register(config_class, causal_lm_class())
+    for auto in (AutoModelForCausalLM, AutoModel):
+        if config_class not in auto._model_mapping._extra_content:
+            auto.register(config_class, causal_lm_class())
