@@ -24,19 +24,27 @@ from dllm_fast.models.loading import FAMILIES
 _CONFIG_CLASSES: dict[str, type] = {}
 
 
+# transformers' standard names (which verl reads: attention heads, sizes) for LLaDA's own config.json fields.
+_LLADA_NAMES = {"hidden_size": "d_model", "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+                "num_hidden_layers": "n_layers", "intermediate_size": "mlp_hidden_size"}
+
+
 def _config_init(self, tie_word_embeddings=None, weight_tying=False, **fields):
     """The file's fields as attributes; tie_word_embeddings (which verl reads) from LLaDA's weight_tying where the
-    file has only that."""
+    file has only that, and LLaDA's n_kv_heads = n_heads where it is null."""
     PretrainedConfig.__init__(self, **fields)
     self.weight_tying = weight_tying
     self.tie_word_embeddings = bool(weight_tying if tie_word_embeddings is None else tie_word_embeddings)
+    if self.model_type == "llada" and getattr(self, "n_kv_heads", None) is None and hasattr(self, "n_heads"):
+        self.n_kv_heads = self.n_heads
 
 
 def _config_class(model_type: str) -> type:
     if model_type not in _CONFIG_CLASSES:
         name = "DllmFast" + "".join(part.capitalize() for part in model_type.split("_")) + "Config"
-        _CONFIG_CLASSES[model_type] = type(name, (PretrainedConfig,), {"model_type": model_type,
-                                                                       "__init__": _config_init})
+        _CONFIG_CLASSES[model_type] = type(name, (PretrainedConfig,), {
+            "model_type": model_type, "__init__": _config_init,
+            "attribute_map": _LLADA_NAMES if model_type == "llada" else {}})
     return _CONFIG_CLASSES[model_type]
 
 
