@@ -106,9 +106,12 @@ def launch(data: Path, out: Path, total_steps: int, log: Path) -> str:
     if not _entry_point_installed():  # a checkout that is not pip-installed: name the plugin module instead
         env["VERL_USE_EXTERNAL_MODULES"] = "dllm_fast.integrations.verl_plugin"
     command = [sys.executable, "-m", "dllm_fast.integrations.verl", *run_overrides(data, out, total_steps)]
-    with open(log, "w") as stream:
-        done = subprocess.run(command, cwd=out, env=env, stdout=stream, stderr=subprocess.STDOUT, timeout=600)
-    text = log.read_text()
+    for attempt in range(2):  # Ray gives its raylet a fixed 30 s to register: a loaded machine can miss it, once
+        with open(log, "w") as stream:
+            done = subprocess.run(command, cwd=out, env=env, stdout=stream, stderr=subprocess.STDOUT, timeout=600)
+        text = log.read_text()
+        if done.returncode == 0 or "The current node timed out during startup" not in text:
+            break
     assert done.returncode == 0, f"the verl run failed (exit {done.returncode}); its log ends:\n{text[-6000:]}"
     return text
 
