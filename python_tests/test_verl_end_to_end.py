@@ -49,7 +49,8 @@ def _engine_registered() -> bool:
 ACTOR_OVERRIDES = (["++actor_rollout_ref.model.model_type=dllm_fast"] if _engine_registered() else
                    ["++actor_rollout_ref.model.model_type=language_model",
                     "actor_rollout_ref.actor.strategy=fsdp2",
-                    "++actor_rollout_ref.model.override_config.attn_implementation=eager"])
+                    "++actor_rollout_ref.model.override_config.attn_implementation=eager",
+                    "++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32"])
 
 
 def run_overrides(data: Path, out: Path, total_steps: int) -> list[str]:
