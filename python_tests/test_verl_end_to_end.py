@@ -102,6 +102,8 @@ def run_overrides(data: Path, out: Path, total_steps: int) -> list[str]:
 def launch(data: Path, out: Path, total_steps: int, log: Path) -> str:
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DISABLE_USAGE_STATS": "1",
            "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           # Ray's memory monitor kills the run's own actors when other processes fill the shared machine
+           "RAY_memory_monitor_refresh_ms": "0",
            "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     if not _entry_point_installed():  # a checkout that is not pip-installed: name the plugin module instead
