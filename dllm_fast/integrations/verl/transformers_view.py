@@ -60,6 +60,18 @@ def register_config_types() -> list[str]:
     return added
 
 
+def _whole_projection_parts(module, state_dict, prefix, local_metadata) -> None:
+    """Under FSDP2 a fused projection's parts are row slices of a sharded DTensor, which torch.save cannot write
+    (verl saves the sharded state dict as it is): give them whole. Loading takes whole parts (each rank copies
+    the rows it holds: models.layers._copy_rows)."""
+    from dllm_fast.models.layers import ProjectionSlice
+
+    for name, sub in module.named_modules():
+        key = f"{prefix}{name}.weight"
+        if isinstance(sub, ProjectionSlice) and hasattr(state_dict.get(key), "full_tensor"):
+            state_dict[key] = state_dict[key].full_tensor()
+
+
 @functools.lru_cache(maxsize=None)
 def causal_lm_class() -> type:
     """`LLaDAForCausalLM`, built on first use (transformers' modeling classes take seconds to import)."""
@@ -85,6 +97,7 @@ def causal_lm_class() -> type:
             values = config.to_dict()
             self.model = LLaDAModel(LLaDAConfig(**{k: values[k] for k in names if values.get(k) is not None}))
             self.post_init()
+            self._register_state_dict_hook(_whole_projection_parts)
 
         def _init_weights(self, module):
             """The native model initialises itself (or is loaded); nothing to redo."""
