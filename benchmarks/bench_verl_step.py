@@ -91,7 +91,7 @@ def run_trainer(python: str, steps: int, work: Path) -> dict[str, float]:
     command = [python, "-m", "dllm_fast", "train", "--model", str(SUDOKU4), "--task", "sudoku4",
                "--task-options", json.dumps({"prompt_style": "grid"}), "--prompts-per-step", "2", "--group-size", "2",
                "--gen-length", "24", "--block-length", "24", "--diffusion-steps", "12", "--steps", str(steps),
-               "--objective", "espo", "--lr", "1e-4", "--eval-every", "0", "--output-dir", str(out),
+               "--objective", "espo", "--lr", "1e-4", "--eval-every", "1000", "--output-dir", str(out),
                "--progress", "false", "--plot", "false"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
