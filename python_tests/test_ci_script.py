@@ -27,3 +27,13 @@ def test_ci_runs_the_readme_test_command_verbatim_and_then_what_it_leaves_out():
 def test_time_quickstart_times_the_readme_test_command():
     pytest_part = readme_test_command().split(" && ")[-1]
     assert pytest_part in (ROOT / "benchmarks/time_quickstart.sh").read_text()
+
+
+def test_ci_installs_verl_as_the_docs_say_and_runs_the_verl_tests():
+    ci, verl_part = (ROOT / ".ci/run").read_text(), (ROOT / ".ci/verl").read_text()
+    assert re.search(r'^part "[^"]*verl[^"]*" bash \.ci/verl$', ci, flags=re.M), ".ci/run must run .ci/verl"
+    docs = (ROOT / "docs/integrations.md").read_text()
+    assert 'pip install --no-build-isolation -e ".[verl]"' in docs and '-e ".[verl]"' in verl_part
+    for test in ("test_verl_rollout.py", "test_verl_integration.py", "test_verl_end_to_end.py", "test_verl_engine.py"):
+        assert f"python_tests/{test}" in verl_part, f".ci/verl does not run {test}"
+    assert (ROOT / f"python_tests/{'test_verl_end_to_end.py'}").is_file()
