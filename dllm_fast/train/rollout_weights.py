@@ -20,8 +20,8 @@ step's measured peak without it plus the copy stays within ROLLOUT_MARGIN of the
 place next step: the same addresses, so a compiled rollout's CUDA graphs replay); otherwise its storage is freed
 after each rollout and allocated again at the next. Unmeasured (CPU), it is freed.
 
-Expert parallelism (the seam): modules that `shared(module)` names are not copied; the copy calls the policy's
-own modules. Under expert parallelism these are the routed experts (`Experts`), which each rank holds itself
+Expert parallelism (the seam): modules that `shared(module)` names (by default those whose `rollout_shared`
+attribute is true) are not copied; the copy calls the policy's own modules. Under expert parallelism these are the routed experts (`Experts`), which each rank holds itself
 (E / N_e of them) and whose forward runs the all-to-alls: the copy then holds the dense weights only. A shared
 module must hold its parameters whole on the rank at rollout time (not as FSDP2 shards): where experts are also
 sharded across nodes (world > N_e), its expert-parallel wrapper unshards them for the rollout (or leaves them to
@@ -41,7 +41,7 @@ from torch import nn
 from dllm_fast.models.merged_lora import add_lora_deltas, check_plain_lora, lora_wrappers, merge_target
 
 ROLLOUT_MARGIN = 0.9  # of the GPU's memory: the most the rollout with the copy (or a step with it kept) may take
-PATHS = ("gathered", "sharded")
+PATHS = ("gathered", "sharded")  # settings.ROLLOUT_WEIGHTS less "auto"
 
 
 def rollout_path(choice: str, copy_bytes: int, peak_with_copy: int, capacity: int | None) -> tuple[str, str]:
@@ -74,6 +74,12 @@ def keep_copy(peak_without_copy: int | None, copy_bytes: int, capacity: int | No
                       f"{ROLLOUT_MARGIN:.0%} of {capacity / 1e9:.1f} GB")
     return False, (f"the step's peak without it plus the copy, {total / 1e9:.2f} GB, exceeds {ROLLOUT_MARGIN:.0%} "
                    f"of {capacity / 1e9:.1f} GB")
+
+
+def shared_with_the_copy(module: nn.Module) -> bool:
+    """The seam's default: a module whose `rollout_shared` attribute is true (an expert-parallel wrapper of a rank's
+    own routed experts) is called by the copy as it is."""
+    return bool(getattr(module, "rollout_shared", False))
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -124,7 +130,7 @@ class GatheredWeights:
         """policy: the FSDP2-wrapped policy (a PEFT LoRA model or the model itself). dtype: the copy's (None: each
         parameter's own). merge_adapters: LoRA's adapters merged into the copy's weights. shared: modules the copy
         calls as they are instead of copying (the seam for expert parallelism)."""
-        self.policy, self.dtype, self.shared = policy, dtype, shared or (lambda module: False)
+        self.policy, self.dtype, self.shared = policy, dtype, shared or shared_with_the_copy
         root = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         wrappers = lora_wrappers(root) if merge_adapters else {}
         check_plain_lora(wrappers)
@@ -228,3 +234,48 @@ class GatheredWeights:
             return
         for tensor in self._sources.values():
             tensor.untyped_storage().resize_(0)
+
+
+def rollout_weights_for(policy: nn.Module, config, ranks, device: torch.device, precision) -> tuple[
+        GatheredWeights | None, str]:
+    """(the gathered copy to roll out on, or None for the policy itself; the setup note saying which and why) for a
+    run of `config` (a TrainConfig) whose `policy` is FSDP2-sharded over `ranks`. On CUDA, "auto" asks the planner
+    (the rank's plan on this device: planning/parallel.py applies `rollout_path` to the rollout's planned peak with
+    the copy, in the device's free memory before the weights loaded); elsewhere no limit is known and the copy is
+    taken. Every rank takes rank 0's answer (their collectives must match). Each FSDP2 layer unit prefetches the
+    next (`prefetch_next_units`) for the forwards that run sharded."""
+    prefetch_next_units(policy)
+    choice = config.run.rollout_weights
+    merge = config.lora.enabled and config.lora.merge_rollouts
+    copy = None if choice == "sharded" else GatheredWeights(policy, dtype=precision.compute, merge_adapters=merge)
+    if copy is None:
+        path, why = rollout_path(choice, 0, 0, None)
+    elif choice == "auto" and device.type == "cuda":
+        path, why = _planned_path(config, ranks)
+    else:
+        path, why = rollout_path(choice, copy.nbytes, 0, None)
+    path, why = ranks.gather((path, why))[0]
+    if path == "sharded":
+        copy = None
+    what = ("a plain copy of the weights gathered once a step" + (", LoRA merged into it" if merge else "")
+            if copy is not None else "FSDP2's per-layer gathers at every forward, each layer prefetching the next")
+    return copy, f"--rollout-weights {choice}: rollouts run on {what} ({why})"
+
+
+def _planned_path(config, ranks) -> tuple[str, str]:
+    """The planner's rollout path for this rank of `ranks` on this CUDA device (train/micro_batch.py's device
+    entry: its free memory)."""
+    import os
+    import time
+
+    from dllm_fast.planning.planner import parallel_settings, plan_step
+    from dllm_fast.train.micro_batch import device_gpu
+
+    started = time.perf_counter()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
+    settings = parallel_settings(config, world=ranks.world, gpus_per_node=per_node, rollout_weights="auto")
+    planned = config.replace(rollout={"compile": False})
+    plan = plan_step(planned, gpu=device_gpu(torch.device("cuda", torch.cuda.current_device())), search=False,
+                     parallel=settings)
+    parallel = plan.parallel_plan
+    return parallel.rollout_path, f"{parallel.rollout_reason}; planned in {time.perf_counter() - started:.0f} s"
