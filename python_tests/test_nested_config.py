@@ -127,7 +127,6 @@ def test_rollout_settings_are_generate_configs_fields():
     (lambda: TrainConfig(optim=OptimSettings(lr=1e-4), lr="fast"), TypeError, r"--lr = 'fast' must be a number"),
     (lambda: EvalSettings(gen_lengths=[]), ValueError, r"--eval-gen-lengths must list at least one"),
     (lambda: ObjectiveSettings(name="nope"), ValueError, r"--objective 'nope' is not one of"),
-    (lambda: TrainConfig(lora=True, parallel="fsdp2"), ValueError, r"--parallel fsdp2 shards a full fine-tune"),
 ])
 def test_errors_name_the_key_or_the_flag_as_the_user_gave_it(make, error, message):
     with pytest.raises(error, match=message):

@@ -105,11 +105,13 @@ def parallel_lines(plan: Plan) -> list[str]:
             if parts or c.seconds:
                 lines.append(f"  {name}: " + ", ".join(parts) + f"; {c.seconds:.2f} s ({c.exposed:.2f} s not hidden)")
     if parallel.rollout_path:
-        lines.append(f"rollout weights: {parallel.rollout_path} ({parallel.rollout_reason})"
+        what = ("a plain copy gathered once a step" if parallel.rollout_path == "gathered" else
+                "FSDP2's per-layer gathers at every forward")
+        lines.append(f"rollout weights: {parallel.rollout_path}, {what} ({parallel.rollout_reason})"
                      + (f"; the copy is {'kept between steps' if parallel.copy_kept else 'freed after each rollout'}"
                         f" ({parallel.keep_reason})" if parallel.rollout_path == "gathered" else ""))
     if parallel.rollout_communication_share is not None:
-        lines.append(f"rollout communication: {parallel.rollout_communication_share:.0%} of the rollout's "
+        lines.append(f"rollout communication: {parallel.rollout_communication_share:.1%} of the rollout's "
                      f"{plan.phases['rollout'].costs.seconds:.2f} s")
     return lines
 

@@ -54,13 +54,13 @@ def rollout_path(choice: str, copy_bytes: int, peak_with_copy: int, capacity: in
     if choice != "auto":
         raise ValueError(f"--rollout-weights {choice!r} is not one of auto, {', '.join(PATHS)}.")
     if capacity is None:
-        return "gathered", f"a {copy_gb} copy, gathered once a step: no memory limit known here"
+        return "gathered", f"a {copy_gb} copy; no memory limit known here"
     limit = ROLLOUT_MARGIN * capacity
     if peak_with_copy <= limit:
-        return "gathered", (f"a {copy_gb} copy, gathered once a step: the rollout's peak with it, "
-                            f"{peak_with_copy / 1e9:.2f} GB, is within {ROLLOUT_MARGIN:.0%} of {capacity / 1e9:.1f} GB")
-    return "sharded", (f"FSDP2's per-layer gathers at every forward: the rollout's peak with a {copy_gb} copy would "
-                       f"be {peak_with_copy / 1e9:.2f} GB, over {ROLLOUT_MARGIN:.0%} of {capacity / 1e9:.1f} GB")
+        return "gathered", (f"the rollout's peak with the {copy_gb} copy, {peak_with_copy / 1e9:.2f} GB, is within "
+                            f"{ROLLOUT_MARGIN:.0%} of {capacity / 1e9:.1f} GB")
+    return "sharded", (f"the rollout's peak with a {copy_gb} copy would be {peak_with_copy / 1e9:.2f} GB, over "
+                       f"{ROLLOUT_MARGIN:.0%} of {capacity / 1e9:.1f} GB")
 
 
 def keep_copy(peak_without_copy: int | None, copy_bytes: int, capacity: int | None) -> tuple[bool, str]:
