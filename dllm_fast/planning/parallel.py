@@ -216,14 +216,21 @@ def _shards(part: Elements, itemsize: int, shape: Layout, settings: ParallelSett
 def _held(trained: Elements, frozen: Elements, settings: ParallelSettings, sizes: Sizes) -> float:
     """Bytes of these parameters unsharded: the dense ones, and the experts where FSDP2 shards them."""
     dense, experts = sizes.gathered(trained, frozen)
-    return dense + (experts if settings.expert_shards > 1 else 0)
+    return dense + (experts if _experts_move(settings) else 0)
+
+
+def _experts_move(settings: ParallelSettings) -> bool:
+    """Whether a rank's routed experts come to the GPU when used (FSDP2 shards them, or offloads them to the
+    host), rather than staying whole on the rank as the policy's own modules."""
+    return settings.expert_shards > 1 or settings.fsdp_offload
 
 
 def _copy_bytes(shape: Layout, settings: ParallelSettings, sizes: Sizes) -> tuple[float, float]:
     """(dense, experts) bytes of the rollout's copy: the dense weights (merged under LoRA) and the rank's experts
-    where they are sharded (across nodes); where they are not, the copy uses the policy's own expert modules."""
+    where they are sharded (across nodes) or offloaded; where they are neither, the copy uses the policy's own
+    expert modules."""
     gather = sizes.gather or sizes.trained
-    return shape.copy.dense * gather, (shape.copy.experts * gather if settings.expert_shards > 1 else 0.0)
+    return shape.copy.dense * gather, (shape.copy.experts * gather if _experts_move(settings) else 0.0)
 
 
 def _fsdp2_memory(phase: PhasePlan, rank: dict[str, int], shape: Layout, settings: ParallelSettings, sizes: Sizes,
@@ -258,7 +265,7 @@ def _fsdp2_memory(phase: PhasePlan, rank: dict[str, int], shape: Layout, setting
             gradients += _shards(shape.trained, sizes.trained, shape, settings)
         if backward:  # the units in flight: their gradients unsharded, in the reduce dtype
             in_flight = shape.root_trained + shape.unit_trained.scaled(2)
-            gradients += (in_flight.dense + (in_flight.experts if settings.expert_shards > 1 else 0)) * sizes.reduce
+            gradients += (in_flight.dense + (in_flight.experts if _experts_move(settings) else 0)) * sizes.reduce
     memory["gradients"] = int(gradients)
     memory["optimizer_state"] = int(2 * _shards(shape.trained, sizes.trained, shape, settings)
                                     if on_gpu and rank["optimizer_state"] > 0 else 0)
@@ -279,7 +286,7 @@ def _shard_ratio(shape: Layout, settings: ParallelSettings, sizes: Sizes) -> flo
 def _casts_experts(shape: Layout, settings: ParallelSettings, sizes: Sizes) -> bool:
     """Whether a forward casts the rank's own experts to the compute dtype: trained experts kept whole on their
     rank (expert parallelism within one node: FSDP2 does not gather, so no bf16 gather either) in fp32."""
-    return bool(settings.expert_parallel > 1 and settings.expert_shards == 1 and shape.trained.experts
+    return bool(settings.expert_parallel > 1 and not _experts_move(settings) and shape.trained.experts
                 and sizes.gather and sizes.trained != sizes.gather)
 
 
@@ -397,9 +404,12 @@ def _sharded_collective(out: Collectives, kind: str, settings: ParallelSettings,
         out.exposed += times * seconds
     else:
         out.overlapped += times * seconds
-    if settings.fsdp_offload and host:
+    if settings.fsdp_offload and host:  # before the collective, hidden (or not) as it is
         out.host_bytes += times * host
-        out.overlapped += times * wire.host_copy(host)
+        if exposed:
+            out.exposed += times * wire.host_copy(host)
+        else:
+            out.overlapped += times * wire.host_copy(host)
 
 
 def _fsdp2_notes(shape: Layout, settings: ParallelSettings, sizes: Sizes, out: ParallelPlan,
