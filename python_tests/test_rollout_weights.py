@@ -200,3 +200,12 @@ def test_keep_rule_is_measured():
     assert keep_copy(int(ROLLOUT_MARGIN * capacity) - copy, copy, capacity)[0]
     assert not keep_copy(int(ROLLOUT_MARGIN * capacity) - copy + 1, copy, capacity)[0]
     assert keep_copy(None, copy, capacity) == (False, "no measured peak to keep it by")
+
+
+def test_the_train_setting_is_checked():
+    """--rollout-weights is a train setting (and a plan option through it): one of auto, gathered, sharded."""
+    from dllm_fast.train.config import TrainConfig
+
+    assert TrainConfig(rollout_weights="sharded").run.rollout_weights == "sharded"
+    with pytest.raises(ValueError, match="--rollout-weights 'once' is not one of auto, gathered, sharded"):
+        TrainConfig(rollout_weights="once")

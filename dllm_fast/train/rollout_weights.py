@@ -275,7 +275,10 @@ def _planned_path(config, ranks) -> tuple[str, str]:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
     settings = parallel_settings(config, world=ranks.world, gpus_per_node=per_node, rollout_weights="auto")
     planned = config.replace(rollout={"compile": False})
-    plan = plan_step(planned, gpu=device_gpu(torch.device("cuda", torch.cuda.current_device())), search=False,
-                     parallel=settings)
+    try:
+        plan = plan_step(planned, gpu=device_gpu(torch.device("cuda", torch.cuda.current_device())), search=False,
+                         parallel=settings)
+    except (ValueError, RuntimeError) as error:  # per-layer gathers need no memory beyond the step's own
+        return "sharded", f"the planner could not plan this step ({' '.join(str(error).split())})"
     parallel = plan.parallel_plan
     return parallel.rollout_path, f"{parallel.rollout_reason}; planned in {time.perf_counter() - started:.0f} s"

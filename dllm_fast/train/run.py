@@ -141,6 +141,9 @@ class Run:
         if self.sharded:
             self.rollout_weights, note = rollout_weights_for(self.model, config, ranks, self.device, self.precision)
             self.setup_notes.append(note)
+        elif config.run.rollout_weights != "auto":
+            self.setup_notes.append(f"--rollout-weights {config.run.rollout_weights}: nothing to gather without "
+                                    "FSDP2 on several ranks; rollouts run on the model itself")
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.optim.lr, betas=tuple(config.optim.betas),
                                            weight_decay=config.optim.weight_decay)
