@@ -8,12 +8,12 @@
 It takes every flag of `train` (python -m dllm_fast train --help), plus --gpu, --json, --prompt-length,
 --weights-dtype, --engine, --search and --gpus (one GPU of N under torchrun, in --parallel's mode:
 dllm_fast/planning/parallel.py) with --gpus-per-node and the links' bandwidths, and the run settings of issue 46
-that train may not have yet (--expert-parallel, --fsdp-offload: RUN_SETTINGS). It prints per phase (rollout, old-policy and reference scoring, inner
-updates, optimizer steps) the peak memory by category, FLOPs, bytes moved and the time on the GPU (a roofline
-calibrated on a measured H200, with the host's launch costs: dllm_fast/planning/calibration.py), then
-the verdict and the largest n_t, micro-batch and group size that fit. Every number is a planner estimate. A
-step that cannot run (prompt and completion beyond the model's positions) or that a plan cannot replay in bounded
-time is refused with the flags to change (planner.check_plannable).
+that train may not have yet (--expert-parallel, --fsdp-offload: RUN_SETTINGS). It prints per phase (rollout,
+old-policy and reference scoring, inner updates, optimizer steps) the peak memory by category, FLOPs, bytes moved
+and the time on the GPU (a roofline calibrated on a measured H200, with the host's launch costs:
+dllm_fast/planning/calibration.py), then the verdict and the largest n_t, micro-batch and group size that fit. Every
+number is a planner estimate. A step that cannot run (prompt and completion beyond the model's positions) or that a
+plan cannot replay in bounded time is refused with the flags to change (planner.check_plannable).
 """
 
 from __future__ import annotations

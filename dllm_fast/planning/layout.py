@@ -57,7 +57,8 @@ class ParallelSettings:
         for name in ("intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth"):
             value = getattr(self, name)
             if value is not None and not value > 0:
-                raise ValueError(f"{_FLAGS[name]} {value!r} must be a positive bandwidth (bytes/s; the flag takes GB/s).")
+                raise ValueError(f"{_FLAGS[name]} {value!r} must be a positive bandwidth (bytes/s; the flag takes "
+                                 "GB/s).")
         if self.world > self.gpus_per_node and self.world % self.gpus_per_node:
             raise ValueError(f"--gpus {self.world} is not a whole number of nodes of --gpus-per-node "
                              f"{self.gpus_per_node}; torchrun starts the same number of ranks on every node.")

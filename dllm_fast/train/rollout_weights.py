@@ -21,11 +21,12 @@ place next step: the same addresses, so a compiled rollout's CUDA graphs replay)
 after each rollout and allocated again at the next. Unmeasured (CPU), it is freed.
 
 Expert parallelism (the seam): modules that `shared(module)` names (by default those whose `rollout_shared`
-attribute is true) are not copied; the copy calls the policy's own modules. Under expert parallelism these are the routed experts (`Experts`), which each rank holds itself
-(E / N_e of them) and whose forward runs the all-to-alls: the copy then holds the dense weights only. A shared
-module must hold its parameters whole on the rank at rollout time (not as FSDP2 shards): where experts are also
-sharded across nodes (world > N_e), its expert-parallel wrapper unshards them for the rollout (or leaves them to
-this copy by not naming them shared). `GatheredWeights` refuses a shared module with sharded parameters.
+attribute is true) are not copied; the copy calls the policy's own modules. Under expert parallelism these are the
+routed experts (`Experts`), which each rank holds itself (E / N_e of them) and whose forward runs the all-to-alls:
+the copy then holds the dense weights only. A shared module must hold its parameters whole on the rank at rollout
+time (not as FSDP2 shards): where experts are also sharded across nodes (world > N_e), its expert-parallel wrapper
+unshards them for the rollout (or leaves them to this copy by not naming them shared). `GatheredWeights` refuses a
+shared module with sharded parameters.
 
 On one process (no FSDP2) nothing changes: the rollout runs on the policy (or merged_lora's copy), as before.
 """
