@@ -131,19 +131,15 @@ PARALLEL_PLANS = {
 
 def parallel_rows(names) -> list[dict]:
     """Each plan of PARALLEL_PLANS named, through the `plan` command's own parsing, as a row (and its text)."""
-    from dllm_fast.planning.cli import PROG, add_plan_arguments, add_run_settings, parallel_settings_of
+    from dllm_fast.planning.cli import parallel_settings_of, plan_parser
     from dllm_fast.planning.planner import plan_step
     from dllm_fast.planning.report import text
-    from dllm_fast.train.cli import add_config_arguments, config_from_arguments, new_parser, parse
+    from dllm_fast.train.cli import config_from_arguments, parse
 
     rows = []
     for name in names:
         argv = PARALLEL_PLANS[name]
-        parser = new_parser(prog=PROG)
-        add_plan_arguments(parser)
-        add_config_arguments(parser, argv)
-        add_run_settings(parser)
-        args = parse(parser, argv)
+        args = parse(plan_parser(argv), argv)
         config = config_from_arguments(args)
         plan = plan_step(config, gpu=args.gpu, prompt_length=args.prompt_length, search=False,
                          parallel=parallel_settings_of(args, config))

@@ -149,16 +149,22 @@ def _gpu_name(name: str) -> str:
     return name.lower()
 
 
-def main(argv: typing.Sequence[str] = ()) -> None:
-    """`python -m dllm_fast plan ...`: a bad option is one line on stderr (exit status 2); an error while
-    planning is one line too (exit status 1); --debug shows the traceback."""
-    argv = list(argv)
-    debug = "--debug" in argv
+def plan_parser(argv: typing.Sequence[str] = ()):
+    """The `plan` command's parser: its own options, every option of `train`, then the run settings train lacks."""
     parser = new_parser(prog=PROG, description=DESCRIPTION)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     add_plan_arguments(parser)
     add_config_arguments(parser, argv)
     add_run_settings(parser)
+    return parser
+
+
+def main(argv: typing.Sequence[str] = ()) -> None:
+    """`python -m dllm_fast plan ...`: a bad option is one line on stderr (exit status 2); an error while
+    planning is one line too (exit status 1); --debug shows the traceback."""
+    argv = list(argv)
+    debug = "--debug" in argv
+    parser = plan_parser(argv)
     try:
         args = parse(parser, argv)
         config = config_from_arguments(args)
