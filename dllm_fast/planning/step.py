@@ -69,16 +69,12 @@ class PhasePlan:
     extrapolated_from: tuple[float, float] | None = None
     start: int = 0  # bytes alive when the phase first started
     category_peaks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
-    forwards: int = 0  # top-level calls of the policy (what FSDP2 all-gathers the weights for), over its runs
-    grad_forwards: int = 0  # those of them with autograd on: each has a backward
     # the model calls by kind (MODEL_CALLS), over its runs: what collectives a phase runs (planning/parallel.py)
     model_calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODEL_CALLS, 0))
 
     def add(self, peak: int, memory: dict[str, int], costs: Costs, calls_run: int, calls_replayed: int,
-            start: int = 0, category_peaks: dict[str, int] | None = None, forwards: tuple[int, int] = (0, 0),
+            start: int = 0, category_peaks: dict[str, int] | None = None,
             model_calls: dict[str, int] | None = None) -> None:
-        self.forwards += forwards[0]
-        self.grad_forwards += forwards[1]
         for kind, count in (model_calls or {}).items():
             self.model_calls[kind] += count
         if not self.runs:
@@ -158,10 +154,7 @@ class Session:
             for tensor in [*module.parameters(), *module.buffers()]:
                 self.accountant.track(tensor, "parameters")
         self.accountant.watch_gradients(self.trainable)
-        # the policy's top-level calls, counted per phase (planning/parallel.py: FSDP2 gathers the weights per call)
-        self.policy_calls = {False: 0, True: 0}
-        counter = self.policy.register_forward_pre_hook(self._count_policy_call)
-        stack.callback(counter.remove)
+        # the models' calls, counted per phase (planning/parallel.py: FSDP2 gathers the weights per call)
         self.model_calls = dict.fromkeys(MODEL_CALLS, 0)
         for model, kind in ((self.base, "policy"), (self.reference, "reference")):
             if model is not None:
@@ -187,9 +180,6 @@ class Session:
 
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)
-
-    def _count_policy_call(self, module, args) -> None:
-        self.policy_calls[torch.is_grad_enabled()] += 1
 
     def _model_call(self, kind: str):
         def count(module, args, kwargs) -> None:
@@ -224,17 +214,14 @@ class Session:
 
     @contextlib.contextmanager
     def phase(self, plan: PhasePlan):
-        accountant, calls, policy_calls = self.accountant, dict(self.replayer.calls), dict(self.policy_calls)
-        model_calls = dict(self.model_calls)
+        accountant, calls, model_calls = self.accountant, dict(self.replayer.calls), dict(self.model_calls)
         with self.replayer.region():
             mark = accountant.mark()
             yield
         accountant.release(mark)
-        forwards = [self.policy_calls[grad] - policy_calls[grad] for grad in (False, True)]
         plan.add(mark.peak, mark.peak_memory, mark.costs,
                  self.replayer.calls["run"] - calls["run"], self.replayer.calls["replayed"] - calls["replayed"],
                  start=sum(mark.memory.values()), category_peaks=mark.category_peaks,
-                 forwards=(sum(forwards), forwards[1]),
                  model_calls={kind: self.model_calls[kind] - model_calls[kind] for kind in MODEL_CALLS})
 
     def measure(self, name: str, fn):
