@@ -241,9 +241,10 @@ def rollout_weights_for(policy: nn.Module, config, ranks, device: torch.device, 
         GatheredWeights | None, str]:
     """(the gathered copy to roll out on, or None for the policy itself; the setup note saying which and why) for a
     run of `config` (a TrainConfig) whose `policy` is FSDP2-sharded over `ranks`. On CUDA, "auto" asks the planner
-    (the rank's plan on this device: planning/parallel.py applies `rollout_path` to the rollout's planned peak with
-    the copy, in the device's free memory before the weights loaded); elsewhere no limit is known and the copy is
-    taken. Every rank takes rank 0's answer (their collectives must match). Each FSDP2 layer unit prefetches the
+    (rank 0's plan of its step on this device: planning/parallel.py applies `rollout_path` to the rollout's planned
+    peak with the copy, against the device's whole memory, since the plan counts every allocation of the step);
+    elsewhere no limit is known and the copy is taken. Every rank takes rank 0's answer (their collectives must
+    match). Each FSDP2 layer unit prefetches the
     next (`prefetch_next_units`) for the forwards that run sharded."""
     prefetch_next_units(policy)
     choice = config.run.rollout_weights
@@ -251,8 +252,8 @@ def rollout_weights_for(policy: nn.Module, config, ranks, device: torch.device, 
     copy = None if choice == "sharded" else GatheredWeights(policy, dtype=precision.compute, merge_adapters=merge)
     if copy is None:
         path, why = rollout_path(choice, 0, 0, None)
-    elif choice == "auto" and device.type == "cuda":
-        path, why = _planned_path(config, ranks)
+    elif choice == "auto" and device.type == "cuda":  # rank 0 plans, the others take its answer
+        path, why = _planned_path(config, ranks, device) if ranks.rank == 0 else (None, None)
     else:
         path, why = rollout_path(choice, copy.nbytes, 0, None)
     path, why = ranks.gather((path, why))[0]
@@ -263,9 +264,10 @@ def rollout_weights_for(policy: nn.Module, config, ranks, device: torch.device, 
     return copy, f"--rollout-weights {choice}: rollouts run on {what} ({why})"
 
 
-def _planned_path(config, ranks) -> tuple[str, str]:
-    """The planner's rollout path for this rank of `ranks` on this CUDA device (train/micro_batch.py's device
-    entry: its free memory)."""
+def _planned_path(config, ranks, device: torch.device) -> tuple[str, str]:
+    """The planner's rollout path for a rank of `ranks` on the CUDA `device` (train/micro_batch.py's entry for
+    it, with the device's whole memory: the plan counts the weights and states it already holds)."""
+    import dataclasses
     import os
     import time
 
@@ -277,8 +279,8 @@ def _planned_path(config, ranks) -> tuple[str, str]:
     settings = parallel_settings(config, world=ranks.world, gpus_per_node=per_node, rollout_weights="auto")
     planned = config.replace(rollout={"compile": False})
     try:
-        plan = plan_step(planned, gpu=device_gpu(torch.device("cuda", torch.cuda.current_device())), search=False,
-                         parallel=settings)
+        gpu = dataclasses.replace(device_gpu(device), memory=torch.cuda.get_device_properties(device).total_memory)
+        plan = plan_step(planned, gpu=gpu, search=False, parallel=settings)
     except (ValueError, RuntimeError) as error:  # per-layer gathers need no memory beyond the step's own
         return "sharded", f"the planner could not plan this step ({' '.join(str(error).split())})"
     parallel = plan.parallel_plan
