@@ -26,6 +26,7 @@ t() { echo "=== [$(( $(date +%s) - S ))s] $*"; }
 # A step runs when GPU_RUN_STEPS is unset or names it (to rerun the steps a short run missed).
 STEPS=" tests smoke peers triton rollout profile train8b train8bmerged engine roofline dlogits attention lorarollout "
 STEPS+="sdar8b "
+STEPS+="gatherrollout "
 for step in ${GPU_RUN_STEPS:-}; do
   [[ $STEPS == *" $step "* ]] || { echo "GPU_RUN_STEPS: no step '$step'; the steps are:$STEPS"; exit 2; }
 done
@@ -206,6 +207,15 @@ t sdar8b
 timeout "$(cap 240)" python3 benchmarks/bench_block_rollout.py --device cuda --dtype bfloat16 --preset sdar-8b \
   --layers 36 --batch 8 --prompt 200 --gen 256 --block 4 --steps-per-block 4 \
   --providers "dllm_fast block" "compiled block" --results-dir "$RES" 2>&1 | grep -v -i warn | tail -4; pack
+fi
+
+if want gatherrollout; then
+t gatherrollout
+# Issue 46: an FSDP2 rollout at LLaDA-8B shapes (fp32 master weights, bf16 gathers) on its per-forward gathers
+# against the gather-once copy (train/rollout_weights.py) and the plain model; on one GPU FSDP2's gathers are the
+# casts and copies into each unit's unsharded weights that an all-gather would make. Eager rollouts (about 60 s).
+timeout "$(cap 150)" python3 benchmarks/bench_gather_rollout.py --device cuda --repeats 2 --results-dir "$RES" 2>&1 \
+  | grep -v -i warn | tail -5; pack
 fi
 
 t done

@@ -11,6 +11,12 @@ Training step (table "step"): LLaDA-8B, one prompt group of G = 8 per step, prom
 bf16 autocast today) as a row of its own. Time: the calibrated estimate (dllm_fast/planning/calibration.py:
 eager kernels, each at its fitted rate, with the host's launch costs) and its datasheet floor.
 
+Several GPUs (table "parallel", issue 46): the plans of docs/planning.md's "Several GPUs" section, each the
+`plan` command written beside it: llada2-flash LoRA on 8 H100s with FSDP2 and --expert-parallel 8; its full
+fine-tune (fp32 master weights, AdamW, a sharded reference) on 16 H200s in two nodes, on 8 H200s, and on 8 H200s
+with --fsdp-offload true; llada-8b's full fine-tune on 8 H100s. Per plan: the verdict, the spare memory, the step
+time, the rollout's path, time and communication share, and what would fit where nothing does.
+
 Rollouts (table "rollout"): the same model and lengths in bf16, inference only (no optimizer state), batch 1 and
 8, caches none / prefix / dual, eager and compiled (each denoising step one CUDA graph): peak memory, KV cache,
 the estimated time of generate and its datasheet floor, and the weight-streaming floor (each forward reads the
@@ -104,6 +110,56 @@ def rollout_rows(gpu) -> list[dict]:
     return rows
 
 
+FLASH = ["--model", "llada2-flash", "--parallel", "fsdp2", "--expert-parallel", "8", "--gen-length", "256",
+         "--block-length", "32", "--diffusion-steps", "256", "--cache", "block", "--micro-batch", "8",
+         "--gradient-checkpointing", "true", "--search", "false"]
+PARALLEL_PLANS = {
+    "llada2-flash LoRA, 8 H100": FLASH + ["--lora", "true", "--gpus", "8", "--gpu", "h100", "--prompts-per-step", "8",
+                                         "--group-size", "8"],
+    "llada2-flash full, 16 H200 (2 nodes)": FLASH + ["--gpus", "16", "--gpu", "h200", "--prompts-per-step", "16",
+                                                     "--group-size", "8"],
+    "llada2-flash full, 8 H200": FLASH + ["--gpus", "8", "--gpu", "h200", "--prompts-per-step", "8", "--group-size",
+                                         "8"],
+    "llada2-flash full, 8 H200, offload": FLASH + ["--gpus", "8", "--gpu", "h200", "--prompts-per-step", "8",
+                                                  "--group-size", "8", "--fsdp-offload", "true"],
+    "llada-8b full, 8 H100": ["--model", "llada-8b", "--parallel", "fsdp2", "--gpus", "8", "--gpu", "h100",
+                              "--prompts-per-step", "8", "--group-size", "8", "--prompt-length", "200",
+                              "--gen-length", "256", "--block-length", "32", "--diffusion-steps", "128", "--cache",
+                              "dual", "--micro-batch", "8", "--gradient-checkpointing", "true", "--search", "false"],
+}
+
+
+def parallel_rows(names) -> list[dict]:
+    """Each plan of PARALLEL_PLANS named, through the `plan` command's own parsing, as a row (and its text)."""
+    from dllm_fast.planning.cli import parallel_settings_of, plan_parser
+    from dllm_fast.planning.planner import plan_step
+    from dllm_fast.planning.report import text
+    from dllm_fast.train.cli import config_from_arguments, parse
+
+    rows = []
+    for name in names:
+        argv = PARALLEL_PLANS[name]
+        args = parse(plan_parser(argv), argv)
+        config = config_from_arguments(args)
+        plan = plan_step(config, gpu=args.gpu, prompt_length=args.prompt_length, search=False,
+                         parallel=parallel_settings_of(args, config))
+        print(text(plan), flush=True)
+        parallel, rollout = plan.parallel_plan, plan.phases["rollout"]
+        worst = max((p for p in plan.phases.values() if p.runs), key=lambda p: p.peak)
+        rows.append(dict(plan=name, command="python -m dllm_fast plan " + " ".join(argv), fits=plan.fits,
+                         peak_gb=plan.peak / 1e9, peak_phase=worst.name, spare_gb=(plan.capacity - plan.peak) / 1e9,
+                         spare=(plan.capacity - plan.peak) / plan.capacity, step_s=plan.step_seconds,
+                         rollout_path=parallel.rollout_path, copy_gb=parallel.copy_bytes / 1e9,
+                         copy_kept=parallel.copy_kept, rollout_s=rollout.costs.seconds,
+                         rollout_communication=parallel.rollout_communication_share,
+                         alternatives_gb={k: v / 1e9 for k, v in parallel.alternatives.items()},
+                         memory_gb={n: {c: v / 1e9 for c, v in p.memory.items()} for n, p in plan.phases.items()
+                                    if p.runs},
+                         communication_s={n: c.seconds for n, c in parallel.collectives.items()}))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("memory_gb", "command")}), flush=True)
+    return rows
+
+
 def markdown(rows: list[dict], columns: list[str]) -> str:
     def cell(value):
         if isinstance(value, bool):
@@ -120,7 +176,9 @@ def markdown(rows: list[dict], columns: list[str]) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", default="h100", choices=list(GPUS))
-    parser.add_argument("--tables", nargs="+", default=["step", "rollout"], choices=["step", "rollout"])
+    parser.add_argument("--tables", nargs="+", default=["step", "rollout"], choices=["step", "rollout", "parallel"])
+    parser.add_argument("--plans", nargs="+", default=list(PARALLEL_PLANS), choices=list(PARALLEL_PLANS),
+                        metavar="NAME", help="the plans of the parallel table (default: all)")
     add_results_dir_argument(parser)
     args = parser.parse_args()
     gpu = GPUS[args.gpu]
@@ -136,12 +194,20 @@ def main():
         print(markdown(results["rollout"], ["batch", "cache", "compiled", "nfe", "peak_gb", "kv_cache_gb", "tflop",
                                              "gb_moved", "seconds", "roofline_s", "floor_s", "kernels_per_step",
                                              "tokens_per_s"]))
+    if "parallel" in args.tables:
+        results["parallel"] = parallel_rows(args.plans)
+        print(markdown(results["parallel"], ["plan", "fits", "peak_gb", "peak_phase", "spare", "step_s",
+                                              "rollout_path", "rollout_s", "rollout_communication"]))
     from dllm_fast.planning.calibration import DEFAULT
 
     config = dict(gpu=args.gpu, prompt_length=PROMPT, n_t=N_T, **BASE, label="planner estimate",
                   calibration=DEFAULT.name)
     for name, rows in results.items():
-        print(f"wrote {write_results(f'plan_{name}_{args.gpu}', config, rows, args.results_dir)}")
+        if name == "parallel":  # each row names its GPUs and settings in its command
+            labels = dict(label="planner estimate", calibration=DEFAULT.name)
+            print(f"wrote {write_results('plan_parallel', labels, rows, args.results_dir)}")
+        else:
+            print(f"wrote {write_results(f'plan_{name}_{args.gpu}', config, rows, args.results_dir)}")
 
 
 if __name__ == "__main__":

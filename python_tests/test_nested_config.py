@@ -28,7 +28,7 @@ OLD_FIELDS = [
 
 # Settings added after the nesting (issue 40: a checkpoint's links out of its folder, SDAR's whole last block;
 # issue 38: rollouts through merged LoRA adapters).
-NEW_FIELDS = ["allow_external_links", "full_last_block", "lora_merge_rollouts"]
+NEW_FIELDS = ["allow_external_links", "full_last_block", "lora_merge_rollouts", "rollout_weights"]
 
 # One non-default value of every setting, by flat key, and where the nested config holds it.
 CHANGED = {"objective": "bgpo", "objective_options": {"n_t": 4}, "model": "tiny", "seed": 3, "steps": 7,
@@ -40,7 +40,7 @@ CHANGED = {"objective": "bgpo", "objective_options": {"n_t": 4}, "model": "tiny"
            "gradient_checkpointing": True, "bf16": False,
            "checkpoint_every": 3, "eval_every": 4, "eval_gen_lengths": [32, 64], "eval_examples": 8,
            "eval_batch_size": 16, "plot": False, "progress": False, "threads": 1, "output_dir": "runs/nested",
-           "allow_external_links": True, "full_last_block": True}
+           "allow_external_links": True, "full_last_block": True, "rollout_weights": "sharded"}
 WHERE = {"objective": ("objective", "name"), "objective_options": ("objective", "options"), "model": ("model", "name"),
          "steps": ("run", "steps"), "diffusion_steps": ("rollout", "steps"), "lr": ("optim", "lr"),
          "lora": ("lora", "enabled"), "lora_rank": ("lora", "rank"), "lora_targets": ("lora", "targets"),
@@ -127,7 +127,6 @@ def test_rollout_settings_are_generate_configs_fields():
     (lambda: TrainConfig(optim=OptimSettings(lr=1e-4), lr="fast"), TypeError, r"--lr = 'fast' must be a number"),
     (lambda: EvalSettings(gen_lengths=[]), ValueError, r"--eval-gen-lengths must list at least one"),
     (lambda: ObjectiveSettings(name="nope"), ValueError, r"--objective 'nope' is not one of"),
-    (lambda: TrainConfig(lora=True, parallel="fsdp2"), ValueError, r"--parallel fsdp2 shards a full fine-tune"),
 ])
 def test_errors_name_the_key_or_the_flag_as_the_user_gave_it(make, error, message):
     with pytest.raises(error, match=message):

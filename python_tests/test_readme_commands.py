@@ -102,13 +102,14 @@ def test_the_documents_have_the_commands_this_test_knows():
 
 def validate(program: str, arguments: list[str]):
     """What `train` or `plan` checks before loading anything: the flags parse, the configuration validates."""
-    from dllm_fast.planning.cli import add_plan_arguments
+    from dllm_fast.planning.cli import plan_parser
     from dllm_fast.train.cli import add_config_arguments, config_from_arguments, new_parser, parse
 
-    parser = new_parser()
     if program == "plan":
-        add_plan_arguments(parser)
-    add_config_arguments(parser, arguments)
+        parser = plan_parser(arguments)
+    else:
+        parser = new_parser()
+        add_config_arguments(parser, arguments)
     return config_from_arguments(parse(parser, arguments))
 
 

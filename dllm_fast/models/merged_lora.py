@@ -46,16 +46,40 @@ def merged_for_rollouts(policy: nn.Module, *, refresh: bool = True) -> nn.Module
 
 def _peft_model(policy: nn.Module) -> nn.Module:
     core = policy.module if isinstance(policy, nn.parallel.DistributedDataParallel) else policy
-    if not hasattr(core, "get_base_model") or not _wrappers(core.get_base_model()):
+    if not hasattr(core, "get_base_model") or not lora_wrappers(core.get_base_model()):
         raise ValueError(f"merged rollouts need a PEFT LoRA model (peft.get_peft_model), got {type(core).__name__} "
                          "without LoRA adapters; roll out with the model itself.")
     return core
 
 
-def _wrappers(model: nn.Module) -> dict[str, nn.Module]:
+def lora_wrappers(model: nn.Module) -> dict[str, nn.Module]:
     """The LoRA wrappers of `model` by module name."""
     return {name: module for name, module in model.named_modules()
             if isinstance(getattr(module, "lora_A", None), nn.ModuleDict) and hasattr(module, "base_layer")}
+
+
+
+def check_plain_lora(wrappers: dict[str, nn.Module]) -> None:
+    """Refuse wrappers a merge cannot fold in: a LoRA variant (DoRA) or a LoRA bias."""
+    for name, wrapper in wrappers.items():
+        if getattr(wrapper, "lora_variant", None) or any(getattr(wrapper, "use_dora", {}).values()) or any(
+                getattr(wrapper, "lora_bias", {}).values()):
+            raise ValueError(f"merged rollouts support plain LoRA; {name} has a variant (DoRA) or a LoRA bias. "
+                             "Roll out through the adapters instead.")
+
+
+def add_lora_deltas(wrapper: nn.Module, merged: torch.Tensor, rows: slice) -> None:
+    """merged[rows] += scaling * B A for each active adapter of `wrapper` (none while its adapters are disabled),
+    as PEFT's merge adds them: the delta in the adapters' dtype, one rounding into `merged`'s. Call it under
+    no_grad."""
+    if wrapper.merged:
+        raise ValueError("the policy's adapters are merged into its weights (merge_adapter); unmerge them before "
+                         "merged rollouts, which merge a copy.")
+    if wrapper.disable_adapters:
+        return
+    for name in wrapper.active_adapters:
+        if name in wrapper.lora_A.keys():
+            merged[rows] += wrapper.get_delta_weight(name)  # fp32 delta into bf16: one rounding
 
 
 def _address(tensor: torch.Tensor) -> int:
@@ -64,7 +88,7 @@ def _address(tensor: torch.Tensor) -> int:
     return id(tensor) if isinstance(tensor, FakeTensor) else tensor.data_ptr()
 
 
-def _target(base_layer: nn.Module) -> tuple[nn.Parameter, slice]:
+def merge_target(base_layer: nn.Module) -> tuple[nn.Parameter, slice]:
     """The parameter a wrapped layer's weight lives in and its rows there (a fused projection's part)."""
     if isinstance(base_layer, ProjectionSlice):
         return base_layer.fused.weight, slice(base_layer.start, base_layer.stop)
@@ -73,16 +97,13 @@ def _target(base_layer: nn.Module) -> tuple[nn.Parameter, slice]:
     return base_layer.weight, slice(None)
 
 
+
 class _Merged:
     def __init__(self, policy: nn.Module):
         self.policy = weakref.ref(policy)
         base = policy.get_base_model()
-        self.wrappers = _wrappers(base)
-        for name, wrapper in self.wrappers.items():
-            if getattr(wrapper, "lora_variant", None) or any(getattr(wrapper, "use_dora", {}).values()) or any(
-                    getattr(wrapper, "lora_bias", {}).values()):
-                raise ValueError(f"merged rollouts support plain LoRA; {name} has a variant (DoRA) or a LoRA bias. "
-                                 "Roll out through the adapters instead.")
+        self.wrappers = lora_wrappers(base)
+        check_plain_lora(self.wrappers)
         # The modules' structure is copied, every weight shared (deepcopy's memo maps it to itself); then each
         # adapted weight's owner in the copy (an nn.Linear, or a fused projection's FusedLinear) gets its own.
         memo = {id(t): t for t in (*base.parameters(), *base.buffers())}
@@ -97,7 +118,7 @@ class _Merged:
         copies: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(policy's weight) -> (it, its merged copy)
         self.parts = []  # (wrapper, merged copy, its rows)
         for name, wrapper in self.wrappers.items():
-            source, rows = _target(wrapper.get_base_layer())
+            source, rows = merge_target(wrapper.get_base_layer())
             if id(source) not in copies:
                 layer = model.get_submodule(name)
                 owner = layer.fused if isinstance(layer, ProjectionSlice) else layer
@@ -128,12 +149,5 @@ class _Merged:
             for source, merged in self.pairs:
                 merged.copy_(source)
             for wrapper, merged, rows in self.parts:
-                if wrapper.merged:
-                    raise ValueError("the policy's adapters are merged into its weights (merge_adapter); unmerge "
-                                     "them before merged rollouts, which merge a copy.")
-                if wrapper.disable_adapters:
-                    continue
-                for name in wrapper.active_adapters:
-                    if name in wrapper.lora_A.keys():
-                        merged[rows] += wrapper.get_delta_weight(name)  # fp32 delta into bf16: one rounding
+                add_lora_deltas(wrapper, merged, rows)
         self.state = state

@@ -10,9 +10,10 @@ and the largest settings that fit.
 Layout: gpus.py (the GPU table and its sources), calibration.py (the efficiencies and launch costs fitted on a
 measured GPU, and the measurements), fake.py (the fake world: model fake, small data real), accounting.py (the
 ledger: memory, FLOPs, bytes, time), replay.py (identical calls and optimizer steps run once), step.py (the
-trainer's phases), fit.py and search.py (extrapolation, the largest settings that fit), planner.py (plan_step and
-its bounds), predict.py (single benchmark calls, for bench_plan.py), report.py (text, JSON), cli.py. The names
-below load on first use.
+trainer's phases), layout.py, links.py and parallel.py (several GPUs: the settings, what collectives cost, one GPU's
+memory and communication), fit.py and search.py (extrapolation, the largest settings that fit), planner.py
+(plan_step and its bounds), predict.py (single benchmark calls, for bench_plan.py), report.py (text, JSON), cli.py.
+The names below load on first use.
 """
 
 from __future__ import annotations

@@ -7,12 +7,13 @@
 
 It takes every flag of `train` (python -m dllm_fast train --help), plus --gpu, --json, --prompt-length,
 --weights-dtype, --engine, --search and --gpus (one GPU of N under torchrun, in --parallel's mode:
-dllm_fast/planning/parallel.py). It prints per phase (rollout, old-policy and reference scoring, inner
-updates, optimizer steps) the peak memory by category, FLOPs, bytes moved and the time on the GPU (a roofline
-calibrated on a measured H200, with the host's launch costs: dllm_fast/planning/calibration.py), then
-the verdict and the largest n_t, micro-batch and group size that fit. Every number is a planner estimate. A
-step that cannot run (prompt and completion beyond the model's positions) or that a plan cannot replay in bounded
-time is refused with the flags to change (planner.check_plannable).
+dllm_fast/planning/parallel.py) with --gpus-per-node and the links' bandwidths, and the run settings of issue 46
+that train may not have yet (--expert-parallel, --fsdp-offload: RUN_SETTINGS). It prints per phase (rollout,
+old-policy and reference scoring, inner updates, optimizer steps) the peak memory by category, FLOPs, bytes moved
+and the time on the GPU (a roofline calibrated on a measured H200, with the host's launch costs:
+dllm_fast/planning/calibration.py), then the verdict and the largest n_t, micro-batch and group size that fit. Every
+number is a planner estimate. A step that cannot run (prompt and completion beyond the model's positions) or that a
+plan cannot replay in bounded time is refused with the flags to change (planner.check_plannable).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 import sys
 import typing
 
-from dllm_fast.planning.gpus import GPUS
+from dllm_fast.planning.gpus import GPUS, GPUS_PER_NODE
 from dllm_fast.train.cli import add_config_arguments, config_from_arguments, new_parser, parse, value_converter
 
 PROG = "python -m dllm_fast plan"
@@ -56,6 +57,79 @@ def add_plan_arguments(parser) -> None:
                             "of --prompts-per-step, its memory and its communication (default: 1)")
     group.add_argument("--search", default=True, type=value_converter("search", bool, False), metavar="true|false",
                        help="also find the largest n_t, micro-batch and group size that fit (default: true)")
+    group = parser.add_argument_group("several GPUs (with --gpus N: dllm_fast/planning/parallel.py)")
+    group.add_argument("--gpus-per-node", default=GPUS_PER_NODE, type=_whole("--gpus-per-node"), metavar="N",
+                       help=f"GPUs a node: ranks inside a node talk over NVLink, across nodes over the network "
+                            f"(default: {GPUS_PER_NODE})")
+    for name, what in (("intra-node", "inside a node (default: the GPU's NVLink entry)"),
+                       ("inter-node", "across nodes, a GPU (default: the GPU's network entry)"),
+                       ("host", "between host and GPU, for --fsdp-offload (default: the GPU's PCIe entry)")):
+        group.add_argument(f"--{name}-bandwidth", default=None, type=_bandwidth(f"--{name}-bandwidth"),
+                           metavar="GB/s", help=f"the bus bandwidth {what}; planning/gpus.py names the defaults")
+
+
+# Settings of a run that the training side may not have yet (issue 46's expert parallelism and FSDP2's offload): the
+# planner takes them as its own options where `train` does not.
+RUN_SETTINGS = {
+    "--expert-parallel": dict(default=1, type="whole", metavar="N",
+                              help="ranks an expert group spans, inside a node: each holds num_experts / N routed "
+                                   "experts, tokens move to them by all-to-all (default: 1, none)"),
+    "--fsdp-offload": dict(default=False, type="bool", metavar="true|false",
+                           help="FSDP2's CPUOffloadPolicy: shards, gradients and AdamW state on the host, the "
+                                "optimizer step there (default: false)"),
+}
+
+
+def add_run_settings(parser) -> None:
+    """The RUN_SETTINGS that `train`'s own flags (already added to `parser`) do not define."""
+    group = parser.add_argument_group("run settings planned ahead of train")
+    for name, options in RUN_SETTINGS.items():
+        if name in parser._option_string_actions:  # train has it: the configuration carries it
+            continue
+        kind = options["type"]
+        converter = _whole(name) if kind == "whole" else value_converter(name[2:].replace("-", "_"), bool, False)
+        group.add_argument(name, default=options["default"], type=converter, metavar=options["metavar"],
+                           help=options["help"])
+
+
+def parallel_settings_of(args, config):
+    """The ParallelSettings `plan`'s flags and the configuration give."""
+    from dllm_fast.planning.planner import parallel_settings
+
+    options = {"gpus_per_node": args.gpus_per_node}
+    flat = config.to_dict()
+    for name in RUN_SETTINGS:
+        key = name[2:].replace("-", "_")
+        if key not in flat:
+            options[key] = getattr(args, key)
+    for key in ("intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth"):
+        value = getattr(args, key)
+        options[key] = None if value is None else value * 1e9
+    return parallel_settings(config, world=args.gpus, **options)
+
+
+def _whole(flag: str):
+    def convert(value: str) -> int:
+        try:
+            count = int(value)
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise argparse.ArgumentTypeError(f"{flag} {value!r} must be a whole number, at least 1.")
+        return count
+    return convert
+
+
+def _bandwidth(flag: str):
+    def convert(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            number = 0.0
+        if not number > 0 or number == float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} {value!r} must be a positive bandwidth in GB/s.")
+        return number
+    return convert
 
 
 def _gpu_count(value: str) -> int:
@@ -75,19 +149,27 @@ def _gpu_name(name: str) -> str:
     return name.lower()
 
 
+def plan_parser(argv: typing.Sequence[str] = ()):
+    """The `plan` command's parser: its own options, every option of `train`, then the run settings train lacks."""
+    parser = new_parser(prog=PROG, description=DESCRIPTION)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    add_plan_arguments(parser)
+    add_config_arguments(parser, argv)
+    add_run_settings(parser)
+    return parser
+
+
 def main(argv: typing.Sequence[str] = ()) -> None:
     """`python -m dllm_fast plan ...`: a bad option is one line on stderr (exit status 2); an error while
     planning is one line too (exit status 1); --debug shows the traceback."""
     argv = list(argv)
     debug = "--debug" in argv
-    parser = new_parser(prog=PROG, description=DESCRIPTION)
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    add_plan_arguments(parser)
-    add_config_arguments(parser, argv)
+    parser = plan_parser(argv)
     try:
         args = parse(parser, argv)
         config = config_from_arguments(args)
-        if args.gpus > 1:  # checked before anything loads
+        parallel = parallel_settings_of(args, config)  # checked before anything loads
+        if args.gpus > 1:
             from dllm_fast.planning.parallel import rank_config
 
             rank_config(config, args.gpus)
@@ -107,7 +189,7 @@ def main(argv: typing.Sequence[str] = ()) -> None:
         torch.set_num_threads(config.run.threads)
     try:
         plan = plan_step(config, gpu=args.gpu, prompt_length=args.prompt_length, engine=args.engine,
-                         weights_dtype=args.weights_dtype, search=args.search, world=args.gpus)
+                         weights_dtype=args.weights_dtype, search=args.search, parallel=parallel)
     except ImportError as error:  # a package the configuration needs (LoRA: peft) is not installed
         if debug:
             raise

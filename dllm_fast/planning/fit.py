@@ -43,5 +43,5 @@ def extrapolate(first: PhasePlan, second: PhasePlan, x1: float, x2: float, x: fl
                      calls_replayed=first.calls_replayed + second.calls_replayed,
                      extrapolated_from=None if x in (x1, x2) else (x1, x2), start=second.start,
                      category_peaks=category_peaks,
-                     forwards=round(affine(x1, first.forwards, x2, second.forwards, x)),
-                     grad_forwards=round(affine(x1, first.grad_forwards, x2, second.grad_forwards, x)))
+                     model_calls={kind: round(affine(x1, first.model_calls[kind], x2, count, x))
+                                  for kind, count in second.model_calls.items()})

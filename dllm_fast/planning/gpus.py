@@ -21,6 +21,22 @@ assumption, not fitted: about 80% of one direction of the GPU-to-GPU link, what 
 messages. NVLink 4 (H100/H200 SXM): 900 GB/s both directions, 450 each, so 360 GB/s; H100 NVL's NVLink bridge
 600 GB/s (240); A100 SXM's NVLink 3 600 GB/s (240); PCIe Gen5 x16 (H100 PCIe) 64 GB/s a direction (51); PCIe
 Gen4 x16 (L40S) 32 GB/s a direction (25.6). 0: unknown.
+
+The links of a plan on several nodes (`planning/links.py`), named here and each overridable from `plan`'s flags:
+
+- `internode`: the bus bandwidth of a collective whose ranks span nodes, per GPU. An assumption, not fitted: one
+  400 Gb/s NIC per GPU (ConnectX-7 InfiniBand NDR, as in DGX/HGX H100 and H200 nodes; 200 Gb/s HDR in DGX A100),
+  50 GB/s a direction, of which NCCL reaches about 80% on large messages: 40 GB/s (A100: 20). 0 for parts sold
+  without a reference node design (PCIe, NVL, L40S): give `--inter-node-bandwidth`.
+- `host_link`: host-device copies (`--fsdp-offload true`), about 80% of one direction of the GPU's PCIe link:
+  Gen5 x16 (H100, H200) 64 GB/s, 51.2; Gen4 x16 (A100, L40S) 32 GB/s, 25.6.
+- `LATENCY`: seconds a collective costs beyond its bytes (NCCL's launch and its ring's hops, small messages): an
+  assumption of about 15 us inside an NVLink node and 30 us across nodes (NCCL's measured small-message latencies
+  on such nodes are of that order); every collective pays it once.
+- `HOST_MEMORY_BANDWIDTH`: the bytes/s a node's CPUs stream through host memory for an optimizer step run on the
+  host (`--fsdp-offload true`), shared by the node's GPUs' ranks. An assumption: two sockets of 8 DDR5-4800
+  channels peak at 614 GB/s; PyTorch's CPU AdamW reaches about half: 300 GB/s.
+- `GPUS_PER_NODE`: 8, the HGX/DGX node (`--gpus-per-node`).
 """
 
 from __future__ import annotations
@@ -42,6 +58,8 @@ class GPU:
     bandwidth: float
     memory: int
     interconnect: float = 0.0  # bus bandwidth between GPUs, bytes/s (see the module docstring)
+    internode: float = 0.0  # bus bandwidth per GPU of a collective across nodes, bytes/s (0: unknown)
+    host_link: float = 0.0  # host-device copies, bytes/s a direction
 
     def peak_flops(self, dtype: torch.dtype, compute: str | None = None, *, allow_tf32: bool = False) -> float:
         """The peak a GEMM with operands of `dtype` can reach, with products in `compute` ("fp32": accumulated in
@@ -60,14 +78,20 @@ class GPU:
 
 _T, _G = 1e12, 1e9
 GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in (
-    GPU("h100", "NVIDIA H100 SXM 80GB", 989.4 * _T, 494.7 * _T, 66.9 * _T, 3.35e12, 80 * _G, 360e9),
-    GPU("h100-pcie", "NVIDIA H100 PCIe 80GB", 756.5 * _T, 378.0 * _T, 51.2 * _T, 2.0e12, 80 * _G, 51.2e9),
-    GPU("h100-nvl", "NVIDIA H100 NVL 94GB", 835.5 * _T, 417.5 * _T, 60.0 * _T, 3.9e12, 94 * _G, 240e9),
-    GPU("h200", "NVIDIA H200 SXM 141GB", 989.4 * _T, 494.7 * _T, 66.9 * _T, 4.8e12, 141 * _G, 360e9),
-    GPU("a100-80gb", "NVIDIA A100 SXM 80GB", 312.0 * _T, 156.0 * _T, 19.5 * _T, 2.039e12, 80 * _G, 240e9),
-    GPU("a100-40gb", "NVIDIA A100 SXM 40GB", 312.0 * _T, 156.0 * _T, 19.5 * _T, 1.555e12, 40 * _G, 240e9),
-    GPU("l40s", "NVIDIA L40S 48GB", 362.05 * _T, 183.0 * _T, 91.6 * _T, 864e9, 48 * _G, 25.6e9),
+    GPU("h100", "NVIDIA H100 SXM 80GB", 989.4 * _T, 494.7 * _T, 66.9 * _T, 3.35e12, 80 * _G, 360e9, 40e9, 51.2e9),
+    GPU("h100-pcie", "NVIDIA H100 PCIe 80GB", 756.5 * _T, 378.0 * _T, 51.2 * _T, 2.0e12, 80 * _G, 51.2e9, 0.0,
+        51.2e9),
+    GPU("h100-nvl", "NVIDIA H100 NVL 94GB", 835.5 * _T, 417.5 * _T, 60.0 * _T, 3.9e12, 94 * _G, 240e9, 0.0, 51.2e9),
+    GPU("h200", "NVIDIA H200 SXM 141GB", 989.4 * _T, 494.7 * _T, 66.9 * _T, 4.8e12, 141 * _G, 360e9, 40e9, 51.2e9),
+    GPU("a100-80gb", "NVIDIA A100 SXM 80GB", 312.0 * _T, 156.0 * _T, 19.5 * _T, 2.039e12, 80 * _G, 240e9, 20e9,
+        25.6e9),
+    GPU("a100-40gb", "NVIDIA A100 SXM 40GB", 312.0 * _T, 156.0 * _T, 19.5 * _T, 1.555e12, 40 * _G, 240e9, 20e9,
+        25.6e9),
+    GPU("l40s", "NVIDIA L40S 48GB", 362.05 * _T, 183.0 * _T, 91.6 * _T, 864e9, 48 * _G, 25.6e9, 0.0, 25.6e9),
 )}
+GPUS_PER_NODE = 8
+LATENCY = {"intra": 15e-6, "inter": 30e-6}  # seconds a collective costs beyond its bytes, inside / across nodes
+HOST_MEMORY_BANDWIDTH = 300e9  # bytes/s a node's CPUs stream for an optimizer step on the host
 
 
 def gpu(name: str) -> GPU:

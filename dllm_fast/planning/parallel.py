@@ -1,41 +1,68 @@
-"""A step on N GPUs under torchrun (--parallel ddp or fsdp2): one rank's plan from the single-process one.
+"""A step on N GPUs under torchrun (--parallel ddp or fsdp2): one GPU's memory and time from the rank's plan.
 
 Each rank rolls out its own share of the step's prompts (train/run.py), so the rank's step is the planner's step
-at prompts_per_step / N; this module turns that plan into the rank's memory and time on one GPU of N.
+at prompts_per_step / N (with expert parallelism, on the rank's own experts: planning/layout.py); this module
+turns that plan into one GPU's memory by category and its collectives per phase. Memory is counted from the
+parameters' elements (layout.Layout) in the dtypes they are stored and gathered in; activations, the KV cache and
+temporaries are the rank's plan's.
 
-Memory at each phase's peak (train/distributed.py's wrappers):
+FSDP2, as issue 46 builds it (`fully_shard` on each of the model's shard_units(), then the root, on a mesh of the
+N ranks; with expert parallelism N_e, the routed experts on the expert groups' mesh instead):
 
-- FSDP2 (`fully_shard` on each of the model's shard_units(), then the root): the policy's parameters, the
-  gradients and the AdamW state are 1/N each (and so are the optimizer step's temporaries: AdamW runs on the
-  local shards). Unsharded at once, in a phase where the policy runs: the root's unit (what is outside the shard
-  units: embedding, final norm, LM head; FSDP2 keeps the root unsharded from forward to backward) and two layer
-  units, the one computing and the one prefetched (the largest, in the dtype it is stored in); in a phase with a
-  backward also their unsharded gradients before the reduce-scatter. An update of more than one backward
-  accumulates unsharded gradients (the engine runs every micro-batch but the last under
-  set_requires_gradient_sync(False), likelihood/engine.py), so there the gradients stay whole. The reference copy
-  is not wrapped (train/run.py wraps the policy only): it stays whole on every rank.
-- DDP: every rank holds the whole model, plus the reducer's buckets, which hold a copy of every trained
-  gradient (DistributedDataParallel's default gradient_as_bucket_view=False), counted as gradients.
+- MixedPrecisionPolicy with bf16 autocast (a GPU): parameters all-gathered in bf16, gradients reduce-scattered in
+  fp32. So the rank's compute is planned on bf16 weights (no autocast casts: the gathered weights are bf16),
+  while the shards keep their stored dtypes (fp32 master weights and AdamW state of a full fine-tune, a LoRA
+  run's bf16 frozen base).
+- Sharded, 1/N each: the policy's parameters, its gradients (reduce-scattered after every backward, never held
+  whole) and AdamW's two moments; the reference copy of a full fine-tune, sharded like the policy, without
+  optimizer state (a LoRA run's reference is the policy with its adapters off). A rank's routed experts under
+  expert parallelism: E / N_e of them, sharded over the N / N_e expert groups (across nodes) when there are
+  several. `--fsdp-offload true` (CPUOffloadPolicy): shards, gradients and AdamW state on the host; each unshard
+  copies the shard host to device, each reduce-scatter's output goes back, AdamW runs on the host.
+- Unsharded while a model runs on FSDP2's per-layer gathers: the root's unit (embedding, norm, head: FSDP2 keeps
+  the root unsharded from forward to backward) and two of the largest layer unit (the one computing, the one
+  prefetched), in the gather dtype; in a backward also their gradients, in the reduce dtype.
+- The rollout, by the rule of train/rollout_weights.py (`rollout_path`): on a plain copy of the policy's weights
+  gathered once a step (the dense weights, and a rank's own experts where they are sharded across nodes; LoRA's
+  adapters merged in when merged rollouts are on) when the rollout's peak with the copy stays within ROLLOUT_MARGIN
+  of the GPU; else on the per-layer gathers, the rank's whole batch in one forward a step (one gather serves it).
+  The copy is kept between steps when every other phase's peak plus the copy stays within ROLLOUT_MARGIN, and
+  freed after each rollout otherwise.
 
-Time: the rank's compute at its share, plus communication overlapped with it (phase seconds = max(compute,
-communication)), at the GPU's `interconnect` bus bandwidth (gpus.py: an assumption, not fitted):
+Collectives per phase (planning/links.py prices them; gathers and reduce-scatters overlap with compute, prefetched:
+a phase takes max(compute, their time); all-to-alls, the gather-once copy's gather and host work do not):
 
-- FSDP2: every call of the policy all-gathers its weights ((N-1)/N x their bytes in the stored dtype; in the
-  rollout every denoising forward), every backward all-gathers them again, and each optimizer step's gradients are
-  reduce-scattered once ((N-1)/N x the trained bytes);
-- DDP: one all-reduce of the trained gradients per optimizer step (2 (N-1)/N x their bytes).
+- all-gather of a model's weights for every call of it (each denoising forward on the per-layer path; once per
+  step on the gather-once path), again in each backward (FSDP2 reshards after forward): (N-1)/N of the dense
+  weights over the N ranks, and (S-1)/S of a rank's experts over their S = N / N_e shards;
+- reduce-scatter of the trained gradients after every backward, in fp32;
+- all-to-all (expert parallelism): at every MoE layer of every forward the dispatch and the combine each move
+  tokens x top_k x d activations, (N_e-1)/N_e of them off the rank, inside the node; a backward runs both again,
+  and gradient checkpointing's recompute once more;
+- host copies (offload): the shards in at every unshard, the gradients out after every reduce-scatter, and
+  AdamW's step streaming 28 bytes a trained element through host memory (gpus.HOST_MEMORY_BANDWIDTH, shared by a
+  node's ranks).
+
+DDP: every rank holds the whole model, plus the reducer's buckets, which hold a copy of every trained gradient
+(DistributedDataParallel's default gradient_as_bucket_view=False), counted as gradients; one all-reduce of the
+trained gradients per optimizer step (2 (N-1)/N x their bytes).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from dllm_fast.planning.accounting import CATEGORIES
+from dllm_fast.planning.gpus import GPU
+from dllm_fast.planning.layout import PARALLEL, Elements, Layout, ParallelSettings, layout as elements_layout
+from dllm_fast.planning.links import Links, all_gather, all_to_all, links as links_of
 from dllm_fast.planning.step import PhasePlan, Session
 from dllm_fast.train import step as train_step
 from dllm_fast.train.config import TrainConfig
+from dllm_fast.train.rollout_weights import ROLLOUT_MARGIN, keep_copy, rollout_path
 
-PARALLEL = ("ddp", "fsdp2")
+ADAMW_BYTES = 28  # a trained fp32 element: AdamW reads the weight, its gradient and two moments, writes three
 
 
 def rank_config(config: TrainConfig, world: int) -> TrainConfig:
@@ -56,95 +83,403 @@ def rank_config(config: TrainConfig, world: int) -> TrainConfig:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """The policy's bytes as FSDP2 shards them, each in the dtype the session stores it in: all parameters, the
-    trained ones (their gradients), the root's unit (what no shard unit holds) and the largest shard unit."""
+class Sizes:
+    """Bytes an element takes: stored (trained, frozen), gathered by FSDP2, reduced, and as activations; and the
+    trained dtype the rank's session planned in (its optimizer step is rescaled from it)."""
 
-    parameters: int
     trained: int
-    root: int
-    root_trained: int
-    unit: int
-    unit_trained: int
+    frozen: int
+    gather: int  # 2 under MixedPrecisionPolicy's bf16; None-like 0: each part in its stored dtype
+    reduce: int
+    activation: int
+    session_trained: int
+
+    def gathered(self, trained: Elements, frozen: Elements) -> tuple[float, float]:
+        """(dense, experts) bytes of these parameters unsharded."""
+        t, f = (self.gather, self.gather) if self.gather else (self.trained, self.frozen)
+        return trained.dense * t + frozen.dense * f, trained.experts * t + frozen.experts * f
 
 
 def layout(session: Session) -> Layout:
-    def size(parameters, trained_only=False):
-        return sum(p.numel() * p.element_size() for p in parameters if p.requires_grad or not trained_only)
-
-    policy = session.policy
-    units = [list(unit.parameters()) for unit in policy.shard_units()]
-    in_units = {id(p) for unit in units for p in unit}
-    root = [p for p in policy.parameters() if id(p) not in in_units]
-    largest = max(units, key=size, default=[])
-    return Layout(size(policy.parameters()), size(policy.parameters(), True), size(root), size(root, True),
-                  size(largest), size(largest, True))
+    """The Layout of a planning session's models."""
+    return elements_layout(session.policy, session.reference, session.base,
+                           merged_rollouts=session.config.lora.enabled and session.config.lora.merge_rollouts)
 
 
-def per_gpu(phases: dict[str, PhasePlan], session: Session, world: int, parallel: str,
-            interconnect: float | None) -> tuple[dict[str, float], list[str]]:
-    """Turn the rank's `phases` (planned at its share of the prompts) into one GPU's of `world`, in place: memory
-    at each peak and the communication each phase overlaps with its compute (seconds added where communication is
-    longer). Returns the communication seconds by phase (None bandwidth: no time) and the notes."""
-    if parallel not in PARALLEL:
-        raise ValueError(f"--parallel {parallel!r} is not one of {', '.join(PARALLEL)}.")
-    shape = layout(session)
-    spread = (world - 1) / world
+@dataclass
+class Collectives:
+    """One GPU's communication in a phase (over its runs): counts, bytes crossing its links, seconds."""
+
+    all_gathers: int = 0
+    all_gather_bytes: float = 0.0
+    reduce_scatters: int = 0
+    reduce_scatter_bytes: float = 0.0
+    all_to_alls: int = 0
+    all_to_all_bytes: float = 0.0
+    all_reduces: int = 0
+    all_reduce_bytes: float = 0.0
+    host_bytes: float = 0.0
+    overlapped: float = 0.0  # seconds hidden behind compute where compute is longer (prefetched collectives)
+    exposed: float = 0.0  # seconds added to the phase whatever its compute (all-to-alls, a copy's gather, host)
+
+    @property
+    def seconds(self) -> float:
+        return self.overlapped + self.exposed
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "seconds": self.seconds}
+
+
+@dataclass
+class ParallelPlan:
+    """What parallel.per_gpu found: collectives by phase, the rollout's path and why, whether its copy is kept,
+    the rollout's share of time in communication, the memory of alternatives that would fit, notes."""
+
+    settings: ParallelSettings
+    collectives: dict[str, Collectives] = field(default_factory=dict)
+    rollout_path: str | None = None  # "gathered" or "sharded" (FSDP2), None otherwise
+    rollout_reason: str = ""
+    copy_bytes: int = 0
+    copy_kept: bool = False
+    keep_reason: str = ""
+    rollout_communication_share: float | None = None
+    alternatives: dict[str, int] = field(default_factory=dict)  # what would fit: peak bytes by setting
+    host_bytes: int = 0  # host memory a rank's offloaded state takes
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def communication(self) -> dict[str, float]:
+        return {name: c.seconds for name, c in self.collectives.items()}
+
+
+def per_gpu(phases: dict[str, PhasePlan], shape: Layout, settings: ParallelSettings, gpu: GPU | None,
+            sizes: Sizes, *, checkpointing: bool = False) -> ParallelPlan:
+    """Turn the rank's `phases` (planned at its share of the prompts, its models' parameters in `shape`) into one
+    GPU's of `settings.world`, in place: memory at each peak, and each phase's time with its collectives (none
+    without a GPU to time them). checkpointing: gradient checkpointing's recompute (it repeats the all-to-alls)."""
+    if settings.parallel not in PARALLEL:
+        raise ValueError(f"--parallel {settings.parallel!r} is not one of {', '.join(PARALLEL)}.")
+    out = ParallelPlan(settings)
+    wire = links_of(gpu, settings) if gpu is not None else None
+    if settings.parallel == "ddp":
+        _ddp(phases, shape, settings, sizes, wire, out)
+        return out
+    capacity = gpu.memory if gpu is not None else None
+    rank_memory = {name: dict(phase.memory) for name, phase in phases.items()}
+    out.copy_bytes = int(sum(_copy_bytes(shape, settings, sizes)))
+    with_copy = {name: _fsdp2_memory(phase, rank_memory[name], shape, settings, sizes, "gathered", False)
+                 for name, phase in phases.items() if phase.runs}
+    rollout_peak = _peak(phases[train_step.ROLLOUT], with_copy[train_step.ROLLOUT])
+    out.rollout_path, out.rollout_reason = rollout_path(settings.rollout_weights, out.copy_bytes, rollout_peak,
+                                                        capacity)
+    others = max((_peak(phases[name], memory) for name, memory in with_copy.items() if name != train_step.ROLLOUT),
+                 default=0)
+    out.copy_kept, out.keep_reason = (keep_copy(others, out.copy_bytes, capacity) if out.rollout_path == "gathered"
+                                      else (False, ""))
+    for name, phase in phases.items():
+        if not phase.runs:
+            continue
+        memory = _fsdp2_memory(phase, rank_memory[name], shape, settings, sizes, out.rollout_path, out.copy_kept)
+        phase.peak = _peak(phase, memory)
+        phase.memory = memory
+        if wire is not None:
+            collectives = _fsdp2_collectives(name, phase, shape, settings, sizes, wire, out.rollout_path,
+                                             checkpointing, gpu)
+            out.collectives[name] = collectives
+            compute = phase.costs.seconds
+            if name == train_step.OPTIMIZER_STEP:  # AdamW on the shards (on the host when offloaded)
+                compute = 0.0 if settings.fsdp_offload else compute * _shard_ratio(shape, settings, sizes)
+                phase.costs.closed += compute - phase.costs.seconds
+            phase.costs.closed += max(0.0, collectives.overlapped - compute) + collectives.exposed
+    rollout = phases[train_step.ROLLOUT]
+    if wire is not None and rollout.runs and rollout.costs.seconds > 0:
+        out.rollout_communication_share = out.collectives[train_step.ROLLOUT].seconds / rollout.costs.seconds
+    if settings.fsdp_offload:
+        out.host_bytes = int(_shards(shape.trained, sizes.trained, shape, settings) * 4
+                             + _shards(shape.frozen, sizes.frozen, shape, settings)
+                             + _shards(shape.reference, sizes.frozen, shape, settings))
+    peak = max(p.peak for p in phases.values() if p.runs)
+    if capacity is not None and peak > capacity:
+        out.alternatives = _alternatives(phases, rank_memory, shape, settings, sizes, out.rollout_path)
+    out.notes = _fsdp2_notes(shape, settings, sizes, out, wire)
+    return out
+
+
+# -- FSDP2's memory ------------------------------------------------------------------------------------------
+
+def _shards(part: Elements, itemsize: int, shape: Layout, settings: ParallelSettings) -> float:
+    """Bytes of one rank's shards of `part` stored at `itemsize`: the dense elements over every rank, a rank's
+    experts over their shards."""
+    return (-(-part.dense // settings.world) + -(-part.experts // settings.expert_shards)) * itemsize
+
+
+def _held(trained: Elements, frozen: Elements, settings: ParallelSettings, sizes: Sizes) -> float:
+    """Bytes of these parameters unsharded: the dense ones, and the experts where FSDP2 shards them."""
+    dense, experts = sizes.gathered(trained, frozen)
+    return dense + (experts if _experts_move(settings) else 0)
+
+
+def _experts_move(settings: ParallelSettings) -> bool:
+    """Whether a rank's routed experts come to the GPU when used (FSDP2 shards them, or offloads them to the
+    host), rather than staying whole on the rank as the policy's own modules."""
+    return settings.expert_shards > 1 or settings.fsdp_offload
+
+
+def _copy_bytes(shape: Layout, settings: ParallelSettings, sizes: Sizes) -> tuple[float, float]:
+    """(dense, experts) bytes of the rollout's copy: the dense weights (merged under LoRA) and the rank's experts
+    where they are sharded (across nodes) or offloaded; where they are neither, the copy uses the policy's own
+    expert modules."""
+    gather = sizes.gather or sizes.trained
+    return shape.copy.dense * gather, (shape.copy.experts * gather if _experts_move(settings) else 0.0)
+
+
+def _fsdp2_memory(phase: PhasePlan, rank: dict[str, int], shape: Layout, settings: ParallelSettings, sizes: Sizes,
+                  path: str, kept: bool) -> dict[str, int]:
+    calls = phase.model_calls
+    policy_runs = calls["policy"] + calls["policy_grad"] > 0
+    backward = calls["policy_grad"] > 0
+    rollout = phase.name == train_step.ROLLOUT
+    on_gpu = not settings.fsdp_offload
+    memory = dict(rank)
+    shards = 0.0
+    if on_gpu:
+        shards = (_shards(shape.trained, sizes.trained, shape, settings)
+                  + _shards(shape.frozen, sizes.frozen, shape, settings)
+                  + _shards(shape.reference, sizes.frozen, shape, settings))
+    held = 0.0
+    copy = sum(_copy_bytes(shape, settings, sizes))
+    if rollout and path == "gathered":
+        held = copy
+    else:
+        if policy_runs:
+            held += _held(shape.root_trained + shape.unit_trained.scaled(2),
+                          shape.root_frozen + shape.unit_frozen.scaled(2), settings, sizes)
+        if calls["reference"]:
+            held += _held(Elements(), shape.reference_root + shape.reference_unit.scaled(2), settings, sizes)
+        if kept:
+            held += copy
+    memory["parameters"] = int(shape.buffers + shards + held)
+    gradients = 0.0
+    if rank["gradients"] > 0 or backward:
+        if on_gpu:
+            gradients += _shards(shape.trained, sizes.trained, shape, settings)
+        if backward:  # the units in flight: their gradients unsharded, in the reduce dtype
+            in_flight = shape.root_trained + shape.unit_trained.scaled(2)
+            gradients += (in_flight.dense + (in_flight.experts if _experts_move(settings) else 0)) * sizes.reduce
+    memory["gradients"] = int(gradients)
+    memory["optimizer_state"] = int(2 * _shards(shape.trained, sizes.trained, shape, settings)
+                                    if on_gpu and rank["optimizer_state"] > 0 else 0)
+    if phase.name == train_step.OPTIMIZER_STEP:
+        memory["temporaries"] = int(rank["temporaries"] * _shard_ratio(shape, settings, sizes)) if on_gpu else 0
+    if _casts_experts(shape, settings, sizes) and policy_runs:  # one layer's experts cast to bf16 at a time
+        memory["temporaries"] += int(shape.trained.experts / max(shape.moe_layers, 1) * sizes.activation)
+    return memory
+
+
+def _shard_ratio(shape: Layout, settings: ParallelSettings, sizes: Sizes) -> float:
+    """A rank's trained shards' bytes over the trained weights' bytes in the rank's session: what scales its
+    optimizer step (AdamW's time and foreach temporaries) to the shards."""
+    planned = shape.trained.total * sizes.session_trained
+    return _shards(shape.trained, sizes.trained, shape, settings) / planned if planned else 0.0
+
+
+def _casts_experts(shape: Layout, settings: ParallelSettings, sizes: Sizes) -> bool:
+    """Whether a forward casts the rank's own experts to the compute dtype: trained experts kept whole on their
+    rank (expert parallelism within one node: FSDP2 does not gather, so no bf16 gather either) in fp32."""
+    return bool(settings.expert_parallel > 1 and not _experts_move(settings) and shape.trained.experts
+                and sizes.gather and sizes.trained != sizes.gather)
+
+
+def _peak(phase: PhasePlan, memory: dict[str, int]) -> int:
+    return phase.peak + sum(memory[c] for c in CATEGORIES) - sum(phase.memory[c] for c in CATEGORIES)
+
+
+def _alternatives(phases, rank_memory, shape: Layout, settings: ParallelSettings, sizes: Sizes,
+                  path: str) -> dict[str, int]:
+    """The step's peak per GPU under settings that shrink the states (memory by this plan's categories, not
+    planned again): bf16 weights, gradients and AdamW state, FSDP2's offload, both."""
+    options = {"--weights-dtype bfloat16": (dataclasses.replace(sizes, trained=2, frozen=2), settings),
+               "--fsdp-offload true": (sizes, dataclasses.replace(settings, fsdp_offload=True)),
+               "--weights-dtype bfloat16 --fsdp-offload true": (dataclasses.replace(sizes, trained=2, frozen=2),
+                                                                dataclasses.replace(settings, fsdp_offload=True))}
+    out = {}
+    for label, (other_sizes, other) in options.items():
+        if label.startswith("--fsdp-offload") and settings.fsdp_offload:
+            continue
+        out[label] = max(_peak(p, _fsdp2_memory(p, rank_memory[name], shape, other, other_sizes, path, False))
+                         for name, p in phases.items() if p.runs)
+    return out
+
+
+# -- FSDP2's collectives --------------------------------------------------------------------------------------
+
+def _fsdp2_collectives(name: str, phase: PhasePlan, shape: Layout, settings: ParallelSettings, sizes: Sizes,
+                       wire: Links, path: str, checkpointing: bool, gpu: GPU) -> Collectives:
+    calls = phase.model_calls
+    out = Collectives()
+
+    def host(*parts: tuple[Elements, int]) -> float:  # offloaded: the shards copied in at each unshard
+        return sum(_shards(elements, itemsize, shape, settings) for elements, itemsize in parts)
+
+    layers = sizes.gathered(shape.trained - shape.root_trained, shape.frozen - shape.root_frozen)
+    root = sizes.gathered(shape.root_trained, shape.root_frozen)
+    layers_host = host((shape.trained - shape.root_trained, sizes.trained), (shape.frozen - shape.root_frozen,
+                                                                               sizes.frozen))
+    root_host = host((shape.root_trained, sizes.trained), (shape.root_frozen, sizes.frozen))
+    layer_units = shape.units - 1
+    if name == train_step.ROLLOUT and path == "gathered":  # once a step, before the rollout: nothing to hide it
+        _sharded_collective(out, "all_gather", settings, wire, *_copy_bytes(shape, settings, sizes), units=shape.units,
+                            times=phase.runs, exposed=True, host=layers_host + root_host)
+    else:  # each call gathers the layers' units; the root's stays unsharded from its first gather to a backward
+        _sharded_collective(out, "all_gather", settings, wire, *layers, units=layer_units, times=calls["policy"],
+                            host=layers_host)
+        _sharded_collective(out, "all_gather", settings, wire, *root, units=1,
+                            times=phase.runs if calls["policy"] else 0, host=root_host)
+    # a backward's forward gathers each unit, and FSDP2 gathers the layers again for the backward (resharded
+    # after the forward); the root is resharded after the backward
+    _sharded_collective(out, "all_gather", settings, wire, *layers, units=layer_units, times=2 * calls["policy_grad"],
+                        host=layers_host)
+    _sharded_collective(out, "all_gather", settings, wire, *root, units=1, times=calls["policy_grad"], host=root_host)
+    reference_layers = sizes.gathered(Elements(), shape.reference - shape.reference_root)
+    _sharded_collective(out, "all_gather", settings, wire, *reference_layers, units=layer_units,
+                        times=calls["reference"],
+                        host=host((shape.reference - shape.reference_root, sizes.frozen)))
+    _sharded_collective(out, "all_gather", settings, wire, *sizes.gathered(Elements(), shape.reference_root),
+                        units=1, times=phase.runs if calls["reference"] else 0,
+                        host=host((shape.reference_root, sizes.frozen)))
+    # every backward reduce-scatters the trained gradients in the reduce dtype (the shards go to the host offloaded)
+    _sharded_collective(out, "reduce_scatter", settings, wire, shape.trained.dense * sizes.reduce,
+                        shape.trained.experts * sizes.reduce, units=shape.units, times=calls["policy_grad"],
+                        host=host((shape.trained, sizes.trained)))
+    if settings.expert_parallel > 1 and shape.moe_layers:
+        ranks = settings.expert_parallel
+        per_token = shape.top_k * shape.hidden * sizes.activation
+        # dispatch and combine at every MoE layer of a forward; a backward runs both again, a recompute once more
+        passes = {"policy": 2, "reference": 2, "policy_grad": 6 if checkpointing else 4}
+        for kind, count in passes.items():
+            if not calls[kind]:
+                continue
+            crossing = all_to_all(calls[kind + "_tokens"] * per_token, ranks) * shape.moe_layers * count
+            collectives = calls[kind] * shape.moe_layers * count
+            out.all_to_alls += collectives
+            out.all_to_all_bytes += crossing
+            out.exposed += wire.collective(crossing, ranks, count=collectives, across_nodes=False)
+    if _casts_experts(shape, settings, sizes):  # read fp32, write bf16, every forward (and back in a backward)
+        from dllm_fast.planning.calibration import DEFAULT
+
+        cast = shape.trained.experts * (sizes.trained + sizes.activation)
+        out.exposed += (calls["policy"] + 2 * calls["policy_grad"]) * cast / (gpu.bandwidth * DEFAULT.bandwidth)
+    if name == train_step.OPTIMIZER_STEP and settings.fsdp_offload:  # AdamW on the host's CPUs
+        elements = _shards(shape.trained, 1, shape, settings)
+        ranks_a_node = min(settings.world, settings.gpus_per_node)
+        out.exposed += phase.runs * elements * ADAMW_BYTES / (wire.host_memory / ranks_a_node)
+    return out
+
+
+def _sharded_collective(out: Collectives, kind: str, settings: ParallelSettings, wire: Links, dense: float,
+                        experts: float, *, units: int, times: int, exposed: bool = False, host: float = 0.0) -> None:
+    """`times` all-gathers (or reduce-scatters) of `units` units: `dense` bytes over the N ranks, a rank's
+    `experts` bytes over their S shards (a group of their own, across nodes when there are several; without expert
+    parallelism they are in the layers' units, over the N ranks); with offload, `host` bytes copied in (or out)
+    each time."""
+    if not times or not units:
+        return
+    world, shards = settings.world, settings.expert_shards
+    if settings.expert_parallel == 1:
+        dense, experts = dense + experts, 0.0
+    crossing = seconds = 0.0
+    count = 0
+    if dense:
+        crossing += all_gather(dense, world)
+        seconds += wire.collective(all_gather(dense, world), world, count=units)
+        count += units
+    if experts and shards > 1:
+        crossing += all_gather(experts, shards)
+        seconds += wire.collective(all_gather(experts, shards), shards, count=units,
+                                   across_nodes=wire.spans_nodes(world))
+        count += units
+    setattr(out, kind + "s", getattr(out, kind + "s") + times * count)
+    setattr(out, kind + "_bytes", getattr(out, kind + "_bytes") + times * crossing)
+    if exposed:
+        out.exposed += times * seconds
+    else:
+        out.overlapped += times * seconds
+    if settings.fsdp_offload and host:  # before the collective, hidden (or not) as it is
+        out.host_bytes += times * host
+        if exposed:
+            out.exposed += times * wire.host_copy(host)
+        else:
+            out.overlapped += times * wire.host_copy(host)
+
+
+def _fsdp2_notes(shape: Layout, settings: ParallelSettings, sizes: Sizes, out: ParallelPlan,
+                 wire: Links | None) -> list[str]:
+    N, Ne, S = settings.world, settings.expert_parallel, settings.expert_shards
+    gather = f"{sizes.gather * 8}-bit floats" if sizes.gather else "their stored dtypes"
+    experts = ""
+    if shape.copy.experts or shape.trained.experts or shape.frozen.experts:
+        experts = (f"; routed experts: {shape.parameters.experts / 1e9:.2f}B elements a rank"
+                   + (f" (its E/{Ne}, expert parallelism inside a node)" if Ne > 1 else "")
+                   + (f", sharded over {S} ranks" if S > 1 else ", whole on their rank"))
+    notes = [f"FSDP2 on {N} GPUs ({settings.nodes} node{'s' if settings.nodes > 1 else ''} of "
+             f"{min(N, settings.gpus_per_node)}): each rank plans its share of the prompts, its compute on weights "
+             f"gathered in {gather}; parameters, gradients (reduce-scattered every backward, in "
+             f"{sizes.reduce * 8}-bit floats) and AdamW state sharded 1/{N}, the reference copy sharded like the "
+             f"policy (no optimizer state), {shape.parameters.dense / 1e9:.2f}B dense elements{experts}; where a "
+             f"model runs on per-layer gathers, its root unit and two of its largest layer unit are unsharded (and "
+             "in a backward their gradients)"
+             + ("; --fsdp-offload true: shards, gradients and AdamW state on the host (about "
+                f"{out.host_bytes / 1e9:.1f} GB a rank), the optimizer step on the host's CPUs"
+                if settings.fsdp_offload else "")]
+    if out.alternatives:
+        notes.append("what would fit (memory by this plan's categories, not planned again): " + "; ".join(
+            f"{label}: peak {peak / 1e9:.1f} GB" for label, peak in out.alternatives.items()))
+    if wire is not None:
+        notes.append(_links_note(wire, settings))
+    return notes
+
+
+def _links_note(wire: Links, settings: ParallelSettings) -> str:
+    parts = [f"inside a node {wire.intra / 1e9:.0f} GB/s + {wire.latency_intra * 1e6:.0f} us a collective"]
+    if settings.world > settings.gpus_per_node:
+        parts.append(f"across nodes {wire.inter / 1e9:.0f} GB/s a GPU + {wire.latency_inter * 1e6:.0f} us")
+    if settings.fsdp_offload:
+        parts.append(f"host-device {wire.host / 1e9:.0f} GB/s, host memory {wire.host_memory / 1e9:.0f} GB/s a node")
+    return ("communication: " + "; ".join(parts) + " (assumptions, not fitted: planning/gpus.py; "
+            "--intra-node-bandwidth, --inter-node-bandwidth, --host-bandwidth change them); gathers and "
+            "reduce-scatters overlap with compute (a phase takes the longer), all-to-alls, the rollout copy's "
+            "gather and host work add to it")
+
+
+# -- DDP ------------------------------------------------------------------------------------------------------
+
+def _ddp(phases, shape: Layout, settings: ParallelSettings, sizes: Sizes, wire: Links | None,
+         out: ParallelPlan) -> None:
+    trained = shape.trained.total * sizes.trained
+    world = settings.world
     updates = phases[train_step.OPTIMIZER_STEP].runs
-    communication = {}
     for name, phase in phases.items():
         if not phase.runs:
             continue
         memory = dict(phase.memory)
-        if parallel == "fsdp2":
-            backward = phase.grad_forwards > 0
-            held = shape.root + 2 * shape.unit if phase.forwards else 0
-            whole = max(0, memory["parameters"] - shape.parameters)  # the reference copy, buffers
-            memory["parameters"] = whole + -(-shape.parameters // world) + held
-            accumulated = phase.grad_forwards > phase.runs  # several backwards an update: unsharded, whole
-            if not accumulated:
-                memory["gradients"] = -(-memory["gradients"] // world)
-                if backward:
-                    memory["gradients"] += shape.root_trained + 2 * shape.unit_trained
-            memory["optimizer_state"] = -(-memory["optimizer_state"] // world)
-            if name == train_step.OPTIMIZER_STEP:
-                memory["temporaries"] = -(-memory["temporaries"] // world)
-            moved = spread * (shape.parameters * (phase.forwards + phase.grad_forwards)
-                              + (shape.trained * updates if name == "inner update" else 0))
-        else:
-            memory["gradients"] += shape.trained  # the reducer's buckets
-            moved = 2 * spread * shape.trained * updates if name == "inner update" else 0.0
-        phase.peak += sum(memory[c] for c in CATEGORIES) - sum(phase.memory[c] for c in CATEGORIES)
+        memory["gradients"] += trained  # the reducer's buckets
+        phase.peak = _peak(phase, memory)
         phase.memory = memory
-        if interconnect:
-            seconds = moved / interconnect
-            communication[name] = seconds
-            phase.costs.closed += max(0.0, seconds - phase.costs.seconds)
-    notes = [_memory_note(parallel, world, shape), _time_note(parallel, interconnect)]
-    return communication, notes
+        if wire is not None:
+            collectives = Collectives()
+            if name == train_step.INNER_UPDATE:
+                collectives.all_reduces = updates
+                collectives.all_reduce_bytes = 2 * all_gather(trained, world) * updates
+                collectives.overlapped = updates * wire.collective(2 * all_gather(trained, world), world)
+            out.collectives[name] = collectives
+            phase.costs.closed += max(0.0, collectives.overlapped - phase.costs.seconds)
+    out.notes = [f"DDP on {world} GPUs: each rank plans its share of the prompts with the whole model; gradients "
+                 f"add the reducer's buckets, a copy of every trained gradient ({trained / 1e9:.2f} GB, DDP's "
+                 "default gradient_as_bucket_view=False); one all-reduce of the trained gradients per optimizer "
+                 "step (2 (N-1)/N of their bytes)"]
+    if wire is not None:
+        out.notes.append(_links_note(wire, settings))
 
 
-def _memory_note(parallel: str, world: int, shape: Layout) -> str:
-    if parallel == "ddp":
-        return (f"DDP on {world} GPUs: each rank plans its share of the prompts with the whole model; gradients add "
-                f"the reducer's buckets, a copy of every trained gradient ({shape.trained / 1e9:.2f} GB, DDP's "
-                "default gradient_as_bucket_view=False)")
-    return (f"FSDP2 on {world} GPUs: each rank plans its share of the prompts; the policy's parameters, gradients "
-            "and AdamW state (and the optimizer step's temporaries) at 1/N; where the policy runs, unsharded at once: "
-            f"the root's unit ({shape.root / 1e9:.2f} GB: embedding, norm, head) and two of the largest layer unit "
-            f"({shape.unit / 1e9:.2f} GB each: the one computing and the one prefetched), and in a backward their "
-            "gradients; an update of several backwards accumulates unsharded gradients (set_requires_gradient_sync("
-            "False) until the last), so there gradients stay whole; the reference copy is not sharded "
-            "(train wraps the policy only); activations, KV cache and other temporaries as the rank's own step")
-
-
-def _time_note(parallel: str, interconnect: float | None) -> str:
-    if not interconnect:
-        return "communication: no time (no GPU, or its interconnect is unknown in planning/gpus.py)"
-    what = ("each call of the policy all-gathers its weights ((N-1)/N of their bytes, stored dtype; every "
-            "denoising forward of the rollout), each backward again, and each optimizer step reduce-scatters the "
-            "trained gradients" if parallel == "fsdp2" else
-            "one all-reduce of the trained gradients per optimizer step (2 (N-1)/N of their bytes)")
-    return (f"communication: {what}, at {interconnect / 1e9:.0f} GB/s bus bandwidth (an assumption, not fitted: "
-            "about 80% of one direction of the GPU link, planning/gpus.py), overlapped with compute: a phase takes "
-            "max(compute, communication); collectives' latency not counted")
+__all__ = ["Collectives", "ParallelPlan", "ParallelSettings", "Sizes", "layout", "per_gpu", "rank_config",
+           "ROLLOUT_MARGIN"]

@@ -25,10 +25,12 @@ from dllm_fast.likelihood import MicroBatching
 from dllm_fast.planning.accounting import Target
 from dllm_fast.planning.fit import extrapolate
 from dllm_fast.planning.gpus import GPU, gpu as gpu_named
-from dllm_fast.planning.parallel import per_gpu, rank_config
+from dllm_fast.planning.layout import ParallelSettings
+from dllm_fast.planning.parallel import ParallelPlan, Sizes, layout, per_gpu, rank_config
 from dllm_fast.planning.step import (PHASES, UPDATE_PHASES, PhasePlan, Session, fixed_n_t, one_pass, probe_n_t,
                                      two_pass_line)
 from dllm_fast.train.config import TrainConfig, micro_batching
+from dllm_fast.train.precision import training_precision
 from dllm_fast.train.settings import AUTO, DEFAULT_MICRO_BATCH
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -58,6 +60,7 @@ class Plan:
     world: int = 1  # GPUs under torchrun: the plan is one rank's (its share of the prompts), see parallel.py
     parallel: str | None = None  # "ddp" or "fsdp2" when world > 1
     communication: dict[str, float] = field(default_factory=dict)  # seconds of collectives by phase (world > 1)
+    parallel_plan: ParallelPlan | None = None  # collectives by phase, the rollout's path, ... (world > 1)
 
     @property
     def peak(self) -> int:
@@ -88,7 +91,7 @@ class Plan:
 
 def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_length: int | None = None,
               engine: str = "streaming", weights_dtype: str | None = None, search: bool = True,
-              allow_tf32: bool = False, world: int = 1) -> Plan:
+              allow_tf32: bool = False, world: int = 1, parallel: ParallelSettings | None = None) -> Plan:
     """Plan one step of `config` on `gpu` (a name from planning.GPUS; None plans for this machine's CPU, without
     a time). prompt_length: tokens per prompt (default: the task's longest training prompt under the configured
     tokenizer). engine: "streaming" (the trainer's), "two_pass" (the streaming engine without its one-pass route
@@ -98,8 +101,13 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     optimizer state in that dtype). search: also find the largest n_t, micro-batch and group size that fit.
     --compile plans what train compiles: rollouts under true, or auto on a GPU; scoring under true only.
     world: GPUs under torchrun, with config.run.parallel ("ddp" or "fsdp2"): the plan is one GPU's, its rank's
-    share of the prompts (planning/parallel.py; the search is left out)."""
+    share of the prompts (planning/parallel.py; the search is left out). parallel: the step on several GPUs in full
+    (GPUs a node, expert parallelism, offload, the rollout's weights, the links: layout.ParallelSettings; default:
+    `world` GPUs in config.run.parallel's mode, the rest as train runs it)."""
     started = time.perf_counter()
+    if parallel is None:
+        parallel = parallel_settings(config, world=world)
+    world = parallel.world
     total = config
     config = rank_config(config, world)
     if weights_dtype is not None and weights_dtype not in WEIGHT_DTYPES:
@@ -110,9 +118,14 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     target = Target("cpu") if gpu is None else Target("cuda", gpu, allow_tf32=allow_tf32)
     if prompt_length is None:
         prompt_length = task_prompt_length(config)
+    stored = training_precision(config, target.device_type,
+                                weights=None if weights_dtype is None else WEIGHT_DTYPES[weights_dtype])
+    # FSDP2 under bf16 autocast gathers bf16 weights (MixedPrecisionPolicy): the rank computes on those
+    sharded_bf16 = world > 1 and parallel.parallel == "fsdp2" and stored.compute is not None
     session = Session(config, target=target, engine=engine,
-                      weights_dtype=None if weights_dtype is None else WEIGHT_DTYPES[weights_dtype])
-    weights_dtype = str(session.precision.trainable).removeprefix("torch.")
+                      weights_dtype=torch.bfloat16 if sharded_bf16 else stored.trainable if weights_dtype else None,
+                      expert_parallel=parallel.expert_parallel)
+    weights_dtype = str(stored.trainable).removeprefix("torch.")
     # --micro-batch auto: planned at the default; the search's largest is what train fits (train/micro_batch.py)
     batching = micro_batching(config, auto=DEFAULT_MICRO_BATCH)
     if engine == "two_pass":
@@ -146,10 +159,12 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
                     rollout.nfe, session.weight_bytes, autocast=session.bf16, compiled=session.compile)
         plan.notes += _notes(plan, probes, n_t, session)
         if world > 1:
-            plan.config, plan.world, plan.parallel = total, world, config.run.parallel
-            plan.communication, parallel_notes = per_gpu(plan.phases, session, world, config.run.parallel,
-                                                         None if gpu is None else gpu.interconnect)
-            plan.notes += parallel_notes
+            plan.config, plan.world, plan.parallel = total, world, parallel.parallel
+            sizes = _sizes(stored, session, sharded_bf16)
+            plan.parallel_plan = per_gpu(plan.phases, layout(session), parallel, gpu, sizes,
+                                         checkpointing=config.model.gradient_checkpointing)
+            plan.communication = plan.parallel_plan.communication
+            plan.notes += plan.parallel_plan.notes
             if search:
                 plan.notes.append("largest settings: not searched on several GPUs (plan them with --gpus 1, or "
                                   "plan each candidate)")
@@ -160,6 +175,27 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
             plan.notes += search_notes
     plan.seconds = time.perf_counter() - started
     return plan
+
+
+def parallel_settings(config: TrainConfig, *, world: int = 1, **options) -> ParallelSettings:
+    """The ParallelSettings of a run of `config` on `world` GPUs: its --parallel and --rollout-weights, and its
+    --expert-parallel and --fsdp-offload where the configuration has them; `options` set any field."""
+    flat = config.to_dict()
+    values = dict(world=world, parallel=config.run.parallel, rollout_weights=flat.get("rollout_weights", "auto"))
+    for key in ("expert_parallel", "fsdp_offload"):
+        if key in flat:
+            values[key] = flat[key]
+    return ParallelSettings(**{**values, **options})
+
+
+def _sizes(stored, session: Session, sharded_bf16: bool) -> Sizes:
+    """Bytes an element takes, stored as train stores it (`stored`: train/precision.py's dtypes, or every weight in
+    --weights-dtype) and gathered, reduced and computed as FSDP2 does (MixedPrecisionPolicy under bf16 autocast:
+    gathers in bf16, reductions in fp32)."""
+    trained, frozen = stored.trainable.itemsize, stored.frozen.itemsize
+    return Sizes(trained=trained, frozen=frozen, gather=2 if sharded_bf16 else 0, reduce=max(4, trained),
+                 activation=2 if stored.compute is not None else trained,
+                 session_trained=session.precision.trainable.itemsize)
 
 
 # Bounds on what one plan runs, so that every configuration gets an answer or a refusal in bounded time (a
@@ -267,7 +303,7 @@ def _notes(plan: Plan, probes, n_t: int, session: Session) -> list[str]:
     if plan.config.objective.micro_batch == AUTO:
         notes.append(f"--micro-batch auto: planned at {plan.shapes['micro_batch']}; on a GPU train takes the largest "
                      "that fits 90% of the free memory (the search's, dllm_fast/train/micro_batch.py)")
-    if plan.autocast and plan.weights_dtype == "float32":
+    if plan.autocast and session.precision.trainable == torch.float32:
         notes.append("weights as train keeps them on GPU (train/precision.py): trained weights in fp32, frozen ones "
                      "(a LoRA base, the reference copy) in bf16, bf16 autocast; autocast keeps a bf16 copy of "
                      "trainable fp32 weights for the duration of each phase (counted in temporaries)")

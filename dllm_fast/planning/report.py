@@ -75,9 +75,8 @@ def text(plan: Plan) -> str:
                  + (f"; weight-streaming floor {plan.weight_streaming_floor:.2f} s (each forward reads "
                     f"{plan.weight_bytes / 1e9:.1f} GB of weights at {plan.gpu.bandwidth / 1e12:.2f} TB/s)"
                     if plan.gpu is not None else ""))
-    if plan.communication:
-        lines.append(f"communication per GPU ({plan.parallel.upper()}, overlapped with compute; in time s): "
-                     + "; ".join(f"{name} {seconds:.2f} s" for name, seconds in plan.communication.items()))
+    if plan.parallel_plan is not None:
+        lines += parallel_lines(plan)
     lines.append(verdict(plan))
     if plan.largest:
         lines.append("largest that fit, the others as configured: " + "; ".join(
@@ -86,6 +85,35 @@ def text(plan: Plan) -> str:
     lines += [f"  - {note}" for note in plan.notes]
     lines.append(f"planned in {plan.seconds:.0f} s")
     return "\n".join(lines)
+
+
+def parallel_lines(plan: Plan) -> list[str]:
+    """Collectives per phase of one GPU, the rollout's path and its share of time in communication."""
+    parallel = plan.parallel_plan
+    lines = []
+    if parallel.collectives:
+        lines.append(f"collectives per GPU ({plan.parallel.upper()}), per phase: count x GB crossing its links, "
+                     "seconds (in time s: prefetched gathers and reduce-scatters overlap with compute)")
+        for name, c in parallel.collectives.items():
+            parts = [f"{label} {count:,} x {size / 1e9:.2f} GB" for label, count, size in (
+                ("all-gather", c.all_gathers, c.all_gather_bytes),
+                ("reduce-scatter", c.reduce_scatters, c.reduce_scatter_bytes),
+                ("all-to-all", c.all_to_alls, c.all_to_all_bytes),
+                ("all-reduce", c.all_reduces, c.all_reduce_bytes)) if count]
+            if c.host_bytes:
+                parts.append(f"host copies {c.host_bytes / 1e9:.2f} GB")
+            if parts or c.seconds:
+                lines.append(f"  {name}: " + ", ".join(parts) + f"; {c.seconds:.2f} s ({c.exposed:.2f} s not hidden)")
+    if parallel.rollout_path:
+        what = ("a plain copy gathered once a step" if parallel.rollout_path == "gathered" else
+                "FSDP2's per-layer gathers at every forward")
+        lines.append(f"rollout weights: {parallel.rollout_path}, {what} ({parallel.rollout_reason})"
+                     + (f"; the copy is {'kept between steps' if parallel.copy_kept else 'freed after each rollout'}"
+                        f" ({parallel.keep_reason})" if parallel.rollout_path == "gathered" else ""))
+    if parallel.rollout_communication_share is not None:
+        lines.append(f"rollout communication: {parallel.rollout_communication_share:.1%} of the rollout's "
+                     f"{plan.phases['rollout'].costs.seconds:.2f} s")
+    return lines
 
 
 def _largest(name: str, value: int | None) -> str:
@@ -109,9 +137,10 @@ def verdict(plan: Plan) -> str:
 def _verdict(plan: Plan) -> str:
     worst = max((p for p in plan.phases.values() if p.runs), key=lambda p: p.peak)
     if plan.fits:
+        spare = plan.capacity - plan.peak
         return (f"verdict: FITS on {plan.gpu.description}: peak {_gb(plan.peak)} GB ({worst.name}) of "
-                f"{_gb(plan.capacity)} GB; about {plan.step_seconds:.1f} s per step (datasheet floor "
-                f"{plan.roofline_seconds:.1f} s)")
+                f"{_gb(plan.capacity)} GB, {_gb(spare)} GB ({spare / plan.capacity:.0%}) spare; about "
+                f"{plan.step_seconds:.1f} s per step (datasheet floor {plan.roofline_seconds:.1f} s)")
     return (f"verdict: DOES NOT FIT on {plan.gpu.description}: peak {_gb(plan.peak)} GB ({worst.name}) > "
             f"{_gb(plan.capacity)} GB")
 
@@ -129,6 +158,7 @@ def as_dict(plan: Plan) -> dict:
         "world": plan.world,
         "parallel": plan.parallel,
         "communication_seconds": plan.communication,
+        "parallel_plan": None if plan.parallel_plan is None else _parallel_dict(plan),
         "weights_dtype": plan.weights_dtype,
         "prompt_length": plan.prompt_length,
         "shapes": plan.shapes,
@@ -153,3 +183,16 @@ def as_dict(plan: Plan) -> dict:
         "notes": plan.notes,
         "planning_seconds": plan.seconds,
     }
+
+
+def _parallel_dict(plan: Plan) -> dict:
+    import dataclasses
+
+    parallel = plan.parallel_plan
+    return {"settings": dataclasses.asdict(parallel.settings),
+            "collectives": {name: c.as_dict() for name, c in parallel.collectives.items()},
+            "rollout_path": parallel.rollout_path, "rollout_reason": parallel.rollout_reason,
+            "copy_bytes": parallel.copy_bytes, "copy_kept": parallel.copy_kept, "keep_reason": parallel.keep_reason,
+            "rollout_communication_share": parallel.rollout_communication_share,
+            "alternatives_peak_bytes": parallel.alternatives, "host_bytes_per_rank": parallel.host_bytes,
+            "spare_bytes": None if plan.capacity is None else plan.capacity - plan.peak}

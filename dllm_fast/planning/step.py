@@ -43,6 +43,10 @@ from dllm_fast.train.sources import model_source
 from dllm_fast.train.precision import Precision, training_models, training_precision
 
 ENGINES = ("streaming", "two_pass", "all_graphs")
+# Calls of the policy's model (its base, or the merged copy a LoRA rollout samples through) and of the reference
+# copy, without and with autograd, and the tokens they feed: FSDP2 gathers a model's weights per call, expert
+# parallelism moves each call's tokens to their experts and back.
+MODEL_CALLS = ("policy", "policy_grad", "policy_tokens", "policy_grad_tokens", "reference", "reference_tokens")
 PHASES = train_step.PHASES  # rollout, then per step the update phases
 UPDATE_PHASES = PHASES[1:]
 
@@ -65,13 +69,14 @@ class PhasePlan:
     extrapolated_from: tuple[float, float] | None = None
     start: int = 0  # bytes alive when the phase first started
     category_peaks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
-    forwards: int = 0  # top-level calls of the policy (what FSDP2 all-gathers the weights for), over its runs
-    grad_forwards: int = 0  # those of them with autograd on: each has a backward
+    # the model calls by kind (MODEL_CALLS), over its runs: what collectives a phase runs (planning/parallel.py)
+    model_calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODEL_CALLS, 0))
 
     def add(self, peak: int, memory: dict[str, int], costs: Costs, calls_run: int, calls_replayed: int,
-            start: int = 0, category_peaks: dict[str, int] | None = None, forwards: tuple[int, int] = (0, 0)) -> None:
-        self.forwards += forwards[0]
-        self.grad_forwards += forwards[1]
+            start: int = 0, category_peaks: dict[str, int] | None = None,
+            model_calls: dict[str, int] | None = None) -> None:
+        for kind, count in (model_calls or {}).items():
+            self.model_calls[kind] += count
         if not self.runs:
             self.start = start
         for category, size in (category_peaks or {}).items():
@@ -99,18 +104,21 @@ class Session:
 
     def __init__(self, config: TrainConfig, *, target: Target, weights_dtype: torch.dtype | None = None,
                  engine: str = "streaming", assumptions: Assumptions | None = None, optimizer: bool = True,
-                 fast: bool = True):
+                 fast: bool = True, expert_parallel: int = 1):
         """weights_dtype: every model's weights in this dtype (None: what train loads for the target's device,
         dllm_fast.train.precision). optimizer: allocate the AdamW state a training step holds (False for a
         rollout on its own). fast=False plans the same step without the shortcuts that leave the plan as it is
         (every optimizer step run, every op on constants through FakeTensorMode's own path, every parameter a
-        replayed call reaches linked into its graph): for tests that they change nothing."""
+        replayed call reaches linked into its graph): for tests that they change nothing. expert_parallel: the
+        rank of an expert group of that many (its own num_experts / expert_parallel routed experts a MoE layer,
+        planning/layout.expert_rank_config)."""
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is not one of {', '.join(ENGINES)}.")
         self.config, self.target, self.engine = config, target, engine
         self.objective = objectives.get(config.objective.name, **config.objective.options)
         self.precision = training_precision(config, target.device_type, weights=weights_dtype)
-        self.policy, self.reference, self.base = _build_models(config, self.objective, self.precision)
+        self.policy, self.reference, self.base = _build_models(config, self.objective, self.precision,
+                                                               expert_parallel)
         base = self.base
         if assumptions is None:
             special = (base.mask_token_id, base.eos_token_id, getattr(base, "eot_token_id", None))
@@ -146,10 +154,11 @@ class Session:
             for tensor in [*module.parameters(), *module.buffers()]:
                 self.accountant.track(tensor, "parameters")
         self.accountant.watch_gradients(self.trainable)
-        # the policy's top-level calls, counted per phase (planning/parallel.py: FSDP2 gathers the weights per call)
-        self.policy_calls = {False: 0, True: 0}
-        counter = self.policy.register_forward_pre_hook(self._count_policy_call)
-        stack.callback(counter.remove)
+        # the models' calls, counted per phase (planning/parallel.py: FSDP2 gathers the weights per call)
+        self.model_calls = dict.fromkeys(MODEL_CALLS, 0)
+        for model, kind in ((self.base, "policy"), (self.reference, "reference")):
+            if model is not None:
+                stack.callback(model.register_forward_pre_hook(self._model_call(kind), with_kwargs=True).remove)
         self.replayer = Replayer(self.accountant, self.mode, state=_adapter_state(self.policy),
                                  link_all_parameters=not self.fast)
         self._recorded = RecordedWork(self.accountant, enabled=self.fast)
@@ -172,8 +181,13 @@ class Session:
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)
 
-    def _count_policy_call(self, module, args) -> None:
-        self.policy_calls[torch.is_grad_enabled()] += 1
+    def _model_call(self, kind: str):
+        def count(module, args, kwargs) -> None:
+            name = kind + ("_grad" if kind == "policy" and torch.is_grad_enabled() else "")
+            ids = args[0] if args else kwargs.get("input_ids")
+            self.model_calls[name] += 1
+            self.model_calls[name + "_tokens"] += ids.numel() if isinstance(ids, torch.Tensor) else 0
+        return count
 
     def _replay(self, merged) -> None:
         """The merged copy of a LoRA policy that merged rollouts sample through (models.merged_lora), once: its
@@ -186,6 +200,7 @@ class Session:
         self.replayer.install(merged)
         for block in merged.shard_units():
             self.replayer.install(block)
+        self._stack.callback(merged.register_forward_pre_hook(self._model_call("policy"), with_kwargs=True).remove)
 
     @property
     def weight_bytes(self) -> int:
@@ -199,16 +214,15 @@ class Session:
 
     @contextlib.contextmanager
     def phase(self, plan: PhasePlan):
-        accountant, calls, policy_calls = self.accountant, dict(self.replayer.calls), dict(self.policy_calls)
+        accountant, calls, model_calls = self.accountant, dict(self.replayer.calls), dict(self.model_calls)
         with self.replayer.region():
             mark = accountant.mark()
             yield
         accountant.release(mark)
-        forwards = [self.policy_calls[grad] - policy_calls[grad] for grad in (False, True)]
         plan.add(mark.peak, mark.peak_memory, mark.costs,
                  self.replayer.calls["run"] - calls["run"], self.replayer.calls["replayed"] - calls["replayed"],
                  start=sum(mark.memory.values()), category_peaks=mark.category_peaks,
-                 forwards=(sum(forwards), forwards[1]))
+                 model_calls={kind: self.model_calls[kind] - model_calls[kind] for kind in MODEL_CALLS})
 
     def measure(self, name: str, fn):
         """Run `fn()` as a phase of its own: (its PhasePlan, what it returned). For plans of single calls (a
@@ -339,7 +353,7 @@ def two_pass_line(batching: MicroBatching) -> MicroBatching:
 # building the fake models
 
 
-def _build_models(config: TrainConfig, objective, precision: Precision):
+def _build_models(config: TrainConfig, objective, precision: Precision, expert_parallel: int = 1):
     """(policy, reference copy or None, the base model), on the meta device, as train/run.py builds them, in the
     dtypes `precision` gives (train.precision.training_precision: the trainer's own choice, or every weight in
     one dtype for a what-if)."""
@@ -351,6 +365,10 @@ def _build_models(config: TrainConfig, objective, precision: Precision):
             base = family(family.preset_config(PRESETS[str(source)][1]))
         else:
             base = family.from_pretrained(source, device="meta")
+        if expert_parallel > 1:  # the rank of an expert group: its own share of the routed experts
+            from dllm_fast.planning.layout import expert_rank_config
+
+            base = type(base)(expert_rank_config(base.config, expert_parallel))
     base = base.to(precision.base_dtype(config.lora.enabled)).train()
     base.set_gradient_checkpointing(config.model.gradient_checkpointing)
     check_block_length(config, base, evaluated=False)  # a block-diffusion model as train takes it: a preset in

@@ -64,8 +64,6 @@ class TrainConfig:
 
     def _check_consistency(self) -> None:
         """What no one section can check alone."""
-        if self.run.parallel == "fsdp2" and self.lora.enabled:
-            raise ValueError("--parallel fsdp2 shards a full fine-tune; with --lora true use --parallel ddp.")
         rollout = self.rollout
         from dllm_fast.train.sources import block_diffusion_model, check_cache
 

@@ -99,6 +99,7 @@ def _train(run: Run) -> TrainResult:
         # 5. Inner updates: objective gradient, clip, AdamW, schedule.
         with phases.phase("update"), router_load(run.model) as load:  # experts' balance (MoE models)
             updates = [run.update(batch, update) for update in plan]
+        run.after_step(phases.peak)  # FSDP2's gathered rollout copy: kept or freed by the measured peak
 
         group_size = config.run.group_size
         correct = [run.task.correct(examples[row // group_size], text) for row, text in enumerate(completions)]

@@ -33,6 +33,7 @@ from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
 from dllm_fast.train.precision import add_lora  # noqa: F401  (re-exported: the planner and tests import it here)
 from dllm_fast.train.precision import Precision, short_name, training_models, training_precision
 from dllm_fast.train.resume import CONFIG, check_resumable, saved_config
+from dllm_fast.train.rollout_weights import keep_copy, rollout_weights_for
 from dllm_fast.train import step as train_step
 from dllm_fast.train.run_dir import RunDirectory
 from dllm_fast.train.settings import AUTO, DEFAULT_MICRO_BATCH
@@ -56,6 +57,8 @@ class RunSetup:
                              f"{ranks.world} ranks: each rank rolls out its own complete prompt groups.")
         self.share = ranks.share(config.run.prompts_per_step)
         self.sharded = sharded(config.run.parallel, ranks)
+        if self.sharded and config.lora.enabled:  # issue 46's FSDP2 shards a LoRA run's frozen base (its branch)
+            raise ValueError("--parallel fsdp2 shards a full fine-tune; with --lora true use --parallel ddp.")
         if self.sharded and config.rollout.threshold is not None:
             raise ValueError("--threshold decoding takes a different number of model calls on each rank, which "
                              "FSDP2's sharded forwards cannot; use a fixed schedule (--diffusion-steps) or DDP.")
@@ -134,6 +137,13 @@ class Run:
                                                      needs_reference=self.objective.needs_reference)
         self.model = data_parallel_wrapper(self.model, config.run.parallel, ranks, self.device)
         self.core = unwrap_model(self.model)
+        self.rollout_weights = None  # under FSDP2: the gathered copy rollouts run on (train/rollout_weights.py)
+        if self.sharded:
+            self.rollout_weights, note = rollout_weights_for(self.model, config, ranks, self.device, self.precision)
+            self.setup_notes.append(note)
+        elif config.run.rollout_weights != "auto":
+            self.setup_notes.append(f"--rollout-weights {config.run.rollout_weights}: nothing to gather without "
+                                    "FSDP2 on several ranks; rollouts run on the model itself")
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.optim.lr, betas=tuple(config.optim.betas),
                                            weight_decay=config.optim.weight_decay)
@@ -169,8 +179,22 @@ class Run:
         result = train_step.roll_out(self.core, input_ids, attention_mask, self.generate_config,
                                      generator=self.rollout_generator,
                                      record_unmask_step=self.objective.needs_unmask_step, hooks=self.step_hooks,
-                                     merge_adapters=c.lora.enabled and c.lora.merge_rollouts)
+                                     merge_adapters=c.lora.enabled and c.lora.merge_rollouts and not self.sharded,
+                                     weights=self.rollout_weights)
         return result, decode_completions(self.tokenizer, result), time.perf_counter() - started
+
+    def after_step(self, peaks: dict[str, int]) -> None:
+        """The measured rule of the gathered copy (train/rollout_weights.keep_copy): kept between steps when the
+        step's measured peak without it (`peaks`: bytes by phase, CUDA's max_memory_allocated) plus the copy stays
+        within the margin of the device's memory; the ranks agree on rank 0's answer."""
+        copy = self.rollout_weights
+        if copy is None or self.device.type != "cuda":
+            return
+        measured = max((peak for name, peak in peaks.items() if name != "rollout"), default=None)
+        if measured is not None and copy.keep:
+            measured -= copy.nbytes
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        copy.keep = self.ranks.gather(keep_copy(measured, copy.nbytes, total)[0])[0]
 
     def rollout_batch(self, examples, rollout, completions) -> RolloutBatch:
         """The task's rewards of the completions, with the rollouts: what the objective consumes."""

@@ -22,6 +22,7 @@ from dllm_fast.validation import check_float, check_int
 
 SCHEDULES = ("constant", "cosine", "linear")
 PARALLEL = ("ddp", "fsdp2")
+ROLLOUT_WEIGHTS = ("auto", "gathered", "sharded")  # train/rollout_weights.py
 # A setting the run decides for its device: `--compile auto`, `--micro-batch auto`.
 AUTO = "auto"
 Auto = Literal["auto"]
@@ -87,6 +88,10 @@ class RunSettings(_Settings):
     threads: int | None = option(None, help="CPU threads (default: torch's)")
     parallel: str = option("ddp", help="under torchrun: ddp, or fsdp2 (full fine-tunes; sharded weights)",
                            choices=PARALLEL)
+    rollout_weights: str = option("auto", help="under --parallel fsdp2, what rollouts run on: gathered (a plain copy "
+                                               "of the weights gathered once a step), sharded (FSDP2's per-layer "
+                                               "gathers at every forward), or auto (gathered when it fits beside "
+                                               "the rollout, train/rollout_weights.py)", choices=ROLLOUT_WEIGHTS)
     steps: int = option(300, help="optimisation steps (each: rollouts, then the inner updates)")
     prompts_per_step: int = option(8, help="prompts per step (a multiple of the number of ranks)")
     group_size: int = option(8, help="G: completions per prompt")
@@ -105,6 +110,7 @@ class RunSettings(_Settings):
         if not self.output_dir.strip():
             raise ValueError("--output-dir is empty; name the run directory (e.g. runs/default).")
         check_choice(self, "parallel")
+        check_choice(self, "rollout_weights")
         check_choice(self, "task")
         if self.resume and self.overwrite:
             raise ValueError("--resume true continues the run in --output-dir and --overwrite true replaces it; "

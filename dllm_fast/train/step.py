@@ -57,19 +57,27 @@ NO_HOOKS = StepHooks()
 
 def roll_out(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerateConfig, *,
              generator: torch.Generator, record_unmask_step: bool, hooks: StepHooks = NO_HOOKS,
-             merge_adapters: bool = False):
+             merge_adapters: bool = False, weights=None):
     """`generate`'s result for the prompts. The model samples in eval mode (no dropout) and is left in the mode it
     was in. record_unmask_step: trajectory objectives (TraceRL) replay the decoding order, so only they ask for it.
     merge_adapters: a LoRA policy samples through a copy of its adapted weights with the adapters merged in
-    (models.merged_lora: one GEMM a projection; refreshed when the adapters have moved)."""
+    (models.merged_lora: one GEMM a projection; refreshed when the adapters have moved). weights: an FSDP2
+    policy's gathered copy (train/rollout_weights.GatheredWeights), filled before the rollout and released after."""
     with hooks.phase(ROLLOUT):
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad(), hooks.autocast():
-                sampler = merged_for_rollouts(model) if merge_adapters else model
-                return generate(sampler, input_ids, attention_mask, config, generator=generator,
-                                record_unmask_step=record_unmask_step)
+                if weights is not None:
+                    sampler = weights.gather()
+                else:
+                    sampler = merged_for_rollouts(model) if merge_adapters else model
+                try:
+                    return generate(sampler, input_ids, attention_mask, config, generator=generator,
+                                    record_unmask_step=record_unmask_step)
+                finally:
+                    if weights is not None:
+                        weights.release()
         finally:
             model.train(was_training)
 
