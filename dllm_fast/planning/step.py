@@ -304,9 +304,13 @@ def smallest_n_t(config: TrainConfig) -> int:
 
 
 def fixed_n_t(config: TrainConfig) -> bool:
-    """Whether the objective's samples are not n_t masks drawn per sequence but the rollout's own decoding states
-    (TraceRL's trajectory sampler): its n_t stays as configured, and its work follows the rollout instead."""
-    return objectives.get(config.objective.name, **config.objective.options).config.sampler == "trajectory"
+    """Whether the objective's samples are not n_t masks drawn per sequence but follow from the rollouts (TraceRL's
+    trajectory sampler: the decoding states; JustGRPO's autoregressive one: a sample per completion position): its
+    n_t stays as configured, and its work follows the rollout instead."""
+    from dllm_fast.likelihood.samplers import SAMPLERS
+
+    sampler = objectives.get(config.objective.name, **config.objective.options).config.sampler
+    return SAMPLERS[sampler].data_n_t
 
 
 def one_pass(config: TrainConfig, micro_batch: int, n_t: int, *, allowed: bool = True) -> bool:
