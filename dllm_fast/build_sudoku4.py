@@ -42,7 +42,7 @@ from dllm_fast.files import write_text_atomic
 from dllm_fast.models import LLaDAConfig, LLaDAModel, SDARConfig, SDARModel
 from dllm_fast.sft import draw_sft_masks, encode_sft_batch, sft_loss
 from dllm_fast.tasks import Example, get_task
-from dllm_fast.tasks.sudoku4 import as_rows
+from dllm_fast.tasks.sudoku4 import as_rows, row_by_row_fill
 from dllm_fast.train.evaluation import evaluate
 from dllm_fast.validation import check_int, check_probability
 
@@ -50,17 +50,6 @@ COMPLETION_LENGTH = SUDOKU4_GENERATION["gen_length"]
 ARCHITECTURES = ("llada", "sdar")
 # Each architecture's generation settings (what it is evaluated with) and the defaults of its build that differ.
 GENERATION = {"llada": SUDOKU4_GENERATION, "sdar": SDAR_SUDOKU4_GENERATION}
-
-
-def row_by_row_fill(puzzle: str) -> str:
-    """The careless solver: each row's missing digits written into its blanks in increasing order, columns and
-    boxes ignored. Right on rows with one blank, often wrong elsewhere."""
-    rows = []
-    for r in range(4):
-        row = puzzle[r * 4:(r + 1) * 4]
-        missing = iter(sorted(set("1234") - set(row)))
-        rows.append("".join(next(missing) if cell == "0" else cell for cell in row))
-    return "".join(rows)
 
 
 def careless_demonstration(example: Example) -> str:
