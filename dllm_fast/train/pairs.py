@@ -74,5 +74,5 @@ class PairSource:
             index = int(text.split()[1]) if text.startswith("completion ") else None
             where = "" if index is None else (f" (the {which} completion of "
                                               f"{examples[index].source or repr(examples[index].question[:80])})")
-            raise ValueError(f"{text}{where}; preference pairs are encoded to --gen-length {self.gen_length} "
+            raise ValueError(f"{text.rstrip('.')}{where}; preference pairs are encoded to --gen-length {self.gen_length} "
                              "tokens: raise --gen-length or shorten the completions.") from None
