@@ -124,15 +124,17 @@ def batch_eos():
 @pytest.mark.parametrize("options", [dict(), dict(normalization="none", beta=0.05), dict(sampler="stratified_l")],
                          ids=["padded", "raw", "floor_stratified"])
 def test_vrpo_dpo_matches_its_twin(options):
+    """Pair 0's chosen completion first, pair 1's second (the larger reward marks it)."""
     sequences, attention_mask = rollouts(batch_eos())
-    batch = preference_batch(sequences[0::2, :P], sequences[0::2, P:], sequences[1::2, P:], eos_token_id=batch_eos())
+    batch = batch_of(sequences, attention_mask, batch_eos(), rewards=(1.0, 0.0, 0.25, 1.0))
     objective = objectives.get("vrpo_dpo", **options)
     masks = objective.draw_masks(batch, generator=torch.Generator().manual_seed(0), eos_token_id=batch_eos())
     lp, lp_ref = random_lp(masks, 0), random_lp(masks, 2)
     inputs = inputs_for(objective, batch, masks, lp_ref=lp_ref)
     got = value_and_grad(lambda x: objective.loss(x, inputs), lp, masks)
     c = objective.config
-    want = value_and_grad(lambda x: twins.vrpo_dpo(x, masks, lp_ref, beta=c.beta, normalization=c.normalization), lp, masks)
+    want = value_and_grad(lambda x: twins.vrpo_dpo(x, masks, batch.rewards, 2, lp_ref, beta=c.beta,
+                                                   normalization=c.normalization), lp, masks)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda x: objective.loss(x, inputs), lp.clone().requires_grad_(True))
 
@@ -290,12 +292,19 @@ def test_vrpo_at_the_reference_with_shared_masks_is_log_2_with_the_dpo_gradient(
     assert (scores.abs() > 1e-3).all()
 
 
-def test_vrpo_refuses_a_batch_that_is_not_pairs():
+def test_vrpo_refuses_what_is_not_preference_pairs():
     model = llada()
     sequences, attention_mask = rollouts(model.eos_token_id)
-    with pytest.raises(ValueError, match="preference pairs.*preference_batch"):
-        objectives.get("vrpo_dpo").backward(model, batch_of(sequences, attention_mask, model.eos_token_id),
-                                            micro_batch=4, generator=torch.Generator(), ref_model=model)
+    objective = objectives.get("vrpo_dpo")
+    groups_of_four = RolloutBatch(sequences, attention_mask, P, completion_mask(sequences[:, P:], model.eos_token_id),
+                                  torch.tensor([1.0, 0.0, 0.5, 0.25]), group_size=4)
+    with pytest.raises(ValueError, match="groups of two .*group_size 4.*preference_batch"):
+        objective.backward(model, groups_of_four, micro_batch=4, generator=torch.Generator(), ref_model=model)
+    tie = batch_of(sequences, attention_mask, model.eos_token_id, rewards=(1.0, 0.0, 0.5, 0.5))
+    with pytest.raises(ValueError, match=r"pair 1 \(rows 2 and 3\) has two equal rewards"):
+        objective.backward(model, tie, micro_batch=4, generator=torch.Generator(), ref_model=model)
+    with pytest.raises(ValueError, match="vrpo_dpo has no advantage .*scale_rewards does not apply"):
+        objectives.get("vrpo_dpo", scale_rewards=True)
 
 
 class ToyLM(torch.nn.Module):

@@ -107,7 +107,8 @@ class EBPO(Objective):
         log_ratio, advantage = self.log_ratio(lp, inputs), inputs.advantage(lp)
         clipped = (((log_ratio > math.log1p(c.epsilon_high)) & (advantage > 0))
                    | ((log_ratio < math.log1p(-c.epsilon_low)) & (advantage < 0)))
-        stats = {"log_ratio_mean": log_ratio.mean(), "log_ratio_max": log_ratio.abs().max(),
+        ratio = torch.exp(log_ratio)  # logged as it is (inf for a log-ratio beyond 709: the loss never forms it)
+        stats = {"ratio_mean": ratio.mean(), "ratio_max": ratio.max(), "log_ratio_mean": log_ratio.mean(),
                  "clip_fraction": clipped.double().mean(), "elbo_mean": elbo(lp, inputs.masks).mean()}
         if c.beta > 0:
             stats["kl"] = self.kl(lp, inputs)

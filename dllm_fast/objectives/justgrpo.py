@@ -112,7 +112,7 @@ class JustGRPO(Objective):
         tokens = target.sum().clamp_min(1)
         clip = clipped(ratio, advantage, self.config.epsilon, self.config.epsilon) & target
         log_likelihood = torch.where(target, lp, torch.zeros((), dtype=lp.dtype, device=lp.device)).sum((1, 2))
-        return {"ratio_mean": ratio[target].mean(), "clip_fraction": clip.sum() / tokens,
+        return {"ratio_mean": ratio[target].mean(), "ratio_max": ratio[target].max(), "clip_fraction": clip.sum() / tokens,
                 "log_likelihood_mean": log_likelihood.mean(),
                 "valid_rows": torch.tensor(inputs.extra["valid_rows"])}
 

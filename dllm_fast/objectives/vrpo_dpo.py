@@ -13,14 +13,16 @@ score is exactly 0 whatever the masks, loss = log 2, and the masks' noise cancel
 normalization="padded" divides the ELBOs by R, the padded completion width (DARE's ELBO / R: beta then depends
 on the padding); "none" uses the raw ELBOs (beta_effective = beta / R of the padded form). beta 0.2, n 4: DARE's.
 
-Batches are preference pairs, not rollouts: `preference_batch` lays them out as a RolloutBatch of groups of two,
-row 2k the chosen completion y_w and row 2k + 1 the rejected y_l of prompt k, with rewards 1 and 0 (the
-preference), so the engine, the masks and the planner take them as they are. The loss couples a pair's two
-sequences, so it runs on the two-pass engine (exact gradient; memory independent of n_t).
+Batches are preference pairs, not rollouts: a RolloutBatch of groups of two completions of one prompt whose
+rewards differ, the larger reward marking the chosen completion y_w. `preference_batch` lays stored pairs out so
+(row 2k chosen, row 2k + 1 rejected, rewards 1 and 0), and the engine, the masks and the planner take them as
+they are. A pair has no advantage: the advantage options do not apply and are refused. The loss couples a pair's
+two sequences, so it runs on the two-pass engine (exact gradient; memory independent of n_t).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +47,11 @@ class VRPODPOConfig(ObjectiveConfig):
         super().__post_init__()
         check_float("beta", self.beta, minimum=0.0, open_minimum=True, hint="DPO's beta; DARE uses 0.2")
         check_choice("normalization", self.normalization, NORMALIZATIONS)
+        defaults = {f.name: f.default for f in dataclasses.fields(ObjectiveConfig) if f.name != "masks"}
+        changed = sorted(name for name, value in defaults.items() if getattr(self, name) != value)
+        if changed:
+            raise ValueError(f"vrpo_dpo has no advantage (a pair's preference is the order of its two rewards), so "
+                             f"{', '.join(changed)} does not apply; leave the advantage options at their defaults.")
 
 
 class VRPODPO(Objective):
@@ -56,20 +63,17 @@ class VRPODPO(Objective):
     def needs_reference(self) -> bool:
         return True
 
-    def advantages(self, batch: RolloutBatch) -> torch.Tensor:
-        """None: a preference needs no advantage (zeros, for the shared bookkeeping)."""
-        return torch.zeros(batch.num_rollouts, dtype=torch.float64)
-
     def extra(self, batch, masks):
-        check_preference_batch(batch)
-        return {}
+        """+1 where a pair's first row is the chosen one, -1 where its second is."""
+        return {"order": preference_order(batch)}
 
     def scores(self, lp, inputs: LossInputs) -> torch.Tensor:
-        """[K] s_k, the pairs' preference scores."""
+        """[K] s_k, the pairs' preference scores (chosen minus rejected)."""
         masks = inputs.masks
         relative = elbo(lp, masks) - elbo(inputs.ref(lp), masks)  # B_theta - B_ref per sequence, same masks
         width = float(masks.completion_length) if self.config.normalization == "padded" else 1.0
-        return self.config.beta * (relative[0::2] - relative[1::2]) / width
+        order = inputs.extra["order"].to(device=lp.device, dtype=lp.dtype)
+        return self.config.beta * order * (relative[0::2] - relative[1::2]) / width
 
     def loss(self, lp, inputs: LossInputs):
         return F.softplus(-self.scores(lp, inputs)).mean()  # -log sigmoid(s), stable for any s
@@ -77,18 +81,26 @@ class VRPODPO(Objective):
     def stats(self, lp, inputs):
         scores = self.scores(lp, inputs)
         bound = elbo(lp, inputs.masks)
+        first = inputs.extra["order"].to(lp.device) > 0
+        chosen = torch.where(first, bound[0::2], bound[1::2])
         return {"preference_score_mean": scores.mean(), "preference_accuracy": (scores > 0).double().mean(),
-                "chosen_elbo_mean": bound[0::2].mean(), "rejected_elbo_mean": bound[1::2].mean()}
+                "chosen_elbo_mean": chosen.mean(), "rejected_elbo_mean": (bound[0::2] + bound[1::2] - chosen).mean()}
 
 
-def check_preference_batch(batch: RolloutBatch) -> None:
-    """Raise unless `batch` is preference pairs as `preference_batch` lays them out."""
-    rewards = batch.rewards
-    if batch.group_size != 2 or not bool((rewards[0::2] > rewards[1::2]).all()):
-        raise ValueError("vrpo_dpo trains on preference pairs: a RolloutBatch of groups of two (group_size 2), row 2k "
-                         "the chosen completion and row 2k + 1 the rejected one, the chosen's reward the larger "
-                         f"(got group_size {batch.group_size}); build it with "
-                         "dllm_fast.objectives.vrpo_dpo.preference_batch(prompt_ids, chosen_ids, rejected_ids, ...).")
+def preference_order(batch: RolloutBatch) -> torch.Tensor:
+    """[K] float64: +1 where pair k's first completion has the larger reward (it is the chosen one), -1 where its
+    second has; a ValueError unless `batch` is pairs (groups of two whose rewards differ)."""
+    rewards = batch.rewards.double()
+    if batch.group_size != 2:
+        raise ValueError(f"vrpo_dpo trains on preference pairs, groups of two completions of one prompt (got "
+                         f"group_size {batch.group_size}); build the batch with "
+                         "dllm_fast.objectives.preference_batch(prompt_ids, chosen_ids, rejected_ids, ...).")
+    tied = rewards[0::2] == rewards[1::2]
+    if bool(tied.any()):
+        k = int(tied.nonzero()[0])
+        raise ValueError(f"pair {k} (rows {2 * k} and {2 * k + 1}) has two equal rewards ({float(rewards[2 * k])}), "
+                         "so neither completion is preferred; a pair's larger reward marks its chosen completion.")
+    return torch.where(rewards[0::2] > rewards[1::2], 1.0, -1.0)
 
 
 def preference_batch(prompt_ids: torch.Tensor, chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, *,

@@ -351,17 +351,18 @@ def justgrpo(lp, masks, rewards, group_size, lp_old=None, *, epsilon=0.2, normal
     return loss
 
 
-def vrpo_dpo(lp, masks, lp_ref, *, beta=0.2, normalization="padded"):
-    """-mean over pairs of log sigmoid(beta [(B(y_w) - B_ref(y_w)) - (B(y_l) - B_ref(y_l))] / R), rows 2k and
-    2k + 1 a pair's chosen and rejected completions, every ELBO on the same masks."""
+def vrpo_dpo(lp, masks, rewards, group_size, lp_ref=None, *, beta=0.2, normalization="padded"):
+    """-mean over pairs of log sigmoid(beta [(B(y_w) - B_ref(y_w)) - (B(y_l) - B_ref(y_l))] / R): rows 2k and
+    2k + 1 a pair, y_w the one with the larger reward, every ELBO on the same masks."""
     N, _, L = lp.shape
     width = float(L) if normalization == "padded" else 1.0
     loss = lp.new_zeros(())
-    for k in range(N // 2):
-        chosen = mc_elbo(lp, masks, 2 * k) - mc_elbo(lp_ref, masks, 2 * k)
-        rejected = mc_elbo(lp, masks, 2 * k + 1) - mc_elbo(lp_ref, masks, 2 * k + 1)
+    for k in range(N // group_size):
+        w, l = (2 * k, 2 * k + 1) if float(rewards[2 * k]) > float(rewards[2 * k + 1]) else (2 * k + 1, 2 * k)
+        chosen = mc_elbo(lp, masks, w) - mc_elbo(lp_ref, masks, w)
+        rejected = mc_elbo(lp, masks, l) - mc_elbo(lp_ref, masks, l)
         loss = loss - torch.nn.functional.logsigmoid(beta * (chosen - rejected) / width)
-    return loss / (N // 2)
+    return loss / (N // group_size)
 
 
 def autoregressive_logprob(model, prompt: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
