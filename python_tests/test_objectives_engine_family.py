@@ -461,9 +461,13 @@ def test_justgrpo_engine_gradient_equals_naive_autograd(temperature):
     out = objective.backward(model, batch, InnerUpdate(masks, lp_old=lp_old), micro_batch=5)
     torch.testing.assert_close(out.loss, loss.detach(), rtol=1e-12, atol=1e-12)
     assert relative_error(gradients(model), want) < 1e-10
-    if temperature != 1.0:  # the tempered lp differ from the plain ones
+    if temperature != 1.0:  # log softmax(logits / T): the plain scoring of a model whose LM head is divided by T
+        scaled = copy.deepcopy(model)
         with torch.no_grad():
+            scaled.lm_head_weight.div_(temperature)
+            want_lp = score(scaled, sequences, masks, micro_batch=16, attention_mask=attention_mask)
             plain = score(model, sequences, masks, micro_batch=16, attention_mask=attention_mask)
+        torch.testing.assert_close(out.lp, want_lp, rtol=1e-12, atol=1e-12)
         assert not torch.allclose(plain, out.lp)
 
 
