@@ -534,6 +534,8 @@ def test_zero_std_groups_are_kept_with_zero_advantage():
     model = tiny_model()
     batch = rollout_batch(model, rewards=(1.0, 1.0, 0.0, 1.0))
     for name in NAMES:
+        if objectives.get(name).preference_pairs:  # no advantage; a tied pair prefers nothing and is refused
+            continue
         objective = make(name)
         advantage = objective.advantages(batch)
         assert torch.isfinite(advantage).all() and (advantage[:2] == 0).all(), name

@@ -202,7 +202,7 @@ def test_the_autoregressive_family_masks_the_suffix_and_reads_one_position():
         assert masks.n_t == n_t and masks.sampler == "autoregressive"
         completion = masks.masked[..., P:]
         for j in range(n_t):
-            assert completion[:, j].eq(torch.arange(L) >= j).all()
+            assert completion[:, j].eq((torch.arange(L) >= j) | ~masks.counted).all()
             assert masks.target[:, j].eq((torch.arange(L) == j) & masks.counted).all()
         assert not masks.masked[..., :P].any()
         assert (masks.weight == n_t).all()

@@ -513,11 +513,12 @@ def _autoregressive(uniform: Uniform, canvas: Canvas, spec) -> Drawn:
     check_pairs(N, n_t)
     position = torch.arange(L, device=counted.device)
     sample = torch.arange(n_t, device=counted.device)[:, None]
-    completion_masked = (position[None, :] >= sample)[None].expand(N, n_t, L)  # mask j: positions i >= j
+    # mask j: positions i >= j (and, as every sampler keeps them, the positions that do not count)
+    completion_masked = (position[None, :] >= sample)[None] | ~counted[:, None, :]
     target = (position[None, :] == sample)[None] & counted[:, None, :]  # and reads position j
     weight = torch.full((N, n_t), float(n_t), dtype=torch.float64, device=counted.device)
     t = (completion_masked & counted[:, None, :]).sum(-1).double() / _row_lengths(counted)
-    return Drawn(target, weight, t, completion_masked=completion_masked.clone(), target=target)
+    return Drawn(target, weight, t, completion_masked=completion_masked, target=target)
 
 
 def _stratified_linspace(uniform: Uniform, canvas: Canvas, spec) -> Drawn:

@@ -213,8 +213,9 @@ class Objective:
     # Named settings of the official scripts, e.g. a task's (`objectives.get("spg", preset="sudoku")`); options
     # given beside a preset override it.
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
-    # Trains on stored preference pairs instead of rollouts (offline VRPO/DPO): its batches are
-    # objectives.vrpo_dpo.preference_batch's, and a trainer that only rolls out (TRL's GRPOTrainer) refuses it.
+    # Trains on stored preference pairs instead of rollouts (offline VRPO/DPO): batches of groups of two whose
+    # rewards say which is preferred (objectives.preference_batch); the trainer takes them from a preference task
+    # (train/pairs.py), and a trainer that only rolls out (TRL's GRPOTrainer) refuses it.
     preference_pairs: ClassVar[bool] = False
 
     def __init__(self, config: ObjectiveConfig | None = None, *, preset: str | None = None, **overrides: Any):
