@@ -66,6 +66,7 @@ def test_train_runs_ebpo_on_it(tmp_path):
 
     result = train(TrainConfig(model="sdar-sudoku4", block_length=4, cache="block", objective="ebpo",
                                objective_options={"n_t": 4}, steps=1, prompts_per_step=2, group_size=4,
+                               task_options={"num_train": 64, "num_test": 8},
                                eval_every=10, checkpoint_every=10, eval_examples=4, progress=False, plot=False,
                                threads=1, output_dir=str(tmp_path / "run")))
     row = result.history[-1]
