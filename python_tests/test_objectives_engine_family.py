@@ -14,7 +14,7 @@ import torch
 import dllm_fast
 from dllm_fast import objectives, reference
 from dllm_fast.contracts import RolloutBatch, completion_mask
-from dllm_fast.likelihood import MicroBatching, elbo, sample_masks, score
+from dllm_fast.likelihood import elbo, sample_masks, score
 from dllm_fast.memory import track_live_saved_tensors
 from dllm_fast.models import LLaDAConfig, LLaDAModel, SDARConfig, SDARModel
 from dllm_fast.objectives import preference_batch
