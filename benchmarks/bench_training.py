@@ -3,6 +3,7 @@
     python benchmarks/bench_training.py                                  # every objective x 3 seeds, 300 steps, 2 jobs
     python benchmarks/bench_training.py --objectives espo spg --seeds 0 1 2 3 4 --steps 200
     python benchmarks/bench_training.py --objectives spg --options '{"spg": {"preset": "sudoku"}}'
+    python benchmarks/bench_training.py --model sdar-sudoku4 --objectives ebpo bgpo --name training_sdar_cpu
 
 Each run is `python -m dllm_fast train --objective NAME --seed S` (TrainConfig's defaults: 8 prompts x G = 8,
 AdamW lr 1e-4, T = 1.0 rollouts, the objective's paper defaults), in its own process with one CPU thread;
@@ -14,6 +15,12 @@ every step of every seed). The rows are written after each run, so an interrupte
 run that fails (a non-finite loss, for one) is listed under "failures" and the sweep goes on. --options gives
 objectives options (JSON: name -> options, e.g. a preset); they are recorded with the results. tracerl needs a
 generate that records the decoding order.
+
+--model picks the embedded model: sudoku4 (LLaDA, the default) or sdar-sudoku4 (SDAR, block diffusion: decoded in
+its blocks of 4 with the block cache). Some objectives need settings of their own (`objective_settings`):
+justgrpo rolls out left to right (block length 1, one step per token), vrpo_dpo trains on the preference pairs
+of sudoku4_pairs instead of rollouts, and ebpo needs the block model (on sudoku4 it is refused and listed under
+"failures").
 """
 
 from __future__ import annotations
@@ -34,12 +41,37 @@ from common import add_results_dir_argument, print_table, write_results  # noqa:
 from dllm_fast import objectives  # noqa: E402
 
 
-def one_run(objective: str, seed: int, steps: int, output_dir: str, options: dict | None = None) -> dict:
+MODELS = ("sudoku4", "sdar-sudoku4")
+
+
+def model_settings(model: str) -> dict:
+    """The trainer's settings for an embedded model: the SDAR model decodes its own blocks of 4, with its cache."""
+    from dllm_fast.assets import SDAR_SUDOKU4_GENERATION
+
+    if model == "sdar-sudoku4":
+        return dict(model=model, block_length=SDAR_SUDOKU4_GENERATION["block_length"],
+                    cache=SDAR_SUDOKU4_GENERATION["cache"])
+    return dict(model=model)
+
+
+def objective_settings(objective: str, gen_length: int = 24) -> dict:
+    """Settings an objective needs beyond its options: JustGRPO's left-to-right rollouts (block length 1, a step a
+    token), offline VRPO's preference pairs instead of rollouts."""
+    if objective == "justgrpo":
+        return dict(block_length=1, diffusion_steps=gen_length)
+    if objective == "vrpo_dpo":
+        return dict(task="sudoku4_pairs")
+    return {}
+
+
+def one_run(objective: str, seed: int, steps: int, output_dir: str, options: dict | None = None,
+            model: str = "sudoku4") -> dict:
     """A whole training run in this (fresh) process; its accuracies and mean speeds."""
     from dllm_fast.train import TrainConfig, train
 
     config = TrainConfig(objective=objective, seed=seed, steps=steps, output_dir=output_dir, threads=1,
-                         progress=False, eval_every=steps, objective_options=options or {})
+                         progress=False, eval_every=steps, objective_options=options or {},
+                         **{**model_settings(model), **objective_settings(objective)})
     result = train(config)
     length = config.eval.gen_lengths[0]
     steps_rows = [row for row in result.history if "step_seconds" in row]
@@ -80,6 +112,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side, one CPU thread each")
+    parser.add_argument("--model", default="sudoku4", choices=MODELS, help="the embedded model to train")
     parser.add_argument("--options", type=json.loads, default={},
                         help="objective options as JSON, by objective name, e.g. '{\"spg\": {\"preset\": \"sudoku\"}}'")
     parser.add_argument("--name", default="training_cpu")
@@ -94,7 +127,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch, concurrent.futures.ProcessPoolExecutor(
             args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {pool.submit(one_run, name, seed, args.steps, f"{scratch}/{name}-{seed}",
-                               args.options.get(name)): (name, seed)
+                               args.options.get(name), args.model): (name, seed)
                    for name in args.objectives for seed in args.seeds}
         for future in concurrent.futures.as_completed(futures):
             name, seed = futures[future]

@@ -40,7 +40,12 @@ def test_every_objective_trains_a_block_model_without_nan(tmp_path, name):
     small = {"n_t": 2} if objective.config.n_t > 2 and objective.config.sampler != "coupled" else {}
     if name == "tracerl":
         small = {"shrink": 1}  # TraceRL's setting for block models: every decoding step a state
-    result = train(quick_config(tmp_path, objective=name, objective_options=small, inner_updates=2))
+    settings = {}
+    if name == "justgrpo":  # left-to-right rollouts: the preset attends in blocks of 1
+        small, settings = {}, dict(block_length=1, diffusion_steps=24)
+    if objective.preference_pairs:  # stored pairs instead of rollouts
+        settings = dict(task="sudoku4_pairs")
+    result = train(quick_config(tmp_path, objective=name, objective_options=small, inner_updates=2, **settings))
     row = result.history[-1]
     assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
     assert row["grad_norm"] >= 0

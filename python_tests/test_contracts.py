@@ -6,6 +6,7 @@ import torch
 import dllm_fast
 from dllm_fast import likelihood, reference
 from dllm_fast.contracts import DiffusionLM, GenerationResult, RolloutBatch, completion_mask, logit_shift
+from dllm_fast.likelihood.samplers import SAMPLERS
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -186,7 +187,9 @@ def test_every_objective_agrees_on_rewards_at_and_beyond_the_bound():
                                   unmask_step=torch.arange(6).repeat(4, 1)))
     for name in objectives.available():
         sampler = objectives.get(name).config.sampler
-        options = {} if sampler == "trajectory" else {"n_t": 3 if sampler == "coupled" else 2}
+        options = {} if SAMPLERS[sampler].data_n_t else {"n_t": 3 if sampler == "coupled" else 2}
+        if SAMPLERS[sampler].model_blocks:  # a bidirectional model: one block, the whole completion
+            options["sampler"] = "stratified_l"
         objective = objectives.get(name, **options, **({"block_length": 2} if sampler == "block" else {}))
         model.zero_grad(set_to_none=True)
         out = objective.backward(model, batch, micro_batch=4, generator=torch.Generator().manual_seed(0),

@@ -15,6 +15,7 @@ import torch
 
 from dllm_fast import objectives
 from dllm_fast.contracts import RolloutBatch, completion_mask
+from dllm_fast.likelihood.samplers import SAMPLERS
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -71,8 +72,10 @@ def objective(name):
     options = {"n_t": {"coupled": 3, "trajectory": 1}.get(sampler, 2)}
     if sampler == "block":
         options["block_length"] = 4
-    if sampler == "trajectory":
+    if SAMPLERS[sampler].data_n_t:  # trajectory states, autoregressive positions: from the rollouts
         options["n_t"] = None
+    if SAMPLERS[sampler].model_blocks:  # the tiny model is bidirectional: one block, the whole completion
+        options["sampler"] = "stratified_l"
     return objectives.get(name, **{k: v for k, v in options.items() if v is not None})
 
 

@@ -23,6 +23,8 @@ def lp_and_masks(sampler, n_t=4, seed=0):
         n_t += 1 - n_t % 2  # the full mask and pairs
     if sampler == "trajectory":  # two positions decoded per step, in a random order
         n_t, options["unmask_step"] = None, torch.rand(3, L, generator=gen).argsort(-1).argsort(-1) // 2
+    if SAMPLERS[sampler].data_n_t:  # e.g. autoregressive: a sample per position
+        n_t = None
     masks = sample_masks(sequences, prompt_length=P, n_t=n_t, sampler=sampler, eos_token_id=99, generator=gen,
                          block_length=3, **options)
     lp = -3 * torch.rand(masks.scored.shape, generator=gen, dtype=torch.float64) * masks.scored

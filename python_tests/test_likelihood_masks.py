@@ -31,14 +31,15 @@ def synthetic_unmask_step(N, L, per_step=2, seed=3):
 
 
 def draw(sampler, sequences=None, P=3, n_t=6, seed=1, **kwargs):
-    """sample_masks with a sampler's own constraints met: an odd n_t for "coupled", a decoding order and no n_t
-    for "trajectory"."""
+    """sample_masks with a sampler's own constraints met: an odd n_t for "coupled", a decoding order for
+    "trajectory", no n_t for the samplers whose samples follow from the sequences."""
     sequences = make_sequences(P=P) if sequences is None else sequences
     if sampler == "coupled" and n_t % 2 == 0:
         n_t += 1
     if sampler == "trajectory":
-        n_t = None
         kwargs.setdefault("unmask_step", synthetic_unmask_step(*sequences[:, P:].shape))
+    if SAMPLERS[sampler].data_n_t:  # trajectory's states, autoregressive's positions: from the sequences
+        n_t = None
     return sample_masks(sequences, prompt_length=P, n_t=n_t, sampler=sampler,
                         generator=torch.Generator().manual_seed(seed), eos_token_id=EOS, **kwargs)
 
@@ -69,7 +70,8 @@ def test_structure_common_to_all_samplers(sampler, count):
     masks = draw(sampler, sequences, P=P, n_t=8, count=count)
     N, n_t, L = 4, masks.n_t, 10
     assert masks.masked.shape == (N, n_t, P + L) and masks.t.shape == (N, n_t)
-    assert masks.weight.shape == ((N, n_t, L) if sampler == "block_elbo" else (N, n_t))  # block_elbo: per position
+    per_position = SAMPLERS[sampler].model_blocks  # the block samplers: a weight per position
+    assert masks.weight.shape == ((N, n_t, L) if per_position else (N, n_t))
     counted = counted_positions(sequences[:, P:], eos_token_id=EOS, count=count)
     assert torch.equal(masks.counted, counted)
     assert torch.equal(masks.num_counted, counted.sum(-1))

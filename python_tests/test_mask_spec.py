@@ -63,6 +63,8 @@ def papers_rule(sampler, quadrature_points, n_t):
         return quadrature_points is None or n_t % quadrature_points == 0
     if sampler == "trajectory":  # TraceRL: the samples are the rollout's states; n_t stays 1
         return n_t == 1
+    if sampler == "autoregressive":  # JustGRPO: a sample per completion position; n_t stays 1
+        return n_t == 1
     return True
 
 

@@ -22,6 +22,9 @@ DEFAULTS = {
     "coupled_grpo": ("leave_one_out", False, 1e-4, True),  # DiffuCoder's code hard-codes leave-one-out
     "gdpo": ("mean", False, 1e-6, True),               # Dr. GRPO
     "tracerl": ("mean", True, 0.0, False),             # z-score with the population std
+    "ebpo": ("mean", True, 1e-6, True),                # DARE's GRPO z-score
+    "justgrpo": ("mean", True, 1e-4, True),            # the official (r - mean) / (std + 1e-4)
+    "vrpo_dpo": ("mean", False, 1e-6, True),           # none enters its loss (pairs): the options are refused
 }
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.5, 2.0, 2.0, 2.0, 2.0, 0.25, 3.0, -1.0, 0.0])
 
@@ -56,8 +59,12 @@ def test_default_advantages_are_each_papers(name):
     ("leave_one_out", False, 1e-6, False), ("mean", True, 1e-3, False), ("leave_one_out", True, 0.0, True),
 ])
 def test_advantage_options_apply_to_every_objective(name, baseline, scaled, epsilon, population):
-    objective = objectives.get(name, advantage=baseline, scale_rewards=scaled, std_epsilon=epsilon,
-                               population_std=population)
+    options = dict(advantage=baseline, scale_rewards=scaled, std_epsilon=epsilon, population_std=population)
+    if objectives.get(name).preference_pairs:  # no advantage enters a preference loss: refused, never ignored
+        with pytest.raises(ValueError, match="has no advantage"):
+            objectives.get(name, **options)
+        return
+    objective = objectives.get(name, **options)
     torch.testing.assert_close(objective.advantages(batch_of(REWARDS)),
                                expected(baseline, scaled, epsilon, not population), rtol=1e-12, atol=1e-12)
 

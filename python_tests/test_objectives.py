@@ -9,6 +9,7 @@ import torch
 from dllm_fast import objectives, reference
 from dllm_fast.contracts import RolloutBatch, completion_mask
 from dllm_fast.likelihood import BackwardHooks, MicroBatching, elbo, eubo, score
+from dllm_fast.likelihood.samplers import SAMPLERS
 from dllm_fast.models import LLaDAConfig, LLaDAModel
 from dllm_fast.objectives import InnerUpdate, LossInputs
 
@@ -29,6 +30,10 @@ ARGS = {  # which constants each reference twin takes, and the config options it
     "coupled_grpo": (("lp_old", "lp_ref"), ("epsilon", "beta", "advantage", "scale_rewards", "normalize_per")),
     "gdpo": (("lp_old",), ("epsilon_low", "epsilon_high", "scale_rewards")),
     "tracerl": (("lp_old",), ("epsilon", "beta")),
+    # -- EBPO, JustGRPO, offline VRPO --
+    "ebpo": (("lp_old", "lp_ref"), ("epsilon_low", "epsilon_high", "beta", "kl_estimator", "std_epsilon")),
+    "justgrpo": (("lp_old",), ("epsilon", "normalization", "dual_clip", "std_epsilon")),
+    "vrpo_dpo": (("lp_ref",), ("beta", "normalization")),
 }
 VARIANTS = [  # (name, overrides): every default, plus each documented option
     *[(name, {}) for name in NAMES],
@@ -65,6 +70,11 @@ VARIANTS = [  # (name, overrides): every default, plus each documented option
     ("gdpo", {"quadrature_points": 2, "scale_rewards": True, "epsilon_low": 0.05}),
     ("tracerl", {"shrink": 2}),
     ("tracerl", {"beta": 0.0, "shrink": 1, "epsilon": 0.05}),
+    # -- EBPO (on one block: the tiny model is bidirectional), JustGRPO, offline VRPO --
+    ("ebpo", {"beta": 0.1, "kl_estimator": "k3", "epsilon_low": 0.05}),
+    ("ebpo", {"beta": 0.1, "kl_estimator": "k1", "count": "all"}),
+    ("justgrpo", {"normalization": "sequence", "dual_clip": 2.0, "count": "eos"}),
+    ("vrpo_dpo", {"normalization": "none", "sampler": "random_t"}),
 ]
 
 
@@ -98,11 +108,14 @@ def rollout_batch(model, rewards=(1.0, 0.0, 0.25, 0.75), seed=0):
 
 def make(name, **overrides):
     """The objective with test-sized estimator settings: n_t >= 4 (5 for the coupled sampler's full mask and
-    pairs; trajectory states follow from the rollout) and blocks of 4."""
-    sampler = objectives.get(name).config.sampler
-    base = {"n_t": {"coupled": 5, "trajectory": 1}.get(sampler, 4)}
+    pairs; trajectory states and autoregressive positions follow from the rollout), blocks of 4, and a block
+    model's samplers (EBPO's) replaced by one block of the whole completion."""
+    sampler = overrides.get("sampler", objectives.get(name).config.sampler)
+    base = {"n_t": {"coupled": 5, "trajectory": 1, "autoregressive": 1}.get(sampler, 4)}
     if sampler == "block":
         base["block_length"] = 4
+    if SAMPLERS[sampler].model_blocks:  # the tiny model is bidirectional: one block, the whole completion
+        base["sampler"] = "stratified_l"
     return objectives.get(name, **{**base, **overrides})
 
 
@@ -521,6 +534,8 @@ def test_zero_std_groups_are_kept_with_zero_advantage():
     model = tiny_model()
     batch = rollout_batch(model, rewards=(1.0, 1.0, 0.0, 1.0))
     for name in NAMES:
+        if objectives.get(name).preference_pairs:  # no advantage; a tied pair prefers nothing and is refused
+            continue
         objective = make(name)
         advantage = objective.advantages(batch)
         assert torch.isfinite(advantage).all() and (advantage[:2] == 0).all(), name

@@ -38,7 +38,7 @@ class Counted(torch.nn.Module):
 
 def test_the_sequence_local_objectives_are_those_without_cross_sequence_terms():
     marked = {name for name in objectives.available() if objectives.get(name).sequence_local}
-    assert marked == {"espo", "vrpo_ol", "spg", "gdpo", "coupled_grpo"}
+    assert marked == {"espo", "vrpo_ol", "spg", "gdpo", "coupled_grpo", "ebpo"}
     assert not any(objectives.get(name).separable for name in marked)
 
 

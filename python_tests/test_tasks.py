@@ -18,7 +18,7 @@ GSM8K_FILE, MATH_FILE = DATA / "gsm8k_sample.jsonl", DATA / "math_sample.jsonl"
 
 
 def test_registry_lists_and_builds_the_tasks():
-    assert available_tasks() == ["countdown", "gsm8k", "math", "sudoku4", "synthetic"]
+    assert available_tasks() == ["countdown", "gsm8k", "math", "pairs_jsonl", "sudoku4", "sudoku4_pairs", "synthetic"]
     assert get_task("sudoku4").name == "sudoku4"
     with pytest.raises(ValueError, match="unknown task 'sudoku'.*sudoku4"):
         get_task("sudoku")

@@ -32,7 +32,7 @@ def test_train_help_describes_every_option_with_its_choices(capsys):
         assert setting.flag in out, setting.key
         assert " ".join(setting.field.metadata["help"].split()[:4]) in out, setting.key
     assert "one of " + ", ".join(objectives.available()) in out
-    assert "one of none, prefix, dual" in out and "countdown, gsm8k, math, sudoku4" in out
+    assert "one of none, prefix, dual" in out and "countdown, gsm8k, math, pairs_jsonl, sudoku4" in out
     assert "--objective NAME --help" in out
 
 

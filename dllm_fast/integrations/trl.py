@@ -219,6 +219,13 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         if not isinstance(objective, objectives.Objective):
             raise TypeError(f"objective must be a name from {objectives.available()} or an Objective, got "
                             f"{type(objective).__name__}.")
+        if objective.preference_pairs:
+            raise ValueError(f"objective {objective.name!r} trains on stored preference pairs (offline VRPO/DPO), and "
+                             "has no rollout for GRPOTrainer to generate nor rewards to score: train it with "
+                             "`python -m dllm_fast train --objective vrpo_dpo --task sudoku4_pairs` (or --task "
+                             "pairs_jsonl), or call Objective.backward on objectives.preference_batch(...) in your "
+                             "own loop.")
+        objective.check_model(model)  # e.g. EBPO's block samplers need a block-diffusion model
         if args is not None:
             check_trl_config(args)
         if kwargs.get("processing_class") is not None:  # TRL decodes completions for the rewards with it
@@ -243,6 +250,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         if settings is not None:  # make_rollout_func's: its settings suit the model (a cache it has, its blocks)
             core = unwrap_model(self.model)
             check_generate_config(core, rollout_config(settings, self.args, core))
+            objective.check_rollouts(rollout_config(settings, self.args, core))  # JustGRPO: left to right
         self._reference = None if reference is None else reference.to(self.accelerator.device)
         self.objective = objective
         self.likelihood_micro_batch = check_int(

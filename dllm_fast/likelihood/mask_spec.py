@@ -52,7 +52,8 @@ class MaskSpec:
     @classmethod
     def of(cls, spec: MaskSpec | None = None, **settings: Any) -> MaskSpec:
         """A validated MaskSpec: `spec`, or one from `sample_masks`' keyword settings (sampler and n_t required;
-        t_range=(low, high) for the coupled rates; n_t=None for "trajectory", whose samples are its states)."""
+        t_range=(low, high) for the coupled rates; n_t=None for "trajectory" and "autoregressive", whose samples
+        follow from the sequences)."""
         if spec is not None:
             if settings:
                 raise TypeError(f"give the mask settings as a MaskSpec or as keywords, not both (got spec and "
@@ -68,10 +69,13 @@ class MaskSpec:
                 raise ValueError(f"t_range={t_range!r} must be two masking rates (low, high), e.g. t_range=(0.2, 0.8) "
                                  "(DiffuCoder's).")
             settings.update(coupled_t_min=t_range[0], coupled_t_max=t_range[1])
-        if settings["sampler"] == "trajectory":
+        sampler = SAMPLERS.get(settings["sampler"]) if isinstance(settings["sampler"], str) else None
+        if sampler is not None and sampler.data_n_t:
             if settings["n_t"] is not None:
-                raise ValueError(f"n_t={settings['n_t']!r} does not apply to sampler='trajectory': its samples are "
-                                 "the rollout's decoding states (set shrink); pass n_t=None.")
+                what = ("the rollout's decoding states (set shrink)" if sampler.name == "trajectory"
+                        else "determined by the sequences")
+                raise ValueError(f"n_t={settings['n_t']!r} does not apply to sampler={sampler.name!r}: its samples "
+                                 f"are {what}; pass n_t=None.")
             settings["n_t"] = 1
         unknown = sorted(set(settings) - set(cls.names()))
         if unknown:

@@ -147,27 +147,32 @@ class Canvas:
 @dataclass(frozen=True)
 class Sampler:
     """A registered sampler. draw(uniform, canvas, spec) -> Drawn; n_t_rule(spec) -> the NTRule of its n_t (given
-    its other settings); random: whether it draws from the generator (trajectory replays the rollout)."""
+    its other settings); random: whether it draws from the generator (trajectory replays the rollout);
+    model_blocks: whether it cuts the completion by the policy's own blocks (a block-diffusion model's
+    block_length, which the objective sets as spec.block_length); data_n_t: whether its sample count follows
+    from the sequences instead of n_t (trajectory's states, autoregressive's positions; n_t stays 1)."""
 
     name: str
     draw: Callable[..., Drawn]
     n_t_rule: Callable[..., NTRule] = any_n_t
     random: bool = True
+    model_blocks: bool = False
+    data_n_t: bool = False
 
 
 SAMPLERS: dict[str, Sampler] = {}
 
 
 def register_sampler(name: str, draw: Callable[..., Drawn], *, n_t_rule: Callable[..., NTRule] | None = None,
-                     random: bool = True) -> Sampler:
+                     random: bool = True, model_blocks: bool = False, data_n_t: bool = False) -> Sampler:
     """Make a sampler available by `name` to MaskSpec, sample_masks and every objective's `sampler` option.
     draw(uniform: Uniform, canvas: Canvas, spec: MaskSpec) -> Drawn; n_t_rule(spec) -> NTRule (default: any
-    n_t >= 1)."""
+    n_t >= 1); random, model_blocks, data_n_t: see `Sampler`."""
     if not isinstance(name, str) or not name or not callable(draw):
         raise TypeError(f"register_sampler takes a name (str) and a draw function, got {name!r}, {draw!r}.")
     if name in SAMPLERS:
         raise ValueError(f"a sampler named {name!r} is already registered.")
-    SAMPLERS[name] = Sampler(name, draw, n_t_rule or any_n_t, random)
+    SAMPLERS[name] = Sampler(name, draw, n_t_rule or any_n_t, random, model_blocks, data_n_t)
     return SAMPLERS[name]
 
 
@@ -276,10 +281,10 @@ def _states(spec) -> NTRule:
 
 for _name, _draw, _rule in (("random_t", _random_t, None), ("stratified_l", _stratified_l, None),
                             ("complementary", _complementary, _even), ("block", _block, None),
-                            ("mean_field", _mean_field, None), ("gauss", _gauss, _nodes), ("coupled", _coupled, _odd),
-                            ("block_elbo", _block_elbo, None)):
+                            ("mean_field", _mean_field, None), ("gauss", _gauss, _nodes), ("coupled", _coupled, _odd)):
     register_sampler(_name, _draw, n_t_rule=_rule)
-register_sampler("trajectory", _trajectory, n_t_rule=_states, random=False)
+register_sampler("block_elbo", _block_elbo, model_blocks=True)
+register_sampler("trajectory", _trajectory, n_t_rule=_states, random=False, data_n_t=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -337,6 +342,17 @@ def _block_masks(uniform: Uniform, counted: torch.Tensor, n_t: int, block_length
 def _block_elbo_masks(uniform: Uniform, counted: torch.Tensor, prompt_real: torch.Tensor, n_t: int, block_length: int):
     """The block ELBO's masks: chosen [N, n_t, L] bool and the per-position weights [N, n_t, L] (v / l of the
     position's block; 0 off the counted positions). Blocks align to each row's first real token."""
+    N = counted.shape[0]
+    block, sizes = _model_blocks(counted, prompt_real, block_length)
+    blocks = sizes.shape[1]
+    size = _stratified(uniform, sizes.clamp_min(1).reshape(-1), n_t).view(N, blocks, n_t).transpose(1, 2) + 1  # l
+    return _block_subsets(uniform, counted, block, sizes, size)
+
+
+def _model_blocks(counted: torch.Tensor, prompt_real: torch.Tensor, block_length: int):
+    """The completion cut into the model's blocks, aligned to each row's first real token: block [N, L] int64 (0 for
+    the completion's first block, which may hold the prompt's tail) and sizes [N, blocks] int64 (v, the counted
+    positions of each block)."""
     N, L = counted.shape
     P, device = prompt_real.shape[1], counted.device
     first = torch.where(prompt_real.any(1), prompt_real.to(torch.int8).argmax(1), P)  # [N]
@@ -346,7 +362,15 @@ def _block_elbo_masks(uniform: Uniform, counted: torch.Tensor, prompt_real: torc
     blocks = int(block.max()) + 1
     sizes = torch.zeros(N, blocks, dtype=torch.long, device=device).index_put_(
         (torch.arange(N, device=device)[:, None].expand(N, L), block), counted.long(), accumulate=True)  # v
-    size = _stratified(uniform, sizes.clamp_min(1).reshape(-1), n_t).view(N, blocks, n_t).transpose(1, 2) + 1  # l
+    return block, sizes
+
+
+def _block_subsets(uniform: Uniform, counted: torch.Tensor, block: torch.Tensor, sizes: torch.Tensor,
+                   size: torch.Tensor):
+    """size [N, n_t, blocks] (in 1..v) random counted positions of each block masked: chosen [N, n_t, L] bool and
+    the per-position weights v / size of the position's block (0 off the counted positions)."""
+    N, L = counted.shape
+    n_t, blocks, device = size.shape[1], sizes.shape[1], counted.device
     # A uniformly random l-subset of each block's counted positions: rank the positions by (block, key), counted
     # ones first within a block, and keep the first l of each block.
     keys = torch.where(counted[:, None, :], uniform(N, n_t, L), 2.0) + 4.0 * block[:, None, :]
@@ -420,3 +444,100 @@ def _trajectory_masks(counted: torch.Tensor, unmask_step: torch.Tensor, shrink: 
     weight = torch.full((N, n_t), float(n_t), dtype=torch.float64, device=counted.device)
     t = (completion_masked & counted[:, None, :]).sum(-1).double() / counted.sum(-1, keepdim=True)
     return Drawn(chosen, weight, t, completion_masked=completion_masked, target=chosen)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# EBPO's, JustGRPO's and offline VRPO's samplers (objectives/ebpo.py, justgrpo.py, vrpo_dpo.py)
+#
+# - ``block_cells`` (EBPO as DARE reads the LLaDA2.1 report; dllm_core_algos.py _forward_process_ebpo): block
+#   models. The completion is cut into the model's blocks as ``block_elbo`` cuts it; every block holding counted
+#   positions is masked in every sample. Sequence n has C_n = n_t B_n (sample, block) cells (B_n blocks with
+#   counted positions), ordered sample-major, c = j B_n + r (r the block's ordinal); one uniform offset o_n per
+#   sequence gives cell c the noise level u = (o_n + c / C_n) mod 1 (each u uniform on its own, the C_n spread
+#   evenly), and m = min(floor(u v) + 1, v) of the block's v counted positions are masked, uniformly at random.
+#   w = v / m per position, so the ELBO is mean_j sum_b sum_{i in b masked} lp / p_jb with p_jb = m_jb / v_b
+#   (DARE's composite ELBO). Sample-major order puts a sample's blocks 1 / C_n apart: their noise levels are
+#   nearly shared, the samples' spread over [0, 1).
+# - ``block_row_t``: the same with one noise level per sample shared by its blocks, u_j = (o_n + j / n_t) mod 1
+#   and m_jb = min(floor(u_j v_b) + 1, v_b) (EBPO read as one t per composite forward). ``block_elbo`` is the third
+#   reading: a noise level per (sample, block), stratified across the n_t samples of each (sequence, block).
+# - ``autoregressive`` (JustGRPO): the exact left-to-right likelihood. Sample j masks completion positions
+#   i >= j and reads (`target`) position j alone, weight n_t, so `elbo` is sum_j lp[n, j, j] = log pi_AR(y): the
+#   log-probability that decoding one token per step from left to right (block_length 1) emits y. Deterministic;
+#   n_t is the most counted positions any row has (count "all": L; "eos": rows shorter than the longest get empty
+#   samples). Scoring computes lp at every masked counted position of a sample (L (L + 1) / 2 rows of the LM head
+#   per sequence for L forwards), of which the estimate reads one.
+# - ``stratified_linspace`` (offline VRPO as DARE implements it, dllm_core_algos.py _forward_process_vrpo):
+#   ``stratified_l`` with DARE's rounding: k ~ U{1..L_n}, x_j = ((round(k + j L_n / n_t) - 1) mod L_n) + 1 masked
+#   counted positions chosen uniformly, w = L_n / x_j.
+
+
+def _block_cells(uniform: Uniform, canvas: Canvas, spec) -> Drawn:
+    counted, n_t = canvas.counted, spec.n_t
+    block, sizes = _model_blocks(counted, canvas.prompt_real, spec.block_length)
+    present = sizes > 0  # [N, blocks]
+    ordinal = present.long().cumsum(-1) - 1  # r: the block's rank among the sequence's blocks with counted positions
+    cells = (n_t * present.sum(-1)).double()  # C_n
+    offset = uniform(counted.shape[0])  # o_n
+    cell = torch.arange(n_t, device=counted.device)[None, :, None] * present.sum(-1)[:, None, None] + ordinal[:, None]
+    noise = torch.remainder(offset[:, None, None] + cell.double() / cells[:, None, None], 1.0)  # [N, n_t, blocks]
+    return _cells_drawn(uniform, counted, block, sizes, noise)
+
+
+def _block_row_t(uniform: Uniform, canvas: Canvas, spec) -> Drawn:
+    counted, n_t = canvas.counted, spec.n_t
+    block, sizes = _model_blocks(counted, canvas.prompt_real, spec.block_length)
+    offset = uniform(counted.shape[0])
+    rows = torch.arange(n_t, device=counted.device, dtype=torch.float64)[None, :] / n_t
+    noise = torch.remainder(offset[:, None] + rows, 1.0)[..., None].expand(-1, -1, sizes.shape[1])
+    return _cells_drawn(uniform, counted, block, sizes, noise)
+
+
+def _cells_drawn(uniform: Uniform, counted, block, sizes, noise) -> Drawn:
+    """Each cell's noise level u [N, n_t, blocks] as DARE's mask count m = min(floor(u v) + 1, v) of its block."""
+    v = sizes[:, None, :].expand_as(noise)
+    size = torch.minimum((noise * v).floor().long() + 1, v.clamp_min(1))
+    chosen, weight = _block_subsets(uniform, counted, block, sizes, size)
+    return Drawn(chosen, weight, chosen.sum(-1).double() / _row_lengths(counted))
+
+
+def _row_lengths(counted: torch.Tensor) -> torch.Tensor:
+    """[N, 1] float64 counted positions of each row, for a sample's masked fraction t."""
+    return counted.sum(-1, keepdim=True).double()
+
+
+def _autoregressive(uniform: Uniform, canvas: Canvas, spec) -> Drawn:
+    counted = canvas.counted
+    N, L = counted.shape
+    n_t = int(canvas.lengths.max())  # the counted positions are a prefix of the completion (count "all" or "eos")
+    check_pairs(N, n_t)
+    position = torch.arange(L, device=counted.device)
+    sample = torch.arange(n_t, device=counted.device)[:, None]
+    # mask j: positions i >= j (and, as every sampler keeps them, the positions that do not count)
+    completion_masked = (position[None, :] >= sample)[None] | ~counted[:, None, :]
+    target = (position[None, :] == sample)[None] & counted[:, None, :]  # and reads position j
+    weight = torch.full((N, n_t), float(n_t), dtype=torch.float64, device=counted.device)
+    t = (completion_masked & counted[:, None, :]).sum(-1).double() / _row_lengths(counted)
+    return Drawn(target, weight, t, completion_masked=completion_masked, target=target)
+
+
+def _stratified_linspace(uniform: Uniform, canvas: Canvas, spec) -> Drawn:
+    lengths, n_t = canvas.lengths, spec.n_t
+    v = lengths[:, None].double()
+    k = (uniform(lengths.shape[0]) * lengths).long().clamp_max(lengths - 1)[:, None] + 1  # k ~ U{1..L_n}
+    steps = torch.arange(n_t, device=lengths.device, dtype=torch.float64)[None, :]
+    x = torch.round(k.double() + steps * v / n_t).long()
+    size = torch.remainder(x - 1, lengths[:, None]) + 1  # in 1..L_n
+    chosen = _random_subset(uniform, canvas.expanded(n_t), size)
+    return Drawn(chosen, v / size, size / v)
+
+
+def _positions(spec) -> NTRule:
+    return NTRule(largest=1, message="n_t={n_t} does not apply with sampler='autoregressive': it scores one sample "
+                                     "per completion position (n_t follows from the completions); leave n_t at 1.")
+
+
+register_sampler("block_cells", _block_cells, model_blocks=True)
+register_sampler("block_row_t", _block_row_t, model_blocks=True)
+register_sampler("autoregressive", _autoregressive, n_t_rule=_positions, random=False, data_n_t=True)
+register_sampler("stratified_linspace", _stratified_linspace)

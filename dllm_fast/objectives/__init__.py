@@ -20,6 +20,9 @@
 | coupled_grpo | DiffuCoder | full mask + complementary pairs, n_t 3 | token, on the estimate | k3 per token |
 | gdpo | GDPO | SDMC: Gauss quadrature in t, n_t 3 | exp(dELBO / L_n), two-sided clip | none |
 | tracerl | TraceRL | the rollout's own decoding states (needs unmask_step) | token, per state | k3 vs the old policy |
+| ebpo | LLaDA2.1 (DARE's) | composite block ELBO, a noise level per (sample, block), n_t 16; block models | exp(E - E_old), clipped once | k1/k2/k3 on E (off) |
+| justgrpo | JustGRPO | exact left-to-right likelihood, one sample per position (block-1 rollouts) | token, two-sided eps | none |
+| vrpo_dpo | LLaDA 1.5 (offline VRPO) | ELBO, n_t 4, stratified counts; preference pairs, no rollout | none (DPO) | implicit (DPO) |
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ if TYPE_CHECKING:
     from dllm_fast.objectives.tracerl import TraceRL, TraceRLConfig
     from dllm_fast.objectives.vrpo_ol import VRPOOL, VRPOOLConfig
     from dllm_fast.objectives.wd1 import WD1, WD1Config
+    # -- EBPO, JustGRPO, offline VRPO (the likelihood engine's family) --
+    from dllm_fast.objectives.ebpo import EBPO, EBPOConfig
+    from dllm_fast.objectives.justgrpo import JustGRPO, JustGRPOConfig
+    from dllm_fast.objectives.vrpo_dpo import VRPODPO, VRPODPOConfig
 
 # The built-in objectives by name, each loaded (with torch and the likelihood engine) when first asked for, so that
 # listing the names (`train --help`) imports nothing heavy. Each class's `name` is its key here (a test checks).
@@ -49,6 +56,8 @@ _BUILT_IN: dict[str, str] = {
     "diffu_grpo": "diffu_grpo:DiffuGRPO", "wd1": "wd1:WD1", "vrpo_ol": "vrpo_ol:VRPOOL", "bgpo": "bgpo:BGPO",
     "spg": "spg:SPG", "espo": "espo:ESPO", "rspo": "rspo:RSPO", "coupled_grpo": "coupled_grpo:CoupledGRPO",
     "gdpo": "gdpo:GDPO", "tracerl": "tracerl:TraceRL",
+    # -- EBPO, JustGRPO, offline VRPO (the likelihood engine's family) --
+    "ebpo": "ebpo:EBPO", "justgrpo": "justgrpo:JustGRPO", "vrpo_dpo": "vrpo_dpo:VRPODPO",
 }
 # Every other public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
@@ -56,6 +65,7 @@ _EXPORTS: dict[str, str] = {
        for suffix in ("", "Config")},
     **{name: "base" for name in ("InnerUpdate", "LossInputs", "Objective", "ObjectiveConfig", "ObjectiveOutput")},
     "group_advantages": "advantages", "zero_std_fraction": "advantages",
+    "preference_batch": "vrpo_dpo",
 }
 _REGISTRY: dict[str, type] = {}
 
@@ -132,4 +142,6 @@ __all__ = [
     "GDPO", "GDPOConfig", "InnerUpdate", "LossInputs", "Objective", "ObjectiveConfig", "ObjectiveOutput", "RSPO",
     "RSPOConfig", "SPG", "SPGConfig", "TraceRL", "TraceRLConfig", "VRPOOL", "VRPOOLConfig", "WD1", "WD1Config",
     "available", "get", "group_advantages", "nearest_valid_n_t", "presets", "register", "zero_std_fraction",
+    # -- EBPO, JustGRPO, offline VRPO --
+    "EBPO", "EBPOConfig", "JustGRPO", "JustGRPOConfig", "VRPODPO", "VRPODPOConfig", "preference_batch",
 ]

@@ -38,6 +38,7 @@ from dllm_fast.likelihood import (MonteCarloMasks, Separable, SequenceLocal, sam
                                   streaming_backward)
 from dllm_fast.likelihood.gradients import all_or_nothing
 from dllm_fast.likelihood.mask_spec import MaskSpec
+from dllm_fast.likelihood.samplers import SAMPLERS
 from dllm_fast.likelihood.settings import BackwardHooks, MicroBatching
 from dllm_fast.objectives.advantages import BASELINES, group_advantages, zero_std_fraction
 from dllm_fast.validation import check_bool, check_choice, check_float, check_int
@@ -212,6 +213,10 @@ class Objective:
     # Named settings of the official scripts, e.g. a task's (`objectives.get("spg", preset="sudoku")`); options
     # given beside a preset override it.
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
+    # Trains on stored preference pairs instead of rollouts (offline VRPO/DPO): batches of groups of two whose
+    # rewards say which is preferred (objectives.preference_batch); the trainer takes them from a preference task
+    # (train/pairs.py), and a trainer that only rolls out (TRL's GRPOTrainer) refuses it.
+    preference_pairs: ClassVar[bool] = False
 
     def __init__(self, config: ObjectiveConfig | None = None, *, preset: str | None = None, **overrides: Any):
         if config is None:
@@ -257,6 +262,20 @@ class Objective:
         with `generate(..., record_unmask_step=True)`."""
         return self.config.sampler == "trajectory"
 
+    def check_model(self, model) -> None:
+        """Raise, naming the fix, unless this objective's estimator suits `model` (the policy, or its meta-device
+        skeleton): a block sampler needs a block-diffusion model. Trainers call it before any work."""
+        sampler = self.config.sampler
+        if SAMPLERS[sampler].model_blocks and block_length(model) is None:
+            raise ValueError(f"{self.name} with sampler={sampler!r} estimates a block-diffusion model's ELBO, block "
+                             f"by block, but the policy ({type(unwrap_model(model)).__name__}) attends to the whole "
+                             "sequence; use a block-diffusion model (SDAR, LLaDA2) or a sampler such as "
+                             "'stratified_l'.")
+
+    def check_rollouts(self, config) -> None:
+        """Raise, naming the fix, unless rollouts decoded with `config` (a GenerateConfig) are what this objective's
+        likelihood assumes (JustGRPO's left-to-right order); most objectives take any."""
+
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
         """[N] float64 group-relative advantages, as the config's advantage options set them (each objective's
         defaults are its paper's or code's)."""
@@ -297,14 +316,15 @@ class Objective:
                    model_block_length: int | None = None) -> MonteCarloMasks:
         """The Monte Carlo masks this objective's estimator needs, for the batch's sequences. model_block_length:
         the policy's block size when it is a block-diffusion model (contracts.block_length), which the
-        "block_elbo" sampler cuts the completion by (plan_updates and backward pass it)."""
+        block samplers ("block_elbo", "block_cells", "block_row_t") cut the completion by (plan_updates and
+        backward pass it)."""
         spec = self.config.masks
         unmask_step = None
-        if spec.sampler == "block_elbo":
+        if SAMPLERS[spec.sampler].model_blocks:
             if model_block_length is None:
-                raise ValueError(f"{self.name} with sampler='block_elbo' estimates a block-diffusion model's ELBO, "
-                                 "block by block: the policy must be one (model.block_length, e.g. SDAR), passed "
-                                 "as model_block_length; for a bidirectional model use e.g. 'stratified_l'.")
+                raise ValueError(f"{self.name} with sampler={spec.sampler!r} estimates a block-diffusion model's "
+                                 "ELBO, block by block: the policy must be one (model.block_length, e.g. SDAR), "
+                                 "passed as model_block_length; for a bidirectional model use e.g. 'stratified_l'.")
             spec = spec.replace(block_length=model_block_length)
         if spec.sampler == "trajectory":
             if batch.unmask_step is None:
@@ -322,7 +342,7 @@ class Objective:
             raise ValueError(f"masks were drawn with sampler={masks.sampler!r} but {self.name} uses "
                              f"sampler={self.config.sampler!r}; draw them with objective.draw_masks(...) or set "
                              f"the objective's sampler.")
-        if masks.n_t != self.config.n_t and masks.sampler != "trajectory":  # trajectory: one per state
+        if masks.n_t != self.config.n_t and not SAMPLERS[masks.sampler].data_n_t:  # e.g. trajectory: one per state
             raise ValueError(f"masks hold n_t={masks.n_t} samples per sequence but {self.name} is configured with "
                              f"n_t={self.config.n_t}; draw them with objective.draw_masks(...).")
         if masks.num_sequences != batch.num_rollouts or masks.prompt_length != batch.prompt_length:

@@ -225,9 +225,9 @@ def check_plannable(config: TrainConfig, prompt_length: int, model, batching: Mi
                          f"--threshold), more than the {MAX_PLANNED_FORWARDS} a plan replays; plan fewer steps "
                          "(the rollout's time is about linear in them).")
     rollouts, length = config.run.prompts_per_step * config.run.group_size, prompt_length + G
-    if fixed_n_t(config):  # the rollout's decoding states: one per `shrink` steps
-        shrink = max(1, getattr(objectives.get(config.objective.name, **config.objective.options).config, "shrink", 1))
-        samples = -(-forwards // shrink)
+    if fixed_n_t(config):  # the rollout's decoding states (one per `shrink` steps), or one per position
+        objective_config = objectives.get(config.objective.name, **config.objective.options).config
+        samples = G if objective_config.sampler == "autoregressive" else -(-forwards // max(1, objective_config.shrink))
     else:
         samples = probe_n_t(config, rollouts, batching.micro_batch)[1]
     pairs = rollouts * samples

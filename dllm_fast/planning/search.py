@@ -30,7 +30,8 @@ def largest_settings(session, plan, rollout, runs, probes, batching: MicroBatchi
     largest = {}
     if probes[0] == probes[1]:  # a fixed n_t (the rollout's decoding states): not a setting to search
         n_slopes = dict.fromkeys(UPDATE_PHASES, 0.0)
-        notes = [f"largest n_t: not searched, {config.objective.name}'s samples are the rollout's decoding states"]
+        notes = [f"largest n_t: not searched, {config.objective.name}'s samples follow from the rollouts (its "
+                 "decoding states, or one per completion position)"]
     else:
         n_slopes = {name: max(0.0, (runs[probes[1]][name].peak - runs[probes[0]][name].peak) /
                               (probes[1] - probes[0])) for name in UPDATE_PHASES}
@@ -69,6 +70,9 @@ def largest_settings(session, plan, rollout, runs, probes, batching: MicroBatchi
     largest["micro_batch"] = best
 
     # group size: the rollout and the updates at a second group size
+    if session.objective.preference_pairs:  # stored pairs: two completions per prompt, no group to grow
+        notes.append(f"largest group size: not searched, {config.objective.name} trains on preference pairs")
+        return largest, notes
     g0 = config.run.group_size
     g1 = g0 // 2 if g0 > 1 else 2
     other = session.rollout(prompts=config.run.prompts_per_step, group_size=g1, prompt_length=plan.prompt_length)

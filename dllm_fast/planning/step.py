@@ -234,11 +234,14 @@ class Session:
 
     # -- phases -------------------------------------------------------------------------------------------
     def rollout(self, *, prompts: int, group_size: int, prompt_length: int) -> Rollout:
-        """Generate `group_size` completions for each of `prompts` prompts of `prompt_length` tokens."""
+        """Generate `group_size` completions for each of `prompts` prompts of `prompt_length` tokens; for an
+        objective that trains on stored preference pairs (vrpo_dpo) nothing is generated: `pairs`."""
         c = self.config
         generator = torch.Generator().manual_seed(c.run.seed)
         vocab = min(self.base.lm_head_weight.shape[0], self.base.mask_token_id)
         input_ids = torch.randint(0, vocab, (prompts, prompt_length), generator=generator)
+        if self.objective.preference_pairs:
+            return self.pairs(input_ids, vocab, generator)
         input_ids = input_ids.repeat_interleave(group_size, dim=0)
         attention_mask = torch.ones_like(input_ids)
         plan = PhasePlan("rollout")
@@ -255,6 +258,18 @@ class Session:
                                      hooks=self._hooks({"rollout": plan}), merge_adapters=merge)
         rewards = torch.arange(input_ids.shape[0], dtype=torch.float32) % 2
         return Rollout(plan, RolloutBatch.from_generation(result, rewards, group_size=group_size), int(result.nfe))
+
+    def pairs(self, input_ids: torch.Tensor, vocab: int, generator: torch.Generator) -> Rollout:
+        """A step of stored preference pairs (train/pairs.py): a chosen and a rejected completion of gen_length
+        tokens per prompt, none of them EOS (as the rollout's plan assumes); its rollout phase never runs."""
+        from dllm_fast.objectives.vrpo_dpo import preference_batch
+
+        shape = (input_ids.shape[0], self.config.rollout.gen_length)
+        eos = self.base.eos_token_id
+        chosen, rejected = (torch.randint(0, vocab - 1, shape, generator=generator) for _ in range(2))
+        chosen, rejected = (ids + (ids >= eos).long() for ids in (chosen, rejected))  # skip the EOS id
+        batch = preference_batch(input_ids, chosen, rejected, eos_token_id=eos)
+        return Rollout(PhasePlan("rollout"), batch, 0)
 
     def updates(self, batch: RolloutBatch, *, n_t: int, batching: MicroBatching) -> dict[str, PhasePlan]:
         """The phases after the rollout: the objective's plan of the mu inner updates (old-policy scoring), then
@@ -318,9 +333,13 @@ def smallest_n_t(config: TrainConfig) -> int:
 
 
 def fixed_n_t(config: TrainConfig) -> bool:
-    """Whether the objective's samples are not n_t masks drawn per sequence but the rollout's own decoding states
-    (TraceRL's trajectory sampler): its n_t stays as configured, and its work follows the rollout instead."""
-    return objectives.get(config.objective.name, **config.objective.options).config.sampler == "trajectory"
+    """Whether the objective's samples are not n_t masks drawn per sequence but follow from the rollouts (TraceRL's
+    trajectory sampler: the decoding states; JustGRPO's autoregressive one: a sample per completion position): its
+    n_t stays as configured, and its work follows the rollout instead."""
+    from dllm_fast.likelihood.samplers import SAMPLERS
+
+    sampler = objectives.get(config.objective.name, **config.objective.options).config.sampler
+    return SAMPLERS[sampler].data_n_t
 
 
 def one_pass(config: TrainConfig, micro_batch: int, n_t: int, *, allowed: bool = True) -> bool:

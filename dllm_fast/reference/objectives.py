@@ -298,3 +298,82 @@ def tracerl(lp, masks, rewards, group_size, lp_old=None, *, epsilon=0.2, beta=0.
                 kl = kl + torch.exp(x) - x - 1
             states.append(-surrogate / len(tokens) + beta * kl)
     return sum(states) / len(states)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# EBPO, JustGRPO and offline VRPO (DPO): the likelihood engine's family
+
+
+def ebpo(lp, masks, rewards, group_size, lp_old=None, lp_ref=None, *, epsilon_low=0.2, epsilon_high=0.2, beta=0.0,
+         kl_estimator="k2", std_epsilon=1e-6):
+    """PPO's min(rho A, clip(rho) A) on the sequence ratio rho = exp(E - E_old) of composite ELBOs, written directly
+    (the objective computes it in log space); KL k1/k2/k3 on E - E_ref."""
+    old = lp.detach() if lp_old is None else lp_old
+    adv = advantages(rewards, group_size, scale="std", std_epsilon=std_epsilon)
+    N = lp.shape[0]
+    loss = lp.new_zeros(())
+    for n in range(N):
+        current = mc_elbo(lp, masks, n)
+        ratio = torch.exp(current - mc_elbo(old, masks, n))
+        loss = loss - torch.minimum(ratio * adv[n], ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv[n]) / N
+        if beta > 0:
+            d = current - mc_elbo(lp_ref, masks, n)
+            k = {"k1": d, "k2": d**2 / 2, "k3": torch.exp(-d) + d - 1}[kl_estimator]
+            loss = loss + beta * k / N
+    return loss
+
+
+def justgrpo(lp, masks, rewards, group_size, lp_old=None, *, epsilon=0.2, normalization="official", dual_clip=None,
+             std_epsilon=1e-4):
+    """The official per-position loop: each read position's clipped surrogate, summed and divided by
+    L (v + 1e-5) per group (v: the mean over groups of the rows with A != 0), or averaged per row then over rows."""
+    old = lp.detach() if lp_old is None else lp_old
+    adv = advantages(rewards, group_size, scale="std", std_epsilon=std_epsilon)
+    N, n_t, L = lp.shape
+    groups = N // group_size
+    valid_mean = sum(a != 0 for a in adv) / groups
+    loss = lp.new_zeros(())
+    for n in range(N):
+        terms = []
+        for j in range(n_t):
+            for i in range(L):
+                if not reads(masks, n, j, i):
+                    continue
+                ratio = torch.exp(lp[n, j, i] - old[n, j, i])
+                gain = torch.minimum(ratio * adv[n], ratio.clamp(1 - epsilon, 1 + epsilon) * adv[n])
+                if dual_clip is not None and adv[n] < 0:
+                    gain = torch.maximum(gain, torch.tensor(dual_clip * adv[n], dtype=lp.dtype))
+                terms.append(-gain)
+        if normalization == "official":  # mean over groups (devices) of sum_group / (L (v + 1e-5))
+            loss = loss + sum(terms) / (L * (valid_mean + 1e-5)) / groups
+        else:
+            loss = loss + sum(terms) / len(terms) / N
+    return loss
+
+
+def vrpo_dpo(lp, masks, rewards, group_size, lp_ref=None, *, beta=0.2, normalization="padded"):
+    """-mean over pairs of log sigmoid(beta [(B(y_w) - B_ref(y_w)) - (B(y_l) - B_ref(y_l))] / R): rows 2k and
+    2k + 1 a pair, y_w the one with the larger reward, every ELBO on the same masks."""
+    N, _, L = lp.shape
+    width = float(L) if normalization == "padded" else 1.0
+    loss = lp.new_zeros(())
+    for k in range(N // group_size):
+        w, l = (2 * k, 2 * k + 1) if float(rewards[2 * k]) > float(rewards[2 * k + 1]) else (2 * k + 1, 2 * k)
+        chosen = mc_elbo(lp, masks, w) - mc_elbo(lp_ref, masks, w)
+        rejected = mc_elbo(lp, masks, l) - mc_elbo(lp_ref, masks, l)
+        loss = loss - torch.nn.functional.logsigmoid(beta * (chosen - rejected) / width)
+    return loss / (N // group_size)
+
+
+def autoregressive_logprob(model, prompt: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
+    """log of the probability that one-token-per-step left-to-right decoding at temperature 1 emits `completion`
+    [L] after `prompt` [P]: sum_t log softmax(model([prompt, y_<t, MASK^(L - t)]))[t][y_t], one plain forward and
+    a full log-softmax over the LM head's rows per position (a model whose head has no row for the mask token
+    decodes exactly this distribution: generate never emits the mask)."""
+    L = completion.shape[0]
+    total = torch.zeros((), dtype=torch.float64)
+    for t in range(L):
+        canvas = torch.cat([prompt, completion[:t], torch.full((L - t,), model.mask_token_id, dtype=prompt.dtype)])
+        logits = torch.nn.functional.linear(model(canvas[None]), model.lm_head_weight)[0, prompt.shape[0] + t]
+        total = total + torch.log_softmax(logits.double(), -1)[completion[t]]
+    return total

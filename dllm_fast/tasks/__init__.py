@@ -1,5 +1,5 @@
 """Verifiable tasks: prompts, rewards and accuracies (sudoku4, countdown, gsm8k, math; synthetic for throughput
-runs), none touching the network.
+runs; preference pairs for offline preference objectives: sudoku4_pairs, pairs_jsonl), none touching the network.
 
     task = get_task("sudoku4")
     examples = task.train_examples(seed=0)
@@ -14,5 +14,6 @@ from dllm_fast.tasks.base import Example, Task, available_tasks, chat_prompt, ge
 
 # Importing a task module registers it (the package runs this before any of its modules is used).
 from dllm_fast.tasks import countdown, gsm8k, math, sudoku4, synthetic  # noqa: E402, F401  isort: skip
+from dllm_fast.tasks import preference  # noqa: E402, F401  isort: skip  (sudoku4_pairs, pairs_jsonl)
 
 __all__ = ["Example", "Task", "available_tasks", "chat_prompt", "get_task", "register_task"]

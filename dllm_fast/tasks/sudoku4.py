@@ -104,6 +104,17 @@ def as_rows(grid: str) -> str:
     return "\n".join(grid[r * 4:(r + 1) * 4] for r in range(4))
 
 
+def row_by_row_fill(puzzle: str) -> str:
+    """The careless solver: each row's missing digits written into its blanks in increasing order, columns and
+    boxes ignored. Right on rows with one blank, often wrong elsewhere (it solves about 15% of puzzles)."""
+    rows = []
+    for r in range(4):
+        row = puzzle[r * 4:(r + 1) * 4]
+        missing = iter(sorted(set("1234") - set(row)))
+        rows.append("".join(next(missing) if cell == "0" else cell for cell in row))
+    return "".join(rows)
+
+
 class Sudoku4(Task):
     """Options:
         prompt_style: "d1" or "grid" (see the module docstring).

@@ -351,9 +351,11 @@ def _json_key_lines(text: str) -> list[tuple[str, int, int]]:
 
 # -- what the names of a config mean ----------------------------------------------------------------------------
 def task_options(config: TrainConfig) -> dict[str, Any]:
-    """--task-options, and for the embedded model on its own task the prompt style it was trained on."""
+    """--task-options, and for an embedded model on its own task the prompt style it was trained on."""
+    from dllm_fast.assets import EMBEDDED_MODELS
+
     options = dict(config.run.task_options)
-    if config.run.task == "sudoku4" and config.model.name == "sudoku4":
+    if config.run.task == "sudoku4" and config.model.name in EMBEDDED_MODELS:
         from dllm_fast.assets import SUDOKU4_TASK_OPTIONS
 
         options = {**SUDOKU4_TASK_OPTIONS, **options}

@@ -12,7 +12,8 @@ Each step (steps 2, 4 and 5 are the phases of dllm_fast.train.step, which the pl
      inside the objective's entry point, on the same masks);
   5. run the inner updates through `Objective.backward` (exact gradient, memory independent of n_t), each
      followed by gradient clipping, an AdamW step and the learning-rate schedule.
-Around the loop: JSONL metrics (a mixture-of-experts model's also report its experts' balance in the update
+An objective that trains on preference pairs (vrpo_dpo) takes steps 1-3 from the task's stored pairs instead
+(train/pairs.py). Around the loop: JSONL metrics (a mixture-of-experts model's also report its experts' balance in the update
 phase's forwards: router_load_max, router_load_cv, router_idle_experts) and a progress bar, greedy evaluation at several generation lengths, atomic
 checkpoints every K steps from which `--resume true` continues bit for bit, and a PNG of the curves at the end.
 
@@ -86,11 +87,17 @@ def _train(run: Run) -> TrainResult:
 
         # 1-2. Prompts (this rank's share), then G rollouts each.
         examples = run.data.take(config.run.prompts_per_step)[run.share]
-        with phases.phase("rollout"):
-            rollout, completions, rollout_seconds = run.roll_out(examples)
+        group_size = config.run.group_size
+        if run.pairs is not None:  # -- preference pairs (vrpo_dpo; train/pairs.py): the task's stored pairs are
+            batch, correct = run.pairs.step(examples)  # the batch; no rollout, no reward
+            rollout, rollout_seconds = None, 0.0
+        else:
+            with phases.phase("rollout"):
+                rollout, completions, rollout_seconds = run.roll_out(examples)
 
-        # 3. Rewards and the batch the objective consumes.
-        batch = run.rollout_batch(examples, rollout, completions)
+            # 3. Rewards and the batch the objective consumes.
+            batch = run.rollout_batch(examples, rollout, completions)
+            correct = [run.task.correct(examples[row // group_size], text) for row, text in enumerate(completions)]
 
         # 4. The inner updates' plan: masks, and the old policy's lp where the policy will have moved.
         with phases.phase("scoring"):
@@ -101,8 +108,6 @@ def _train(run: Run) -> TrainResult:
             updates = [run.update(batch, update) for update in plan]
         run.after_step(phases.peak)  # FSDP2's gathered rollout copy: kept or freed by the measured peak
 
-        group_size = config.run.group_size
-        correct = [run.task.correct(examples[row // group_size], text) for row, text in enumerate(completions)]
         pairs = sum(update.masks.num_sequences * update.masks.n_t for update in plan)
         row = step_metrics(step + 1, batch, correct, updates, rollout, rollout_seconds,
                            time.perf_counter() - step_started, run.schedule.get_last_lr()[0], phases, pairs,

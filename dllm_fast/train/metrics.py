@@ -52,7 +52,7 @@ class MetricsLog:
 def step_metrics(step, batch, correct, updates, rollout, rollout_seconds, seconds, lr, phases: "PhaseMeter",
                  update_pairs: int, micro_batch: int) -> dict:
     """One step's row: rollout rewards and accuracy, the inner updates' stats averaged, lengths, speed (rollout
-    tokens/s; update pairs/s: the (sequence, sample) pairs of the mu inner updates per second of the scoring and
+    tokens/s, 0 for a step of stored preference pairs, rollout None; update pairs/s: the (sequence, sample) pairs of the mu inner updates per second of the scoring and
     update phases), torch.compile's seconds in the step, and the peak memory of the step and of each phase."""
     rewards = batch.rewards.double()
     averaged = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
@@ -63,7 +63,7 @@ def step_metrics(step, batch, correct, updates, rollout, rollout_seconds, second
         "accuracy": sum(correct) / len(correct),
         **averaged,
         "completion_length": float(batch.completion_lengths.double().mean()),
-        "rollout_tokens_per_s": rollout.completion_ids.numel() / max(rollout_seconds, 1e-9),
+        "rollout_tokens_per_s": 0.0 if rollout is None else rollout.completion_ids.numel() / max(rollout_seconds, 1e-9),
         "rollout_seconds": rollout_seconds, "step_seconds": seconds,
         "update_pairs": update_pairs, "update_seconds": update_seconds,
         "update_pairs_per_s": update_pairs / max(update_seconds, 1e-9), "micro_batch": micro_batch,

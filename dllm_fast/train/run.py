@@ -30,6 +30,7 @@ from dllm_fast.train.config import TrainConfig, check_block_length, micro_batchi
 from dllm_fast.train.data import PromptStream
 from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
+from dllm_fast.train.pairs import PairSource, check_pairs_task
 from dllm_fast.train.precision import add_lora  # noqa: F401  (re-exported: the planner and tests import it here)
 from dllm_fast.train.precision import Precision, short_name, training_models, training_precision
 from dllm_fast.train.resume import CONFIG, check_resumable, saved_config
@@ -85,6 +86,7 @@ class RunSetup:
         check_block_length(config, skeleton)
         take_block_length(config, skeleton)
         check_rollout_settings(config, self.generate_config, skeleton)
+        check_objective_fits(self.objective, self.task, config, self.generate_config, skeleton)
         # last: it tokenizes every prompt of the task
         check_lengths(config, self.task, self.data.examples, self.test_examples, self.tokenizer, skeleton)
 
@@ -149,6 +151,10 @@ class Run:
                                            weight_decay=config.optim.weight_decay)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, learning_rate_factor(config))
         self.step_hooks = train_step.StepHooks(autocast=self.autocast)  # train/step.py's phases in this precision
+        # Preference objectives (vrpo_dpo) train on the task's stored pairs instead of rollouts (train/pairs.py).
+        self.pairs = PairSource(self.task, self.tokenizer, config.rollout.gen_length, self.core.eos_token_id,
+                                getattr(self.core, "eot_token_id", None),
+                                self.device) if self.objective.preference_pairs else None
         self.rollout_generator = torch.Generator(self.device).manual_seed(config.run.seed + 7919 * ranks.rank)
         self.mask_generator = torch.Generator().manual_seed(config.run.seed + 1 + 7919 * ranks.rank)
         self.step = 0
@@ -287,6 +293,19 @@ def model_and_tokenizer_plan(config: TrainConfig):
     skeleton = model_skeleton(source, tokenizer=tokenizer, allow_external_links=config.model.allow_external_links)
     check_tokenizer(skeleton, tokenizer, model_name=repr(config.model.name), tokenizer_name=str(tokenizer_dir))
     return source, tokenizer, skeleton
+
+
+def check_objective_fits(objective, task, config: TrainConfig, rollouts, model) -> None:
+    """The objective suits the model (EBPO's block samplers need a block model), the rollouts (JustGRPO's
+    left-to-right order) and the task (preference objectives need preference pairs), before any work."""
+    name = config.objective.name
+    check_pairs_task(objective, task, name, config.run.task)
+    try:
+        objective.check_model(model)
+        if not objective.preference_pairs:
+            objective.check_rollouts(rollouts)
+    except ValueError as error:
+        raise ValueError(f"--objective {name} with --model {config.model.name!r}: {error}") from None
 
 
 def check_rollout_records(objective, name: str) -> None:

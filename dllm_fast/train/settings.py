@@ -125,9 +125,10 @@ class RunSettings(_Settings):
 class ModelSettings(_Settings):
     """The policy: which model and tokenizer, its precision and its memory."""
 
-    name: str = option("sudoku4", key="model", help="'sudoku4' (the embedded default), a checkpoint directory, or a "
-                                                    "preset with random weights (the tokenizer's vocabulary and "
-                                                    "special ids)", metavar="NAME|DIR", names="presets")
+    name: str = option("sudoku4", key="model", help="'sudoku4' (the embedded default), 'sdar-sudoku4' (the embedded "
+                                                    "block-diffusion model), a checkpoint directory, or a preset with "
+                                                    "random weights (the tokenizer's vocabulary and special ids)",
+                       metavar="NAME|DIR", names="presets")
     tokenizer: str | None = option(None, help="tokenizer directory (default: the model's; the embedded one for "
                                               "presets)", metavar="DIR")
     bf16: bool | None = option(None, help="autocast to bf16 (default: on CUDA, not on CPU)")

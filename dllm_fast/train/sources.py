@@ -16,16 +16,17 @@ def model_source(model: ModelSettings, lora: LoraSettings) -> tuple[Any, type, P
     """(what to load: a preset name or a checkpoint directory, the model family's class, the tokenizer directory),
     checked without reading any weight; with --lora true, --lora-targets against the family's modules too. Takes
     a configuration's model and LoRA sections (TrainConfig.model, .lora)."""
-    from dllm_fast.assets import SUDOKU4_DIR
+    from dllm_fast.assets import EMBEDDED_MODELS, SUDOKU4_DIR
     from dllm_fast.models.loading import PRESETS, model_family
 
     name = model.name
-    source = SUDOKU4_DIR if name == "sudoku4" else name
+    source = embedded_source(name)
     try:
         family = model_family(source, allow_external_links=model.allow_external_links)
     except FileNotFoundError:
-        raise FileNotFoundError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}), 'sudoku4' "
-                                "(the embedded default), nor a directory holding config.json.") from None
+        raise FileNotFoundError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}), an embedded model "
+                                f"({', '.join(EMBEDDED_MODELS)}; sudoku4 the default), nor a directory holding "
+                                "config.json.") from None
     except ValueError as error:
         raise ValueError(f"--model {name!r}: {error}") from None
     if lora.enabled:
@@ -41,6 +42,14 @@ def model_source(model: ModelSettings, lora: LoraSettings) -> tuple[Any, type, P
     return source, family, tokenizer
 
 
+def embedded_source(name: str):
+    """What --model NAME loads: an embedded model's directory (assets.EMBEDDED_MODELS: sudoku4, sdar-sudoku4),
+    else the name itself (a preset or a checkpoint directory)."""
+    from dllm_fast.assets import EMBEDDED_MODELS
+
+    return EMBEDDED_MODELS.get(name, name)
+
+
 def block_diffusion_model(model: ModelSettings) -> bool:
     """Whether --model is of a block-diffusion family (SDAR): its rollouts decode the model's own blocks, and
     --threshold with --diffusion-steps is SDAR's dynamic rule. False when the model cannot be found (the setup
@@ -50,12 +59,10 @@ def block_diffusion_model(model: ModelSettings) -> bool:
 
 def known_family(model: ModelSettings) -> type | None:
     """The class --model loads as, or None when it cannot be found (the setup checks name that)."""
-    from dllm_fast.assets import SUDOKU4_DIR
     from dllm_fast.models.loading import model_family
 
     try:
-        return model_family(SUDOKU4_DIR if model.name == "sudoku4" else model.name,
-                            allow_external_links=model.allow_external_links)
+        return model_family(embedded_source(model.name), allow_external_links=model.allow_external_links)
     except (FileNotFoundError, ValueError):
         return None
 
