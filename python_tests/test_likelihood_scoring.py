@@ -35,6 +35,8 @@ def masks_for(model, sequences, sampler="stratified_l", n_t=4, seed=1, **kwargs)
     if sampler == "trajectory":  # four states, each decoding its row's next positions in a random order
         order = torch.rand(sequences.shape[0], L, generator=torch.Generator().manual_seed(seed)).argsort(-1)
         n_t, kwargs["unmask_step"] = None, order.argsort(-1) * 4 // L
+    elif SAMPLERS.get(sampler).data_n_t:  # its samples follow from the sequences (autoregressive: one a position)
+        n_t = None
     return sample_masks(sequences, prompt_length=P, n_t=n_t, sampler=sampler,
                         generator=torch.Generator().manual_seed(seed), eos_token_id=model.eos_token_id, **kwargs)
 
