@@ -46,7 +46,7 @@ def _engine_registered() -> bool:
 
 
 # The one switch: dllm_fast's engine when it exists, else verl's FSDP2 engine (module docstring).
-ACTOR_OVERRIDES = (["++actor_rollout_ref.model.model_type=dllm_fast"] if _engine_registered() else
+ACTOR_OVERRIDES = (["++actor_rollout_ref.model.model_type=dllm_fast", "actor_rollout_ref.actor.strategy=fsdp2"] if _engine_registered() else
                    ["++actor_rollout_ref.model.model_type=language_model",
                     "actor_rollout_ref.actor.strategy=fsdp2",
                     "++actor_rollout_ref.model.override_config.attn_implementation=eager",

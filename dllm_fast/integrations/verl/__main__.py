@@ -30,7 +30,8 @@ DEFAULTS = {
     "algorithm.adv_estimator": "grpo",
     "reward.reward_manager.name": "dllm_fast",
 }
-ENGINE_DEFAULTS = {"++actor_rollout_ref.model.model_type": "dllm_fast"}
+ENGINE_DEFAULTS = {"++actor_rollout_ref.model.model_type": "dllm_fast",
+                   "actor_rollout_ref.actor.strategy": "fsdp2"}  # the engine shards with FSDP2 only
 CPU_DEFAULTS = {
     "++ray_kwargs.ray_init.num_gpus": "${trainer.n_gpus_per_node}",
     "++ray_kwargs.ray_init.num_cpus": "32",

@@ -34,14 +34,25 @@ class Section(dict):
         self[name] = value
 
 
+# transformers' standard names (which verl reads: attention heads, sizes) for LLaDA's own config.json fields.
+_LLADA_NAMES = {"hidden_size": "d_model", "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+                "num_hidden_layers": "n_layers", "intermediate_size": "mlp_hidden_size"}
+
+
 def _config_class(model_type: str) -> type[PretrainedConfig]:
-    def __init__(self, **fields):
+    def __init__(self, tie_word_embeddings=None, weight_tying=False, **fields):
         fields.setdefault("architectures", [f"{model_type}_diffusion_lm"])  # verl asks for exactly one
         super(cls, self).__init__(**fields)
+        # tie_word_embeddings (which verl reads) from LLaDA's weight_tying where the file has only that
+        self.weight_tying = weight_tying
+        self.tie_word_embeddings = bool(weight_tying if tie_word_embeddings is None else tie_word_embeddings)
+        if model_type == "llada" and getattr(self, "n_kv_heads", None) is None and hasattr(self, "n_heads"):
+            self.n_kv_heads = self.n_heads  # LLaDA's null n_kv_heads means n_heads
         self.__dict__.setdefault(SECTION, Section())
 
     cls = type(f"DllmFast{model_type.capitalize()}Config", (PretrainedConfig,),
                {"model_type": model_type, "__init__": __init__, "__module__": __name__,
+                "attribute_map": _LLADA_NAMES if model_type == "llada" else {},
                 "__doc__": f"config.json of a dllm_fast {model_type!r} checkpoint, as transformers reads it."})
     return cls
 
@@ -64,3 +75,11 @@ def register_model_types() -> list[str]:
         AutoConfig.register(model_type, CONFIG_CLASSES[model_type])
         registered.append(model_type)
     return registered
+
+
+def config_class(model_type: str) -> type[PretrainedConfig]:
+    """The config class transformers reads `model_type`'s config.json with (registering the families first)."""
+    register_model_types()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_CLASSES.get(model_type) or CONFIG_MAPPING[model_type]

@@ -19,45 +19,13 @@ import functools
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from dllm_fast.models.loading import FAMILIES
-
-_CONFIG_CLASSES: dict[str, type] = {}
-
-
-# transformers' standard names (which verl reads: attention heads, sizes) for LLaDA's own config.json fields.
-_LLADA_NAMES = {"hidden_size": "d_model", "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
-                "num_hidden_layers": "n_layers", "intermediate_size": "mlp_hidden_size"}
-
-
-def _config_init(self, tie_word_embeddings=None, weight_tying=False, **fields):
-    """The file's fields as attributes; tie_word_embeddings (which verl reads) from LLaDA's weight_tying where the
-    file has only that, and LLaDA's n_kv_heads = n_heads where it is null."""
-    PretrainedConfig.__init__(self, **fields)
-    self.weight_tying = weight_tying
-    self.tie_word_embeddings = bool(weight_tying if tie_word_embeddings is None else tie_word_embeddings)
-    if self.model_type == "llada" and getattr(self, "n_kv_heads", None) is None and hasattr(self, "n_heads"):
-        self.n_kv_heads = self.n_heads
-
-
-def _config_class(model_type: str) -> type:
-    if model_type not in _CONFIG_CLASSES:
-        name = "DllmFast" + "".join(part.capitalize() for part in model_type.split("_")) + "Config"
-        _CONFIG_CLASSES[model_type] = type(name, (PretrainedConfig,), {
-            "model_type": model_type, "__init__": _config_init,
-            "attribute_map": _LLADA_NAMES if model_type == "llada" else {}})
-    return _CONFIG_CLASSES[model_type]
+from dllm_fast.integrations.verl.model_types import config_class, register_model_types
 
 
 def register_config_types() -> list[str]:
-    """Register the families' model types transformers does not know yet; returns those registered."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    added = []
-    for model_type in FAMILIES:
-        if model_type not in CONFIG_MAPPING:
-            AutoConfig.register(model_type, _config_class(model_type))
-            added.append(model_type)
-    return added
+    """Register the families' model types transformers does not know yet (with the engine's settings section);
+    returns those registered."""
+    return register_model_types()
 
 
 def _whole_projection_parts(module, state_dict, prefix, local_metadata) -> None:
@@ -86,7 +54,7 @@ def causal_lm_class() -> type:
         names are the official checkpoint's keys ("model.transformer...") and `from_pretrained` reads an official
         checkpoint as it is."""
 
-        config_class = _config_class("llada")
+        config_class = config_class("llada")  # transformers reads the class attribute
         base_model_prefix = "model"
         _no_split_modules = ["LLaDABlock"]
         supports_gradient_checkpointing = True
@@ -136,7 +104,7 @@ def register_causal_lm() -> None:
     from transformers import AutoModel, AutoModelForCausalLM
 
     register_config_types()
-    config_class = _config_class("llada")
+    llada_config = config_class("llada")
     for auto in (AutoModelForCausalLM, AutoModel):
-        if config_class not in auto._model_mapping._extra_content:
-            auto.register(config_class, causal_lm_class())
+        if llada_config not in auto._model_mapping._extra_content:
+            auto.register(llada_config, causal_lm_class())
