@@ -146,6 +146,7 @@ def test_opcheck(device):
                 (grad, None, hidden, weight, targets, lse, 32, mask))
 
 
+@pytest.mark.slow  # torch.compile: about 30 s on 2 cores
 def test_torch_compile_fullgraph(device):
     hidden, weight, targets = make_inputs(16, 8, 300, device, requires_grad=True)
 
