@@ -46,7 +46,12 @@ def explicit_n_t(name: str) -> int:
 CACHES = ("none", "prefix", "dual")
 
 
-@pytest.mark.parametrize("index, name", list(enumerate(objectives.available())))
+NEEDS_OWN_SETUP = {"ebpo": "a block model", "vrpo_dpo": "preference pairs (no rollout)"}  # planned in their own tests
+
+
+@pytest.mark.parametrize("index, name", [
+    pytest.param(i, n, marks=pytest.mark.skip(reason=f"needs {NEEDS_OWN_SETUP[n]}")) if n in NEEDS_OWN_SETUP else (i, n)
+    for i, n in enumerate(objectives.available())])
 @pytest.mark.slow
 def test_every_objective_and_cache_mode_plans_with_an_explicit_n_t(capsys, index, name):
     """--objective-options '{"n_t": N}' used to fail for every objective ("nearest_valid_n_t() got multiple values

@@ -80,7 +80,13 @@ def test_a_short_run_writes_metrics_checkpoint_and_curves(tmp_path):
     assert (out / "checkpoint" / "state.pt").is_file() and (out / "checkpoint" / "model" / "config.json").is_file()
 
 
-@pytest.mark.parametrize("name", objectives.available())
+# Objectives whose defaults the embedded LLaDA rollout does not meet are refused with a clear error; their runs are
+# tested where they apply.
+NEEDS_OWN_SETUP = {"ebpo": "a block model (test_embedded_sdar_model runs it on sdar-sudoku4)", "justgrpo": "block-1 rollouts (its own tests)", "vrpo_dpo": "preference pairs (--task sudoku4_pairs, tested with it)"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.skip(reason=f"needs {NEEDS_OWN_SETUP[n]}"))
+                                  if n in NEEDS_OWN_SETUP else n for n in objectives.available()])
 @pytest.mark.slow
 def test_every_objective_trains_without_nan(tmp_path, name):
     objective = objectives.get(name)
