@@ -52,10 +52,10 @@ def register() -> dict[str, object]:
     from dllm_fast.integrations.verl import platform  # noqa: F401  registers PlatformCPU
     from dllm_fast.integrations.verl.losses import register_verl_losses
     from dllm_fast.integrations.verl.rewards import register_reward_manager
-    from dllm_fast.integrations.verl.transformers_view import register_config_types
+    from dllm_fast.integrations.verl.model_types import register_model_types
 
     registered: dict[str, object] = {"platform": platform.PLATFORM_NAME}
-    registered["model_types"] = register_config_types()
+    registered["model_types"] = register_model_types()
     registered["losses"] = register_verl_losses()
     registered["rollout"] = register_rollout()
     registered["reward_manager"] = register_reward_manager()

@@ -1,11 +1,8 @@
 """dllm_fast's checkpoints as transformers sees them, for verl, which reads every model through transformers'
 auto classes:
 
-- `register_config_types()`: each model family's config.json `model_type` (llada, sdar, Dream, llada2_moe)
-  registered with `AutoConfig` as a plain `PretrainedConfig` holding the file's fields, so that verl's
-  `HFModelConfig` (built in the driver, the task runner, every worker) can read a dllm_fast checkpoint without
-  remote code. A checkpoint that ships its own code (auto_map, `trust_remote_code=True`) still gets it: transformers
-  prefers the remote class there.
+- the families' config types come from `model_types.register_model_types()` (one registration, which the
+  engine's settings section rides on).
 - `register_causal_lm()`: LLaDA as an `AutoModelForCausalLM` (`causal_lm_class()`, LLaDAForCausalLM: the native model under the
   official key names, logits out), so that verl's stock FSDP engine can load and train a dllm_fast LLaDA
   checkpoint. Its log-probs are verl's (next-token, on the unmasked sequence), not a diffusion likelihood: it
@@ -17,15 +14,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig
 
-from dllm_fast.integrations.verl.model_types import config_class, register_model_types
-
-
-def register_config_types() -> list[str]:
-    """Register the families' model types transformers does not know yet (with the engine's settings section);
-    returns those registered."""
-    return register_model_types()
+from dllm_fast.integrations.verl.model_types import config_class
 
 
 def _whole_projection_parts(module, state_dict, prefix, local_metadata) -> None:
@@ -103,8 +94,7 @@ def register_causal_lm() -> None:
     otherwise than *ForCausalLM, as LLaDA's "LLaDAModelLM"); a second call changes nothing."""
     from transformers import AutoModel, AutoModelForCausalLM
 
-    register_config_types()
-    llada_config = config_class("llada")
+    llada_config = config_class("llada")  # registers the families' config types first
     for auto in (AutoModelForCausalLM, AutoModel):
         if llada_config not in auto._model_mapping._extra_content:
             auto.register(llada_config, causal_lm_class())
