@@ -64,8 +64,8 @@ def step_batch_of(model, objective, temperature=1.0):
 def test_recorded_prediction_is_the_models_prediction_on_the_recorded_canvas(cache):
     """Greedy: at every forward t, x_hat_t is x_t (the final tokens with unmask_step >= t masked) with each masked
     position filled by the argmax of a plain forward on x_t (the mask id excluded), and the confidence is its
-    softmax probability; the positions unmasked at t take x_hat_t's token (break-checked: recording the canvas
-    after the step's write instead fails). The prefix cache's steps after a block's first reuse the prefix's keys
+    softmax probability; the positions unmasked at t take x_hat_t's token (break-checked: recording the samples
+    of the block's positions only, the later ones left masked, fails). The prefix cache's steps after a block's first reuse the prefix's keys
     from that refresh (Fast-dLLM's approximation), so there the plain forward is the one of each block's first
     step (forwards 0 and 2)."""
     model = llada()
