@@ -266,3 +266,32 @@ def test_mdpo_refuses_what_is_not_its_step_batch():
         objectives.get("mdpo", advantage="leave_one_out")
     with pytest.raises(ValueError, match="greedy"):
         objective.check_rollouts(dllm_fast.GenerateConfig(gen_length=8, block_length=4, steps=4, temperature=0.0))
+
+
+def test_mdpo_is_the_same_at_every_micro_batch_and_finite_at_the_reward_bound():
+    """The loss, stats and gradient do not depend on the memory micro-batch (one row per graph vs all); step
+    rewards at +-2^24 give finite advantages, loss and gradients (break-checked: normalising by the rows of a
+    micro-batch instead of the rollouts fails)."""
+    model = llada()
+    objective = objectives.get("mdpo", top_k_steps=2)
+    batch, result = step_batch_of(model, objective)
+    ref = copy.deepcopy(model)
+    model.train()
+    runs = []
+    for micro_batch in (1, 64):
+        model.zero_grad(set_to_none=True)
+        out = objective.backward(model, batch, micro_batch=micro_batch, ref_model=ref)
+        runs.append((out.loss, out.stats, [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-12, atol=1e-14)
+    assert runs[0][1].keys() == runs[1][1].keys()
+    for a, b in zip(runs[0][2], runs[1][2]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+    huge = torch.tensor([2.0**24, -2.0**24, 0.0, 2.0**24], dtype=torch.float64)[:, None].expand(4, result.nfe)
+    huge = huge * torch.tensor([1.0, -1.0, 0.5, 1.0])[None, :result.nfe].double()
+    plain = RolloutBatch.from_generation(result, huge[:, -1], group_size=G)
+    bound = objective.step_batch(plain, result.step_predictions, result.step_confidence, huge,
+                                 eos_token_id=model.eos_token_id, rollout_temperature=1.0)
+    assert torch.isfinite(bound.step_advantages).all()
+    model.zero_grad(set_to_none=True)
+    out = objective.backward(model, bound, micro_batch=8, ref_model=ref)
+    assert torch.isfinite(out.loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
