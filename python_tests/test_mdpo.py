@@ -295,3 +295,20 @@ def test_mdpo_is_the_same_at_every_micro_batch_and_finite_at_the_reward_bound():
     model.zero_grad(set_to_none=True)
     out = objective.backward(model, bound, micro_batch=8, ref_model=ref)
     assert torch.isfinite(out.loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_verl_refuses_mdpo_naming_the_trainer():
+    from dllm_fast.integrations.verl.settings import EngineSettings
+
+    with pytest.raises(ValueError, match="python -m dllm_fast train --objective mdpo"):
+        EngineSettings.from_section({"objective": "mdpo"})
+
+
+@pytest.mark.slow  # imports TRL (seconds)
+def test_trl_refuses_mdpo_naming_the_alternatives():
+    pytest.importorskip("trl")
+    from dllm_fast.integrations.trl import DiffusionGRPOTrainer
+
+    with pytest.raises(ValueError, match="record_step_predictions=True"):
+        DiffusionGRPOTrainer(llada(torch.float32), lambda completions, **kwargs: [0.0] * len(completions),
+                             objective="mdpo")
