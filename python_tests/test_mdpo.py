@@ -90,6 +90,24 @@ def test_recorded_prediction_is_the_models_prediction_on_the_recorded_canvas(cac
         assert torch.equal(result.step_predictions[:, t][decoded], result.completion_ids[decoded])
 
 
+def test_dreams_recorded_prediction_reads_the_shifted_logits():
+    """Dream predicts position i from hidden state i - 1 (logit_shift 1): its record is that prediction on x_t."""
+    from dllm_fast.models import DreamConfig, DreamModel
+
+    model = DreamModel.with_random_weights(DreamConfig.preset("dream-tiny"), dtype=torch.float64, seed=0).eval()
+    ids = torch.randint(0, 100, (2, 4), generator=torch.Generator().manual_seed(0))
+    result = dllm_fast.generate(model, ids, None, gen_length=GEN, block_length=BLOCK, steps=4,
+                                record_step_predictions=True)
+    for t in range(result.nfe):
+        masked = result.unmask_step >= t
+        canvas = result.sequences.clone()
+        canvas[:, 4:][masked] = model.mask_token_id
+        with torch.no_grad():
+            logits = torch.nn.functional.linear(model(canvas), model.lm_head_weight)[:, 3:-1]
+        logits[..., model.mask_token_id] = -torch.inf
+        assert torch.equal(result.step_predictions[:, t], torch.where(masked, logits.argmax(-1), canvas[:, 4:]))
+
+
 @pytest.mark.parametrize("settings", [dict(cache="none"), dict(cache="prefix"), dict(cache="none", steps=None,
                                       threshold=0.05), dict(cache="dual", block_length=GEN), dict(cfg_scale=1.0),
                                       dict(remasking="random")], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
@@ -114,10 +132,16 @@ def test_recording_leaves_the_sampled_rollout_unchanged(settings):
     ("llada", dict(compile=True), "compile=False"),
     ("llada", dict(cache="dual"), "cache='prefix' or 'none'"),
     ("sdar", dict(cache="block"), "block-diffusion model"),
+    ("llada2", dict(cache="none"), "block-diffusion model"),
 ])
 def test_what_cannot_record_every_step_is_refused(model_kind, settings, message):
     if model_kind == "sdar":
         model = SDARModel.with_random_weights(SDARConfig.preset("sdar-tiny"), dtype=torch.float32, seed=1)
+        model.block_length = BLOCK
+    elif model_kind == "llada2":
+        from dllm_fast.models import LLaDA2Config, LLaDA2Model
+
+        model = LLaDA2Model.with_random_weights(LLaDA2Config.preset("llada2-tiny"), dtype=torch.float32, seed=0)
         model.block_length = BLOCK
     else:
         model = llada(torch.float32)
