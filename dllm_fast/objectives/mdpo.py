@@ -38,6 +38,11 @@ tokens, so decoding stops being absorbing: a position is unmasked more than once
 sampler (one write per position) nor `unmask_step` (one step per position, from which x_t is rebuilt here) can
 express such a trajectory. The official "incremental_training" and "mixture_data" are data selection, not the loss.
 
+Read against the official code: each step's loss divides by |M_t| of its row, the official's divisor (its
+micro-batch's masked count, pooled) with its one rollout per device; its top-k over a device batch of one is "rollout".
+Its sampler ranks positions by the tempered probability, dllm_fast's generate by the unscaled one (LLaDA's), so at
+T != 1 the rollouts' order differs, while x_hat is an exact sample of softmax(logits / T) in both.
+
 The target x_hat_t is not the final completion: positions still masked after step t hold samples that were later
 discarded, so the step batch stores it (`StepBatch`). Separable: one term per (row, position), one scoring pass.
 """
