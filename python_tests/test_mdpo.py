@@ -336,3 +336,30 @@ def test_trl_refuses_mdpo_naming_the_alternatives():
     with pytest.raises(ValueError, match="record_step_predictions=True"):
         DiffusionGRPOTrainer(llada(torch.float32), lambda completions, **kwargs: [0.0] * len(completions),
                              objective="mdpo")
+
+
+def test_the_trainer_rewards_every_steps_prediction_once_per_distinct_text():
+    """train/step_rewards.py: the N x K predictions decoded through their first EOS and rewarded by the task, a
+    text repeated within a prompt's group rewarded once (break-checked: keying the cache by text alone, across
+    prompts, fails)."""
+    from dllm_fast.train.step_rewards import decode_step_predictions, step_rewards
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    class Task:
+        name = "count"
+        calls = []
+
+        def reward(self, example, completion):
+            self.calls.append((example, completion))
+            return float(len(completion)) + example
+
+    result = type("R", (), {"step_predictions": torch.tensor([[[5, 9, 1], [5, 9, 1]], [[7, 2, 2], [5, 9, 1]]])})()
+    texts = decode_step_predictions(Tokenizer(), result, eos_token_id=9)
+    assert texts == [["5 9", "5 9"], ["7 2 2", "5 9"]]
+    task = Task()
+    rewards = step_rewards(task, [0.0, 100.0], 1, texts, "step 1")
+    assert rewards.tolist() == [[3.0, 3.0], [105.0, 103.0]]
+    assert task.calls == [(0.0, "5 9"), (100.0, "7 2 2"), (100.0, "5 9")]

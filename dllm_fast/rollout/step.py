@@ -126,7 +126,7 @@ def denoise_step(model, state: RolloutState, constants: StepConstants, block: to
     c = constants
     canvas = state.canvas
     B = canvas.shape[0]
-    window = canvas.index_select(1, block)  # [B, block_length], a copy
+    window = canvas.index_select(1, block)  # [B, block_length] (recording: to the end), a copy
     masked = window == c.mask_id
     recording = state.step_predictions is not None
     if c.decode_whole_block or recording:
