@@ -363,3 +363,18 @@ def test_the_trainer_rewards_every_steps_prediction_once_per_distinct_text():
     rewards = step_rewards(task, [0.0, 100.0], 1, texts, "step 1")
     assert rewards.tolist() == [[3.0, 3.0], [105.0, 103.0]]
     assert task.calls == [(0.0, "5 9"), (100.0, "7 2 2"), (100.0, "5 9")]
+
+
+def test_a_step_batchs_groups_are_step_batches_of_their_rollouts():
+    """groups() keeps the step fields of a prompt's rows and its rollouts (the loss's normaliser): the two halves'
+    losses add up to the whole batch's (each / its own rollouts, so halved)."""
+    model = llada()
+    objective = objectives.get("mdpo", top_k_steps=2, beta=0.0)
+    batch, _ = step_batch_of(model, objective)
+    halves = [batch.groups(0, 1), batch.groups(1, 2)]
+    assert [h.rollouts for h in halves] == [2, 2] and torch.equal(halves[1].step, batch.step[4:])
+    losses = []
+    for part in (batch, *halves):
+        model.zero_grad(set_to_none=True)
+        losses.append(objective.backward(model, part, micro_batch=8).loss)
+    torch.testing.assert_close(losses[0], (losses[1] + losses[2]) / 2, rtol=1e-12, atol=1e-14)

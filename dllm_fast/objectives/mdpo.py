@@ -138,6 +138,16 @@ class StepBatch(RolloutBatch):
                              "MDPO.step_batch(...).")
         check_int("StepBatch.rollouts", self.rollouts, minimum=1)
 
+    def groups(self, start: int, end: int) -> "StepBatch":
+        """Prompt groups [start, end) (each the G k rows of one prompt's rollouts) as a step batch of their own."""
+        part = super().groups(start, end)
+        rows = slice(start * self.group_size, end * self.group_size)
+        per_rollout = self.num_rollouts // self.rollouts  # k
+        return dataclasses.replace(self, **{f.name: getattr(part, f.name) for f in dataclasses.fields(RolloutBatch)},
+                                   step_advantages=self.step_advantages[rows],
+                                   step_confidence=self.step_confidence[rows], source_row=self.source_row[rows],
+                                   step=self.step[rows], rollouts=part.num_rollouts // per_rollout)
+
     def to(self, device) -> "StepBatch":
         moved = super().to(device)
         return dataclasses.replace(self, **{f.name: getattr(moved, f.name) for f in dataclasses.fields(RolloutBatch)},
