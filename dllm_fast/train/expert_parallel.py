@@ -95,6 +95,7 @@ class ExpertGradients:
     def __init__(self, model, group: ExpertGroup):
         self.group, self.experts = group, _expert_parameter_ids(model)
 
+    @torch.no_grad()
     def __call__(self, parameters, max_norm: float) -> torch.Tensor:
         import torch.distributed as dist
 
@@ -107,18 +108,20 @@ class ExpertGradients:
                 dist.all_reduce(p.grad, group=self.group.data_group)
             p.grad.div_(self.group.world)
         dense = [p.grad for p in parameters if id(p) not in self.experts and p.grad is not None]
-        grads = dense + [p.grad for p in experts]
-        if not grads:
+        mine = [p.grad for p in experts]
+        if not dense + mine:
             return torch.zeros(())
-        dtype = grads[0].dtype
-        dense_square = sum((torch.linalg.vector_norm(g).to(dtype) ** 2 for g in dense), torch.zeros((), dtype=dtype,
-                                                                                                   device=grads[0].device))
-        expert_square = sum((torch.linalg.vector_norm(g).to(dtype) ** 2 for g in experts),
-                            torch.zeros((), dtype=dtype, device=grads[0].device))
+        reference = (dense + mine)[0]
+
+        def squares(grads):
+            return sum((torch.linalg.vector_norm(g).to(reference.dtype) ** 2 for g in grads),
+                       torch.zeros((), dtype=reference.dtype, device=reference.device))
+
+        dense_square, expert_square = squares(dense), squares(mine)
         dist.all_reduce(expert_square, group=self.group.group)  # each expert once: over the group's slices
         norm = torch.sqrt(dense_square + expert_square)
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s rule
-        for g in grads:
+        for g in dense + mine:
             g.mul_(coefficient.to(g.dtype))
         return norm
 
