@@ -75,6 +75,15 @@ def distribute(model, group: ExpertGroup | None):
     return model if group is None else distribute_experts(model, group)
 
 
+def expert_parallel_note(model, group: ExpertGroup, uncompiled: bool) -> str:
+    """The setup line of a run under expert parallelism (uncompiled: --compile auto left the rollouts eager)."""
+    layer = expert_parallel_modules(model)[0]
+    return (f"--expert-parallel {group.size}: each rank holds {layer.local_experts} of the {layer.num_experts} "
+            f"routed experts of every MoE layer ({group.replicas} expert group{'s' if group.replicas > 1 else ''} of "
+            f"{group.size} ranks; tokens move to their experts by all-to-all, DDP averages the rest)"
+            + ("; rollouts eager (--compile auto)" if uncompiled else ""))
+
+
 def ignore_experts_in_ddp(model) -> None:
     """Tell DDP (before it wraps `model`) to leave the routed experts alone: each rank holds its own."""
     ids = {id(p) for m in expert_parallel_modules(model) for p in m.parameters()}

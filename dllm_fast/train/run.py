@@ -31,7 +31,7 @@ from dllm_fast.train.config import TrainConfig, check_block_length, micro_batchi
 from dllm_fast.train.data import PromptStream
 from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
 from dllm_fast.train.expert_parallel import (ExpertGradients, check_expert_parallel, distribute, expert_group,
-                                             ignore_experts_in_ddp)
+                                             expert_parallel_note, ignore_experts_in_ddp)
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
 from dllm_fast.train.pairs import PairSource, check_pairs_task
 from dllm_fast.train.precision import add_lora  # noqa: F401  (re-exported: the planner and tests import it here)
@@ -143,6 +143,9 @@ class Run:
         # --expert-parallel N: this rank keeps its slice of the routed experts (train/expert_parallel.py)
         self.expert_group = expert_group(config.run.expert_parallel, ranks, self.device)
         base = distribute(base, self.expert_group)
+        if self.expert_group is not None:
+            self.setup_notes.append(expert_parallel_note(base, self.expert_group, setup.generate_config.compile
+                                                         != config.generate_config(self.device.type).compile))
         # The reference policy: the initial weights, frozen. With LoRA, the objective disables the adapters instead.
         self.model, self.ref_model = training_models(base, config, self.precision,
                                                      needs_reference=self.objective.needs_reference)
