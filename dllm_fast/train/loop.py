@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dllm_fast.models.moe import router_load
+from dllm_fast.train.expert_parallel import expert_rank_load
 from dllm_fast.train.checkpoint import save_checkpoint
 from dllm_fast.train.config import TrainConfig
 from dllm_fast.train.distributed import distributed_session
@@ -115,6 +116,7 @@ def _train(run: Run) -> TrainResult:
                            time.perf_counter() - step_started, run.schedule.get_last_lr()[0], phases, pairs,
                            run.batching.micro_batch)
         row.update(load.metrics())
+        row.update(expert_rank_load(load, getattr(run, "expert_group", None), run.ranks))  # --expert-parallel: each rank's share
         run.step = step + 1
         if run.step % config.eval.every == 0 or run.step == config.run.steps:
             row.update(evaluate_lengths(run))

@@ -8,6 +8,7 @@ it, which modules LoRA adapts, FSDP2's units, its tokenizer) comes from the fami
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -29,6 +30,8 @@ from dllm_fast.train.checkpoint import CHECKPOINT, load_checkpoint, seed_everyth
 from dllm_fast.train.config import TrainConfig, check_block_length, micro_batching, take_block_length, task_options
 from dllm_fast.train.data import PromptStream
 from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
+from dllm_fast.train.expert_parallel import (ExpertGradients, check_expert_parallel, distribute, expert_group,
+                                             expert_parallel_note, ignore_experts_in_ddp)
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
 from dllm_fast.train.pairs import PairSource, check_pairs_task
 from dllm_fast.train.precision import add_lora  # noqa: F401  (re-exported: the planner and tests import it here)
@@ -84,6 +87,9 @@ class RunSetup:
         # The model, its tokenizer and the task's prompts agree before any weight is read.
         self.source, self.tokenizer, skeleton = model_and_tokenizer_plan(config)
         check_sizes(config, skeleton, self.device, ranks, self.objective.needs_reference, self.precision)
+        check_expert_parallel(config, skeleton, ranks.world)
+        if config.run.expert_parallel > 1 and self.generate_config.compile:  # --compile auto: eager all-to-alls
+            self.generate_config = dataclasses.replace(self.generate_config, compile=False)
         check_block_length(config, skeleton)
         take_block_length(config, skeleton)
         check_rollout_settings(config, self.generate_config, skeleton)
@@ -135,9 +141,17 @@ class Run:
                           allow_external_links=config.model.allow_external_links).train()
         take_block_length(config, base)
         base.set_gradient_checkpointing(config.model.gradient_checkpointing)
+        # --expert-parallel N: this rank keeps its slice of the routed experts (train/expert_parallel.py)
+        self.expert_group = expert_group(config.run.expert_parallel, ranks, self.device)
+        base = distribute(base, self.expert_group)
+        if self.expert_group is not None:
+            self.setup_notes.append(expert_parallel_note(base, self.expert_group, setup.generate_config.compile
+                                                         != config.generate_config(self.device.type).compile))
         # The reference policy: the initial weights, frozen. With LoRA, the objective disables the adapters instead.
         self.model, self.ref_model = training_models(base, config, self.precision,
                                                      needs_reference=self.objective.needs_reference)
+        if self.expert_group is not None:
+            ignore_experts_in_ddp(self.model)
         self.model = data_parallel_wrapper(self.model, config.run.parallel, ranks, self.device)
         self.core = unwrap_model(self.model)
         self.rollout_weights = None  # under FSDP2: the gathered copy rollouts run on (train/rollout_weights.py)
@@ -235,8 +249,9 @@ class Run:
 
     def update(self, batch: RolloutBatch, update: InnerUpdate) -> dict:
         """One inner update: the objective's gradient, clipping, an AdamW step and the schedule."""
+        clip = ExpertGradients(self.model, self.expert_group) if self.expert_group is not None else None
         optimization = train_step.Optimization(self.trainable, self.optimizer, self.config.optim.grad_clip,
-                                               self.schedule)
+                                               self.schedule, clip=clip)
         out, norm = train_step.run_update(self.objective, self.model, batch, update, batching=self.batching,
                                           optimization=optimization, ref_model=self.ref_model,
                                           hooks=self.step_hooks, when=f" at step {self.step + 1}")

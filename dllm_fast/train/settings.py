@@ -88,6 +88,10 @@ class RunSettings(_Settings):
     threads: int | None = option(None, help="CPU threads (default: torch's)")
     parallel: str = option("ddp", help="under torchrun: ddp, or fsdp2 (full fine-tunes; sharded weights)",
                            choices=PARALLEL)
+    expert_parallel: int = option(1, help="under torchrun, LLaDA2: ranks an expert group spans; each holds "
+                                          "num_experts / N of every MoE layer's routed experts, and tokens move to "
+                                          "them by all-to-all (train/expert_parallel.py; default: 1, none)",
+                                  metavar="N")
     rollout_weights: str = option("auto", help="under --parallel fsdp2, what rollouts run on: gathered (a plain copy "
                                                "of the weights gathered once a step), sharded (FSDP2's per-layer "
                                                "gathers at every forward), or auto (gathered when it fits beside "
@@ -107,6 +111,7 @@ class RunSettings(_Settings):
         if self.threads is not None:
             check_int("--threads", self.threads, minimum=1)
         check_int("--seed", self.seed, minimum=0, maximum=MAX_SEED)
+        check_int("--expert-parallel", self.expert_parallel, minimum=1)
         if not self.output_dir.strip():
             raise ValueError("--output-dir is empty; name the run directory (e.g. runs/default).")
         check_choice(self, "parallel")

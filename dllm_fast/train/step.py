@@ -115,12 +115,14 @@ def inner_update(objective: Objective, model, batch: RolloutBatch, update: Inner
 @dataclass
 class Optimization:
     """What an optimizer step updates and how: the trainable parameters, the optimizer, the clipping norm and the
-    learning-rate schedule (None: none)."""
+    learning-rate schedule (None: none). clip: what clips the gradients, called as clip_grad_norm_ (None: it; expert
+    parallelism's reduces the experts' gradients first: train/expert_parallel.py)."""
 
     trainable: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     grad_clip: float
     schedule: object | None = None
+    clip: Callable | None = None
 
 
 def optimizer_step(optimization: Optimization, *, hooks: StepHooks = NO_HOOKS, when: str = "") -> torch.Tensor:
@@ -129,7 +131,7 @@ def optimizer_step(optimization: Optimization, *, hooks: StepHooks = NO_HOOKS, w
     places it, e.g. " at step 3")."""
     optimizer = optimization.optimizer
     with hooks.phase(OPTIMIZER_STEP):
-        norm = torch.nn.utils.clip_grad_norm_(optimization.trainable, optimization.grad_clip)
+        norm = (optimization.clip or torch.nn.utils.clip_grad_norm_)(optimization.trainable, optimization.grad_clip)
         if not torch.isfinite(norm):
             optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"the gradient norm is {float(norm)}{when}; no update was taken. Lower the "
