@@ -179,3 +179,29 @@ def sibling_advantages(parent: torch.Tensor, values: torch.Tensor) -> torch.Tens
     others = counts[groups] - finite.double()
     advantage = values - others_sum / others.clamp_min(1)
     return torch.where(finite & (others > 0), advantage, zero)
+
+
+def check_tree_rollouts(model, config: GenerateConfig, shape: TreeShape) -> None:
+    """Raise, naming the setting and the fix, unless `config` can decode trees of `shape` on `model` (its skeleton
+    will do): a fixed schedule with at least one step per level, a bidirectional model, eager steps, and with the
+    prefix or dual cache branch points at block boundaries (rollout/resume.py). Trainers call it before any work."""
+    from dllm_fast.contracts import block_length as block_length_of  # the model's blocks, if it has them
+
+    plan = check_generate_config(model, config)
+    if plan.steps_per_block is None:
+        raise ValueError("tree rollouts branch at fixed steps of the schedule; threshold decoding has none: set "
+                         "steps (e.g. --steps equal to --gen-length) and no threshold.")
+    if block_length_of(model) is not None:
+        raise ValueError("tree rollouts resume partly decoded canvases, which block-diffusion models (SDAR, LLaDA2) "
+                         "do not support here; use a bidirectional model (LLaDA, Dream).")
+    if plan.compile:
+        raise ValueError("tree rollouts resume canvases eagerly; turn compiled rollouts off (compile=False).")
+    steps = plan.steps_per_block * (config.gen_length // config.block_length)
+    done = shape.branch_steps(steps)
+    if plan.cache.uses_cache:
+        inside = [d for d in done if 0 < d % plan.steps_per_block < plan.step_limit(config.block_length)]
+        if inside:
+            raise ValueError(f"cache={plan.cache.name!r} resumes only at block boundaries, but the tree branches "
+                             f"after {inside[0]} steps, inside a block of {plan.steps_per_block} steps; choose steps "
+                             f"and tree_contraction so that each floor(k steps / contraction) is a multiple of "
+                             "steps per block, or use cache='none'.")
