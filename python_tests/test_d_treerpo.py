@@ -158,3 +158,37 @@ def test_a_plain_rollout_batch_is_refused_naming_the_tree(model, tree):
         draw(objective, model, plain)
     with pytest.raises(ValueError, match="n_t=2 does not apply with sampler='tree_edge'"):
         objectives.get("d_treerpo", n_t=2)
+
+
+# -- the trainer, the planner and TRL ------------------------------------------------------------------------
+
+
+def test_train_refuses_tree_rollouts_the_settings_cannot_decode_before_any_work(tmp_path):
+    from dllm_fast.train import TrainConfig, train
+
+    config = TrainConfig(objective="d_treerpo", threshold=0.9, steps=1, diffusion_steps=None,
+                         output_dir=str(tmp_path / "run"), progress=False, plot=False)
+    with pytest.raises(ValueError, match="--objective d_treerpo .*tree rollouts branch at fixed steps"):
+        train(config)
+    config = TrainConfig(objective="d_treerpo", steps=1, diffusion_steps=12, cache="prefix",
+                         objective_options={"tree_contraction": 5}, output_dir=str(tmp_path / "run"),
+                         progress=False, plot=False)
+    with pytest.raises(ValueError, match="cache='prefix' resumes only at block boundaries"):
+        train(config)
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_refuses_it_naming_why(capsys):
+    from dllm_fast.planning import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--objective", "d_treerpo", "--model", "tiny"])
+    assert "plan does not price --objective d_treerpo yet: its rollouts are trees" in capsys.readouterr().err
+
+
+def test_trl_refuses_it_naming_why(model):
+    pytest.importorskip("trl")
+    from dllm_fast.integrations.trl import DiffusionGRPOTrainer
+
+    with pytest.raises(ValueError, match="'d_treerpo' trains on the edges of tree rollouts.*cannot branch them"):
+        DiffusionGRPOTrainer(model=model, reward_funcs=[lambda **_: [0.0]], objective="d_treerpo")
