@@ -192,3 +192,38 @@ def test_trl_refuses_it_naming_why(model):
 
     with pytest.raises(ValueError, match="'d_treerpo' trains on the edges of tree rollouts.*cannot branch them"):
         DiffusionGRPOTrainer(model=model, reward_funcs=[lambda **_: [0.0]], objective="d_treerpo")
+
+
+def test_self_distillation_is_the_kl_from_the_childrens_mixture_to_the_full_softmax_at_the_parent(model, tree):
+    """Several positive children at tau = 1: L_SD = mean_(parent, j) sum_v q_j(v) (log q_j(v) - log p(v | parent))
+    over the whole vocabulary at the parent's canvas, which the objective reads off the children's lp."""
+    steps = 10
+    objective = objectives.get("d_treerpo", beta=0.0, self_distillation_steps=steps, self_distillation_lambda=1.0,
+                               self_distillation_tau=2.0, self_distillation_tau_power=1.0)
+    batch = with_advantages(edges(model, tree, step=5), [0.3, 0.7, 1.0, 0.4, 0.2, 0.5, -0.4, 0.9, 0.0, 0.0, 0.6, 0.1])
+    lam, tau = objective.schedule(5)
+    assert tau == pytest.approx(1.0)
+    out = objective.backward(model, batch, micro_batch=12, generator=torch.Generator().manual_seed(0))
+    model.zero_grad(set_to_none=True)
+    act = draw(objective, model, batch).target[:, 0]
+    total, pairs = 0.0, 0
+    for group in batch.sibling_group.unique().tolist():
+        rows = [r for r in range(12) if int(batch.sibling_group[r]) == group and batch.advantages[r] > 0]
+        if not rows:
+            continue
+        weights = torch.softmax(batch.advantages[rows] / tau, 0)
+        parent = tree.canvases[group]
+        with torch.no_grad():
+            log_p = torch.log_softmax(torch.nn.functional.linear(model(parent[None]), model.lm_head_weight)[0, P:], -1)
+        for j in range(G):
+            holders = [(w, int(batch.sequences[r, P + j])) for w, r in zip(weights, rows) if act[r, j]]
+            if not holders:
+                continue
+            q = torch.zeros(log_p.shape[-1], dtype=torch.float64)
+            for w, token in holders:
+                q[token] += w / sum(h[0] for h in holders)
+            kept = q > 0
+            total += float((q[kept] * (q[kept].log() - log_p[j, kept])).sum())
+            pairs += 1
+    assert pairs > 3
+    assert out.stats["self_distillation"] == pytest.approx(total / pairs, rel=1e-10)
