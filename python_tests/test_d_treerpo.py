@@ -112,6 +112,7 @@ def test_loss_matches_the_twin_in_value_and_lp_gradient_and_passes_gradcheck(mod
     assert torch.autograd.gradcheck(lambda z: objective.loss(z, inputs), (lp.clone().requires_grad_(True),))
 
 
+@pytest.mark.slow  # a few seconds (imports, the model's setup)
 def test_engine_gradient_equals_naive_autograd(model, tree):
     objective = objectives.get("d_treerpo", self_distillation_steps=10)
     batch = edges(model, tree, step=8)
@@ -163,6 +164,7 @@ def test_a_plain_rollout_batch_is_refused_naming_the_tree(model, tree):
 # -- the trainer, the planner and TRL ------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a few seconds (imports, the model's setup)
 def test_train_refuses_tree_rollouts_the_settings_cannot_decode_before_any_work(tmp_path):
     from dllm_fast.train import TrainConfig, train
 
@@ -178,6 +180,7 @@ def test_train_refuses_tree_rollouts_the_settings_cannot_decode_before_any_work(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # a few seconds (imports, the model's setup)
 def test_plan_refuses_it_naming_why(capsys):
     from dllm_fast.planning import cli
 
@@ -186,6 +189,7 @@ def test_plan_refuses_it_naming_why(capsys):
     assert "plan does not price --objective d_treerpo yet: its rollouts are trees" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a few seconds (imports, the model's setup)
 def test_trl_refuses_it_naming_why(model):
     pytest.importorskip("trl")
     from dllm_fast.integrations.trl import DiffusionGRPOTrainer

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dllm_fast.contracts import GenerationResult, completion_mask, logit_shift
 from dllm_fast.rollout.config import GenerateConfig, rollout_config
 from dllm_fast.rollout.plan import check_generate_args, initial_canvas
-from dllm_fast.rollout.resume import check_resume
+from dllm_fast.rollout.resume import Resume, check_resume
 from dllm_fast.rollout.rules import check_block_done, confidence_excluded_ids, raise_if_not_finite, suppressed_ids
 
 
@@ -25,8 +25,7 @@ def transfer_schedule(masked_in_block: torch.Tensor, steps: int) -> torch.Tensor
 
 @torch.no_grad()
 def generate(model, input_ids, attention_mask=None, config: GenerateConfig | None = None, *, generator=None,
-             start_canvas=None, start_step: int = 0, num_steps: int | None = None,
-             **settings) -> GenerationResult:
+             resume: Resume | None = None, **settings) -> GenerationResult:
     """Reference block diffusion sampler (LLaDA generate.py + Fast-dLLM), the oracle for dllm_fast.generate.
 
     Differences from the published code, each deliberate: batches with left padding and an attention mask;
@@ -39,8 +38,8 @@ def generate(model, input_ids, attention_mask=None, config: GenerateConfig | Non
     +inf logit among the tokens that may be decoded) raises, as in the fused sampler.
 
     Takes the settings as dllm_fast.generate does (a GenerateConfig, keywords over it), but runs eagerly on values:
-    compile and assumed_steps_per_block (the fused sampler's) are refused. start_canvas, start_step, num_steps
-    resume a partly decoded canvas at a step of the global schedule as dllm_fast.generate does (rollout/resume.py);
+    compile and assumed_steps_per_block (the fused sampler's) are refused. resume (a rollout.Resume)
+    resumes a partly decoded canvas at a step of the global schedule as dllm_fast.generate does (rollout/resume.py);
     this sampler's noise is drawn step by step from the generator, so a resumed call matches the uninterrupted
     one token for token at T = 0 (at T > 0 it samples the same distribution with other draws).
     """
@@ -53,7 +52,7 @@ def generate(model, input_ids, attention_mask=None, config: GenerateConfig | Non
                          "the masked count at every step; drop it (or use dllm_fast.generate).")
     plan = check_generate_args(model, input_ids, attention_mask, config, generator=generator)
     gen_length, block_length = config.gen_length, config.block_length
-    resume = check_resume(model, plan, input_ids, gen_length, block_length, start_canvas, start_step, num_steps)
+    resume = check_resume(model, plan, input_ids, gen_length, block_length, resume)
     mask_id, device = model.mask_token_id, input_ids.device
     B, P = input_ids.shape
     total = P + gen_length

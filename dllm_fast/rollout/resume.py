@@ -1,5 +1,6 @@
-"""Resuming a rollout part-way (d-TreeRPO's branching): decode a partly decoded canvas from step `start_step` of
-the call's global schedule, for `num_steps` steps. Shared by the fused sampler and its reference twin.
+"""Resuming a rollout part-way (d-TreeRPO's branching): `generate(..., resume=Resume(canvas, start_step, num_steps))`
+decodes a partly decoded canvas from step `start_step` of the call's global schedule, for `num_steps` steps.
+Shared by the fused sampler and its reference twin.
 
 The global schedule numbers the steps of a fixed-schedule call 0 .. steps - 1, block by block: step g is step
 g mod steps_per_block of block g div steps_per_block (LLaDA's even split; rollout.plan.masked_count_schedule).
@@ -22,6 +23,18 @@ import torch
 from dllm_fast.contracts import block_length as block_length_of
 from dllm_fast.rollout.plan import DecodingPlan, masked_count_schedule
 from dllm_fast.validation import check_int, data_checks_enabled
+
+
+@dataclass(frozen=True, eq=False)
+class Resume:
+    """generate's `resume` option. canvas: [B, P + gen_length] the sequences a call with the same settings returned
+    after start_step steps of the global schedule (None: the prompts followed by masks, with start_step 0);
+    start_step: the global steps already decoded; num_steps: the steps to run (None: to the end). Checked when the
+    call runs (errors name each field as resume.<field>)."""
+
+    canvas: torch.Tensor | None = None
+    start_step: int = 0
+    num_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -53,54 +66,56 @@ FROM_START = ResumePoint(0, None, None, None)
 
 
 def check_resume(model, plan: DecodingPlan, input_ids: torch.Tensor, gen_length: int, block_length: int,
-                 start_canvas, start_step, num_steps) -> ResumePoint:
-    """The checked resume options of a generate call (`start_canvas`, `start_step`, `num_steps`); each bad value
-    refused naming it and the fix. All at their defaults (None, 0, None): the call decodes from the start."""
-    if start_canvas is None and num_steps is None:
-        if isinstance(start_step, bool) or start_step != 0:
-            raise ValueError(f"start_step={start_step!r} resumes a partly decoded canvas: pass it as start_canvas "
-                             "(the sequences a call stopped at that step returned), or start_step=0.")
+                 resume: Resume | None) -> ResumePoint:
+    """The checked `resume` option of a generate call; each bad value refused naming it and the fix. None: the
+    call decodes from the start."""
+    if resume is None:
         return ResumePoint(0, None, None, plan.steps_per_block)
+    if not isinstance(resume, Resume):
+        raise TypeError(f"resume must be a dllm_fast.rollout.Resume(canvas, start_step, num_steps) or None, got "
+                        f"{type(resume).__name__}.")
+    start_canvas, start_step, num_steps = resume.canvas, resume.start_step, resume.num_steps
     if plan.steps_per_block is None:
-        raise ValueError("start_canvas / start_step / num_steps resume the fixed schedule's global steps; threshold "
-                         "decoding has no fixed schedule: pass steps=... and threshold=None.")
+        raise ValueError("resume=Resume(...) resumes the fixed schedule's global steps; threshold decoding has no "
+                         "fixed schedule: pass steps=... and threshold=None.")
     if block_length_of(model) is not None:
-        raise ValueError("resuming a rollout (start_canvas, start_step, num_steps) is supported on bidirectional "
-                         "models (LLaDA, Dream); this block-diffusion model decodes prompt-aligned blocks: drop them.")
+        raise ValueError("resuming a rollout (resume=Resume(...)) is supported on bidirectional models (LLaDA, "
+                         "Dream); this block-diffusion model decodes prompt-aligned blocks: drop it.")
     if plan.record_unmask_step:
         raise ValueError("record_unmask_step=True numbers the forwards of one uninterrupted call; a resumed call "
-                         "(start_canvas, num_steps) cannot: pass record_unmask_step=False.")
+                         "(resume=Resume(...)) cannot: pass record_unmask_step=False.")
     if plan.compile:
-        raise ValueError("compile=True keeps its buffers for a whole call; resumed calls (start_canvas, num_steps) "
-                         "run eagerly: pass compile=False.")
+        raise ValueError("compile=True keeps its buffers for a whole call; resumed calls (resume=Resume(...)) run "
+                         "eagerly: pass compile=False.")
     spb = plan.steps_per_block
     steps = spb * (gen_length // block_length)
-    check_int("start_step", start_step, minimum=0, maximum=steps,
+    check_int("resume.start_step", start_step, minimum=0, maximum=steps,
               hint=f"the global steps already decoded, of steps={steps}")
     stop = None
     if num_steps is not None:
-        check_int("num_steps", num_steps, minimum=0, maximum=steps - start_step,
+        check_int("resume.num_steps", num_steps, minimum=0, maximum=steps - start_step,
                   hint=f"steps to run from start_step={start_step}, at most steps - start_step = {steps - start_step}")
         stop = start_step + num_steps
     in_block = start_step % spb
     if plan.cache.uses_cache and 0 < in_block < plan.step_limit(block_length):
         raise ValueError(f"cache={plan.cache.name!r} refreshes its keys and values at each block's first step, so a "
-                         f"call resumed inside a block (start_step={start_step} is step {in_block} of block "
+                         f"call resumed inside a block (resume.start_step={start_step} is step {in_block} of block "
                          f"{start_step // spb}, {spb} steps per block) would not decode the uninterrupted run's "
                          "tokens; resume at a block boundary (a multiple of steps_per_block) or use cache='none'.")
     B, P = input_ids.shape
     if start_canvas is None:
         if start_step != 0:
-            raise ValueError(f"start_step={start_step} resumes a partly decoded canvas: pass it as start_canvas.")
+            raise ValueError(f"resume.start_step={start_step} resumes a partly decoded canvas: pass it as "
+                             "resume.canvas (the sequences the call that stopped there returned).")
         return ResumePoint(0, stop, None, spb)
     if not isinstance(start_canvas, torch.Tensor) or tuple(start_canvas.shape) != (B, P + gen_length):
         shape = tuple(start_canvas.shape) if isinstance(start_canvas, torch.Tensor) else type(start_canvas).__name__
-        raise ValueError(f"start_canvas must be the [B, P + gen_length] = [{B}, {P + gen_length}] sequences a call "
+        raise ValueError(f"resume.canvas must be the [B, P + gen_length] = [{B}, {P + gen_length}] sequences a call "
                          f"stopped at start_step returned (its prompts are input_ids), got {shape}.")
     if start_canvas.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"start_canvas must hold integer token ids, got {start_canvas.dtype}.")
+        raise TypeError(f"resume.canvas must hold integer token ids, got {start_canvas.dtype}.")
     if start_canvas.device != input_ids.device:
-        raise ValueError(f"start_canvas is on {start_canvas.device} but input_ids on {input_ids.device}; move it.")
+        raise ValueError(f"resume.canvas is on {start_canvas.device} but input_ids on {input_ids.device}; move it.")
     canvas = start_canvas.long()
     if data_checks_enabled(canvas, input_ids):
         check_canvas_at(canvas, input_ids, model.mask_token_id, start_step, spb, plan.step_limit(block_length),
@@ -132,12 +147,12 @@ def check_canvas_at(canvas: torch.Tensor, input_ids: torch.Tensor, mask_id: int,
         return
     if prompt_differs.any():
         row = int(prompt_differs.nonzero()[0])
-        raise ValueError(f"start_canvas[{row}, :{P}] differs from input_ids[{row}]: a resumed canvas must start with "
+        raise ValueError(f"resume.canvas[{row}, :{P}] differs from input_ids[{row}]: a resumed canvas must start with "
                          "the prompts it was decoded from (pass the sequences the earlier call returned, and its "
                          "input_ids).")
     row = int(count_differs.nonzero()[0])
     block = int((masked[row] != expected).nonzero()[0])
-    raise ValueError(f"start_canvas[{row}] holds {int(masked[row, block])} mask tokens in block {block}, but at "
-                     f"start_step={start_step} ({steps_per_block} steps per block of {block_length}) the schedule "
+    raise ValueError(f"resume.canvas[{row}] holds {int(masked[row, block])} mask tokens in block {block}, but at "
+                     f"resume.start_step={start_step} ({steps_per_block} steps per block of {block_length}) the schedule "
                      f"leaves {int(expected[block])}: pass the canvas a call with the same gen_length, block_length "
                      "and steps returned after start_step steps.")

@@ -23,7 +23,7 @@ from dllm_fast.contracts import GenerationResult, block_length as block_length_o
 from dllm_fast.rollout.cache import CachePolicy
 from dllm_fast.rollout.config import GenerateConfig, rollout_config
 from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, initial_canvas, masked_count_schedule
-from dllm_fast.rollout.resume import FROM_START, ResumePoint, check_resume
+from dllm_fast.rollout.resume import FROM_START, Resume, ResumePoint, check_resume
 from dllm_fast.rollout.rules import check_block_done, raise_if_not_finite
 from dllm_fast.rollout.step import (_KEPT_STATES, COMPILED_STEP_GRAPHS, NOISE_STEP, STEP_IN_BLOCK, RolloutState,
                                     StepConstants, _graph_limit, compiled_step, denoise_step, masked_left_and_bad,
@@ -40,9 +40,7 @@ def generate(
     *,
     generator: torch.Generator | None = None,
     record_unmask_step: bool = False,
-    start_canvas: torch.Tensor | None = None,
-    start_step: int = 0,
-    num_steps: int | None = None,
+    resume: Resume | None = None,
     **settings,
 ) -> GenerationResult:
     """Generate `gen_length` tokens after each prompt by block diffusion.
@@ -84,12 +82,12 @@ def generate(
             graphs, on a GPU): one graph for every step, block and call of the same configuration; the first
             call compiles. A compiled step decodes every position of its block (static shapes), so the LM head
             also runs on already decoded positions; the tokens are those of eager mode.
-        start_canvas, start_step, num_steps: resume a partly decoded canvas (d-TreeRPO's branching;
-            rollout/resume.py): decode start_canvas ([B, P + gen_length], the sequences a call with the same
+        resume: rollout.Resume(canvas, start_step, num_steps), to resume a partly decoded canvas (d-TreeRPO's
+            branching; rollout/resume.py): decode canvas ([B, P + gen_length], the sequences a call with the same
             settings returned after start_step steps of the global schedule, steps numbered 0 .. steps - 1 across
-            blocks) from step start_step, for num_steps steps (None: to the end). A call with num_steps stops
-            there and returns the partly decoded canvas (masks left in it). Resumed with a generator in the state
-            the first call started from, the tokens are the uninterrupted run's, at every temperature (random
+            blocks) from step start_step, for num_steps steps (None: to the end; canvas None: from the start).
+            A call with num_steps stops there and returns the partly decoded canvas (masks left in it). Resumed
+            with a generator in the state the first call started from, the tokens are the uninterrupted run's, at every temperature (random
             remasking draws per step, so not there). Fixed schedules on bidirectional models only; the prefix and
             dual caches resume at block boundaries only; not with compile or record_unmask_step. The canvas is
             checked against the schedule (its prompts, each block's masked count). nfe counts this call's forwards.
@@ -135,7 +133,7 @@ def generate(
     plan = check_generate_args(model, input_ids, attention_mask, config, generator=generator,
                                record_unmask_step=record_unmask_step)
     gen_length, block_length = config.gen_length, config.block_length
-    resume = check_resume(model, plan, input_ids, gen_length, block_length, start_canvas, start_step, num_steps)
+    resume = check_resume(model, plan, input_ids, gen_length, block_length, resume)
     reads_values = data_checks_enabled(input_ids, attention_mask, model.lm_head_weight)
     if plan.threshold is not None and plan.assumed_steps_per_block is None and not reads_values:
         raise ValueError("threshold decoding reads the masked count after every step, and these tensors hold no "

@@ -24,6 +24,7 @@ import torch
 
 from dllm_fast.rollout.config import GenerateConfig
 from dllm_fast.rollout.plan import check_generate_config
+from dllm_fast.rollout.resume import Resume
 from dllm_fast.validation import check_int
 
 
@@ -129,8 +130,8 @@ def tree_rollout(generate, model, input_ids: torch.Tensor, attention_mask: torch
         parent_canvas, parent_prompt = canvases[-1], prompts[-1]
         rows = parent_prompt.repeat_interleave(repeat)
         result = generate(model, input_ids[rows], None if attention_mask is None else attention_mask[rows], config,
-                          generator=generator, start_canvas=parent_canvas.repeat_interleave(repeat, dim=0),
-                          start_step=done[level], num_steps=done[level + 1] - done[level])
+                          generator=generator, resume=Resume(parent_canvas.repeat_interleave(repeat, dim=0),
+                                                             done[level], done[level + 1] - done[level]))
         forwards += result.nfe
         canvases.append(result.sequences)
         parents.append(first + torch.arange(parent_canvas.shape[0], device=device).repeat_interleave(repeat))
