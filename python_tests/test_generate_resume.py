@@ -1,5 +1,5 @@
-"""generate's resume option (rollout.Resume(canvas, start_step, num_steps); rollout/resume.py): a run stopped at step b and
-resumed there decodes the uninterrupted run's tokens, in the fused sampler and its reference twin; bad values are
+"""generate's resume option (rollout.Resume(canvas, start_step, num_steps); rollout/resume.py): a run stopped at
+step b and resumed there decodes the uninterrupted run's tokens, in the fused sampler and its reference twin; bad values are
 refused naming them."""
 
 import pytest

@@ -153,6 +153,7 @@ def check_canvas_at(canvas: torch.Tensor, input_ids: torch.Tensor, mask_id: int,
     row = int(count_differs.nonzero()[0])
     block = int((masked[row] != expected).nonzero()[0])
     raise ValueError(f"resume.canvas[{row}] holds {int(masked[row, block])} mask tokens in block {block}, but at "
-                     f"resume.start_step={start_step} ({steps_per_block} steps per block of {block_length}) the schedule "
+                     f"resume.start_step={start_step} ({steps_per_block} steps per block of {block_length}) the "
+                     "schedule "
                      f"leaves {int(expected[block])}: pass the canvas a call with the same gen_length, block_length "
                      "and steps returned after start_step steps.")

@@ -87,8 +87,8 @@ def generate(
             settings returned after start_step steps of the global schedule, steps numbered 0 .. steps - 1 across
             blocks) from step start_step, for num_steps steps (None: to the end; canvas None: from the start).
             A call with num_steps stops there and returns the partly decoded canvas (masks left in it). Resumed
-            with a generator in the state the first call started from, the tokens are the uninterrupted run's, at every temperature (random
-            remasking draws per step, so not there). Fixed schedules on bidirectional models only; the prefix and
+            with a generator in the state the first call started from, the tokens are the uninterrupted run's,
+            at every temperature (random remasking draws per step, so not there). Fixed schedules on bidirectional models only; the prefix and
             dual caches resume at block boundaries only; not with compile or record_unmask_step. The canvas is
             checked against the schedule (its prompts, each block's masked count). nfe counts this call's forwards.
         record_unmask_step: also return GenerationResult.unmask_step, for each completion position the forward
