@@ -109,6 +109,7 @@ def test_the_decoding_order_is_recorded_block_by_block_for_tracerl():
 
 
 @pytest.mark.compile
+@pytest.mark.slow  # torch.compile, about 15 s a case on 2 cores
 @pytest.mark.parametrize("cache, full_last_block", [("block", False), ("none", False), ("block", True)])
 def test_the_compiled_step_gives_eager_tokens_and_compiles_once_per_kind_of_step(cache, full_last_block, monkeypatch):
     """Compiled (aot_eager: dynamo's capture without code generation) with fullgraph: one graph per fed width
@@ -239,7 +240,7 @@ def test_the_issues_batch_runs_eleven_forwards_for_eight_tokens():
 @pytest.mark.parametrize("lengths, gen_length, block, steps", [
     ([8, 8], 8, 4, 8), ([6, 6], 8, 4, 8), ([5, 6], 8, 4, 8), ([8, 8], 8, 8, 8), ([5, 12, 9], 12, 4, 6),
     ([7, 7, 7], 16, 4, 4)])
-@pytest.mark.parametrize("full_last_block", [False, True])
+@pytest.mark.parametrize("full_last_block", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_on_the_planners_constant_prompts_the_forward_count_is_the_real_one(lengths, gen_length, block, steps,
                                                                               full_last_block):
     """Issue 40 item 4: on fake tensors the planner counted 12 or 16 forwards for an SDAR rollout whose real run

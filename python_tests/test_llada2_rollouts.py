@@ -122,6 +122,7 @@ def test_eos_early_stop_keeps_every_completion_up_to_its_eos_and_skips_the_rest(
 
 
 @pytest.mark.compile
+@pytest.mark.slow  # torch.compile, about 20 s on 2 cores
 def test_the_compiled_step_gives_eager_tokens_with_grouped_gemm_experts(monkeypatch):
     """Compiled (aot_eager, fullgraph: the experts' grouped GEMM has no host sync), the tokens are eager's (which
     uses the sorted batched GEMMs on CPU)."""

@@ -26,6 +26,10 @@ DEFAULTS = {
     "justgrpo": ("mean", True, 1e-4, True),            # the official (r - mean) / (std + 1e-4)
     "vrpo_dpo": ("mean", False, 1e-6, True),           # none enters its loss (pairs): the options are refused
 }
+# mdpo's advantage is its own, per denoising step over the group, computed on the whole step record before the
+# steps are selected (objectives.mdpo.step_advantages, tested in test_mdpo.py); the shared options are refused.
+# d_treerpo's is a tree's sibling advantage, carried by its TreeBatch (rollout/tree.py, test_tree_rollout.py).
+OWN_ADVANTAGE = {"mdpo", "d_treerpo"}
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.5, 2.0, 2.0, 2.0, 2.0, 0.25, 3.0, -1.0, 0.0])
 
 
@@ -42,8 +46,7 @@ def expected(baseline, scaled, epsilon, unbiased):
 
 
 def test_every_objective_is_listed():
-    # d_treerpo's advantages are a tree's sibling advantages (python_tests/test_tree_rollout.py), not a group's
-    assert set(DEFAULTS) == set(objectives.available()) - {"d_treerpo"}
+    assert set(DEFAULTS) | OWN_ADVANTAGE == set(objectives.available())
 
 
 @pytest.mark.parametrize("name", DEFAULTS)
@@ -81,7 +84,5 @@ def test_one_advantages_implementation():
     """No objective re-implements the shared advantage: they differ only in their configs' defaults."""
     from dllm_fast.objectives.base import Objective
 
-    for name in objectives.available():
-        if name == "d_treerpo":  # a tree's sibling advantages, carried by its TreeBatch (rollout/tree.py)
-            continue
+    for name in set(objectives.available()) - OWN_ADVANTAGE:
         assert type(objectives.get(name)).advantages is Objective.advantages, name

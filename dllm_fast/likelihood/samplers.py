@@ -544,6 +544,37 @@ register_sampler("stratified_linspace", _stratified_linspace)
 
 
 # ---------------------------------------------------------------------------------------------------------
+# MDPO's sampler (objectives/mdpo.py)
+#
+# - ``recorded_state``: one sample per row, a decoding state the rollout recorded: the completion positions whose
+#   `unmask_step` is 0 are the state's given tokens, every later one (unmask_step >= 1) is masked and read. MDPO's
+#   step batch re-bases each row's steps on the state it trains on (objectives.mdpo: a row is the rollout's canvas
+#   before forward t, with unmask_step - t + 1 clamped at 0), so the sample is the canvas x_t exactly, and the
+#   sequence scored is x_hat_t, the model's one-step prediction there. Like ``trajectory`` it reveals the given
+#   non-counted positions (the state is the rollout's own); w = 1, t = the masked fraction of counted positions.
+#   Deterministic.
+
+
+def _recorded_state(uniform: Uniform, canvas: Canvas, spec) -> Drawn:
+    counted, unmask_step = canvas.counted, canvas.unmask_step
+    if unmask_step is None:
+        raise ValueError("sampler='recorded_state' reads the state from unmask_step (0: given, >= 1: masked); "
+                         "build the batch with objectives.mdpo's step_batch (from generate(..., "
+                         "record_step_predictions=True)).")
+    masked = (unmask_step.to(counted.device) >= 1)[:, None, :]
+    chosen = masked & counted[:, None, :]
+    N = counted.shape[0]
+    weight = torch.ones(N, 1, dtype=torch.float64, device=counted.device)
+    t = chosen.sum(-1).double() / _row_lengths(counted)
+    return Drawn(chosen, weight, t, completion_masked=masked, target=chosen)
+
+
+def _one_state(spec) -> NTRule:
+    return NTRule(largest=1, message="n_t={n_t} does not apply with sampler='recorded_state': each row is one "
+                                     "recorded decoding state; leave n_t at 1.")
+
+
+register_sampler("recorded_state", _recorded_state, n_t_rule=_one_state, random=False, data_n_t=True)
 # d-TreeRPO's sampler (objectives/d_treerpo.py)
 #
 # - ``tree_edge`` (d-TreeRPO's per-edge transition, THU-BPM dtreerpo_trainer.py L165-214): each sequence is one

@@ -23,6 +23,7 @@
 | ebpo | LLaDA2.1 (DARE's) | composite block ELBO, a noise level per (sample, block), n_t 16; block models | exp(E - E_old), clipped once | k1/k2/k3 on E (off) |
 | justgrpo | JustGRPO | exact left-to-right likelihood, one sample per position (block-1 rollouts) | token, two-sided eps | none |
 | vrpo_dpo | LLaDA 1.5 (offline VRPO) | ELBO, n_t 4, stratified counts; preference pairs, no rollout | none (DPO) | implicit (DPO) |
+| mdpo | MDPO | the rollout's recorded states x_t, target the one-step prediction x_hat_t; top-k steps by per-step A | token, two-sided eps | k2 per token vs ref |
 | d_treerpo | d-TreeRPO | per tree edge: one forward on the parent canvas (tree rollouts) + self-distillation | token, two-sided eps 0.4 | k3 per token vs base |
 """
 
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
     from dllm_fast.objectives.ebpo import EBPO, EBPOConfig
     from dllm_fast.objectives.justgrpo import JustGRPO, JustGRPOConfig
     from dllm_fast.objectives.vrpo_dpo import VRPODPO, VRPODPOConfig
+    # -- MDPO (the rollout's step record) --
+    from dllm_fast.objectives.mdpo import MDPO, MDPOConfig
     # -- d-TreeRPO (tree rollouts) --
     from dllm_fast.objectives.d_treerpo import DTreeRPO, DTreeRPOConfig, TreeBatch, tree_batch
 
@@ -61,6 +64,8 @@ _BUILT_IN: dict[str, str] = {
     "gdpo": "gdpo:GDPO", "tracerl": "tracerl:TraceRL",
     # -- EBPO, JustGRPO, offline VRPO (the likelihood engine's family) --
     "ebpo": "ebpo:EBPO", "justgrpo": "justgrpo:JustGRPO", "vrpo_dpo": "vrpo_dpo:VRPODPO",
+    # -- MDPO (the rollout's step record) --
+    "mdpo": "mdpo:MDPO",
     # -- d-TreeRPO (tree rollouts) --
     "d_treerpo": "d_treerpo:DTreeRPO",
 }
@@ -71,6 +76,8 @@ _EXPORTS: dict[str, str] = {
     **{name: "base" for name in ("InnerUpdate", "LossInputs", "Objective", "ObjectiveConfig", "ObjectiveOutput")},
     "group_advantages": "advantages", "zero_std_fraction": "advantages",
     "preference_batch": "vrpo_dpo",
+    # -- MDPO --
+    "StepBatch": "mdpo",
     "TreeBatch": "d_treerpo", "tree_batch": "d_treerpo",
 }
 _REGISTRY: dict[str, type] = {}
@@ -150,6 +157,8 @@ __all__ = [
     "available", "get", "group_advantages", "nearest_valid_n_t", "presets", "register", "zero_std_fraction",
     # -- EBPO, JustGRPO, offline VRPO --
     "EBPO", "EBPOConfig", "JustGRPO", "JustGRPOConfig", "VRPODPO", "VRPODPOConfig", "preference_batch",
+    # -- MDPO --
+    "MDPO", "MDPOConfig", "StepBatch",
     # -- d-TreeRPO --
     "DTreeRPO", "DTreeRPOConfig", "TreeBatch", "tree_batch",
 ]

@@ -155,11 +155,18 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
             updates = {name: extrapolate(runs[probes[0]][name], runs[probes[1]][name], *probes, n_t, fresh[name])
                        for name in UPDATE_PHASES}
         plan = Plan(config, gpu, engine, weights_dtype, prompt_length, {"rollout": rollout.phase, **updates},
-                    dict(rollouts=rollout.batch.num_rollouts, prompt_length=prompt_length,
+                    dict(rollouts=getattr(rollout.batch, "rollouts", rollout.batch.num_rollouts),  # MDPO: not its rows
+                         prompt_length=prompt_length,
                          completion_length=config.rollout.gen_length, n_t=n_t, pairs=rollout.batch.num_rollouts * n_t,
                          micro_batch=batching.micro_batch, score_micro_batch=batching.scoring),
                     rollout.nfe, session.weight_bytes, autocast=session.bf16, compiled=session.compile)
         plan.notes += _notes(plan, probes, n_t, session)
+        if getattr(session.objective, "needs_step_predictions", False):  # MDPO's step record and step batch
+            plan.notes.append(f"{config.objective.name}: the rollout records every forward's prediction and "
+                              f"confidences ({rollout.nfe} steps x rollouts x gen_length, int64 + fp32, in its "
+                              f"peak); the updates train on {rollout.batch.num_rollouts} step rows (the top-k steps "
+                              "of each rollout); its reward of every step (K calls per rollout) is host work, not "
+                              "planned")
         if world > 1:
             plan.config, plan.world, plan.parallel = total, world, parallel.parallel
             sizes = _sizes(stored, session, sharded_bf16)

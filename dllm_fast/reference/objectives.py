@@ -380,6 +380,72 @@ def autoregressive_logprob(model, prompt: torch.Tensor, completion: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------------------
+# MDPO: the rollout's step record (one-step predictions rewarded at every denoising step)
+
+
+def mdpo_step_advantages(step_rewards, group_size, *, variant="official", std_epsilon=1e-4) -> list[list[float]]:
+    """The official advantage loop (mdpo_trainer.py L849-858) on [N][K] step rewards: a_t from r_t, r_t-1 (0
+    before the first step) and the mean of the later rewards (r_K-1 itself at the last step), then each step's a
+    z-scored over the group (unbiased std + std_epsilon; 0 for a group of one or of equal a)."""
+    rows = [[float(r) for r in row] for row in step_rewards]
+    N, K = len(rows), len(rows[0])
+    a = []
+    for r in rows:
+        values = []
+        for t in range(K):
+            previous = r[t - 1] if t > 0 else 0.0
+            later = r[t + 1:]
+            if variant == "reward":
+                values.append(r[t])
+            elif variant == "future_mean":
+                values.append(sum(r[t:]) / (K - t))
+            elif variant == "difference":
+                values.append(r[t] - previous + 1.0)
+            else:
+                values.append(r[t] - previous + 1.0 + (sum(later) / len(later) if later else r[t]))
+        a.append(values)
+    out = [[0.0] * K for _ in range(N)]
+    for t in range(K):
+        column = advantages([a[n][t] for n in range(N)], group_size, scale="std", std_epsilon=std_epsilon)
+        for n in range(N):
+            out[n][t] = column[n]
+    return out
+
+
+def mdpo_select_steps(step_advantages, k, *, per="rollout") -> list[list[int]]:
+    """Each row's k steps of largest |A| (per "rollout"), or the batch's k of largest sum_n |A| (per "batch"),
+    in step order; ties to the earlier step."""
+    K = len(step_advantages[0])
+    if per == "batch":
+        size = [sum(abs(row[t]) for row in step_advantages) for t in range(K)]
+        chosen = sorted(sorted(range(K), key=lambda t: (-size[t], t))[:k])
+        return [list(chosen) for _ in step_advantages]
+    return [sorted(sorted(range(K), key=lambda t: (-abs(row[t]), t))[:k]) for row in step_advantages]
+
+
+def mdpo(lp, masks, step_advantages, rollouts, lp_old=None, lp_ref=None, *, epsilon=0.2, beta=0.02,
+         confidence=None):
+    """The official per-step loss (mdpo_trainer.py L1487-1532) summed over the step rows and divided by the
+    rollouts: row n is a recorded state x_t (its read positions M_t) with advantage step_advantages[n];
+    sum_{i in M_t} conf_i [-min(rho A, clip(rho) A) L / (|M_t| + 1e-4) + beta (lp_ref - lp)^2 / 2] / (|M_t| + 1e-4),
+    conf = exp(lp_old) (confidence None: the policy's probability of its sample) or the given [N, L] values."""
+    old = lp.detach() if lp_old is None else lp_old
+    N, n_t, L = lp.shape
+    loss = lp.new_zeros(())
+    for n in range(N):
+        for j in range(n_t):
+            tokens = [i for i in range(L) if reads(masks, n, j, i)]
+            masked = len(tokens) + 1e-4
+            A = float(step_advantages[n])
+            for i in tokens:
+                ratio = torch.exp(lp[n, j, i] - old[n, j, i])
+                gain = torch.minimum(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon) * A)
+                term = -gain * (L / masked)
+                if beta > 0:
+                    term = term + beta * 0.5 * (lp_ref[n, j, i] - lp[n, j, i]) ** 2
+                weight = torch.exp(old[n, j, i]) if confidence is None else confidence[n, i]
+                loss = loss + weight * term / masked
+    return loss / rollouts
 # d-TreeRPO (tree rollouts)
 
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ class DecodingPlan:
     assumed_steps_per_block: int | None = None
     full_last_block: bool = False
     eos_early_stop: bool = False
+    record_step_predictions: bool = False  # MDPO: every step's one-step prediction (check_step_recording)
 
     def step_limit(self, block_length: int) -> int:
         """Most steps a block may take: its schedule, or one unmasked token per step under a threshold. Never more
@@ -68,7 +70,7 @@ def initial_canvas(input_ids, attention_mask, gen_length: int, mask_id: int):
 
 
 def check_generate_args(model, input_ids, attention_mask, config: GenerateConfig, *, generator=None,
-                        record_unmask_step=False) -> DecodingPlan:
+                        record_unmask_step=False, record_step_predictions=False) -> DecodingPlan:
     """Validate a generate() call, once, and return its plan: the prompts here, the settings by
     `check_generate_config` (errors name the field as generate's keyword). The checks that read the prompts' values
     cost one host sync (and the model's own token-id check, `check_input_ids`, one more); they are skipped where
@@ -91,7 +93,8 @@ def check_generate_args(model, input_ids, attention_mask, config: GenerateConfig
     if data_checks_enabled(input_ids, attention_mask):
         check_prompt_values(model, input_ids, attention_mask)
     plan = check_generate_config(model, config, prompt_length=input_ids.shape[1], batch=input_ids.shape[0],
-                                 record_unmask_step=record_unmask_step)
+                                 record_unmask_step=record_unmask_step,
+                                 record_step_predictions=record_step_predictions)
     if generator is not None:
         if not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
@@ -102,7 +105,8 @@ def check_generate_args(model, input_ids, attention_mask, config: GenerateConfig
 
 
 def check_generate_config(model, config: GenerateConfig, *, prompt_length: int | None = None,
-                          batch: int | None = None, record_unmask_step=False) -> DecodingPlan:
+                          batch: int | None = None, record_unmask_step=False,
+                          record_step_predictions=False) -> DecodingPlan:
     """The checks of a GenerateConfig against the model that decodes it, without prompts (a trainer checks its
     rollouts' settings this way before it writes anything; a meta-device skeleton of the model will do), and its
     plan. With prompt_length and batch, also the bounds that depend on them (the model's positions, the noise
@@ -173,11 +177,39 @@ def check_generate_config(model, config: GenerateConfig, *, prompt_length: int |
     plan = DecodingPlan(steps_per_block, temperature, threshold, cfg_scale, policy, rule, logits_eos_inf,
                         confidence_eos_eot_inf, compile, record_unmask_step, assumed_steps_per_block, full_last_block,
                         eos_early_stop)
+    if check_bool("record_step_predictions", record_step_predictions):
+        check_step_recording(model, plan, gen_length, block_length)
+        plan = dataclasses.replace(plan, record_unmask_step=True, record_step_predictions=True)
     if block_length_of(model) is not None:
         from dllm_fast.rollout.blocks import check_block_call  # blocks.py builds on this module
 
         check_block_call(model, plan, block_length)
     return plan
+
+
+# -- MDPO's step record (generate(..., record_step_predictions=True)) -------------------------------------------
+
+
+def check_step_recording(model, plan: DecodingPlan, gen_length: int, block_length: int) -> None:
+    """Refuse, naming the fix, a rollout whose steps cannot predict every masked position: the prediction of a
+    position after the current block needs its hidden state, which a block-diffusion model never computes (its
+    later blocks do not exist yet), and which a cache that feeds only the block (dual) leaves stale; a compiled
+    step decodes a fixed shape (the block), so recording runs eagerly."""
+    if block_length_of(model) is not None:
+        raise ValueError("record_step_predictions records each step's prediction of every masked completion "
+                         "position (MDPO's x_hat), but a block-diffusion model decodes block by block and never "
+                         "predicts the blocks after the current one; use a bidirectional model (LLaDA, Dream) or "
+                         "an objective that does not need the step record.")
+    if plan.compile:
+        raise ValueError("record_step_predictions decodes every masked position at every step, a shape that "
+                         "changes from block to block, so it runs eagerly: pass compile=False (train: --compile "
+                         "false).")
+    if gen_length > block_length and plan.cache.uses_cache and plan.cache.reused_span(
+            0, block_length, gen_length)[1] != gen_length:
+        raise ValueError(f"record_step_predictions predicts every masked position at every step, but "
+                         f"cache={plan.cache.name!r} feeds only the current block after its first step (the later "
+                         f"blocks' hidden states are stale); use cache='prefix' or 'none', or one block "
+                         f"(block_length=gen_length={gen_length}).")
 
 
 def check_prompt_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:

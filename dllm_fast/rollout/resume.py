@@ -84,6 +84,9 @@ def check_resume(model, plan: DecodingPlan, input_ids: torch.Tensor, gen_length:
     if plan.record_unmask_step:
         raise ValueError("record_unmask_step=True numbers the forwards of one uninterrupted call; a resumed call "
                          "(resume=Resume(...)) cannot: pass record_unmask_step=False.")
+    if getattr(plan, "record_step_predictions", False):
+        raise ValueError("record_step_predictions=True records every forward of one uninterrupted call; a resumed "
+                         "call (resume=Resume(...)) cannot: pass record_step_predictions=False.")
     if plan.compile:
         raise ValueError("compile=True keeps its buffers for a whole call; resumed calls (resume=Resume(...)) run "
                          "eagerly: pass compile=False.")

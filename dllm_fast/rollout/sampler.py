@@ -40,6 +40,7 @@ def generate(
     *,
     generator: torch.Generator | None = None,
     record_unmask_step: bool = False,
+    record_step_predictions: bool = False,
     resume: Resume | None = None,
     **settings,
 ) -> GenerationResult:
@@ -88,12 +89,22 @@ def generate(
             blocks) from step start_step, for num_steps steps (None: to the end; canvas None: from the start).
             A call with num_steps stops there and returns the partly decoded canvas (masks left in it). Resumed
             with a generator in the state the first call started from, the tokens are the uninterrupted run's,
-            at every temperature (random remasking draws per step, so not there). Fixed schedules on bidirectional models only; the prefix and
-            dual caches resume at block boundaries only; not with compile or record_unmask_step. The canvas is
+            at every temperature (random remasking draws per step, so not there). Fixed schedules on
+            bidirectional models only; the prefix and dual caches resume at block boundaries only; not with
+            compile, record_unmask_step or record_step_predictions. The canvas is
             checked against the schedule (its prompts, each block's masked count). nfe counts this call's forwards.
         record_unmask_step: also return GenerationResult.unmask_step, for each completion position the forward
             (0-based, counted across blocks like nfe) that unmasked it: every step lies in [0, nfe). Off, it costs
             nothing.
+        record_step_predictions: also return, for every forward k, MDPO's one-step prediction x_hat_k
+            (GenerationResult.step_predictions [B, K, G] int64, K = nfe: the canvas before forward k with every
+            masked completion position filled by the model's sample) and its confidences (step_confidence
+            [B, K, G] float32); unmask_step is recorded with it (the canvas x_k masks the positions whose
+            unmask_step is >= k). Memory: steps x batch x gen_length int64 and as many float32 (12 bytes each:
+            e.g. 128 steps x 64 rows x 512 tokens is 50 MiB), and each step runs the LM head on every masked
+            position from the block on (gen_length rows at most) instead of the block's. The tokens decoded are
+            those of the unrecorded call. Bidirectional models only, eagerly (compile=False), with cache "none"
+            or "prefix" (or one block); anything else is refused. Off, it costs nothing.
         full_last_block: block-diffusion models: decode each row's last block whole, as the official SDAR (and
             LLaDA2) generate does: the positions of the last block after the completion are masked, decoded with
             it and dropped, and they change its tokens. Default False: the last block ends with the completion.
@@ -131,7 +142,8 @@ def generate(
     """
     config = rollout_config(config, settings, "generate")
     plan = check_generate_args(model, input_ids, attention_mask, config, generator=generator,
-                               record_unmask_step=record_unmask_step)
+                               record_unmask_step=record_unmask_step,
+                               record_step_predictions=record_step_predictions)
     gen_length, block_length = config.gen_length, config.block_length
     resume = check_resume(model, plan, input_ids, gen_length, block_length, resume)
     reads_values = data_checks_enabled(input_ids, attention_mask, model.lm_head_weight)
@@ -160,8 +172,11 @@ def generate(
     if plan.compile:  # the buffers are kept for the next call: the result gets its own copy
         sequences, unmask_step = sequences.clone(), None if unmask_step is None else unmask_step.clone()
     completion = sequences[:, P:]
+    predictions = confidence = None
+    if state.step_predictions is not None:  # the forwards that ran, of the buffer's bound
+        predictions, confidence = state.step_predictions[:, :nfe], state.step_confidence[:, :nfe]
     return GenerationResult(sequences, completion, completion_mask(completion, model.eos_token_id), nfe,
-                            result_mask, unmask_step)
+                            result_mask, unmask_step, predictions, confidence)
 
 
 def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConstants, step_fn, P: int,
@@ -175,6 +190,10 @@ def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConsta
     schedule = None if plan.steps_per_block is None else masked_count_schedule(block_length,
                                                                                  plan.step_limit(block_length))
     nfe = 0
+    recorded = None
+    if state.step_predictions is not None:  # MDPO's record: each step predicts the block and every later position
+        recorded = [torch.arange(P + block * block_length, P + gen_length, device=device)
+                    for block in range(gen_length // block_length)]
     for block in range(gen_length // block_length):
         begin, end = resume.block_steps(block, plan.step_limit(block_length))
         if begin == end:  # decoded before this call (or after it stops)
@@ -194,8 +213,9 @@ def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConsta
             # Compiled, a step decodes the whole block (a static shape); without the masked count, so must one
             # that assumes the steps; else the most masked positions any row has left.
             rows = block_length if plan.compile or plan.assumed_steps_per_block else remaining
+            decoded = positions if recorded is None else recorded[block]  # recording: the block and all after it
             with values_checked():  # the prompts were checked once: the model skips its per-call check
-                step_fn(model, state, constants, positions, fed, rows, drawn)
+                step_fn(model, state, constants, decoded, fed, rows, drawn)
             nfe += 1
             if schedule is not None:
                 remaining -= schedule[step]
@@ -282,6 +302,12 @@ def start_rollout(model, plan: DecodingPlan, input_ids, attention_mask, gen_leng
         unmask_step=torch.full((B, gen_length), -1, dtype=torch.long, device=device)
         if plan.record_unmask_step else None,
     )
+    if plan.record_step_predictions:  # a forward per step at most: the blocks' step limits
+        forwards = gen_length // block_length * plan.step_limit(block_length)
+        state.step_predictions = torch.full((B, forwards, gen_length), mask_id, dtype=torch.long, device=device)
+        state.step_confidence = torch.zeros(
+            B, forwards, gen_length, device=device,
+            dtype=torch.float64 if model.lm_head_weight.dtype == torch.float64 else torch.float32)
     if plan.compile:
         _KEPT_STATES[model] = (shapes, state)
     return state, result_mask

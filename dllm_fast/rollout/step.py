@@ -84,6 +84,10 @@ class RolloutState:
     row_base: torch.Tensor
     not_finite: torch.Tensor
     unmask_step: torch.Tensor | None
+    # MDPO's step record (generate(record_step_predictions=True)): [B, forwards bound, G] each forward's one-step
+    # prediction of the completion and its confidences; None when not recorded.
+    step_predictions: torch.Tensor | None = None
+    step_confidence: torch.Tensor | None = None
 
     def restart(self, canvas: torch.Tensor, attention_mask: torch.Tensor | None, noise_key: torch.Tensor) -> None:
         """Start a new call of the same shapes in these buffers, in place (their addresses stay). The KV cache
@@ -113,15 +117,21 @@ def denoise_step(model, state: RolloutState, constants: StepConstants, block: to
     positions of each row to decode when decoding only masked ones (the most any row still has masked); drawn: the
     remasking rule's random numbers for this step (Remasking.draw). Writes the canvas, the KV cache,
     not_finite, unmask_step, and advances the counters.
+
+    Recording the step's prediction (state.step_predictions; eager only): `block` is then the block followed by
+    every later completion position; all of them are decoded and recorded, and only the block's first
+    block_length positions are candidates to unmask (their samples are the unrecorded step's: the noise is keyed
+    by position).
     """
     c = constants
     canvas = state.canvas
     B = canvas.shape[0]
-    window = canvas.index_select(1, block)  # [B, block_length], a copy
+    window = canvas.index_select(1, block)  # [B, block_length] (recording: to the end), a copy
     masked = window == c.mask_id
-    if c.decode_whole_block:
-        positions = torch.arange(c.block_length, device=canvas.device).expand(B, -1)
-        candidates = masked
+    recording = state.step_predictions is not None
+    if c.decode_whole_block or recording:
+        positions = torch.arange(window.shape[1], device=canvas.device).expand(B, -1)
+        candidates = masked & (positions < c.block_length) if recording else masked
     else:  # the first `rows` masked positions of each row, in position order (rows with fewer pad with unmasked)
         positions = torch.argsort((~masked).to(torch.int8), dim=1, stable=True)[:, :rows]
         candidates = masked.gather(1, positions)
@@ -149,7 +159,10 @@ def denoise_step(model, state: RolloutState, constants: StepConstants, block: to
         row_ids=stream.reshape(-1), suppress_ids=c.suppress_ids, confidence_exclude_ids=c.exclude_ids,
         chunk_size=c.chunk_size, check_finite=False)
     tokens, confidence = tokens.view(positions.shape), confidence.view(positions.shape)
-    bad = (bad_rows | confidence.isnan() | (tokens < 0)) & candidates
+    bad = (bad_rows | confidence.isnan() | (tokens < 0)) & (masked if recording else candidates)
+    if recording:  # x_hat: the canvas before this step, every masked position filled by its sample
+        record_step(state, completion_at, torch.where(masked, tokens, window),
+                    torch.where(masked, confidence, torch.zeros((), dtype=confidence.dtype, device=canvas.device)))
     state.not_finite.scatter_(1, completion_at, state.not_finite.gather(1, completion_at) | bad)
     candidates = candidates & ~bad
 
@@ -168,6 +181,19 @@ def denoise_step(model, state: RolloutState, constants: StepConstants, block: to
         previous = state.unmask_step.gather(1, completion_at)
         state.unmask_step.scatter_(1, completion_at, torch.where(transfer, state.counters[FORWARDS], previous))
     state.counters.add_(1)
+
+
+def record_step(state: RolloutState, completion_at: torch.Tensor, predicted: torch.Tensor,
+                confidence: torch.Tensor) -> None:
+    """Write this forward's prediction of the completion ([B, n] at completion columns `completion_at`, the
+    columns before them decoded already) and its confidences into the step record, at index FORWARDS."""
+    completion = state.canvas[:, state.canvas.shape[1] - state.step_predictions.shape[2]:]
+    full = completion.scatter(1, completion_at, predicted)
+    scores = torch.zeros(completion.shape, dtype=state.step_confidence.dtype, device=completion.device).scatter(
+        1, completion_at, confidence.to(state.step_confidence.dtype))
+    forward = state.counters[FORWARDS:FORWARDS + 1]
+    state.step_predictions.index_copy_(1, forward, full[:, None, :])
+    state.step_confidence.index_copy_(1, forward, scores[:, None, :])
 
 
 def position_words(row_base: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:

@@ -381,7 +381,17 @@ def compiles_rollouts(config: TrainConfig, device_type: str) -> bool:
     """Whether the rollouts run through the compiled denoising step: --compile true, or auto on CUDA (CUDA graphs
     replay a step without the host's per-kernel dispatch: 3.07x on dual-cache rollouts of the `small` preset on an
     H200; on CPU there is no launch overhead to save and compiling costs seconds)."""
-    return config.rollout.compile is True or (config.rollout.compile == AUTO and device_type == "cuda")
+    auto = config.rollout.compile == AUTO and device_type == "cuda" and not records_step_predictions(config)
+    return config.rollout.compile is True or auto
+
+
+def records_step_predictions(config: TrainConfig) -> bool:
+    """Whether the objective's rollouts record every step's prediction (MDPO), which runs the steps eagerly:
+    --compile auto then leaves them uncompiled (generate refuses to record compiled steps)."""
+    from dllm_fast import objectives
+
+    return getattr(objectives.get(config.objective.name, **config.objective.options), "needs_step_predictions",
+                   False)
 
 
 def compiles_scoring(config: TrainConfig) -> bool:

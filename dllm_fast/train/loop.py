@@ -98,14 +98,16 @@ def _train(run: Run) -> TrainResult:
             # 3. Rewards and the batch the objective consumes.
             batch = run.rollout_batch(examples, rollout, completions)
             correct = [run.task.correct(examples[row // group_size], text) for row, text in enumerate(completions)]
+        # MDPO trains on its rollouts' rewarded steps (Run.learner_batch); every other objective on the batch.
+        learner = batch if rollout is None else run.learner_batch(examples, rollout, batch)
 
         # 4. The inner updates' plan: masks, and the old policy's lp where the policy will have moved.
         with phases.phase("scoring"):
-            plan = run.plan_updates(batch)
+            plan = run.plan_updates(learner)
 
         # 5. Inner updates: objective gradient, clip, AdamW, schedule.
         with phases.phase("update"), router_load(run.model) as load:  # experts' balance (MoE models)
-            updates = [run.update(batch, update) for update in plan]
+            updates = [run.update(learner, update) for update in plan]
         run.after_step(phases.peak)  # FSDP2's gathered rollout copy: kept or freed by the measured peak
 
         pairs = sum(update.masks.num_sequences * update.masks.n_t for update in plan)

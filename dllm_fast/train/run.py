@@ -38,6 +38,7 @@ from dllm_fast.train.rollout_weights import keep_copy, rollout_weights_for
 from dllm_fast.train import step as train_step
 from dllm_fast.train.run_dir import RunDirectory
 from dllm_fast.train.settings import AUTO, DEFAULT_MICRO_BATCH
+from dllm_fast.train.step_rewards import decode_step_predictions, step_rewards
 from dllm_fast.train.sources import model_source
 
 
@@ -193,6 +194,7 @@ class Run:
         result = train_step.roll_out(self.core, input_ids, attention_mask, self.generate_config,
                                      generator=self.rollout_generator,
                                      record_unmask_step=self.objective.needs_unmask_step, hooks=self.step_hooks,
+                                     record_step_predictions=getattr(self.objective, "needs_step_predictions", False),
                                      merge_adapters=c.lora.enabled and c.lora.merge_rollouts and not self.sharded,
                                      weights=self.rollout_weights)
         return result, decode_completions(self.tokenizer, result), time.perf_counter() - started
@@ -248,6 +250,18 @@ class Run:
             return objectives.tree_batch(self.tree, rewards, eos_token_id=self.core.eos_token_id,
                                          mask_token_id=self.core.mask_token_id, train_step=self.step)
         return RolloutBatch.from_generation(rollout, rewards, group_size=G)
+
+    def learner_batch(self, examples, rollout, batch: RolloutBatch) -> RolloutBatch:
+        """What the objective trains on: the rollout batch, or for MDPO (`needs_step_predictions`) its step batch:
+        every recorded one-step prediction rewarded by the task (train/step_rewards.py), the top-k steps kept."""
+        if not getattr(self.objective, "needs_step_predictions", False):
+            return batch
+        rewards = step_rewards(self.task, examples, self.config.run.group_size,
+                               decode_step_predictions(self.tokenizer, rollout, self.core.eos_token_id),
+                               f"step {self.step + 1}", self.device)
+        return self.objective.step_batch(batch, rollout.step_predictions, rollout.step_confidence, rewards,
+                                         eos_token_id=self.core.eos_token_id,
+                                         rollout_temperature=self.generate_config.temperature)
 
     def plan_updates(self, batch: RolloutBatch) -> list[InnerUpdate]:
         """The objective's plan of this batch's mu inner updates: each one's masks, and the old policy's lp on
@@ -344,6 +358,10 @@ def check_objective_fits(objective, task, config: TrainConfig, rollouts, model) 
         objective.check_model(model)
         if not objective.preference_pairs:
             objective.check_rollouts(rollouts)
+        if getattr(objective, "needs_step_predictions", False):  # MDPO: generate can record these rollouts' steps
+            from dllm_fast.rollout.plan import check_generate_config
+
+            check_generate_config(model, rollouts, record_step_predictions=True)
     except ValueError as error:
         raise ValueError(f"--objective {name} with --model {config.model.name!r}: {error}") from None
 

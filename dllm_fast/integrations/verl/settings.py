@@ -76,6 +76,11 @@ class EngineSettings:
             objective = objectives.get(name, preset=section.get("preset"), **options)
         except (TypeError, ValueError) as error:
             raise type(error)(f"{SECTION_PATH} (objective {name!r}): {error}") from None
+        if getattr(objective, "needs_step_predictions", False):  # MDPO: a reward per denoising step
+            raise ValueError(f"{SECTION_PATH}.objective={name!r} rewards the model's one-step prediction at every "
+                             "denoising step and trains on the steps with the largest advantage; verl's rollouts and "
+                             "reward manager score final completions only: train it with `python -m dllm_fast "
+                             "train --objective mdpo`.")
         micro_batch = section.get("micro_batch")
         if micro_batch is not None:
             micro_batch = _positive_int(f"{SECTION_PATH}.micro_batch", micro_batch,
