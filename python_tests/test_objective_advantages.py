@@ -28,7 +28,8 @@ DEFAULTS = {
 }
 # mdpo's advantage is its own, per denoising step over the group, computed on the whole step record before the
 # steps are selected (objectives.mdpo.step_advantages, tested in test_mdpo.py); the shared options are refused.
-OWN_ADVANTAGE = {"mdpo"}
+# d_treerpo's is a tree's sibling advantage, carried by its TreeBatch (rollout/tree.py, test_tree_rollout.py).
+OWN_ADVANTAGE = {"mdpo", "d_treerpo"}
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.5, 2.0, 2.0, 2.0, 2.0, 0.25, 3.0, -1.0, 0.0])
 
 

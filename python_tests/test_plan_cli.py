@@ -51,7 +51,8 @@ CACHES = ("none", "prefix", "dual")
 OWN_SETUP = {"ebpo": ["--model", "sdar-tiny", "--cache", "block"], "vrpo_dpo": ["--task", "sudoku4_pairs"]}
 
 
-@pytest.mark.parametrize("index, name", list(enumerate(objectives.available())))
+# d_treerpo's tree rollouts are refused by plan, naming why (python_tests/test_d_treerpo.py).
+@pytest.mark.parametrize("index, name", [(i, n) for i, n in enumerate(objectives.available()) if n != "d_treerpo"])
 @pytest.mark.slow
 def test_every_objective_and_cache_mode_plans_with_an_explicit_n_t(capsys, index, name):
     """--objective-options '{"n_t": N}' used to fail for every objective ("nearest_valid_n_t() got multiple values

@@ -24,6 +24,7 @@
 | justgrpo | JustGRPO | exact left-to-right likelihood, one sample per position (block-1 rollouts) | token, two-sided eps | none |
 | vrpo_dpo | LLaDA 1.5 (offline VRPO) | ELBO, n_t 4, stratified counts; preference pairs, no rollout | none (DPO) | implicit (DPO) |
 | mdpo | MDPO | the rollout's recorded states x_t, target the one-step prediction x_hat_t; top-k steps by per-step A | token, two-sided eps | k2 per token vs ref |
+| d_treerpo | d-TreeRPO | per tree edge: one forward on the parent canvas (tree rollouts) + self-distillation | token, two-sided eps 0.4 | k3 per token vs base |
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ if TYPE_CHECKING:
     from dllm_fast.objectives.vrpo_dpo import VRPODPO, VRPODPOConfig
     # -- MDPO (the rollout's step record) --
     from dllm_fast.objectives.mdpo import MDPO, MDPOConfig
+    # -- d-TreeRPO (tree rollouts) --
+    from dllm_fast.objectives.d_treerpo import DTreeRPO, DTreeRPOConfig, TreeBatch, tree_batch
 
 # The built-in objectives by name, each loaded (with torch and the likelihood engine) when first asked for, so that
 # listing the names (`train --help`) imports nothing heavy. Each class's `name` is its key here (a test checks).
@@ -63,6 +66,8 @@ _BUILT_IN: dict[str, str] = {
     "ebpo": "ebpo:EBPO", "justgrpo": "justgrpo:JustGRPO", "vrpo_dpo": "vrpo_dpo:VRPODPO",
     # -- MDPO (the rollout's step record) --
     "mdpo": "mdpo:MDPO",
+    # -- d-TreeRPO (tree rollouts) --
+    "d_treerpo": "d_treerpo:DTreeRPO",
 }
 # Every other public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
@@ -73,6 +78,7 @@ _EXPORTS: dict[str, str] = {
     "preference_batch": "vrpo_dpo",
     # -- MDPO --
     "StepBatch": "mdpo",
+    "TreeBatch": "d_treerpo", "tree_batch": "d_treerpo",
 }
 _REGISTRY: dict[str, type] = {}
 
@@ -153,4 +159,6 @@ __all__ = [
     "EBPO", "EBPOConfig", "JustGRPO", "JustGRPOConfig", "VRPODPO", "VRPODPOConfig", "preference_batch",
     # -- MDPO --
     "MDPO", "MDPOConfig", "StepBatch",
+    # -- d-TreeRPO --
+    "DTreeRPO", "DTreeRPOConfig", "TreeBatch", "tree_batch",
 ]

@@ -131,6 +131,8 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     if engine == "two_pass":
         batching = dataclasses.replace(batching, one_pass=False)
     n_t = session.objective.config.n_t
+    if getattr(session.objective, "tree_shape", None) is not None:  # d_treerpo: refused, saying why
+        raise ValueError(tree_not_planned(config.objective.name, session.objective.tree_shape()))
     check_plannable(config, prompt_length, session.base, batching)
     with _readable_data_errors(), session:
         rollout = session.rollout(prompts=config.run.prompts_per_step, group_size=config.run.group_size,
@@ -211,6 +213,15 @@ def _sizes(stored, session: Session, sharded_bf16: bool) -> Sizes:
 MAX_PLANNED_FORWARDS = 1024  # denoising steps of the rollout (an 8B step: about a minute of CPU)
 MAX_PLANNED_CALLS = 1024  # scoring and update micro-batches, over the inner updates, at the larger probe n_t
 UNBOUNDED_POSITIONS = 1 << 16  # for a model that states no max_sequence_length
+
+
+def tree_not_planned(name: str, shape) -> str:
+    """Why `plan` does not price a tree objective (d_treerpo), and what to do instead."""
+    return (f"plan does not price --objective {name} yet: its rollouts are trees of partial rollouts "
+            f"({shape.edges_per_prompt()} edges and {shape.leaves_per_prompt()} leaves per prompt, resumed level by "
+            "level: rollout/tree.py), which the planner's replay of one generate call per step cannot express, and "
+            "its edge batch reads values the planner's fake tensors do not hold. Measure a short train run instead "
+            "(metrics.jsonl: step_seconds and peak_memory_mib per phase).")
 
 
 def check_plannable(config: TrainConfig, prompt_length: int, model, batching: MicroBatching) -> None:

@@ -446,3 +446,54 @@ def mdpo(lp, masks, step_advantages, rollouts, lp_old=None, lp_ref=None, *, epsi
                 weight = torch.exp(old[n, j, i]) if confidence is None else confidence[n, i]
                 loss = loss + weight * term / masked
     return loss / rollouts
+# d-TreeRPO (tree rollouts)
+
+
+def d_treerpo(lp, masks, advantages, groups, tokens, lp_old=None, lp_ref=None, *, epsilon=0.4, beta=0.01,
+              sd_lambda=0.0, sd_tau=1.0):
+    """The official loop over edges: each edge's clipped token surrogate and k3 KL to the reference averaged over
+    its act tokens (masks.target), the edges averaged; plus sd_lambda times the self-distillation term, for each
+    parent (groups[e]: the edge's parent) and position j active in one of its children with A > 0, the KL from
+    q_j (softmax(A / sd_tau) over those children, summed per token) to p(. | parent), averaged over the (parent,
+    j) pairs. log p(v | parent) is read off the children holding v at j (the same value in a real tree, all of
+    them scored on the parent's canvas; here their weighted mean). tokens: [E, L] the children's completions."""
+    old = lp.detach() if lp_old is None else lp_old
+    E, _, L = lp.shape
+    loss = lp.new_zeros(())
+    for e in range(E):
+        act = [i for i in range(L) if bool(masks.target[e, 0, i])]
+        if not act:
+            continue
+        term = lp.new_zeros(())
+        for i in act:
+            ratio = torch.exp(lp[e, 0, i] - old[e, 0, i])
+            a = float(advantages[e])
+            term = term - torch.minimum(ratio * a, ratio.clamp(1 - epsilon, 1 + epsilon) * a)
+            if beta:
+                x = lp_ref[e, 0, i] - lp[e, 0, i]
+                term = term + beta * (torch.exp(x) - x - 1)
+        loss = loss + term / len(act)
+    loss = loss / E
+    if not sd_lambda:
+        return loss
+    total, pairs = lp.new_zeros(()), 0
+    for group in sorted({int(g) for g in groups}):
+        children = [e for e in range(E) if int(groups[e]) == group and float(advantages[e]) > 0]
+        if not children:
+            continue
+        top = max(float(advantages[e]) / sd_tau for e in children)
+        weight = {e: math.exp(float(advantages[e]) / sd_tau - top) for e in children}
+        for j in range(L):
+            active = [e for e in children if bool(masks.target[e, 0, j])]
+            if not active:
+                continue
+            norm = sum(weight[e] for e in active)
+            by_token: dict[int, list[int]] = {}
+            for e in active:
+                by_token.setdefault(int(tokens[e, j]), []).append(e)
+            for holders in by_token.values():
+                q = sum(weight[e] for e in holders) / norm
+                log_p = sum(weight[e] * lp[e, 0, j] for e in holders) / sum(weight[e] for e in holders)
+                total = total + q * (math.log(q) - log_p)
+            pairs += 1
+    return loss + sd_lambda * total / max(pairs, 1)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from dllm_fast.rollout.sampler import generate
     from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, masked_count_schedule
     from dllm_fast.rollout.remasking import REMASKING, LowConfidence, RandomRemasking, Remasking, remasking_rule
+    from dllm_fast.rollout.resume import Resume
 
 # name -> its module, loaded on first use: the cache and remasking registries (which `train --help` lists) need
 # neither the sampler nor the compiled ops.
@@ -34,10 +35,12 @@ _EXPORTS = {
     "generate": "sampler",
     **dict.fromkeys(("DecodingPlan", "check_generate_args", "masked_count_schedule"), "plan"),
     **dict.fromkeys(("REMASKING", "LowConfidence", "RandomRemasking", "Remasking", "remasking_rule"), "remasking"),
+    "Resume": "resume",  # generate's resume option (d-TreeRPO's branching)
 }
 
 __all__ = ["BLOCK_CACHE_POLICIES", "CACHE_POLICIES", "REMASKING", "BlockCache", "CachePolicy", "DecodingPlan",
            "DualCache", "GenerateConfig", "LowConfidence", "NoCache", "PrefixCache", "RandomRemasking", "Remasking",
-           "cache_policy", "check_generate_args", "generate", "masked_count_schedule", "remasking_rule"]
+           "cache_policy", "check_generate_args", "generate", "masked_count_schedule", "remasking_rule",
+           "Resume"]
 
 __getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -23,6 +23,7 @@ from dllm_fast.contracts import GenerationResult, block_length as block_length_o
 from dllm_fast.rollout.cache import CachePolicy
 from dllm_fast.rollout.config import GenerateConfig, rollout_config
 from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, initial_canvas, masked_count_schedule
+from dllm_fast.rollout.resume import FROM_START, Resume, ResumePoint, check_resume
 from dllm_fast.rollout.rules import check_block_done, raise_if_not_finite
 from dllm_fast.rollout.step import (_KEPT_STATES, COMPILED_STEP_GRAPHS, NOISE_STEP, STEP_IN_BLOCK, RolloutState,
                                     StepConstants, _graph_limit, compiled_step, denoise_step, masked_left_and_bad,
@@ -40,6 +41,7 @@ def generate(
     generator: torch.Generator | None = None,
     record_unmask_step: bool = False,
     record_step_predictions: bool = False,
+    resume: Resume | None = None,
     **settings,
 ) -> GenerationResult:
     """Generate `gen_length` tokens after each prompt by block diffusion.
@@ -81,6 +83,16 @@ def generate(
             graphs, on a GPU): one graph for every step, block and call of the same configuration; the first
             call compiles. A compiled step decodes every position of its block (static shapes), so the LM head
             also runs on already decoded positions; the tokens are those of eager mode.
+        resume: rollout.Resume(canvas, start_step, num_steps), to resume a partly decoded canvas (d-TreeRPO's
+            branching; rollout/resume.py): decode canvas ([B, P + gen_length], the sequences a call with the same
+            settings returned after start_step steps of the global schedule, steps numbered 0 .. steps - 1 across
+            blocks) from step start_step, for num_steps steps (None: to the end; canvas None: from the start).
+            A call with num_steps stops there and returns the partly decoded canvas (masks left in it). Resumed
+            with a generator in the state the first call started from, the tokens are the uninterrupted run's,
+            at every temperature (random remasking draws per step, so not there). Fixed schedules on
+            bidirectional models only; the prefix and dual caches resume at block boundaries only; not with
+            compile, record_unmask_step or record_step_predictions. The canvas is
+            checked against the schedule (its prompts, each block's masked count). nfe counts this call's forwards.
         record_unmask_step: also return GenerationResult.unmask_step, for each completion position the forward
             (0-based, counted across blocks like nfe) that unmasked it: every step lies in [0, nfe). Off, it costs
             nothing.
@@ -133,6 +145,7 @@ def generate(
                                record_unmask_step=record_unmask_step,
                                record_step_predictions=record_step_predictions)
     gen_length, block_length = config.gen_length, config.block_length
+    resume = check_resume(model, plan, input_ids, gen_length, block_length, resume)
     reads_values = data_checks_enabled(input_ids, attention_mask, model.lm_head_weight)
     if plan.threshold is not None and plan.assumed_steps_per_block is None and not reads_values:
         raise ValueError("threshold decoding reads the masked count after every step, and these tensors hold no "
@@ -144,6 +157,8 @@ def generate(
     device = input_ids.device
     B, P = input_ids.shape
     state, result_mask = start_rollout(model, plan, input_ids, attention_mask, gen_length, block_length, generator)
+    if resume.canvas is not None:
+        state.canvas.copy_(resume.canvas)
     constants = step_constants(model, plan, P, block_length, B)
     step_fn = denoise_step
     if plan.compile:
@@ -152,7 +167,7 @@ def generate(
             for tensor in state.tensors():
                 torch._dynamo.mark_static_address(tensor, guard=False)
     with mixed_dtypes_named(model), _graph_limit(COMPILED_STEP_GRAPHS) if plan.compile else nullcontext():
-        nfe = decode(model, plan, state, constants, step_fn, P, gen_length, block_length, generator)
+        nfe = decode(model, plan, state, constants, step_fn, P, gen_length, block_length, generator, resume)
     sequences, unmask_step = state.canvas, state.unmask_step
     if plan.compile:  # the buffers are kept for the next call: the result gets its own copy
         sequences, unmask_step = sequences.clone(), None if unmask_step is None else unmask_step.clone()
@@ -165,8 +180,9 @@ def generate(
 
 
 def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConstants, step_fn, P: int,
-           gen_length: int, block_length: int, generator) -> int:
-    """The block loop: runs the steps of every block, and returns the number of forwards."""
+           gen_length: int, block_length: int, generator, resume: ResumePoint = FROM_START) -> int:
+    """The block loop: runs the steps of every block (those `resume` names), and returns the number of
+    forwards."""
     device, B = state.canvas.device, state.canvas.shape[0]
     feeds = FedPositions(plan.cache, P, gen_length, block_length, device, dynamic=plan.compile)
     reads_values = data_checks_enabled(state.canvas, model.lm_head_weight)
@@ -179,12 +195,16 @@ def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConsta
         recorded = [torch.arange(P + block * block_length, P + gen_length, device=device)
                     for block in range(gen_length // block_length)]
     for block in range(gen_length // block_length):
+        begin, end = resume.block_steps(block, plan.step_limit(block_length))
+        if begin == end:  # decoded before this call (or after it stops)
+            continue
         positions = torch.arange(P + block * block_length, P + (block + 1) * block_length, device=device)
-        state.counters[STEP_IN_BLOCK] = 0
+        state.counters[STEP_IN_BLOCK] = begin
         if plan.steps_per_block is not None:  # the noise step is the schedule's: skipped steps change no sample
-            state.counters[NOISE_STEP] = block * plan.steps_per_block
-        remaining = block_length  # the most masked positions in a row; a new block is fully masked
-        for step in range(plan.step_limit(block_length)):
+            state.counters[NOISE_STEP] = block * plan.steps_per_block + begin
+        # the most masked positions in a row: a new block is fully masked, a resumed one as its schedule left it
+        remaining = block_length - (sum(schedule[:begin]) if schedule is not None else 0)
+        for step in range(begin, end):
             if remaining == 0:  # the block is complete: leave it (Fast-dLLM), no forward that unmasks nothing
                 break
             fed = feeds(block, step)
@@ -205,6 +225,10 @@ def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConsta
                 remaining, any_bad = masked_left_and_bad(state, positions, model.mask_token_id)
                 if any_bad:
                     raise_if_not_finite(state.not_finite, 0, plan.cfg_scale, model.lm_head_weight)
+        if not resume.finishes(block):  # the call stops inside this block: only the non-finite check applies
+            if reads_values:
+                raise_if_not_finite(state.not_finite, 0, plan.cfg_scale, model.lm_head_weight)
+            break
         if reads_values:
             check_block_end(state, plan, positions, block, model)
         check_block_done(remaining if plan.assumed_steps_per_block is None else 0, block,

@@ -88,7 +88,7 @@ def _train(run: Run) -> TrainResult:
 
         # 1-2. Prompts (this rank's share), then G rollouts each.
         examples = run.data.take(config.run.prompts_per_step)[run.share]
-        group_size = config.run.group_size
+        group_size = run.rollouts_per_prompt  # --group-size, or a tree objective's leaves per prompt
         if run.pairs is not None:  # -- preference pairs (vrpo_dpo; train/pairs.py): the task's stored pairs are
             batch, correct = run.pairs.step(examples)  # the batch; no rollout, no reward
             rollout, rollout_seconds = None, 0.0

@@ -94,6 +94,10 @@ class RunSetup:
         take_block_length(config, skeleton)
         check_rollout_settings(config, self.generate_config, skeleton)
         check_objective_fits(self.objective, self.task, config, self.generate_config, skeleton)
+        # d_treerpo rolls out a tree per prompt (rollout/tree.py): its leaves are the prompt's rollouts
+        self.tree_shape = getattr(self.objective, "tree_shape", lambda: None)()
+        if self.tree_shape is not None:
+            check_tree_fits(self.tree_shape, config, self.generate_config, skeleton)
         # last: it tokenizes every prompt of the task
         check_lengths(config, self.task, self.data.examples, self.test_examples, self.tokenizer, skeleton)
 
@@ -122,6 +126,7 @@ class Run:
         self.generate_config = setup.generate_config
         self.compiled_rollouts = self.generate_config.compile
         self.task, self.objective, self.data = setup.task, setup.objective, setup.data
+        self.tree_shape, self.tree = setup.tree_shape, None  # d_treerpo's trees (roll_out_tree)
         self.test_examples, self.tokenizer = setup.test_examples, setup.tokenizer
         source = setup.source
         # What the run decided for its device, said before the first step (on CPU by default: nothing).
@@ -190,8 +195,11 @@ class Run:
 
     # -- the loop's steps -----------------------------------------------------------------------------------
     def roll_out(self, examples):
-        """G completions per prompt (rows g * G .. g * G + G - 1 are prompt g's), decoded."""
+        """G completions per prompt (rows g * G .. g * G + G - 1 are prompt g's), decoded. (A tree objective's:
+        the leaves of a tree per prompt, `roll_out_tree`.)"""
         c = self.config
+        if self.tree_shape is not None:
+            return self.roll_out_tree(examples)
         prompts = [self.task.prompt(e, self.tokenizer) for e in examples for _ in range(c.run.group_size)]
         input_ids, attention_mask = encode_prompts(self.tokenizer, prompts, device=self.device,
                                                    pad_token_id=self.core.eos_token_id)
@@ -203,6 +211,32 @@ class Run:
                                      record_step_predictions=getattr(self.objective, "needs_step_predictions", False),
                                      merge_adapters=c.lora.enabled and c.lora.merge_rollouts and not self.sharded,
                                      weights=self.rollout_weights)
+        return result, decode_completions(self.tokenizer, result), time.perf_counter() - started
+
+    @property
+    def rollouts_per_prompt(self) -> int:
+        """The rollouts rewarded per prompt: --group-size, or a tree objective's leaves per prompt."""
+        return self.config.run.group_size if self.tree_shape is None else self.tree_shape.leaves_per_prompt()
+
+    def roll_out_tree(self, examples):
+        """d_treerpo: a tree per prompt (rollout/tree.py), kept for the batch; its leaves, as one GenerationResult
+        (rows of a prompt contiguous), decoded."""
+        from dllm_fast.contracts import GenerationResult, completion_mask
+
+        prompts = [self.task.prompt(e, self.tokenizer) for e in examples]
+        input_ids, attention_mask = encode_prompts(self.tokenizer, prompts, device=self.device,
+                                                   pad_token_id=self.core.eos_token_id)
+        started = time.perf_counter()
+        tree = train_step.roll_out(self.core, input_ids, attention_mask, self.generate_config,
+                                   generator=self.rollout_generator, record_unmask_step=False, hooks=self.step_hooks,
+                                   merge_adapters=self.config.lora.enabled and self.config.lora.merge_rollouts
+                                   and not self.sharded, weights=self.rollout_weights, tree=self.tree_shape)
+        self.tree = tree
+        leaves = tree.canvases[tree.leaves]
+        completion = leaves[:, tree.prompt_length:]
+        mask = None if tree.attention_mask is None else tree.attention_mask[tree.prompt[tree.leaves]]
+        result = GenerationResult(leaves, completion, completion_mask(completion, self.core.eos_token_id),
+                                  tree.forwards, mask)
         return result, decode_completions(self.tokenizer, result), time.perf_counter() - started
 
     def after_step(self, peaks: dict[str, int]) -> None:
@@ -220,12 +254,15 @@ class Run:
 
     def rollout_batch(self, examples, rollout, completions) -> RolloutBatch:
         """The task's rewards of the completions, with the rollouts: what the objective consumes."""
-        G = self.config.run.group_size
+        G = self.rollouts_per_prompt
         rewards = [task_reward(self.task, examples[row // G], text,
                                f"prompt {row // G} of step {self.step + 1} ({examples[row // G].question[:200]!r}), "
                                f"completion {text[:200]!r}") for row, text in enumerate(completions)]
         rewards = torch.tensor(rewards, dtype=torch.float32, device=self.device)
         check_rewards(rewards, G)
+        if self.tree_shape is not None:  # the tree's edges, valued from its leaves' rewards
+            return objectives.tree_batch(self.tree, rewards, eos_token_id=self.core.eos_token_id,
+                                         mask_token_id=self.core.mask_token_id, train_step=self.step)
         return RolloutBatch.from_generation(rollout, rewards, group_size=G)
 
     def learner_batch(self, examples, rollout, batch: RolloutBatch) -> RolloutBatch:
@@ -295,6 +332,9 @@ def auto_micro_batch(config: TrainConfig, device: torch.device, ranks: Ranks) ->
     planner's fit (dllm_fast.train.micro_batch), the smallest over the ranks so that all cut pairs alike."""
     if device.type != "cuda":
         return DEFAULT_MICRO_BATCH, f"--micro-batch auto: {DEFAULT_MICRO_BATCH} on {device.type}"
+    if hasattr(objectives.get(config.objective.name, **config.objective.options), "tree_shape"):
+        return DEFAULT_MICRO_BATCH, (f"--micro-batch auto: {DEFAULT_MICRO_BATCH} (the planner does not price "
+                                     f"--objective {config.objective.name}'s tree rollouts)")
     from dllm_fast.train.micro_batch import fitted_micro_batch
 
     micro_batch, note = fitted_micro_batch(config, device)
@@ -339,6 +379,16 @@ def check_objective_fits(objective, task, config: TrainConfig, rollouts, model) 
             check_generate_config(model, rollouts, record_step_predictions=True)
     except ValueError as error:
         raise ValueError(f"--objective {name} with --model {config.model.name!r}: {error}") from None
+
+
+def check_tree_fits(shape, config: TrainConfig, rollouts, model) -> None:
+    """A tree objective's rollouts (rollout/tree.py) suit the settings and the model, before any work."""
+    from dllm_fast.rollout.tree import check_tree_rollouts
+
+    try:
+        check_tree_rollouts(model, rollouts, shape)
+    except ValueError as error:
+        raise ValueError(f"--objective {config.objective.name} with --model {config.model.name!r}: {error}") from None
 
 
 def check_rollout_records(objective, name: str) -> None:

@@ -57,13 +57,14 @@ NO_HOOKS = StepHooks()
 
 def roll_out(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerateConfig, *,
              generator: torch.Generator, record_unmask_step: bool, hooks: StepHooks = NO_HOOKS,
-             merge_adapters: bool = False, weights=None, record_step_predictions: bool = False):
+             merge_adapters: bool = False, weights=None, record_step_predictions: bool = False, tree=None):
     """`generate`'s result for the prompts. The model samples in eval mode (no dropout) and is left in the mode it
     was in. record_unmask_step: trajectory objectives (TraceRL) replay the decoding order, so only they ask for it.
     merge_adapters: a LoRA policy samples through a copy of its adapted weights with the adapters merged in
     (models.merged_lora: one GEMM a projection; refreshed when the adapters have moved). weights: an FSDP2
     policy's gathered copy (train/rollout_weights.GatheredWeights), filled before the rollout and released after.
-    record_step_predictions: MDPO rewards every step's one-step prediction, so only it asks for them."""
+    record_step_predictions: MDPO rewards every step's one-step prediction, so only it asks for them.
+    tree: a rollout.tree.TreeShape: grow one tree per prompt instead (d_treerpo), returning the rollout.tree.Tree."""
     with hooks.phase(ROLLOUT):
         was_training = model.training
         model.eval()
@@ -74,6 +75,11 @@ def roll_out(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, confi
                 else:
                     sampler = merged_for_rollouts(model) if merge_adapters else model
                 try:
+                    if tree is not None:  # d-TreeRPO: a tree of partial rollouts per prompt (rollout/tree.py)
+                        from dllm_fast.rollout.tree import tree_rollout
+
+                        return tree_rollout(generate, sampler, input_ids, attention_mask, config, tree,
+                                            generator=generator)
                     return generate(sampler, input_ids, attention_mask, config, generator=generator,
                                     record_unmask_step=record_unmask_step,
                                     **({"record_step_predictions": True} if record_step_predictions else {}))

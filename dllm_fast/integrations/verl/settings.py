@@ -154,6 +154,8 @@ def check_actor_settings(objective: Objective, actor) -> None:
 def advantage_estimator_for(objective: Objective) -> str | None:
     """verl's advantage settings that compute `objective`'s advantages, or None when none of verl's does."""
     c = objective.config
+    if getattr(objective, "tree_shape", None) is not None:  # d_treerpo: a tree's sibling advantages, none of verl's
+        return None
     if c.advantage == "mean" and not c.scale_rewards:
         return "algorithm.adv_estimator=grpo algorithm.norm_adv_by_std_in_grpo=false"
     if c.advantage == "mean" and c.scale_rewards and not c.population_std and c.std_epsilon == 1e-6:
