@@ -352,6 +352,7 @@ def test_the_command_line_writes_nothing_for_a_setting_that_cannot_work(tmp_path
         assert not run.exists()
 
 
+@pytest.mark.slow  # three training runs, about 10 s on 2 cores
 def test_a_run_started_with_overwrite_resumes(run_dir):
     """Its config.json says overwrite: true; the resumed run is this call's --resume, not the saved --overwrite."""
     for path in (run_dir / "config.json", run_dir / "checkpoint" / "config.json"):
