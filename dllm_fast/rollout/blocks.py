@@ -62,7 +62,7 @@ import torch
 
 from dllm_fast.contracts import GenerationResult, block_length as block_length_of, completion_mask
 from dllm_fast.rollout.cache import BlockCache, NoCache
-from dllm_fast.rollout.plan import DecodingPlan, masked_count_schedule
+from dllm_fast.rollout.plan import DecodingPlan, check_block_call, masked_count_schedule
 from dllm_fast.rollout.rules import check_block_done, raise_if_not_finite
 from dllm_fast.rollout.step import (_KEPT_STATES, COMPILED_STEP_GRAPHS, NOISE_STEP, STEP_IN_BLOCK, RolloutState,
                                     _graph_limit, compiled_step, denoise_step, masked_left_and_bad, step_constants)
@@ -167,21 +167,6 @@ def max_block_forwards(plan: DecodingPlan, gen_length: int, block_length: int) -
     """The most forwards a block rollout of `plan` can run: gen_length / block_length + 2 windows (rows of two
     alignments: a partial first and last block each) of at most min(steps per block, block_length) forwards."""
     return (gen_length // block_length + 2) * plan.step_limit(block_length)
-
-
-def check_block_call(model, plan: DecodingPlan, block_length: int) -> None:
-    """What a block-diffusion rollout cannot take, refused by name."""
-    model_block = block_length_of(model)
-    if block_length != model_block:
-        raise ValueError(f"block_length={block_length}, but the model attends in blocks of {model_block} "
-                         "(model.block_length): a block-diffusion model decodes its own blocks. Pass "
-                         f"block_length={model_block}, or set model.block_length to decode in other blocks.")
-    if plan.cfg_scale:
-        raise ValueError(f"cfg_scale={plan.cfg_scale}: classifier-free guidance is not implemented for "
-                         "block-diffusion models (the official SDAR generate has none); pass cfg_scale=0.")
-    if not isinstance(plan.cache, (BlockCache, NoCache)):
-        raise ValueError(f"cache={plan.cache.name!r} is Fast-dLLM's approximate cache for bidirectional models; a "
-                         "block-diffusion model's cache is exact: pass cache='block' (or 'none' to recompute).")
 
 
 class Layout:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm_fast.contracts import block_length as block_length_of, check_positions, max_positions, unwrap_model
-from dllm_fast.rollout.cache import CachePolicy, cache_policy
+from dllm_fast.rollout.cache import BlockCache, CachePolicy, NoCache, cache_policy
 from dllm_fast.rollout.config import GenerateConfig
 from dllm_fast.rollout.remasking import Remasking, remasking_rule
 from dllm_fast.validation import (check_binary_mask, check_bool, check_float, check_int, check_same_device,
@@ -174,10 +174,23 @@ def check_generate_config(model, config: GenerateConfig, *, prompt_length: int |
                         confidence_eos_eot_inf, compile, record_unmask_step, assumed_steps_per_block, full_last_block,
                         eos_early_stop)
     if block_length_of(model) is not None:
-        from dllm_fast.rollout.blocks import check_block_call  # blocks.py builds on this module
-
         check_block_call(model, plan, block_length)
     return plan
+
+
+def check_block_call(model, plan: DecodingPlan, block_length: int) -> None:
+    """What a block-diffusion rollout cannot take, refused by name."""
+    model_block = block_length_of(model)
+    if block_length != model_block:
+        raise ValueError(f"block_length={block_length}, but the model attends in blocks of {model_block} "
+                         "(model.block_length): a block-diffusion model decodes its own blocks. Pass "
+                         f"block_length={model_block}, or set model.block_length to decode in other blocks.")
+    if plan.cfg_scale:
+        raise ValueError(f"cfg_scale={plan.cfg_scale}: classifier-free guidance is not implemented for "
+                         "block-diffusion models (the official SDAR generate has none); pass cfg_scale=0.")
+    if not isinstance(plan.cache, (BlockCache, NoCache)):
+        raise ValueError(f"cache={plan.cache.name!r} is Fast-dLLM's approximate cache for bidirectional models; a "
+                         "block-diffusion model's cache is exact: pass cache='block' (or 'none' to recompute).")
 
 
 def check_prompt_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:

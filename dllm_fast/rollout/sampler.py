@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 
 from dllm_fast.contracts import GenerationResult, block_length as block_length_of, completion_mask, mixed_dtypes_named
+from dllm_fast.rollout.blocks import generate_blocks
 from dllm_fast.rollout.cache import CachePolicy
 from dllm_fast.rollout.config import GenerateConfig, rollout_config
 from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, initial_canvas, masked_count_schedule
@@ -127,8 +128,6 @@ def generate(
         raise ValueError("threshold decoding reads the masked count after every step, and these tensors hold no "
                          "values (fake or meta); pass assumed_steps_per_block=N to plan it.")
     if block_length_of(model) is not None:  # block-causal attention: decode block by block (rollout/blocks.py)
-        from dllm_fast.rollout.blocks import generate_blocks  # here: blocks.py builds on this module
-
         return generate_blocks(model, plan, input_ids, attention_mask, gen_length, block_length, generator)
     device = input_ids.device
     B, P = input_ids.shape
