@@ -277,13 +277,19 @@ def _start(model, plan: DecodingPlan, input_ids, layout: Layout, block_length: i
     return state
 
 
+# The flag of a full last block's positions after the completion in the noise counter: bit 62, which the step word
+# (bits 32 and up, the step within a block) never reaches, so their words need no room among the completions'.
+AFTER_COMPLETION = 1 << 62
+
+
 def _row_base(layout: Layout, gen_length: int, block_length: int, full_last_block: bool = False) -> torch.Tensor:
     """What the step adds to a canvas column for the noise counter's position word: [B, 1] row * G + b plus the
     completion position: unique per (row, completion position), independent of the batch's padding, and
     non-negative on the prompt tail decoded with the first block (fewer than b columns; its noise is unused).
     With full_last_block, [B, 3]: that, the column where each row's completion ends, and the jump that moves the
-    words of the positions after it to B * G + b + row * b on, beyond every row's completion words (which stay
-    the default's: only what the extra positions change in the logits changes a sample)."""
+    words of the positions after it to AFTER_COMPLETION + row * b + their offset: keyed by the row and the offset
+    alone, like the completion's, so that a row's sample does not depend on the batch's size (the completion's
+    words stay the default's: only what the extra positions change in the logits changes a sample)."""
     first = layout.completion_columns[:, :1]
     B, G, b = first.shape[0], gen_length, block_length
     rows = torch.arange(B, device=first.device)[:, None]
@@ -291,7 +297,7 @@ def _row_base(layout: Layout, gen_length: int, block_length: int, full_last_bloc
     if not full_last_block:
         return base
     end = first + G
-    return torch.cat([base, end, (B * G + b + rows * b) - (base + end)], dim=1)
+    return torch.cat([base, end, (AFTER_COMPLETION + rows * b) - (base + end)], dim=1)
 
 
 def _raise_not_finite(state: RolloutState, layout: Layout, plan: DecodingPlan, model) -> None:
