@@ -359,3 +359,26 @@ def test_a_prompt_samples_alone_what_it_samples_as_row_0_of_copies(full_last_blo
     """Issue 45 item 4 (SDAR: 5 of 12 seeds differed with full_last_block): generate's promise that a row's sample
     does not depend on its batch, over 12 seeds."""
     assert alone_and_among_copies(sdar(), range(12), full_last_block) == 0
+
+
+@pytest.mark.parametrize("gen_length", [5, 7])
+@pytest.mark.parametrize("full_last_block", [False, True])
+def test_any_gen_length_decodes_as_the_decoder_that_recomputes_every_block(gen_length, full_last_block):
+    """Issue 45 item 7: the official generate takes any gen_length; so does a block-diffusion model's: its last
+    block partial (or whole with full_last_block), steps a multiple of the blocks rounded up; the forwards stay
+    within max_block_forwards and bound unmask_step."""
+    from dllm_fast.rollout.blocks import max_block_forwards
+    from dllm_fast.rollout.plan import check_generate_config
+
+    model = sdar()
+    ids, mask = prompts(B=4)
+    for schedule in (dict(steps=4), dict(steps=8, threshold=0.05), dict(threshold=0.1)):
+        config = dllm_fast.GenerateConfig(gen_length=gen_length, block_length=4, full_last_block=full_last_block,
+                                          **schedule)
+        out = dllm_fast.generate(model, ids, mask, config=config, record_unmask_step=True)
+        expected = naive(model, ids, mask, gen_length=gen_length, full_last_block=full_last_block, **schedule)
+        assert torch.equal(out.completion_ids, expected), schedule
+        bound = max_block_forwards(check_generate_config(model, config), gen_length, 4)
+        assert (out.unmask_step < out.nfe).all() and out.nfe <= bound
+    with pytest.raises(ValueError, match=r"steps=3 is not a multiple of the number of blocks 2 .*rounded up"):
+        dllm_fast.generate(model, ids, mask, gen_length=gen_length, block_length=4, steps=3)

@@ -164,9 +164,10 @@ def _every_row_ended(state: RolloutState, layout: "Layout", column: int, eos: in
 
 
 def max_block_forwards(plan: DecodingPlan, gen_length: int, block_length: int) -> int:
-    """The most forwards a block rollout of `plan` can run: gen_length / block_length + 2 windows (rows of two
-    alignments: a partial first and last block each) of at most min(steps per block, block_length) forwards."""
-    return (gen_length // block_length + 2) * plan.step_limit(block_length)
+    """The most forwards a block rollout of `plan` can run: gen_length / block_length (rounded up) + 2 windows
+    (rows of two alignments: a partial first and last block each) of at most min(steps per block, block_length)
+    forwards."""
+    return (-(-gen_length // block_length) + 2) * plan.step_limit(block_length)
 
 
 class Layout:

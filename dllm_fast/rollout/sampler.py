@@ -54,7 +54,9 @@ def generate(
         input_ids: [B, P] prompts, left-padded; attention_mask: [B, P] bool, or integer 0/1 (1 on tokens, 0 on
             padding); float masks are rejected.
         config: the rollout settings below (rollout.GenerateConfig); settings: the same, as keywords.
-        gen_length, block_length: the completion is decoded in gen_length / block_length blocks, left to right.
+        gen_length, block_length: the completion is decoded in gen_length / block_length blocks, left to right
+            (a multiple of block_length on LLaDA; any length on a block-diffusion model, its last block partial,
+            or whole with full_last_block).
         steps: total denoising steps (a multiple of the number of blocks); each step of a block unmasks
             block_length / steps_per_block tokens (the remainder goes to the first steps). A block is left as
             soon as it is complete (Fast-dLLM), so with more steps per block than block_length the extra steps
@@ -106,8 +108,8 @@ def generate(
     cache is "block" (the exact cache of finished blocks) or "none", threshold with steps is SDAR's dynamic rule
     (every candidate above the threshold, at least the schedule's count), and cfg_scale is 0. A prompt whose
     length is not a multiple of block_length starts with a partial block and ends with one, and a batch whose rows
-    fall on different alignments decodes the union of their block windows: at most gen_length / block_length + 2
-    windows of at most min(steps per block, block_length) forwards each (`blocks.max_block_forwards`), so nfe can
+    fall on different alignments decodes the union of their block windows: at most gen_length / block_length
+    (rounded up) + 2 windows of at most min(steps per block, block_length) forwards each (`blocks.max_block_forwards`), so nfe can
     exceed gen_length; it is the exact count, and bounds unmask_step.
 
     The mask token is never sampled nor argmaxed: it is removed from sampling and from the confidence softmax,
