@@ -109,8 +109,8 @@ def generate(
     (every candidate above the threshold, at least the schedule's count), and cfg_scale is 0. A prompt whose
     length is not a multiple of block_length starts with a partial block and ends with one, and a batch whose rows
     fall on different alignments decodes the union of their block windows: at most gen_length / block_length
-    (rounded up) + 2 windows of at most min(steps per block, block_length) forwards each (`blocks.max_block_forwards`), so nfe can
-    exceed gen_length; it is the exact count, and bounds unmask_step.
+    (rounded up) + 2 windows of at most min(steps per block, block_length) forwards each
+    (`blocks.max_block_forwards`), so nfe can exceed gen_length; it is the exact count, and bounds unmask_step.
 
     The mask token is never sampled nor argmaxed: it is removed from sampling and from the confidence softmax,
     like EOS under logits_eos_inf (a deviation from LLaDA's generate.py, whose completions can hold it). A NaN or
