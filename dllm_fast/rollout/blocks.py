@@ -14,9 +14,10 @@ so they change the last block's tokens. The result is mapped back to [B, P + G].
 
 Forwards. A window runs until the most masked row in it is complete: at most min(steps per block, b) forwards
 (its schedule, or one token per step), fewer in a partial window. A row whose prompt length is not a multiple of
-b spans G / b + 1 windows (its first and last blocks partial), so a batch decodes at most G / b + 1 windows when
-its rows share one alignment and G / b + 2 when they do not (`max_block_forwards`): a mixed batch can run more
-forwards than gen_length (each forward unmasks at least one token of some row, not of every row).
+b spans G / b + 1 windows (its first and last blocks partial; gen_length need not be a multiple of b either, and
+G / b is then rounded up), so a batch decodes at most G / b + 1 windows when its rows share one alignment and
+G / b + 2 when they do not (`max_block_forwards`): a mixed batch can run more forwards than gen_length (each
+forward unmasks at least one token of some row, not of every row).
 `GenerationResult.nfe` is the count and bounds `unmask_step` (each position's forward, counted over the batch).
 The planner's count is the real one: on its constant prompts (planning/fake.py) the layout and every window's
 masked count are known without reading a computed value.
