@@ -9,6 +9,7 @@ no_sync); rank 0 alone writes files (`Ranks.writer`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import dataclass
 
@@ -82,8 +83,6 @@ def leave_process_group(finished: bool) -> None:
     tears its side down while another still talks to it (a failed one cannot: its peers may never get there).
     Then the run's objects go (the DDP wrapper sits in reference cycles, and its reducer holds the group), so the
     group and its threads end in destroy_process_group, and not in the interpreter's teardown."""
-    import gc
-
     import torch.distributed as dist
 
     if finished:
