@@ -309,8 +309,8 @@ def test_full_last_block_is_a_boolean_and_the_default_is_the_completions_end():
 
 @pytest.mark.parametrize("full_last_block", [False, True])
 def test_every_decoded_position_of_a_batch_has_its_own_noise_word(full_last_block):
-    """Two positions with one word would draw one Gumbel noise: a full last block's extra positions are moved past
-    every row's completion words, which stay the default's."""
+    """Two positions with one word would draw one Gumbel noise: a full last block's extra positions are set apart
+    from every row's completion words (a flag bit), which stay the default's."""
     ids, mask = mixed_prompts([3, 4, 5, 6, 7, 8, 9, 10])
     layout = Layout.of(ids, mask, 8, 4, read=True, full_last_block=full_last_block)
     columns = torch.arange(layout.width)[None].expand(8, -1)
@@ -324,7 +324,7 @@ def test_every_decoded_position_of_a_batch_has_its_own_noise_word(full_last_bloc
 
 
 @pytest.mark.parametrize("full_last_block", [False, True])
-@pytest.mark.parametrize("gen_length", [4, 8, 12])
+@pytest.mark.parametrize("gen_length", [4, 6, 8, 12])
 def test_a_rows_noise_words_do_not_depend_on_the_rows_after_it(full_last_block, gen_length):
     """Issue 45 item 4: row n of a batch draws the noise it draws in any batch that holds the same first n + 1
     rows, whatever follows (a full last block's extra positions were keyed past the whole batch's completions)."""
