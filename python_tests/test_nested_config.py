@@ -124,7 +124,8 @@ def test_rollout_settings_are_generate_configs_fields():
     (lambda: TrainConfig(run=3), TypeError, r"run = 3 must be a mapping of the run settings"),
     (lambda: TrainConfig(rollout={"gen_length": 30}), ValueError, r"--gen-length 30 is not a multiple of "
                                                                   r"--block-length 24"),
-    (lambda: TrainConfig(gen_length=30), ValueError, r"--gen-length 30 is not a multiple of --block-length 24"),
+    (lambda: TrainConfig(gen_length=30), ValueError, r"--gen-length 30 is not a multiple of --block-length 24; "
+                                                     r"pass --gen-length 24 or --gen-length 48"),
     (lambda: TrainConfig(optim=OptimSettings(lr=1e-4), lr="fast"), TypeError, r"--lr = 'fast' must be a number"),
     (lambda: EvalSettings(gen_lengths=[]), ValueError, r"--eval-gen-lengths must list at least one"),
     (lambda: ObjectiveSettings(name="nope"), ValueError, r"--objective 'nope' is not one of"),

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from dllm_fast.contracts import block_length as block_length_of, check_positions, max_positions, unwrap_model
-from dllm_fast.rollout.cache import CachePolicy, cache_policy
+from dllm_fast.rollout.cache import BlockCache, CachePolicy, NoCache, cache_policy
 from dllm_fast.rollout.config import GenerateConfig
 from dllm_fast.rollout.remasking import Remasking, remasking_rule
 from dllm_fast.validation import (check_binary_mask, check_bool, check_float, check_int, check_same_device,
-                                  check_temperature, check_threshold, data_checks_enabled, non_binary)
+                                  check_temperature, check_threshold, data_checks_enabled, nearest_multiples,
+                                  non_binary)
 
 
 @dataclass(frozen=True)
@@ -122,10 +123,12 @@ def check_generate_config(model, config: GenerateConfig, *, prompt_length: int |
                         f"Lower gen_length to at most {limit - P}, or shorten the prompts." if limit and P < limit else
                         "Shorten the prompts: alone they fill the model's positions.")
     check_int("block_length", block_length, minimum=1)
-    if gen_length % block_length != 0:
-        raise ValueError(f"gen_length={gen_length} is not a multiple of block_length={block_length}; "
-                         "choose a block_length that divides gen_length.")
-    num_blocks = gen_length // block_length
+    if gen_length % block_length != 0 and block_length_of(model) is None:
+        valid = " or ".join(f"gen_length={n}" for n in nearest_multiples(gen_length, block_length))
+        raise ValueError(f"gen_length={gen_length} is not a multiple of block_length={block_length}: LLaDA's "
+                         "semi-autoregressive blocks split the completion evenly (the official generate asserts "
+                         f"it); pass {valid}, or a block_length that divides gen_length.")
+    num_blocks = -(-gen_length // block_length)  # a block-diffusion model's last block may be partial
     if threshold is not None and (steps is None or block_length_of(model) is None):
         threshold = check_threshold("threshold", threshold)
         if steps is not None:
@@ -141,7 +144,8 @@ def check_generate_config(model, config: GenerateConfig, *, prompt_length: int |
                              f"use at most {gen_length}.")
         if steps % num_blocks != 0:
             raise ValueError(f"steps={steps} is not a multiple of the number of blocks {num_blocks} "
-                             f"(gen_length / block_length); use e.g. steps={num_blocks * max(1, steps // num_blocks)}.")
+                             f"(gen_length / block_length, rounded up); use e.g. "
+                             f"steps={num_blocks * max(1, steps // num_blocks)}.")
         steps_per_block = steps // num_blocks
     temperature = check_temperature("temperature", config.temperature)
     cfg_scale = check_float("cfg_scale", config.cfg_scale, minimum=0.0, hint="0 disables classifier-free guidance")
@@ -181,10 +185,23 @@ def check_generate_config(model, config: GenerateConfig, *, prompt_length: int |
         check_step_recording(model, plan, gen_length, block_length)
         plan = dataclasses.replace(plan, record_unmask_step=True, record_step_predictions=True)
     if block_length_of(model) is not None:
-        from dllm_fast.rollout.blocks import check_block_call  # blocks.py builds on this module
-
         check_block_call(model, plan, block_length)
     return plan
+
+
+def check_block_call(model, plan: DecodingPlan, block_length: int) -> None:
+    """What a block-diffusion rollout cannot take, refused by name."""
+    model_block = block_length_of(model)
+    if block_length != model_block:
+        raise ValueError(f"block_length={block_length}, but the model attends in blocks of {model_block} "
+                         "(model.block_length): a block-diffusion model decodes its own blocks. Pass "
+                         f"block_length={model_block}, or set model.block_length to decode in other blocks.")
+    if plan.cfg_scale:
+        raise ValueError(f"cfg_scale={plan.cfg_scale}: classifier-free guidance is not implemented for "
+                         "block-diffusion models (the official SDAR generate has none); pass cfg_scale=0.")
+    if not isinstance(plan.cache, (BlockCache, NoCache)):
+        raise ValueError(f"cache={plan.cache.name!r} is Fast-dLLM's approximate cache for bidirectional models; a "
+                         "block-diffusion model's cache is exact: pass cache='block' (or 'none' to recompute).")
 
 
 # -- MDPO's step record (generate(..., record_step_predictions=True)) -------------------------------------------

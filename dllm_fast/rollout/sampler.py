@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 
 from dllm_fast.contracts import GenerationResult, block_length as block_length_of, completion_mask, mixed_dtypes_named
+from dllm_fast.rollout.blocks import generate_blocks
 from dllm_fast.rollout.cache import CachePolicy
 from dllm_fast.rollout.config import GenerateConfig, rollout_config
 from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, initial_canvas, masked_count_schedule
@@ -56,7 +57,9 @@ def generate(
         input_ids: [B, P] prompts, left-padded; attention_mask: [B, P] bool, or integer 0/1 (1 on tokens, 0 on
             padding); float masks are rejected.
         config: the rollout settings below (rollout.GenerateConfig); settings: the same, as keywords.
-        gen_length, block_length: the completion is decoded in gen_length / block_length blocks, left to right.
+        gen_length, block_length: the completion is decoded in gen_length / block_length blocks, left to right
+            (a multiple of block_length on LLaDA; any length on a block-diffusion model, its last block partial,
+            or whole with full_last_block).
         steps: total denoising steps (a multiple of the number of blocks); each step of a block unmasks
             block_length / steps_per_block tokens (the remainder goes to the first steps). A block is left as
             soon as it is complete (Fast-dLLM), so with more steps per block than block_length the extra steps
@@ -127,9 +130,9 @@ def generate(
     cache is "block" (the exact cache of finished blocks) or "none", threshold with steps is SDAR's dynamic rule
     (every candidate above the threshold, at least the schedule's count), and cfg_scale is 0. A prompt whose
     length is not a multiple of block_length starts with a partial block and ends with one, and a batch whose rows
-    fall on different alignments decodes the union of their block windows: at most gen_length / block_length + 2
-    windows of at most min(steps per block, block_length) forwards each (`blocks.max_block_forwards`), so nfe can
-    exceed gen_length; it is the exact count, and bounds unmask_step.
+    fall on different alignments decodes the union of their block windows: at most gen_length / block_length
+    (rounded up) + 2 windows of at most min(steps per block, block_length) forwards each
+    (`blocks.max_block_forwards`), so nfe can exceed gen_length; it is the exact count, and bounds unmask_step.
 
     The mask token is never sampled nor argmaxed: it is removed from sampling and from the confidence softmax,
     like EOS under logits_eos_inf (a deviation from LLaDA's generate.py, whose completions can hold it). A NaN or
@@ -151,8 +154,6 @@ def generate(
         raise ValueError("threshold decoding reads the masked count after every step, and these tensors hold no "
                          "values (fake or meta); pass assumed_steps_per_block=N to plan it.")
     if block_length_of(model) is not None:  # block-causal attention: decode block by block (rollout/blocks.py)
-        from dllm_fast.rollout.blocks import generate_blocks  # here: blocks.py builds on this module
-
         return generate_blocks(model, plan, input_ids, attention_mask, gen_length, block_length, generator)
     device = input_ids.device
     B, P = input_ids.shape

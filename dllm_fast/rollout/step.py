@@ -199,7 +199,7 @@ def record_step(state: RolloutState, completion_at: torch.Tensor, predicted: tor
 def position_words(row_base: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """The noise counter's position word of each decoded column [B, n]: row_base [B, 1] plus the column, and with
     a block rollout's full last block ([B, 3]: also the column where each completion ends and the jump after it,
-    rollout/blocks.py) the positions after the completion moved beyond every row's completion words."""
+    rollout/blocks.py) the positions after the completion flagged apart from every row's completion words."""
     words = row_base[:, :1] + columns
     if row_base.shape[1] == 3:
         words = words + (columns >= row_base[:, 1:2]) * row_base[:, 2:3]

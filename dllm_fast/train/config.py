@@ -30,6 +30,7 @@ from dllm_fast.contracts import MAX_PAIRS
 from dllm_fast.train.settings import (AUTO, OPTIONS, SECTIONS, EvalSettings, LoraSettings, ModelSettings,
                                       ObjectiveSettings, OptimSettings, RolloutSettings, RunSettings)
 from dllm_fast.train.typed import Scalar, plain_value, read_value, shown
+from dllm_fast.validation import nearest_multiples
 
 __all__ = ["TrainConfig", "RunSettings", "ModelSettings", "RolloutSettings", "ObjectiveSettings", "OptimSettings",
            "LoraSettings", "EvalSettings", "read_config_file", "task_options", "compiles_rollouts",
@@ -431,7 +432,8 @@ def check_block_length(config: TrainConfig, model, *, evaluated: bool = True) ->
     for option, length in [("--gen-length", config.rollout.gen_length)] + evaluations:
         if length % block:
             raise ValueError(f"{option} {length} is not a multiple of --block-length {block}, the "
-                             "block-diffusion model's block: every completion is decoded in whole blocks.")
+                             "block-diffusion model's block: training decodes and scores whole blocks; pass "
+                             f"{' or '.join(f'{option} {n}' for n in nearest_multiples(length, block))}.")
 
 
 def take_block_length(config: TrainConfig, model) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dllm_fast.train.typed import read_value
-from dllm_fast.validation import check_float, check_int
+from dllm_fast.validation import check_float, check_int, nearest_multiples
 
 SCHEDULES = ("constant", "cosine", "linear")
 PARALLEL = ("ddp", "fsdp2")
@@ -182,7 +182,9 @@ class RolloutSettings(_Settings):
         check_choice(self, "remasking")
         if self.gen_length % self.block_length:
             raise ValueError(f"--gen-length {self.gen_length} is not a multiple of --block-length "
-                             f"{self.block_length}; choose a block length that divides it.")
+                             f"{self.block_length}; pass " + " or ".join(
+                                 f"--gen-length {n}" for n in nearest_multiples(self.gen_length, self.block_length))
+                             + ", or a block length that divides it.")
         if self.threshold is None and self.steps is None:
             raise ValueError("--diffusion-steps none needs --threshold (adaptive steps); give one of them.")
         if self.steps is not None:
