@@ -95,6 +95,9 @@ class TrainConfig:
 
         model_source(self.model, self.lora)
         check_device(run.device)
+        from dllm_fast.ops.backend import environment_backend
+
+        environment_backend()  # a bad DLLM_FAST_BACKEND is refused here, before a run directory is made
         if self.lora.enabled and importlib.util.find_spec("peft") is None:
             raise ValueError("--lora true needs the peft package, which is missing here; install it with "
                              "`pip install peft` (dllm_fast depends on it: `pip install -e .` installs it).")
