@@ -169,3 +169,56 @@ def test_a_checkpoint_whose_router_is_not_finite_is_refused_at_load(llada2_check
     LLaDA2Model.from_pretrained(llada2_checkpoint)  # the intact one loads
     LLaDA2Model.from_pretrained(damaged, device="meta")  # a skeleton reads no values
     assert json.loads((damaged / "config.json").read_text())["model_type"]
+
+
+# -- --parallel fsdp2 without torchrun ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra", [[], ["--lora", "true"], ["--objective", "vrpo_ol"]])
+def test_fsdp2_in_one_process_says_it_trains_unsharded(extra, capsys, tmp_path):
+    """It ran unsharded without a word. The warning comes with the settings' checks, before the run starts (here
+    a group of one stops the run right after it)."""
+    with pytest.warns(UserWarning, match="--parallel fsdp2 shards the weights across torchrun's ranks, and this is "
+                                         "one process .* trains unsharded"):
+        refused_train(capsys, tmp_path, "--parallel", "fsdp2", "--group-size", "1", *extra)
+
+
+def test_ddp_in_one_process_says_nothing(capsys, tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        refused_train(capsys, tmp_path, "--parallel", "ddp", "--group-size", "1")
+
+
+# -- --eos-early-stop -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag, value", [("true", True), ("false", False), ("1", True), ("0", False)])
+def test_eos_early_stop_is_a_train_flag_that_reaches_generate(flag, value):
+    from dllm_fast.train import TrainConfig
+    from dllm_fast.train.cli import parse_overrides
+
+    settings = parse_overrides(["--eos-early-stop", flag])
+    assert settings["eos_early_stop"] is value
+    config = TrainConfig(model="sdar-tiny", cache="block", block_length=4, gen_length=8, diffusion_steps=8,
+                         **settings)
+    assert config.rollout.eos_early_stop is value
+    assert config.generate_config("cpu").eos_early_stop is value  # what every rollout and evaluation decodes with
+    assert TrainConfig.from_dict(config.to_dict()).rollout.eos_early_stop is value  # config.json round trip
+
+
+def test_eos_early_stop_is_in_train_help_and_the_docs(capsys):
+    from pathlib import Path
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--eos-early-stop true|false" in help_text and "once every completion's finished blocks hold an EOS" in \
+        help_text
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "training-and-configuration.md").read_text()
+    assert "--eos-early-stop true" in docs
+
+
+@pytest.mark.parametrize("model", ["tiny", "sudoku4", "dream-tiny"])
+def test_eos_early_stop_on_a_bidirectional_model_is_refused_by_name(model, capsys, tmp_path):
+    error = refused_train(capsys, tmp_path, "--model", model, "--eos-early-stop", "true")
+    assert "--eos-early-stop true" in error and f"--model {model} decodes bidirectionally" in error

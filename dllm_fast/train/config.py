@@ -69,6 +69,10 @@ class TrainConfig:
 
         check_cache(self.model, rollout.cache)
 
+        if rollout.eos_early_stop and not block_diffusion_model(self.model):
+            raise ValueError(f"--eos-early-stop true stops a block-diffusion model's rollout once every completion "
+                             f"holds an EOS; --model {self.model.name} decodes bidirectionally (its later positions "
+                             "are decoded together with the earlier ones): drop it, or use a block-diffusion model.")
         if rollout.threshold is not None and rollout.steps is not None and not block_diffusion_model(self.model):
             raise ValueError(f"--threshold {rollout.threshold} sets the steps adaptively; pass --diffusion-steps none "
                              "with it (or drop --threshold for a fixed schedule; both together are SDAR's dynamic "

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import time
+import warnings
 
 import torch
 
@@ -58,6 +59,11 @@ class RunSetup:
                              f"{ranks.world} ranks: each rank rolls out its own complete prompt groups.")
         self.share = ranks.share(config.run.prompts_per_step)
         self.sharded = sharded(config.run.parallel, ranks)
+        if config.run.parallel == "fsdp2" and ranks.world == 1:  # said before the run starts, whatever --progress
+            warnings.warn("--parallel fsdp2 shards the weights across torchrun's ranks, and this is one process (not "
+                          "under torchrun, or one rank): the run trains unsharded, as one process does under any "
+                          "--parallel. Launch it with `torchrun --nproc-per-node N -m dllm_fast train ...` to shard.",
+                          UserWarning, stacklevel=2)
         if self.sharded and config.lora.enabled:  # issue 46's FSDP2 shards a LoRA run's frozen base (its branch)
             raise ValueError("--parallel fsdp2 shards a full fine-tune; with --lora true use --parallel ddp.")
         if self.sharded and config.rollout.threshold is not None:
