@@ -140,7 +140,7 @@ class PlanningFakeMode(FakeTensorMode):
         `_on_constants` compute on their values), has an output larger than a constant may be: its shapes come
         from the op on meta tensors of the same shapes, before anything is allocated. An op whose output shape
         depends on the values (which meta cannot say) is left to the paths that compute it."""
-        if not self._writes_nothing(func) or func is _TO_COPY:
+        if not self._writes_nothing(func) or func is _TO_COPY or func.is_view:  # a view allocates nothing
             return False
         for t in tensors:
             if not (type(t) is FakeTensor and t.constant is not None and t.fake_mode is self):
