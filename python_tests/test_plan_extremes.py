@@ -33,7 +33,7 @@ L = 8200  # a [8, L, L] bool is 538 MB, above the 256 MB a constant may hold
 LARGE_FROM_SMALL = {
     "broadcast and": lambda keep, columns: keep[:, None, :] & keep[:, :, None],
     "outer comparison": lambda keep, columns: columns[None, :] <= columns[:, None],
-    "broadcast sum": lambda keep, columns: (columns[None, :] + columns[:, None]).to(torch.int8),
+    "broadcast sum": lambda keep, columns: keep.to(torch.int8)[:, None, :] + keep.to(torch.int8)[:, :, None],
     "expanded copy": lambda keep, columns: keep[:, None, :].expand(8, L, L).contiguous(),
     "repeat": lambda keep, columns: keep.repeat(1, L),
     "where": lambda keep, columns: torch.where(keep[:, None, :] & keep[:, :, None], 1, 0).to(torch.bool),
