@@ -55,8 +55,8 @@ def environment_backend() -> str:
     they start, train/config.py)."""
     value = os.environ.get("DLLM_FAST_BACKEND", "") or "auto"
     if value not in BACKENDS:
-        raise ValueError(f"the environment variable DLLM_FAST_BACKEND={value!r} is not a backend: set it to one of "
-                         f"{', '.join(BACKENDS)}, or unset it (auto).")
+        raise ValueError(f"the environment variable DLLM_FAST_BACKEND={value!r} is not one of {', '.join(BACKENDS)}: "
+                         "set it to one of them, or unset it (auto).")
     return value
 
 
