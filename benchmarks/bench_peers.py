@@ -186,6 +186,10 @@ def guarded(kind: str, setting: str, providers: list[str], build: Callable[[], l
     on a GPU machine one peer's failure must not cost the others' rows."""
     try:
         return build()
+    except peer_code.PeerFileError as error:  # the peer's file is broken, not dllm_fast: its rows name the file
+        traceback.print_exc()
+        return [row(kind, setting, p, (f"skipped: nothing to compare with, {error}" if p.startswith("dllm_fast")
+                                       else f"error: {error}")[:400]) for p in providers]
     except Exception as error:  # noqa: BLE001 - reported in the rows
         traceback.print_exc()
         return [row(kind, setting, p, f"error: {type(error).__name__}: {error}"[:400]) for p in providers]
@@ -772,6 +776,19 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         parser.error(f"--repeats {args.repeats}: give at least 1 timed round")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads {args.threads}: give at least 1")
+    if args.preset == "8b" and args.device == "cpu" and not args.plan:
+        parser.error("--preset 8b builds LLaDA-8B and SDAR-8B (about 8 billion weights each: 64 GB apiece in "
+                     "float64, 32 GB in float32) and is for --device cuda; on the CPU use --preset small, or --plan "
+                     "for the planner's estimates of the 8b rows")
+    if args.results_dir is not None:
+        if args.results_dir.exists() and not args.results_dir.is_dir():
+            parser.error(f"--results-dir {args.results_dir} is a file; name a folder for the rows (made if absent)")
+        try:  # made now: a path that cannot hold the rows is refused before anything is measured
+            args.results_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            parser.error(f"--results-dir {args.results_dir}: no folder can be made there ({error.strerror or error})")
+        if not os.access(args.results_dir, os.W_OK):
+            parser.error(f"--results-dir {args.results_dir}: not writable here")
     if args.device == "cuda" and not args.plan and not torch.cuda.is_available():
         parser.error("--device cuda: this torch has no usable CUDA device; use --device cpu")
     if args.peers is None:

@@ -98,6 +98,11 @@ def use_wheels(peers_dir: Path) -> list[str]:
     return taken
 
 
+class PeerFileError(LookupError):
+    """A peer's file that is there but does not load (a syntax error, a failing import, a missing definition):
+    the peer's rows are errors naming the file; dllm_fast's own rows are not (bench_peers.guarded)."""
+
+
 def load_module(peers_dir: Path, name: str, relative: str, module_name: str, search: tuple[str, ...] = ()):
     """The module in file `relative` of peer `name`'s checkout, imported as `module_name`; `search`: folders of the
     checkout put on sys.path first (for the file's own imports, e.g. Fast-dLLM's `from model.modeling_llada`)."""
@@ -116,6 +121,10 @@ def load_module(peers_dir: Path, name: str, relative: str, module_name: str, sea
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
+    except Exception as error:
+        del sys.modules[module_name]
+        raise PeerFileError(f"peer {name}'s file {root / relative} does not load: {type(error).__name__}: "
+                            f"{error}") from error
     except BaseException:
         del sys.modules[module_name]
         raise
@@ -165,17 +174,21 @@ def official_functions(peers_dir: Path, name: str, relative: str, names: tuple[s
     if reason:
         raise FileNotFoundError(reason)
     path = Path(peers_dir) / PEERS[name].folder / relative
-    tree = ast.parse(path.read_text(), filename=str(path))
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError) as error:
+        raise PeerFileError(f"peer {name}'s file {path} does not load: {type(error).__name__}: {error}") from error
     body = tree.body
     if class_name is not None:
         found = [node for node in body if isinstance(node, ast.ClassDef) and node.name == class_name]
         if not found:
-            raise LookupError(f"{path} defines no class {class_name}")
+            raise PeerFileError(f"peer {name}'s file {path} defines no class {class_name}")
         body = found[0].body
     functions = {node.name: node for node in body if isinstance(node, ast.FunctionDef)}
     absent = [n for n in names if n not in functions]
     if absent:
-        raise LookupError(f"{path}{'::' + class_name if class_name else ''} defines no {', '.join(absent)}")
+        raise PeerFileError(f"peer {name}'s file {path}{'::' + class_name if class_name else ''} defines no "
+                            f"{', '.join(absent)}")
     nodes = []
     for n in names:
         node = functions[n]

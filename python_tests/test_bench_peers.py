@@ -200,3 +200,71 @@ def test_every_peer_agrees_with_dllm_fast_at_small_shapes(one_thread):
         assert r["agree"] is True and r["loss_diff"] <= 1e-6 and r["grad_rel"] < 1e-5, r
     steps = [r for r in rows if r["kind"] == "step"]
     assert len(steps) == 3 and all(r["s_per_prompt"] > 0 for r in steps)
+
+
+# -- refused before measuring (issue 45 item 5) --------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["file", "below a file"])
+def test_a_results_dir_that_cannot_be_a_folder_is_refused_before_measuring(tmp_path, capsys, where):
+    """It ran every measurement, then died with FileExistsError, and the rows were lost."""
+    (tmp_path / "taken").write_text("")
+    results = tmp_path / "taken" if where == "file" else tmp_path / "taken" / "rows"
+    with pytest.raises(SystemExit):
+        bench_peers.parse_arguments(["--peers", str(tmp_path), "--results-dir", str(results)])
+    error = capsys.readouterr().err
+    assert f"--results-dir {results}" in error and ("is a file" in error or "no folder can be made" in error)
+    made = tmp_path / "new" / "rows"
+    assert bench_peers.parse_arguments(["--peers", str(tmp_path), "--results-dir", str(made)]).results_dir == made
+    assert made.is_dir()  # made before anything runs
+
+
+@pytest.mark.parametrize("dtype", [None, "float32", "bfloat16"])
+@pytest.mark.parametrize("kinds", [None, ["head"], ["rollout", "step"]])
+def test_the_8b_preset_on_the_cpu_is_refused_at_once(tmp_path, capsys, dtype, kinds):
+    """It ran about 4 minutes, then hit the CPU allocator's error. --plan (the planner's estimates) still runs."""
+    argv = ["--peers", str(tmp_path), "--preset", "8b", "--device", "cpu"] + (["--dtype", dtype] if dtype else []) + (
+        ["--kinds", *kinds] if kinds else [])
+    with pytest.raises(SystemExit):
+        bench_peers.parse_arguments(argv)
+    error = capsys.readouterr().err
+    assert "--preset 8b" in error and "--device cuda" in error and "--preset small" in error
+    assert bench_peers.parse_arguments(argv + ["--plan"]).plan
+
+
+BROKEN_FILES = {
+    "a syntax error": "def compute_loss(self:\n",
+    "a failing import": "import no_such_module_anywhere\ndef compute_loss(self):\n    return 0\n",
+    "an error at import": "raise RuntimeError('half a file')\n",
+    "no such function": "def other(self):\n    return 0\n",
+}
+
+
+@pytest.mark.parametrize("loader, broken", [
+    ("official_functions", "a syntax error"), ("official_functions", "no such function"),
+    ("load_module", "a syntax error"), ("load_module", "a failing import"), ("load_module", "an error at import")])
+def test_a_broken_peer_file_is_named_and_leaves_dllm_fasts_rows_alone(tmp_path, broken, loader):
+    """A peer file that is there but does not load marked dllm_fast's rows as errors too, without naming the file:
+    now the peer's rows are errors naming it, and dllm_fast's say there was nothing to compare with."""
+    source = BROKEN_FILES[broken]
+    path = tmp_path / "me+trainer" / "t.py"
+    path.parent.mkdir()
+    path.write_text(source)
+    peer_code.PEERS["test_peer"] = peer_code.Peer("me/trainer", ("t.py",))
+
+    def build():
+        if loader == "official_functions":
+            peer_code.official_functions(tmp_path, "test_peer", "t.py", ("compute_loss",))
+        else:
+            peer_code.load_module(tmp_path, "test_peer", "t.py", "broken_test_peer")
+        return []
+
+    try:
+        rows = bench_peers.guarded("update", "espo (espo)", ["dllm_fast", "dllm_fast two_pass", "espo compute_loss"],
+                                   build)
+    finally:
+        del peer_code.PEERS["test_peer"]
+        sys.modules.pop("broken_test_peer", None)
+    ours, peer = rows[:2], rows[2]
+    assert peer["status"].startswith("error: peer test_peer's file ") and str(path) in peer["status"]
+    for r in ours:
+        assert r["status"].startswith("skipped: nothing to compare with") and str(path) in r["status"], r

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_run.sh"
 
@@ -97,3 +99,65 @@ def test_the_8b_training_steps_configuration_validates(tmp_path):
     assert (config.model.name, config.lora.enabled, config.run.task, config.objective.micro_batch) == (
         "llada-8b", True, "synthetic", 31)
     assert config.run.prompts_per_step * config.run.group_size == 32
+
+
+def shim(folder: Path, name: str, body: str) -> None:
+    """An executable `name` in `folder` that runs the bash `body` in place of the machine's own command."""
+    path = folder / name
+    path.write_text("#!/bin/bash\n" + body + "\n")
+    path.chmod(0o755)
+
+
+def run_script(tmp_path: Path, env: dict[str, str], path_first: Path | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    environment = {**os.environ, "OUT": str(tmp_path / "out"), "DLLM_FAST_PEER_WHEELS": str(tmp_path / "nowheels"),
+                   **env}
+    if path_first is not None:
+        environment["PATH"] = f"{path_first}:{environment['PATH']}"
+    return subprocess.run(["bash", str(SCRIPT), "60"], capture_output=True, text=True, env=environment, timeout=120)
+
+
+def machine_has_a_cuda_device() -> bool:
+    import glob
+    import shutil
+
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
+
+
+@pytest.mark.skipif(machine_has_a_cuda_device(), reason="this machine has an NVIDIA device")
+def test_the_script_refuses_a_machine_without_a_cuda_device(tmp_path):
+    """Issue 45 item 3: on this CPU machine the run stops before the build and any step, says a CUDA device is
+    needed and exits non-zero (it used to run every step into "Torch not compiled with CUDA" and exit 0)."""
+    result = run_script(tmp_path, {})
+    assert result.returncode != 0
+    assert "needs a CUDA device" in result.stdout
+    assert "=== " not in result.stdout.split("needs a CUDA device", 1)[0].split("GPU run", 1)[1]  # no step began
+    assert "build" not in result.stdout and "tests" not in result.stdout
+
+
+def test_the_script_refuses_a_torch_that_sees_no_cuda_device(tmp_path):
+    """The same refusal where the driver is there but torch sees no device (a CPU build of torch, a hidden GPU)."""
+    shim(tmp_path, "nvidia-smi", 'echo "NVIDIA H200, 550.0, 143771 MiB, 9.0"')
+    shim(tmp_path, "python3", 'case "$*" in *is_available*) exit 1;; *__version__*) echo 2.13.0+cpu;; esac; exit 0')
+    result = run_script(tmp_path, {}, path_first=tmp_path)
+    assert result.returncode != 0
+    assert "needs a CUDA device" in result.stdout and "2.13.0+cpu" in result.stdout
+    assert "=== [" not in result.stdout.split("needs a CUDA device", 1)[0].split("GPU run", 1)[1]
+
+
+@pytest.mark.parametrize("failing, command_word", [(None, None), ("tests", "pytest"), ("rollout", "bench_rollout"),
+                                                   ("train8b-plan", "dllm_fast plan")])
+def test_a_step_that_fails_makes_the_exit_status_non_zero(tmp_path, failing, command_word):
+    """Issue 45 item 3: a step whose command fails (here every python3 is a stand-in that succeeds, but the named
+    one's) makes the script exit non-zero, naming it, while the steps after it still run; with none failing, 0."""
+    shim(tmp_path, "nvidia-smi", 'echo "NVIDIA H200, 550.0, 143771 MiB, 9.0"')
+    shim(tmp_path, "python3", f'case "$*" in *"{command_word or "no command has this"}"*) exit 7;; esac; exit 0')
+    result = run_script(tmp_path, {"GPU_RUN_STEPS": "tests rollout train8b engine"}, path_first=tmp_path)
+    assert "] engine" in result.stdout and "] done" in result.stdout  # the steps after a failure still run
+    if failing is None:
+        assert result.returncode == 0, result.stdout
+        assert "failed" not in result.stdout
+    else:
+        assert result.returncode == 1, result.stdout
+        assert f"{failing} failed (rc=7)" in result.stdout and f"failed steps: {failing}(rc=7)" in result.stdout

@@ -27,8 +27,10 @@ OLD_FIELDS = [
     "resume", "overwrite", "eval_every", "eval_gen_lengths", "eval_examples", "eval_batch_size", "plot", "progress"]
 
 # Settings added after the nesting (issue 40: a checkpoint's links out of its folder, SDAR's whole last block;
-# issue 38: rollouts through merged LoRA adapters; issue 46: the rollout's weights, expert parallelism).
-NEW_FIELDS = ["allow_external_links", "expert_parallel", "full_last_block", "lora_merge_rollouts", "rollout_weights"]
+# issue 38: rollouts through merged LoRA adapters; issue 46: the rollout's weights, expert parallelism; issue 45:
+# LLaDA2's EOS early stop, for block-diffusion models, so CHANGED, on a bidirectional model, leaves it at its default).
+NEW_FIELDS = ["allow_external_links", "expert_parallel", "full_last_block", "lora_merge_rollouts", "rollout_weights",
+              "eos_early_stop"]
 
 # One non-default value of every setting, by flat key, and where the nested config holds it.
 CHANGED = {"objective": "bgpo", "objective_options": {"n_t": 4}, "model": "tiny", "seed": 3, "steps": 7,

@@ -280,6 +280,7 @@ class LLaDA2Model(ConfigTokenIds, nn.Module):
         from dllm_fast.models.checkpoint import load_checkpoint
 
         model = load_checkpoint(cls, path, dtype=dtype, device=device, allow_external_links=allow_external_links)
+        check_routers_finite(model, path)
         if block_length is not None:
             model.block_length = block_length
         return model
@@ -322,6 +323,24 @@ class LLaDA2Model(ConfigTokenIds, nn.Module):
                 [torch.cat([parts["gate_proj"][e], parts["up_proj"][e]]) for e in range(count)])
             native[prefix + "down_proj"] = torch.stack([parts["down_proj"][e] for e in range(count)])
         return native
+
+
+def check_routers_finite(model: nn.Module, path) -> None:
+    """Refuse a checkpoint whose routers (each MoE layer's `mlp.gate.weight` and `expert_bias`) hold NaN or inf:
+    the model's outputs stay finite, so nothing downstream would notice, but the experts it picks are not the ones
+    its weights choose (a NaN score ranks arbitrarily). A skeleton on the meta device has no values to check."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if not (name.endswith(".mlp.gate.weight") or name.endswith(".mlp.gate.expert_bias")):
+            continue
+        if tensor.device.type == "meta":
+            return
+        bad = (~torch.isfinite(tensor.detach())).reshape(tensor.shape[0], -1).any(dim=1)  # by expert
+        if bad.any():
+            experts = bad.nonzero().flatten().tolist()
+            shown = ", ".join(str(e) for e in experts[:8]) + (", ..." if len(experts) > 8 else "")
+            raise ValueError(f"{path}: the router tensor {name} holds NaN or inf for {len(experts)} of its "
+                             f"{tensor.shape[0]} experts ({shown}); routing on it would choose experts arbitrarily. "
+                             "The checkpoint is damaged: load an intact copy.")
 
 
 __all__ = ["LLaDA2Model", "LORA_TARGETS", "partial_rotary"]

@@ -103,6 +103,10 @@ class LLaDA2Config:
                              f"num_key_value_heads={self.num_key_value_heads}.")
         self.partial_rotary_factor = check_float("partial_rotary_factor", self.partial_rotary_factor, minimum=0.0,
                                                  maximum=1.0, open_minimum=True)
+        if self.rotary_dim < 2:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={self.head_dim} rotates "
+                             f"{self.rotary_dim} dimensions (int(head_dim x factor)), so positions would not reach "
+                             f"attention; use at least {2 / self.head_dim:g} (2 dimensions).")
         if self.rotary_dim % 2:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={self.head_dim} rotates "
                              f"{self.rotary_dim} dimensions; rotary embeddings need an even number.")
@@ -116,18 +120,26 @@ class LLaDA2Config:
                       hint="or null for none (the official code builds a shared expert unless it is null)")
         if self.num_experts is not None:
             self._check_routing()
-        if self.pad_token_id is None:
+        # each id is checked under the name it was given by: a pad id left out is the eos id (checked as that), an
+        # eos id left out of config.json is the pad id (from_dict: checked as the pad id)
+        pad_given = self.pad_token_id is not None
+        if not pad_given:
             self.pad_token_id = self.eos_token_id
-        for name in ("mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id"):
+        names = ("mask_token_id", "pad_token_id", "eos_token_id", "eot_token_id") if pad_given else (
+            "mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id")
+        for name in names:
             token = getattr(self, name)
             if token is None and name == "eot_token_id":
                 continue
             check_int(name, token, hint="a token id")
             if not 0 <= token < self.vocab_size:
                 hint = ("; config.json names no mask token (the official generate takes mask_id=156895): add "
-                        "mask_token_id for a vocabulary of another size" if name == "mask_token_id" else "")
+                        "mask_token_id for a vocabulary of another size" if name == "mask_token_id" else
+                        "; config.json names no eos_token_id (nor a pad_token_id to take it from), so it is the "
+                        f"official {LLADA2_EOS_TOKEN_ID}: add eos_token_id for a vocabulary of another size"
+                        if name == "eos_token_id" and token == LLADA2_EOS_TOKEN_ID else "")
                 raise ValueError(f"{name}={token} is outside the vocabulary [0, {self.vocab_size}){hint}.")
-        for name in ("eos_token_id", "pad_token_id", "eot_token_id"):
+        for name in names[1:]:
             if getattr(self, name) == self.mask_token_id:
                 raise ValueError(f"mask_token_id={self.mask_token_id} is also {name}; the mask token must differ "
                                  "from every other special token.")
@@ -221,7 +233,8 @@ class LLaDA2Config:
         known = {k: v for k, v in values.items() if k in names}
         if isinstance(known.get("eos_token_id"), list):  # some exports list several; the first ends a completion
             known["eos_token_id"] = known["eos_token_id"][0] if known["eos_token_id"] else None
-        if "eos_token_id" not in known and "pad_token_id" in known and values.get("vocab_size") != LLADA2_VOCAB_SIZE:
+        if ("eos_token_id" not in known and known.get("pad_token_id") is not None
+                and values.get("vocab_size") != LLADA2_VOCAB_SIZE):
             known["eos_token_id"] = known["pad_token_id"]  # another tokenizer: its pad is its end of text
         config = cls(**known, extra={k: v for k, v in values.items() if k not in names})
         rotary_dim = values.get("rotary_dim")

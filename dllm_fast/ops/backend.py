@@ -49,19 +49,33 @@ def _triton_compiles(device_type: str) -> bool:
     return compiles_for(torch.device(device_type))
 
 
+def environment_backend() -> str:
+    """The default backend the environment sets (DLLM_FAST_BACKEND; unset or empty: "auto"), checked: a value
+    that is not a backend is refused naming the variable, where it is read (and by `train` and `plan` before
+    they start, train/config.py)."""
+    value = os.environ.get("DLLM_FAST_BACKEND", "") or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"the environment variable DLLM_FAST_BACKEND={value!r} is not one of {', '.join(BACKENDS)}: "
+                         "set it to one of them, or unset it (auto).")
+    return value
+
+
 def choose_backend(op: str, device: torch.device, backend: str | None, *, triton: str = "no") -> str:
     """Resolve `backend` (None, "auto", "compiled", "reference" or "triton") for op `op` on `device`.
 
     triton: whether the call may take the Triton kernels, as the op's face judges it: "best" (auto takes them on
     CUDA, where they are faster), "able" (they can run the call; only an explicit request or the environment's
     default takes them), "no" (they cannot: the environment's "triton" chooses as auto)."""
-    requested = backend or os.environ.get("DLLM_FAST_BACKEND", "auto")
+    requested = backend or os.environ.get("DLLM_FAST_BACKEND", "") or "auto"
     key = (op, device.type, requested, triton, backend is None)  # the environment's "triton" is not a request
     found = _FOUND.get(key)
     if found is not None:
         return found
     if requested not in BACKENDS:
-        raise ValueError(f"backend={requested!r} is not one of {BACKENDS}.")
+        if backend is None:
+            environment_backend()  # raises, naming the variable
+        raise ValueError(f"backend={requested!r} is not one of {', '.join(BACKENDS)} (or None: "
+                         "DLLM_FAST_BACKEND's default, auto when unset).")
     if requested == "reference":
         return "reference"
     if requested == "triton":

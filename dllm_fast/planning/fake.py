@@ -80,6 +80,15 @@ class PlanningFakeMode(FakeTensorMode):
         kwargs = kwargs or {}
         tensors = [a for a in flat_values((args, kwargs)) if isinstance(a, torch.Tensor)]
         shadowed = None
+        if tensors and self._outgrows_constants(func, tensors, args, kwargs):
+            # computed on the constants' values, as both paths below would, it would allocate on the host what
+            # no constant may hold (a [B, L, L] mask of long prompts): computed fake, without their values
+            self._depth += 1
+            try:
+                return super().dispatch(func, types, _mapped(args, self._valueless),
+                                        {name: _mapped(value, self._valueless) for name, value in kwargs.items()})
+            finally:
+                self._depth -= 1
         if tensors and self.shortcut_constants:
             out = self._on_constants(func, tensors, args, kwargs)
             if out is not _NOT_CONSTANT:
@@ -125,6 +134,28 @@ class PlanningFakeMode(FakeTensorMode):
         if isinstance(out, torch.Tensor):
             return self._as_constant(out)
         return tree_map_only(torch.Tensor, self._as_constant, out)
+
+    def _outgrows_constants(self, func, tensors, args, kwargs) -> bool:
+        """Whether an op that writes nothing, on constants of this mode alone (which FakeTensorMode and
+        `_on_constants` compute on their values), has an output larger than a constant may be: its shapes come
+        from the op on meta tensors of the same shapes, before anything is allocated. An op whose output shape
+        depends on the values (which meta cannot say) is left to the paths that compute it."""
+        if not self._writes_nothing(func) or func is _TO_COPY or func.is_view:  # a view allocates nothing
+            return False
+        for t in tensors:
+            if not (type(t) is FakeTensor and t.constant is not None and t.fake_mode is self):
+                return False
+
+        def meta(t):
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+        try:
+            with no_dispatch():
+                out = func(*_mapped(args, meta), **{name: _mapped(value, meta) for name, value in kwargs.items()})
+        except Exception:  # noqa: BLE001 - no meta kernel, or a value-dependent shape
+            return False
+        return any(t.numel() * t.element_size() > self.constant_bytes
+                   for t in flat_values(out) if isinstance(t, torch.Tensor))
 
     def _writes_nothing(self, func) -> bool:
         """Whether `func` is an aten or library op that writes none of its inputs, their values or their views'

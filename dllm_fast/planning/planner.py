@@ -130,9 +130,11 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     batching = micro_batching(config, auto=DEFAULT_MICRO_BATCH)
     if engine == "two_pass":
         batching = dataclasses.replace(batching, one_pass=False)
-    n_t = session.objective.config.n_t
     if getattr(session.objective, "tree_shape", None) is not None:  # d_treerpo: refused, saying why
         raise ValueError(tree_not_planned(config.objective.name, session.objective.tree_shape()))
+    asked = batching
+    batching = within_the_pairs(config, batching)
+    n_t = session.objective.config.n_t
     check_plannable(config, prompt_length, session.base, batching)
     with _readable_data_errors(), session:
         rollout = session.rollout(prompts=config.run.prompts_per_step, group_size=config.run.group_size,
@@ -167,6 +169,10 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
                               f"peak); the updates train on {rollout.batch.num_rollouts} step rows (the top-k steps "
                               "of each rollout); its reward of every step (K calls per rollout) is host work, not "
                               "planned")
+        if asked != batching:
+            plan.notes.append(f"--micro-batch {asked.micro_batch} (scoring {asked.scoring}) is more than the step's "
+                              f"{step_pairs(config)} (sequence, sample) pairs: planned at {batching.micro_batch} "
+                              f"(scoring {batching.scoring}), as the engine runs it, every pair in one micro-batch")
         if world > 1:
             plan.config, plan.world, plan.parallel = total, world, parallel.parallel
             sizes = _sizes(stored, session, sharded_bf16)
@@ -222,6 +228,31 @@ def tree_not_planned(name: str, shape) -> str:
             "level: rollout/tree.py), which the planner's replay of one generate call per step cannot express, and "
             "its edge batch reads values the planner's fake tensors do not hold. Measure a short train run instead "
             "(metrics.jsonl: step_seconds and peak_memory_mib per phase).")
+
+
+def step_pairs(config: TrainConfig) -> int:
+    """The (sequence, sample) pairs of one update of the step: n_t a rollout; for an objective whose samples follow
+    from the rollout (fixed_n_t), a bound: a decoding state each denoising step at most, or one a completion
+    position. An objective on stored preference pairs scores two completions a prompt."""
+    objective = objectives.get(config.objective.name, **config.objective.options)
+    objective_config, G = objective.config, config.rollout.gen_length
+    rollouts = config.run.prompts_per_step * (2 if objective.preference_pairs else config.run.group_size)
+    if getattr(objective, "needs_step_predictions", False):  # MDPO trains on top-k step rows of each rollout
+        rollouts *= objective_config.top_k_steps
+    if not fixed_n_t(config):
+        return rollouts * objective_config.n_t
+    forwards = G if config.rollout.threshold is not None else config.rollout.steps
+    return rollouts * (G if objective_config.sampler == "autoregressive" else forwards)
+
+
+def within_the_pairs(config: TrainConfig, batching: MicroBatching) -> MicroBatching:
+    """`batching` with a micro-batch (and a scoring one) above the step's pairs (step_pairs) lowered to them: the
+    engine runs every pair in one micro-batch either way, so the plan is the same, in the same time (planned at the
+    micro-batch as given, the probes' n_t grow with it: a plan of 100,000 pairs a micro-batch for 64 pairs)."""
+    pairs = step_pairs(config)
+    scoring = batching.score_micro_batch
+    return dataclasses.replace(batching, micro_batch=min(batching.micro_batch, pairs),
+                               score_micro_batch=None if scoring is None else min(scoring, pairs))
 
 
 def check_plannable(config: TrainConfig, prompt_length: int, model, batching: MicroBatching) -> None:

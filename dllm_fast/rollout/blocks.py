@@ -64,7 +64,7 @@ import torch
 from dllm_fast.contracts import GenerationResult, block_length as block_length_of, completion_mask
 from dllm_fast.rollout.cache import BlockCache, NoCache
 from dllm_fast.rollout.plan import DecodingPlan, check_block_call, masked_count_schedule
-from dllm_fast.rollout.rules import check_block_done, raise_if_not_finite
+from dllm_fast.rollout.rules import check_assumed_steps, check_block_done, raise_if_not_finite
 from dllm_fast.rollout.step import (_KEPT_STATES, COMPILED_STEP_GRAPHS, NOISE_STEP, STEP_IN_BLOCK, RolloutState,
                                     _graph_limit, compiled_step, denoise_step, masked_left_and_bad, step_constants)
 from dllm_fast.validation import data_checks_enabled, values_checked
@@ -135,6 +135,9 @@ def generate_blocks(model, plan: DecodingPlan, input_ids: torch.Tensor, attentio
                         _raise_not_finite(state, layout, plan, model)
             if plan.threshold is not None and plan.assumed_steps_per_block is None:
                 check_block_done(remaining, window, plan.step_limit(b))
+            elif plan.assumed_steps_per_block is not None and reads_values:  # as the bidirectional sampler does
+                check_assumed_steps(masked_left_and_bad(state, positions, mask_id)[0], plan.assumed_steps_per_block,
+                                    window)
         if reads_values:
             left, any_bad = masked_left_and_bad(state, torch.arange(decoded_to, device=device), mask_id)
             if any_bad:

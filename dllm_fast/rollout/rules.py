@@ -50,6 +50,14 @@ def raise_if_not_finite(not_finite: torch.Tensor, block_start: int, cfg_scale: f
                      "inputs (e.g. fp16 overflow).")
 
 
+def check_assumed_steps(masked_left: int, assumed_steps_per_block: int, block: int) -> None:
+    """On real tensors, a block that assumed_steps_per_block left incomplete: the option is for planning."""
+    if masked_left:
+        raise ValueError(f"assumed_steps_per_block={assumed_steps_per_block} left {masked_left} masked positions in "
+                         f"block {block}; it is meant for planning on fake tensors: drop it to decode until each "
+                         "block is complete.")
+
+
 def check_block_done(masked_left: int, block: int, steps: int) -> None:
     """A block still masked after its step limit means a step unmasked nothing: never loop on."""
     if masked_left:

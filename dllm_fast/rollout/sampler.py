@@ -25,7 +25,7 @@ from dllm_fast.rollout.cache import CachePolicy
 from dllm_fast.rollout.config import GenerateConfig, rollout_config
 from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, initial_canvas, masked_count_schedule
 from dllm_fast.rollout.resume import FROM_START, Resume, ResumePoint, check_resume
-from dllm_fast.rollout.rules import check_block_done, raise_if_not_finite
+from dllm_fast.rollout.rules import check_assumed_steps, check_block_done, raise_if_not_finite
 from dllm_fast.rollout.step import (_KEPT_STATES, COMPILED_STEP_GRAPHS, NOISE_STEP, STEP_IN_BLOCK, RolloutState,
                                     StepConstants, _graph_limit, compiled_step, denoise_step, masked_left_and_bad,
                                     step_constants)
@@ -334,7 +334,4 @@ def check_block_end(state: RolloutState, plan: DecodingPlan, positions, block: i
     masked, any_bad = masked_left_and_bad(state, positions, model.mask_token_id)
     if any_bad:
         raise_if_not_finite(state.not_finite, 0, plan.cfg_scale, model.lm_head_weight)
-    if masked:
-        raise ValueError(f"assumed_steps_per_block={plan.assumed_steps_per_block} left {masked} masked positions in "
-                         f"block {block}; it is meant for planning on fake tensors: drop it to decode until each "
-                         "block is complete.")
+    check_assumed_steps(masked, plan.assumed_steps_per_block, block)

@@ -70,6 +70,10 @@ class TrainConfig:
 
         check_cache(self.model, rollout.cache)
 
+        if rollout.eos_early_stop and not block_diffusion_model(self.model):
+            raise ValueError(f"--eos-early-stop true stops a block-diffusion model's rollout once every completion "
+                             f"holds an EOS; --model {self.model.name} decodes bidirectionally (its later positions "
+                             "are decoded together with the earlier ones): drop it, or use a block-diffusion model.")
         if rollout.threshold is not None and rollout.steps is not None and not block_diffusion_model(self.model):
             raise ValueError(f"--threshold {rollout.threshold} sets the steps adaptively; pass --diffusion-steps none "
                              "with it (or drop --threshold for a fixed schedule; both together are SDAR's dynamic "
@@ -96,6 +100,9 @@ class TrainConfig:
 
         model_source(self.model, self.lora)
         check_device(run.device)
+        from dllm_fast.ops.backend import environment_backend
+
+        environment_backend()  # a bad DLLM_FAST_BACKEND is refused here, before a run directory is made
         if self.lora.enabled and importlib.util.find_spec("peft") is None:
             raise ValueError("--lora true needs the peft package, which is missing here; install it with "
                              "`pip install peft` (dllm_fast depends on it: `pip install -e .` installs it).")

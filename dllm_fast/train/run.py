@@ -14,6 +14,7 @@ import json
 import math
 import os
 import time
+import warnings
 
 import torch
 
@@ -62,6 +63,11 @@ class RunSetup:
                              f"{ranks.world} ranks: each rank rolls out its own complete prompt groups.")
         self.share = ranks.share(config.run.prompts_per_step)
         self.sharded = sharded(config.run.parallel, ranks)
+        if config.run.parallel == "fsdp2" and ranks.world == 1:  # said before the run starts, whatever --progress
+            warnings.warn("--parallel fsdp2 shards the weights across torchrun's ranks, and this is one process (not "
+                          "under torchrun, or one rank): the run trains unsharded, as one process does under any "
+                          "--parallel. Launch it with `torchrun --nproc-per-node N -m dllm_fast train ...` to shard.",
+                          UserWarning, stacklevel=2)
         if self.sharded and config.lora.enabled:  # issue 46's FSDP2 shards a LoRA run's frozen base (its branch)
             raise ValueError("--parallel fsdp2 shards a full fine-tune; with --lora true use --parallel ddp.")
         if self.sharded and config.rollout.threshold is not None:
@@ -82,6 +88,7 @@ class RunSetup:
         self.task = get_task(config.run.task, **task_options(config))
         self.objective = objectives.get(config.objective.name, **config.objective.options)
         check_rollout_records(self.objective, config.objective.name)
+        check_group_size(self.objective, config)
         self.data = PromptStream(self.task.train_examples(seed=config.run.seed), seed=config.run.seed)
         self.test_examples = self.task.test_examples()[:config.eval.examples]
         # The model, its tokenizer and the task's prompts agree before any weight is read.
@@ -397,6 +404,14 @@ def check_rollout_records(objective, name: str) -> None:
         raise ValueError(f"--objective {name} replays the rollout's decoding order, which this build's "
                          "dllm_fast.generate cannot record (it has no record_unmask_step option); use another "
                          "objective or a dllm_fast whose generate records it.")
+
+
+def check_group_size(objective, config: TrainConfig) -> None:
+    """A group of one completion: every group-relative advantage is 0, so the run cannot learn from its rewards."""
+    if config.run.group_size < 2 and not objective.preference_pairs:
+        raise ValueError(f"--group-size {config.run.group_size}: {config.objective.name}'s advantages are each "
+                         "reward against its group's, so with one completion a prompt every advantage is 0 and the "
+                         "run cannot learn; use --group-size 2 or more (8 is the default).")
 
 
 def check_lengths(config: TrainConfig, task, train_examples, test_examples, tokenizer, model) -> None:

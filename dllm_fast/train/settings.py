@@ -169,6 +169,10 @@ class RolloutSettings(_Settings):
                                                "as the official SDAR generate does (its positions after the "
                                                "completion are decoded, then dropped, and change its tokens); "
                                                "default: the last block ends with the completion")
+    eos_early_stop: bool = option(False, help="block-diffusion models: decode no further block once every "
+                                              "completion's finished blocks hold an EOS (LLaDA2's generate; the "
+                                              "completions up to their first EOS are unchanged, and rollouts of "
+                                              "short answers take fewer forwards); default: every block decoded")
 
     def check(self) -> None:
         check_int("--gen-length", self.gen_length, minimum=1)
@@ -205,7 +209,8 @@ class RolloutSettings(_Settings):
 
         return GenerateConfig(gen_length=self.gen_length, block_length=self.block_length, steps=self.steps,
                               temperature=self.temperature, remasking=self.remasking, cache=self.cache,
-                              threshold=self.threshold, compile=compile, full_last_block=self.full_last_block)
+                              threshold=self.threshold, compile=compile, full_last_block=self.full_last_block,
+                              eos_early_stop=self.eos_early_stop)
 
 
 @dataclass
