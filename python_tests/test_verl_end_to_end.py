@@ -151,9 +151,6 @@ def actor_weights(folder: Path) -> dict:
     return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().float() for k, v in state.items()}
 
 
-# Known defect, open in issue 47: verl 0.9.1's V1 trainer hands compute_log_prob a batch without attention_mask, which
-# the engine reads (engine tests pass on the PPO trainer's batch). strict: this marker must go once it runs.
-@pytest.mark.xfail(strict=True, reason="the engine reads attention_mask, absent from verl V1's compute_log_prob batch")
 def test_verl_runs_three_steps_on_the_cpu_and_resumes_from_its_checkpoint(tmp_path):
     import torch
 
@@ -166,7 +163,7 @@ def test_verl_runs_three_steps_on_the_cpu_and_resumes_from_its_checkpoint(tmp_pa
     metrics = step_metrics(log)
     assert sorted(metrics) == list(range(1, STEPS + 1)), f"steps logged: {sorted(metrics)}\n{log[-3000:]}"
     for step, values in metrics.items():
-        loss = values.get("actor/pg_loss")
+        loss = values.get("actor/pg_loss", values.get("actor/loss"))  # verl's actor's name, the engine's
         assert loss is not None and torch.isfinite(torch.tensor(loss)), (step, values)
         assert 0.0 <= values["critic/score/mean"] <= 1.0, values  # sudoku4's reward: the share of blanks filled
     checkpoints = tmp_path / "checkpoints"

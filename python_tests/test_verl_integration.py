@@ -499,8 +499,11 @@ def test_verl_v1_nested_rows_read_as_the_padded_rows_they_hold():
     from the rows); they give the padded layout's batch, rows, keys and masks."""
     padded = verl_batch.rows_from_verl(verl_rows(), eos_token_id=9, device=torch.device("cpu"), grouped=True)
     data = v1_rows()
-    nested = verl_batch.rows_from_verl(data, eos_token_id=9, device=torch.device("cpu"), grouped=True,
-                                       unmask_step=True)
+    # verl stacks a field whose rows have one length (here the responses, the whole canvas) into a plain tensor
+    stacked = {**data, "responses": torch.nested.to_padded_tensor(data["responses"], 0)}
+    nested, dense = [verl_batch.rows_from_verl(d, eos_token_id=9, device=torch.device("cpu"), grouped=True,
+                                               unmask_step=True) for d in (data, stacked)]
+    assert torch.equal(dense.batch.sequences, nested.batch.sequences) and dense.keys == nested.keys
     assert nested.order == padded.order and nested.uids == padded.uids and nested.keys == padded.keys
     assert torch.equal(nested.batch.sequences, padded.batch.sequences)
     assert torch.equal(nested.batch.attention_mask, padded.batch.attention_mask)

@@ -90,19 +90,27 @@ def uid_list(data) -> list[str]:
                                                           "prompt"))]
 
 
+def _rows_of(value, name: str) -> list[torch.Tensor]:
+    if not isinstance(value, torch.Tensor) or value.dim() != 2:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) and not value.is_nested else ""
+        raise TypeError(f"verl's batch field {name!r} must be a nested or [batch, length] tensor of token ids, got "
+                        f"{type(value).__name__}{shape}.")
+    return list(value.unbind())
+
+
 def padded_tokens(data) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """prompts [B, P] (left-padded), which prompt positions are tokens [B, P], responses [B, R] (right-padded),
     which response positions are tokens [B, R], from either of verl's layouts, read as verl's own
     `no_padding_2_padding` reads them:
-    - nested (the V1 trainer: each row holds its own tokens, no attention_mask): the lengths are the rows';
+    - rows (the V1 trainer: each row holds its own tokens, no attention_mask): the lengths are the rows', a nested
+      tensor's or, where every row of a field has one length (verl then stacks them), the full width;
     - padded (the legacy PPO trainer): `attention_mask` [B, P + R] says which positions are tokens."""
     prompts = _field(data, "prompts", "the prompt ids")
     responses = _field(data, "responses", "the response ids")
-    if _is_nested(prompts) or _is_nested(responses):
-        if not (_is_nested(prompts) and _is_nested(responses)):
-            raise TypeError("verl's batch fields 'prompts' and 'responses' must both be nested (verl's V1 rows) or "
-                            "both padded [batch, length] tensors.")
-        prompt_rows, response_rows = prompts.unbind(), responses.unbind()
+    if _is_nested(prompts) or _is_nested(responses) or "attention_mask" not in data.keys():
+        prompt_rows, response_rows = _rows_of(prompts, "prompts"), _rows_of(responses, "responses")
+        if len(prompt_rows) != len(response_rows):
+            raise ValueError(f"verl's batch has {len(prompt_rows)} prompts for {len(response_rows)} responses.")
         prompt_lengths = torch.tensor([len(row) for row in prompt_rows])
         response_lengths = torch.tensor([len(row) for row in response_rows])
         if bool((prompt_lengths == 0).any()):

@@ -38,9 +38,9 @@ What runs where (verl's PPO step, per data-parallel rank):
   masks. The objective's advantages come from verl's rewards (`token_level_rewards` summed per row) within each
   group and must equal verl's `advantages` (`settings.check_advantages`), so that the advantage estimator verl
   logs is the one trained on.
-- batch keys: besides verl's own (batch.py), trajectory objectives (tracerl) read `dllm_fast_unmask_step`
-  [batch, response_length] int64, the decoding order the rollout records, and optionally
-  `dllm_fast_rollout_forwards` [batch] int64; dllm_fast's verl rollout puts them in the batch.
+- batch keys: verl's own, padded (the legacy trainer) or nested (V1) (batch.py); trajectory objectives (tracerl)
+  also read `dllm_fast_unmask_step`, the decoding order the rollout records, and optionally
+  `dllm_fast_rollout_forwards`; dllm_fast's verl rollout puts them in the batch (batch_keys.py).
 
 Micro-batching: verl's setting sets the memory, dllm_fast's engine runs it. Each update is one `Objective.backward`
 over the rank's mini-batch (so wd1's group softmax and rspo's batch centring see what the trainer's see), its
