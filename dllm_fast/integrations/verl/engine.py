@@ -236,9 +236,12 @@ class DllmFastEngine(FSDPEngine):
         # reshard_after_forward None is FSDP2's own choice: the units reshard after their forward, the root does not.
         # The root's unit holds the LM head, which the fused ops read after the forward (an explicit True, verl's
         # default, would reshard the root too and leave the head sharded there).
+        # cast_forward_inputs=False: a unit's float inputs are the activations (already in the parameters' dtype)
+        # and the RoPE tables, which stay in fp32 (or fp64) whatever the activations' dtype; casting them would
+        # round the angles to bf16, which the fused RoPE refuses.
         kwargs = {"mesh": self.device_mesh, "offload_policy": offload_policy,
                   "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                                    cast_forward_inputs=True),
+                                                    cast_forward_inputs=False),
                   "reshard_after_forward": None if self.engine_config.reshard_after_forward else False}
         # Every rank read the whole checkpoint, so sharding in place leaves each rank its rows: no broadcast from
         # rank 0 (verl's fsdp2_load_full_state_dict cannot fill the parts of dllm_fast's fused weights on a meta
