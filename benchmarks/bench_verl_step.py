@@ -45,10 +45,11 @@ NVLINK_BYTES_PER_S = 450e9
 
 
 def verl_overrides(data: Path, out: Path, steps: int) -> list[str]:
+    # The launcher's actor: dllm_fast's engine (model_type=dllm_fast, FSDP2), in fp32 as the trainer on the CPU.
     return [f"actor_rollout_ref.model.path={SUDOKU4}", "actor_rollout_ref.model.use_remove_padding=false",
-            "actor_rollout_ref.actor.strategy=fsdp2",
-            "++actor_rollout_ref.model.override_config.attn_implementation=eager",
+            "++actor_rollout_ref.model.model_type=dllm_fast", "actor_rollout_ref.actor.strategy=fsdp2",
             "++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+            "trainer.balance_batch=false",
             "actor_rollout_ref.actor.optim.lr=1e-4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_kl_loss=false",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",

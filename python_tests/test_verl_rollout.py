@@ -328,3 +328,17 @@ def test_the_entry_point_registers_without_an_environment_variable():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, True]
+
+
+def test_the_launcher_defaults_verls_advantages_to_the_objectives_own():
+    """`python -m dllm_fast.integrations.verl` sets the verl estimator that computes the objective's advantages (the
+    engine refuses others on the first update), unless the command sets it."""
+    from dllm_fast.integrations.verl.__main__ import overrides
+    from dllm_fast.integrations.verl.settings import SECTION_PATH
+
+    assert {"algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=false"} <= set(overrides([]))
+    scaled = overrides([f"++{SECTION_PATH}.objective=bgpo"])
+    assert "algorithm.norm_adv_by_std_in_grpo=true" in scaled
+    assert "algorithm.adv_estimator=rloo" in overrides([f"++{SECTION_PATH}.objective=coupled_grpo"])
+    given = overrides(["algorithm.adv_estimator=gae"])
+    assert [a for a in given if a.startswith("algorithm.adv_estimator")] == ["algorithm.adv_estimator=gae"]
