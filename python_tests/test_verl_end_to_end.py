@@ -2,19 +2,19 @@
 and defaults), the embedded sudoku4 model, 3 training steps, then a resumed run from its checkpoint.
 
 What runs where: all of it inside Ray, started locally by verl's `run_ppo` (loopback only:
-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray bind and advertise 127.0.0.1; no dashboard): verl's task runner
-(the trainer's dataflow: data loader, advantages, checkpoints), a hybrid actor/rollout worker on gloo (verl's
-ActorRolloutRefWorker with the actor engine and dllm_fast's rollout; one, not two: with two, verl's FSDP2 load,
-rank 0's weights broadcast through torch's set_model_state_dict, fails on dllm_fast's fused q/k/v projections,
-whose parts arrive as meta tensors on rank 1), one dllm_fast rollout server per worker, the
-agent-loop worker, the reward-loop worker (the `dllm_fast` reward manager scoring sudoku4) and the load balancer.
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray bind and advertise 127.0.0.1; no dashboard): verl's V1 task runner
+(the trainer's dataflow: data loader, TransferQueue, advantages, checkpoints), the hybrid actor/rollout workers on
+gloo (verl's ActorRolloutRefWorker with dllm_fast's actor engine, `model_type=dllm_fast`, and dllm_fast's rollout),
+one dllm_fast rollout server per worker, the agent-loop worker, the reward-loop worker (the `dllm_fast` reward
+manager scoring sudoku4) and the load balancer. One worker by default; two (FSDP2 over 2 gloo ranks, each rank
+reading the checkpoint and sharding it in place) with DLLM_FAST_VERL_TWO_WORKERS=1, a second whole run.
 Nothing is driven in-process: where verl asks Ray for GPUs (ResourcePoolManager, placement bundles), the CPU
 platform (integrations/verl/platform.py) gives Ray `n_gpus_per_node` logical worker slots to count instead.
 
-The actor: `model_type=dllm_fast` (the verl-engine workstream's engine) where it is registered, else verl's stock
-FSDP2 engine on dllm_fast's LLaDA through transformers (integrations/verl/transformers_view.py; its log-probs are
-verl's next-token ones, which exercises the dataflow, not dllm_fast's likelihood). ACTOR_OVERRIDES is the one place
-that differs. Needs verl: skipped without it, naming what is missing.
+The actor: `model_type=dllm_fast` where that engine is registered, else verl's stock FSDP2 engine on dllm_fast's
+LLaDA through transformers (integrations/verl/transformers_view.py; its log-probs are verl's next-token ones, which
+exercises the dataflow, not dllm_fast's likelihood). ACTOR_OVERRIDES is the one place that differs. Needs verl:
+skipped without it, naming what is missing.
 """
 
 import glob
