@@ -7,7 +7,8 @@ RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray bind and advertise 127.0.0.1; no d
 gloo (verl's ActorRolloutRefWorker with dllm_fast's actor engine, `model_type=dllm_fast`, and dllm_fast's rollout),
 one dllm_fast rollout server per worker, the agent-loop worker, the reward-loop worker (the `dllm_fast` reward
 manager scoring sudoku4) and the load balancer. One worker by default; two (FSDP2 over 2 gloo ranks, each rank
-reading the checkpoint and sharding it in place) with DLLM_FAST_VERL_TWO_WORKERS=1, a second whole run.
+reading the checkpoint and sharding it in place) with DLLM_FAST_VERL_TWO_WORKERS=1, a second whole run, which fails
+today: verl V1 hands a rank part of a prompt's group, which the engine refuses (the marker below).
 Nothing is driven in-process: where verl asks Ray for GPUs (ResourcePoolManager, placement bundles), the CPU
 platform (integrations/verl/platform.py) gives Ray `n_gpus_per_node` logical worker slots to count instead.
 
@@ -152,9 +153,14 @@ def actor_weights(folder: Path) -> dict:
     return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().float() for k, v in state.items()}
 
 
-@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.skipif(
-    not TWO_WORKERS, reason="a second verl run (2 Ray workers on gloo, about 2x the CPU); set "
-                            "DLLM_FAST_VERL_TWO_WORKERS=1 to run"))])
+# Two workers, a known failure (open in issue 47, strict: the marker goes once it runs): verl V1's dispatch does not
+# keep a prompt's completions on one rank (a rank's mini-batch held 1 of a prompt's 2), and the engine, whose
+# advantages are per prompt group, refuses that by name on the first update.
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=[
+    pytest.mark.skipif(not TWO_WORKERS, reason="a second verl run (2 Ray workers on gloo, about 2x the CPU); set "
+                                               "DLLM_FAST_VERL_TWO_WORKERS=1 to run"),
+    pytest.mark.xfail(strict=True, reason="verl V1 splits a prompt's completions across the 2 ranks, which the "
+                                          "engine refuses")])])
 def test_verl_runs_three_steps_on_the_cpu_and_resumes_from_its_checkpoint(tmp_path, workers):
     import torch
 
