@@ -4,9 +4,9 @@
     python benchmarks/bench_verl_step.py plan [--gpu H100] [--gpus 8]                  # planner estimate
 
 cpu: in one run, the same shapes through both: the embedded sudoku4 model, 2 prompts x 2 completions a step, 24
-tokens decoded in one block of 12 steps, espo; verl through `python -m dllm_fast.integrations.verl` (its whole
-trainer inside Ray, 1 hybrid worker, the actor engine the launcher picks), the trainer through `python -m
-dllm_fast train`. Per step (the first, with its warm-up, left out): the median seconds of the step and of its
+tokens decoded in one block of 12 steps, espo, fp32, one compute thread each (OMP_NUM_THREADS=1); verl through
+`python -m dllm_fast.integrations.verl` (its whole trainer inside Ray, 1 hybrid worker, dllm_fast's actor engine
+`model_type=dllm_fast`), the trainer through `python -m dllm_fast train`. Per step (the first, with its warm-up, left out): the median seconds of the step and of its
 phases, and verl / trainer. verl's own step timer (`timing_s/step`) does not count Ray's and the workers' start.
 
 plan: the planner's step at LLaDA-8B LoRA shapes (`python -m dllm_fast plan`, labelled as its estimate), and what
@@ -42,13 +42,15 @@ SUDOKU4 = ROOT / "dllm_fast/assets/sudoku4"
 VERL_TIMERS = ("timing_s/step", "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/adv",
                "timing_s/update_actor", "timing_s/update_weights")
 NVLINK_BYTES_PER_S = 450e9
+THREADS = {"OMP_NUM_THREADS": "1"}  # both runs: verl's worker and the trainer compute on one thread each
 
 
 def verl_overrides(data: Path, out: Path, steps: int) -> list[str]:
+    # The launcher's actor: dllm_fast's engine (model_type=dllm_fast, FSDP2), in fp32 as the trainer on the CPU.
     return [f"actor_rollout_ref.model.path={SUDOKU4}", "actor_rollout_ref.model.use_remove_padding=false",
-            "actor_rollout_ref.actor.strategy=fsdp2",
-            "++actor_rollout_ref.model.override_config.attn_implementation=eager",
+            "++actor_rollout_ref.model.model_type=dllm_fast", "actor_rollout_ref.actor.strategy=fsdp2",
             "++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+            "trainer.balance_batch=false",
             "actor_rollout_ref.actor.optim.lr=1e-4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_kl_loss=false",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
@@ -68,12 +70,18 @@ def run_verl(python: str, steps: int, work: Path) -> dict[str, float]:
     from dllm_fast.integrations.verl.data import write_task
 
     data = write_task("sudoku4", work / "data", num_train=2 * steps, num_test=2, prompt_style="grid")["train"].parent
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+    env = {**os.environ, **THREADS, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
            "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+           "RAY_memory_monitor_refresh_ms": "0",  # Ray's monitor kills the run's actors on a full shared machine
            "VERL_USE_EXTERNAL_MODULES": "dllm_fast.integrations.verl_plugin",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    done = subprocess.run([python, "-m", "dllm_fast.integrations.verl", *verl_overrides(data, work / "ckpt", steps)],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=1800)
+    for attempt in range(2):  # Ray gives its raylet a fixed 30 s to register: a loaded machine can miss it, once
+        done = subprocess.run([python, "-m", "dllm_fast.integrations.verl",
+                               *verl_overrides(data, work / "ckpt", steps)],
+                              cwd=work, env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode == 0 or "node timed out during startup" not in done.stdout + done.stderr \
+                and "Deadline Exceeded" not in done.stdout + done.stderr:
+            break
     if done.returncode != 0:
         raise RuntimeError(f"the verl run failed:\n{(done.stdout + done.stderr)[-4000:]}")
     rows = {}
@@ -93,7 +101,8 @@ def run_trainer(python: str, steps: int, work: Path) -> dict[str, float]:
                "--gen-length", "24", "--block-length", "24", "--diffusion-steps", "12", "--steps", str(steps),
                "--objective", "espo", "--lr", "1e-4", "--eval-every", "1000", "--output-dir", str(out),
                "--progress", "false", "--plot", "false"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {**os.environ, **THREADS,
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"the trainer run failed:\n{(done.stdout + done.stderr)[-4000:]}")

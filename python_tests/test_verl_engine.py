@@ -114,13 +114,15 @@ def one_rank():
     platform_manager.set_platform(previous)
 
 
-def build_engine(name: str, *, lora_rank=0, lora_alpha=16, strategy="fsdp2", **section):
+def build_engine(name: str, *, lora_rank=0, lora_alpha=16, strategy="fsdp2", dtypes=("fp64", "fp64", "fp64"),
+                 **section):
+    """The engine for objective `name`; dtypes: the model's, FSDP2's parameter and reduce dtypes."""
     model_config = HFModelConfig(path=MODEL, model_type="dllm_fast", enable_gradient_checkpointing=False,
                                  lora_rank=lora_rank, lora_alpha=lora_alpha,
                                  override_config={"dllm_fast": {"objective": name, "options": KINDS[name],
                                                                 "micro_batch": PAIRS, **section}})
-    engine_config = FSDPEngineConfig(strategy=strategy, model_dtype="fp64", use_torch_compile=False,
-                                     mixed_precision={"param_dtype": "fp64", "reduce_dtype": "fp64"})
+    engine_config = FSDPEngineConfig(strategy=strategy, model_dtype=dtypes[0], use_torch_compile=False,
+                                     mixed_precision={"param_dtype": dtypes[1], "reduce_dtype": dtypes[2]})
     optimizer_config = FSDPOptimizerConfig(lr=LR, total_training_steps=4, lr_warmup_steps=0, weight_decay=0.01)
     engine = EngineRegistry.new(model_type="dllm_fast", backend=strategy, model_config=model_config,
                                 engine_config=engine_config, optimizer_config=optimizer_config,
@@ -270,6 +272,23 @@ def test_lora_with_the_adapters_disabled_as_the_reference(one_rank):
     trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n for n in trained)
     same_step(engine, optimizer_config, policy, None)
+
+
+def test_verls_default_bf16_parameters_score_and_train(one_rank):
+    """verl's default mixed precision (fp32 weights, bf16 parameters in the forward, fp32 gradient reduction): the
+    RoPE tables the model hands its FSDP2 units stay fp32 (FSDP2 casting them to bf16 was refused by the fused
+    RoPE), and scoring and an update give finite values."""
+    engine, _ = build_engine("espo", dtypes=("fp32", "bf16", "fp32"))
+    policy = load_model(MODEL, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        result, rewards = rollouts(policy)
+    data, _ = verl_data(result, rewards, engine.objective, policy.eos_token_id)
+    with engine.eval_mode():
+        scored = engine.infer_batch(data)
+    assert torch.isfinite(scored["model_output"]["log_probs"].values()).all()
+    with engine.train_mode():
+        out = engine.train_batch(data, loss_function=actor_loss())
+    assert torch.isfinite(torch.tensor(out["loss"])).all() and out["metrics"]["grad_norm"] > 0
 
 
 def test_verls_checkpoint_of_the_engine_resumes_bit_for_bit(one_rank, tmp_path):

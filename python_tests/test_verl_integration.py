@@ -474,6 +474,67 @@ def test_mini_batches_that_cut_a_group_are_refused_naming_the_settings():
         verl_batch.rows_from_verl(data, eos_token_id=9, device=torch.device("cpu"), grouped=True, unmask_step=True)
 
 
+def v1_rows(eos=9, pad=0):
+    """verl_rows as verl's V1 trainer hands them to the actor: each row its own tokens in nested tensors (the prompt
+    unpadded, the response the rollout's whole canvas, EOS after its end), no attention_mask, the rewards as
+    `rm_scores`, the advantages nested, the rollout's own fields in each row's `extra_fields`."""
+    data = verl_rows(eos=eos, pad=pad)
+    P = data["prompts"].shape[1]
+    prompt_real = data["attention_mask"][:, :P].bool()
+    canvas = data["responses"].masked_fill(data["response_mask"] == 0, eos)
+    steps = torch.arange(canvas.numel()).view(canvas.shape) % canvas.shape[1]
+
+    def nested(rows):
+        return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
+
+    return {"prompts": nested(p[m] for p, m in zip(data["prompts"], prompt_real)), "responses": nested(canvas),
+            "response_mask": nested(torch.ones_like(canvas)), "rm_scores": nested(data["token_level_rewards"]),
+            "advantages": nested(torch.zeros(canvas.shape)), "uid": data["uid"],
+            "extra_fields": [{verl_batch.UNMASK_STEP_KEY: row.numpy(), verl_batch.FORWARDS_KEY: 5, "global_steps": 1}
+                             for row in steps]}
+
+
+def test_verl_v1_nested_rows_read_as_the_padded_rows_they_hold():
+    """verl 0.9's V1 trainer hands the actor nested rows without attention_mask (its FSDP engine reads the lengths
+    from the rows); they give the padded layout's batch, rows, keys and masks."""
+    padded = verl_batch.rows_from_verl(verl_rows(), eos_token_id=9, device=torch.device("cpu"), grouped=True)
+    data = v1_rows()
+    # verl stacks a field whose rows have one length (here the responses, the whole canvas) into a plain tensor
+    stacked = {**data, "responses": torch.nested.to_padded_tensor(data["responses"], 0)}
+    nested, dense = [verl_batch.rows_from_verl(d, eos_token_id=9, device=torch.device("cpu"), grouped=True,
+                                               unmask_step=True) for d in (data, stacked)]
+    assert torch.equal(dense.batch.sequences, nested.batch.sequences) and dense.keys == nested.keys
+    assert nested.order == padded.order and nested.uids == padded.uids and nested.keys == padded.keys
+    assert torch.equal(nested.batch.sequences, padded.batch.sequences)
+    assert torch.equal(nested.batch.attention_mask, padded.batch.attention_mask)
+    assert torch.equal(nested.batch.completion_mask, padded.batch.completion_mask)
+    torch.testing.assert_close(nested.batch.rewards, padded.batch.rewards)  # from rm_scores
+    assert nested.prompt_lengths.tolist() == [2, 2, 2, 3, 3, 3] and nested.response_lengths.tolist() == [5] * 6
+    steps = torch.stack([torch.as_tensor(row[verl_batch.UNMASK_STEP_KEY]) for row in data["extra_fields"]])
+    assert torch.equal(nested.batch.unmask_step, steps[nested.order]) and nested.batch.forwards == 5
+    objective = objectives.get("espo")
+    model = types.SimpleNamespace(eos_token_id=9)
+    ours = verl_batch.row_masks(objective, nested.batch, nested.keys, seed=3, model=model)
+    theirs = verl_batch.row_masks(objective, padded.batch, padded.keys, seed=3, model=model)
+    assert torch.equal(ours.masked, theirs.masked)
+    assert verl_batch.verl_advantages(data, nested).tolist() == [0.0] * 6
+    values = verl_batch.verl_token_values(torch.ones(6, 5, dtype=torch.float64), nested)
+    assert values.offsets().diff().tolist() == [2 + 5, 3 + 5, 2 + 5, 3 + 5, 2 + 5, 3 + 5]  # verl's row order
+
+
+def test_the_rollouts_fields_missing_from_some_v1_rows_are_named():
+    data = v1_rows()
+    del data["extra_fields"][2][verl_batch.UNMASK_STEP_KEY]
+    with pytest.raises(KeyError, match="'dllm_fast_unmask_step'.*not of row 2"):
+        verl_batch.rows_from_verl(data, eos_token_id=9, device=torch.device("cpu"), grouped=False, unmask_step=True)
+    data["extra_fields"] = [{} for _ in data["extra_fields"]]
+    with pytest.raises(KeyError, match="no 'dllm_fast_unmask_step'"):
+        verl_batch.rows_from_verl(data, eos_token_id=9, device=torch.device("cpu"), grouped=False, unmask_step=True)
+    del data["responses"]
+    with pytest.raises(KeyError, match="no 'responses'"):
+        verl_batch.rows_from_verl(data, eos_token_id=9, device=torch.device("cpu"), grouped=False)
+
+
 @pytest.mark.parametrize("name", ["espo", "bgpo", "spg", "gdpo"])
 def test_a_rows_masks_do_not_depend_on_the_batch_it_is_in(name):
     """Each row's masks come from its own seed: the scoring's batch, the update's mini-batch, another rank's share

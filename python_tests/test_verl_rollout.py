@@ -178,6 +178,41 @@ def test_request_sampling_params_are_checked():
         check_sampling_params({"temperature": 1.0, "logprobs": True})
 
 
+def test_the_fields_the_rollout_records_are_the_ones_the_engine_reads(actor):
+    """The decoding order and forward count the rollout records reach the engine's batch reader through both of
+    verl's trainers' batches: V1's (each row's extra_fields, built by verl's list_of_dict_to_tensordict as its agent
+    loop does) and the legacy trainer's (non_tensor_batch keys, verl's DataProto as the actor receives it). A key
+    renamed on one side only fails here."""
+    import numpy as np
+    from verl import DataProto
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    from dllm_fast.integrations.verl import batch as verl_batch
+    from dllm_fast.tasks.encoding import left_pad
+
+    rollout = make_rollout()
+    sync(rollout, actor.state_dict().items())
+    outputs = rollout.decode(PROMPTS, 1.0)
+    ids, mask = left_pad(PROMPTS, actor.config.pad_token_id)
+    expected = generate(actor, ids, mask, rollout.settings.generate, temperature=1.0,
+                        generator=torch.Generator().manual_seed(7), record_unmask_step=True)
+    responses = [torch.tensor(o.pop("token_ids")) for o in outputs]
+    v1 = list_of_dict_to_tensordict([{"prompts": torch.tensor(p), "responses": r, "uid": f"p{n}", "extra_fields": o}
+                                     for n, (p, r, o) in enumerate(zip(PROMPTS, responses, outputs))])
+    legacy = DataProto.from_dict(
+        tensors={"prompts": ids, "responses": torch.stack(responses),
+                 "attention_mask": torch.cat([mask.long(), torch.ones(len(PROMPTS), 16, dtype=torch.long)], 1)},
+        non_tensors={"uid": np.array(["p0", "p1"], dtype=object),
+                     **{key: np.array([o[key] for o in outputs] + [None], dtype=object)[:-1] for key in outputs[0]}},
+    ).to_tensordict()
+    for data in (v1, legacy):
+        rows = verl_batch.rows_from_verl(data, eos_token_id=actor.eos_token_id, device=torch.device("cpu"),
+                                         grouped=False, unmask_step=True)
+        assert torch.equal(rows.batch.unmask_step, expected.unmask_step)
+        assert rows.batch.forwards == expected.nfe
+        assert torch.equal(rows.batch.sequences[:, ids.shape[1]:], expected.completion_ids)
+
+
 class _InProcessWorker:
     """A worker handle whose `__ray_call__.remote(fn, *args)` runs fn here, counting the calls."""
 
@@ -293,3 +328,17 @@ def test_the_entry_point_registers_without_an_environment_variable():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, True]
+
+
+def test_the_launcher_defaults_verls_advantages_to_the_objectives_own():
+    """`python -m dllm_fast.integrations.verl` sets the verl estimator that computes the objective's advantages (the
+    engine refuses others on the first update), unless the command sets it."""
+    from dllm_fast.integrations.verl.__main__ import overrides
+    from dllm_fast.integrations.verl.settings import SECTION_PATH
+
+    assert {"algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=false"} <= set(overrides([]))
+    scaled = overrides([f"++{SECTION_PATH}.objective=bgpo"])
+    assert "algorithm.norm_adv_by_std_in_grpo=true" in scaled
+    assert "algorithm.adv_estimator=rloo" in overrides([f"++{SECTION_PATH}.objective=coupled_grpo"])
+    given = overrides(["algorithm.adv_estimator=gae"])
+    assert [a for a in given if a.startswith("algorithm.adv_estimator")] == ["algorithm.adv_estimator=gae"]

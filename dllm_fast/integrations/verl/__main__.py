@@ -5,7 +5,8 @@
 
 Every argument is a verl (Hydra) override, passed on unchanged. Before them come dllm_fast's defaults, each only
 where the command does not set the same key (`DEFAULTS`, below): the rollout `rollout.name=dllm_fast` on one device
-per replica, the policy loss (`dllm_fast_espo`, the project's default objective), GRPO's group advantages, the
+per replica, the policy loss (`dllm_fast_espo`, the project's default objective), the advantage estimator that
+computes the objective's own advantages (espo's: GRPO's group mean, unscaled; `settings.advantage_estimator_for`), the
 reward manager `dllm_fast`, and the actor engine `model_type=dllm_fast` where that engine is registered. The
 objective's rollout needs follow from the loss (`record_unmask_step` for TraceRL's trajectory objective). On
 the CPU platform (no accelerator) Ray is given `trainer.n_gpus_per_node` worker slots and enough logical CPUs for
@@ -64,8 +65,31 @@ def overrides(arguments: list[str]) -> list[str]:
                  "loss_mode"), chosen["actor_rollout_ref.actor.policy_loss.loss_mode"])
     if _needs_unmask_step(loss):
         chosen["++actor_rollout_ref.rollout.engine_kwargs.dllm_fast.record_unmask_step"] = "true"
+    chosen.update(_advantage_defaults(arguments, loss, engine=bool(verl_plugin.REGISTERED.get("engine"))))
     added = [f"{key}={value}" for key, value in chosen.items() if key_of(key) not in given]
     return added + list(arguments)
+
+
+def _advantage_defaults(arguments: list[str], loss_mode: str, *, engine: bool) -> dict[str, str]:
+    """verl's advantage settings that compute the objective's own advantages (settings.advantage_estimator_for):
+    the engine's objective (its section's, default espo), else the loss's. Empty where none of verl's estimators
+    does, or the name is unknown (the engine, or verl's loss registry, then refuses it by name)."""
+    from dllm_fast import objectives
+    from dllm_fast.integrations.verl.losses import PREFIX
+    from dllm_fast.integrations.verl.settings import DEFAULT_OBJECTIVE, SECTION_PATH, advantage_estimator_for
+
+    if engine:
+        name = next((a.split("=", 1)[1] for a in arguments if key_of(a) == f"{SECTION_PATH}.objective"),
+                    DEFAULT_OBJECTIVE)
+    elif loss_mode.startswith(PREFIX):
+        name = loss_mode[len(PREFIX):]
+    else:
+        return {}
+    try:
+        settings = advantage_estimator_for(objectives.get(name))
+    except ValueError:
+        return {}
+    return dict(item.split("=", 1) for item in settings.split()) if settings else {}
 
 
 def _needs_unmask_step(loss_mode: str) -> bool:

@@ -1,14 +1,20 @@
-"""verl's batch (a TensorDict of padded rows) as dllm_fast's RolloutBatch and masks, and back (no verl import: the
-TensorDict is read through its mapping interface).
+"""verl's batch (a TensorDict of padded or nested rows) as dllm_fast's RolloutBatch and masks, and back (no verl
+import: the TensorDict is read through its mapping interface).
 
-What the engine reads from verl's batch (the keys verl's PPO trainer gives every actor call):
-- `prompts` [B, P] (left-padded), `responses` [B, R] (right-padded), `attention_mask` [B, P + R];
+What the engine reads from verl's batch, in either of its layouts (`padded_tokens`), as verl's own FSDP engine and
+its `no_padding_2_padding` read them:
+- the legacy PPO trainer's padded rows: `prompts` [B, P] (left-padded), `responses` [B, R] (right-padded),
+  `attention_mask` [B, P + R];
+- the V1 trainer's nested rows (each row its own length, no `attention_mask`): `prompts` and `responses`, every
+  token of which is attended;
 - `uid` (one per prompt: the rows of a prompt's group share it);
-- at the update: `token_level_rewards` [B, R] (a row's reward is its sum) and `advantages` [B, R];
-- for trajectory objectives (TraceRL): `dllm_fast_unmask_step` [B, R] int64, the denoising forward at which the
-  rollout unmasked each response position (`generate(..., record_unmask_step=True)`), which dllm_fast's verl
-  rollout puts in the batch, and optionally `dllm_fast_rollout_forwards` [B] int64 (the rollout's forward count,
-  `GenerationResult.nfe`, which bounds the steps; default: R).
+- at the update: `token_level_rewards` [B, R] (a row's reward is its sum; verl V1 gives `rm_scores` instead unless
+  it applies a KL penalty in the reward) and `advantages` [B, R], padded or nested;
+- for trajectory objectives (TraceRL): `dllm_fast_unmask_step` [R] int64 per row, the denoising forward at which
+  the rollout unmasked each response position (`generate(..., record_unmask_step=True)`), and optionally
+  `dllm_fast_rollout_forwards` (the rollout's forward count, `GenerationResult.nfe`, which bounds the steps;
+  default: R), which dllm_fast's verl rollout puts in the batch (batch_keys.py: a key of the batch, or of each
+  row's `extra_fields` under verl V1).
 
 A response is read as the rollout's canvas: positions past its attended length hold EOS (as dllm_fast's sampler
 leaves them), and every response position is attended, as in sampling. Rows are regrouped so that each prompt's
@@ -29,13 +35,12 @@ from dataclasses import dataclass
 import torch
 
 from dllm_fast.contracts import RolloutBatch, block_length, completion_mask
+from dllm_fast.integrations.verl.batch_keys import EXTRA_FIELDS_KEY, FORWARDS_KEY, UNMASK_STEP_KEY
 from dllm_fast.integrations.verl.losses import sequence_advantages
 from dllm_fast.likelihood import MonteCarloMasks
 from dllm_fast.likelihood.samplers import SAMPLERS
 from dllm_fast.objectives import Objective
 
-UNMASK_STEP_KEY = "dllm_fast_unmask_step"
-FORWARDS_KEY = "dllm_fast_rollout_forwards"
 GROUPING_SETTINGS = ("trainer.balance_batch=false, actor_rollout_ref.actor.shuffle=false, and "
                      "actor_rollout_ref.actor.ppo_mini_batch_size (prompts) a multiple of the data-parallel size")
 
@@ -64,21 +69,64 @@ def _field(data, key: str, what: str):
     return data[key]
 
 
+def _as_list(value) -> list:
+    """A per-row field as a list: a tensor's rows, a NonTensorStack's or numpy array's items, a list itself."""
+    if isinstance(value, torch.Tensor):
+        return list(value.unbind())
+    return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+def _is_nested(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_nested
+
+
+def _padded(value, fill) -> torch.Tensor:
+    """A per-token field as a padded [batch, length] tensor: verl V1's nested rows right-padded with `fill`."""
+    return torch.nested.to_padded_tensor(value, fill) if _is_nested(value) else value
+
+
 def uid_list(data) -> list[str]:
-    return [str(u) for u in _field(data, "uid", "each row's prompt id, which groups the completions of one prompt")]
+    return [str(u) for u in _as_list(_field(data, "uid", "each row's prompt id, which groups the completions of one "
+                                                          "prompt"))]
 
 
-def rows_from_verl(data, *, eos_token_id: int, device: torch.device, grouped: bool,
-                   group_sizes: Counter | None = None, unmask_step: bool = False) -> VerlRows:
-    """The rows of verl's batch as a RolloutBatch on `device`.
+def _rows_of(value, name: str) -> list[torch.Tensor]:
+    if not isinstance(value, torch.Tensor) or value.dim() != 2:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) and not value.is_nested else ""
+        raise TypeError(f"verl's batch field {name!r} must be a nested or [batch, length] tensor of token ids, got "
+                        f"{type(value).__name__}{shape}.")
+    return list(value.unbind())
 
-    grouped: the rows must hold whole prompt groups of one size G (the update: advantages are per group), each
-    uid's count equal to `group_sizes[uid]` (the whole batch's, counted when the old policy was scored) when
-    given; rewards are the rows' summed `token_level_rewards`. Not grouped (scoring): group_size 1 and zero
-    rewards, which scoring does not read. unmask_step: read `dllm_fast_unmask_step` (trajectory objectives)."""
-    prompts = _field(data, "prompts", "the left-padded prompt ids")
-    responses = _field(data, "responses", "the right-padded response ids")
-    attention = _field(data, "attention_mask", "which prompt and response positions are tokens")
+
+def padded_tokens(data) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """prompts [B, P] (left-padded), which prompt positions are tokens [B, P], responses [B, R] (right-padded),
+    which response positions are tokens [B, R], from either of verl's layouts, read as verl's own
+    `no_padding_2_padding` reads them:
+    - rows (the V1 trainer: each row holds its own tokens, no attention_mask): the lengths are the rows', a nested
+      tensor's or, where every row of a field has one length (verl then stacks them), the full width;
+    - padded (the legacy PPO trainer): `attention_mask` [B, P + R] says which positions are tokens."""
+    prompts = _field(data, "prompts", "the prompt ids")
+    responses = _field(data, "responses", "the response ids")
+    if _is_nested(prompts) or _is_nested(responses) or "attention_mask" not in data.keys():
+        prompt_rows, response_rows = _rows_of(prompts, "prompts"), _rows_of(responses, "responses")
+        if len(prompt_rows) != len(response_rows):
+            raise ValueError(f"verl's batch has {len(prompt_rows)} prompts for {len(response_rows)} responses.")
+        prompt_lengths = torch.tensor([len(row) for row in prompt_rows])
+        response_lengths = torch.tensor([len(row) for row in response_rows])
+        if bool((prompt_lengths == 0).any()):
+            raise ValueError(f"verl's batch has an empty prompt (row {int((prompt_lengths == 0).nonzero()[0])}); "
+                             "every prompt needs at least one token.")
+        P, R = int(prompt_lengths.max()), int(response_lengths.max())
+        prompt_real = torch.arange(P) >= P - prompt_lengths[:, None]  # left-padded, as dllm_fast's rollouts
+        response_real = torch.arange(R) < response_lengths[:, None]
+        padded_prompts = torch.zeros(len(prompt_rows), P, dtype=torch.long, device=prompts.device)
+        padded_responses = torch.zeros(len(response_rows), R, dtype=torch.long, device=responses.device)
+        for n, (prompt, response) in enumerate(zip(prompt_rows, response_rows)):
+            padded_prompts[n, P - len(prompt):] = prompt
+            padded_responses[n, :len(response)] = response
+        return padded_prompts, prompt_real, padded_responses, response_real
+    attention = _field(data, "attention_mask", "which prompt and response positions are tokens, in verl's padded "
+                                               "layout (its nested V1 rows need none)")
     for name, value in (("prompts", prompts), ("responses", responses), ("attention_mask", attention)):
         if not isinstance(value, torch.Tensor) or value.is_nested or value.dim() != 2:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ""
@@ -89,33 +137,79 @@ def rows_from_verl(data, *, eos_token_id: int, device: torch.device, grouped: bo
     if tuple(attention.shape) != (B, P + R):
         raise ValueError(f"verl's attention_mask has shape {tuple(attention.shape)}, expected (batch, prompt + "
                          f"response) = {(B, P + R)}.")
+    return prompts, attention[:, :P].bool(), responses, attention[:, P:].bool()
+
+
+def rollout_field(data, key: str, what: str) -> list | None:
+    """A field dllm_fast's rollout adds (batch_keys.py) as one value per row: a batch key of its own (the legacy
+    trainer's non_tensor_batch, or a tensor) or an entry of each row's `extra_fields` (verl V1); None if absent."""
+    if key in data.keys():
+        return _as_list(data[key])
+    if EXTRA_FIELDS_KEY not in data.keys():
+        return None
+    rows = [getattr(row, "data", row) for row in _as_list(data[EXTRA_FIELDS_KEY])]
+    found = [isinstance(row, dict) and key in row for row in rows]
+    if not any(found):
+        return None
+    if not all(found):
+        raise KeyError(f"verl's batch has {key!r} ({what}) in the extra_fields of some rows but not of row "
+                       f"{found.index(False)}; every row must come from dllm_fast's verl rollout.")
+    return [row[key] for row in rows]
+
+
+def _unmask_steps(data, B: int, R: int) -> tuple[torch.Tensor, int | None]:
+    what = "the rollout's decoding order, which dllm_fast's verl rollout records with record_unmask_step=true"
+    rows = rollout_field(data, UNMASK_STEP_KEY, what)
+    if rows is None:
+        _field(data, UNMASK_STEP_KEY, what)  # raises, naming the key
+    steps = [torch.as_tensor(row) for row in rows]
+    if len(steps) != B or any(step.shape != (R,) for step in steps):
+        raise ValueError(f"verl's batch field {UNMASK_STEP_KEY!r} must hold one int64 [response_length] = [{R}] "
+                         f"array per row for {B} rows, got shapes {[tuple(step.shape) for step in steps][:4]}.")
+    forwards = rollout_field(data, FORWARDS_KEY, "the rollout's forward count")
+    return torch.stack(steps).long(), None if forwards is None else max(int(f) for f in forwards)
+
+
+def _row_rewards(data) -> torch.Tensor:
+    """[B] each row's reward: its summed `token_level_rewards`, or verl V1's `rm_scores` where that trainer writes
+    no token_level_rewards (it does only with algorithm.use_kl_in_reward, and its advantages read rm_scores)."""
+    key = "token_level_rewards" if "token_level_rewards" in data.keys() or "rm_scores" not in data.keys() \
+        else "rm_scores"
+    rewards = _field(data, key, "the rewards")
+    return torch.stack([row.sum() for row in rewards.unbind()]) if _is_nested(rewards) else rewards.sum(-1)
+
+
+def rows_from_verl(data, *, eos_token_id: int, device: torch.device, grouped: bool,
+                   group_sizes: Counter | None = None, unmask_step: bool = False) -> VerlRows:
+    """The rows of verl's batch (either layout, `padded_tokens`) as a RolloutBatch on `device`.
+
+    grouped: the rows must hold whole prompt groups of one size G (the update: advantages are per group), each
+    uid's count equal to `group_sizes[uid]` (the whole batch's, counted when the old policy was scored) when
+    given; rewards are the rows' summed rewards (`_row_rewards`). Not grouped (scoring): group_size 1 and zero
+    rewards, which scoring does not read. unmask_step: read `dllm_fast_unmask_step` (trajectory objectives)."""
+    prompts, prompt_real, responses, response_real = padded_tokens(data)
+    B, P = prompts.shape
+    R = responses.shape[1]
     uids = uid_list(data)
     if len(uids) != B:
         raise ValueError(f"verl's batch has {len(uids)} uids for {B} rows.")
     order = _grouped_order(uids) if grouped else list(range(B))
     index = torch.tensor(order, dtype=torch.long)
-    attention = attention.to(device)[index].long()
-    prompt_real = attention[:, :P]
-    response_real = attention[:, P:].bool()
+    prompt_real = prompt_real.to(device)[index].long()
+    response_real = response_real.to(device)[index]
     completion = responses.to(device)[index].long().masked_fill(~response_real, eos_token_id)
     sequences = torch.cat([prompts.to(device)[index].long(), completion], dim=1)
     full_attention = torch.cat([prompt_real, torch.ones_like(completion)], dim=1)
     steps = forwards = None
     if unmask_step:
-        steps = _field(data, UNMASK_STEP_KEY, "the rollout's decoding order, which dllm_fast's verl rollout records")
-        if not isinstance(steps, torch.Tensor) or tuple(steps.shape) != (B, R):
-            raise ValueError(f"verl's batch field {UNMASK_STEP_KEY!r} must be a [batch, response_length] = {(B, R)} "
-                             f"int64 tensor, got {getattr(steps, 'shape', type(steps).__name__)}.")
-        steps = steps.to(device)[index].long()
-        if FORWARDS_KEY in data.keys():
-            forwards = int(data[FORWARDS_KEY].max())
+        steps, forwards = _unmask_steps(data, B, R)
+        steps = steps.to(device)[index]
     group_size = 1
     rewards = torch.zeros(B, dtype=torch.float32, device=device)
     uids = [uids[i] for i in order]
     if grouped:
         group_size = _group_size(uids, group_sizes)
-        token_rewards = _field(data, "token_level_rewards", "the rewards")
-        rewards = token_rewards.to(device)[index].float().sum(-1)
+        rewards = _row_rewards(data).to(device)[index].float()
     batch = RolloutBatch(sequences=sequences, attention_mask=None if bool(prompt_real.all()) else full_attention,
                          prompt_length=P, completion_mask=completion_mask(completion, eos_token_id), rewards=rewards,
                          group_size=group_size, unmask_step=steps, forwards=forwards)
@@ -230,7 +324,7 @@ def verl_token_values(values: torch.Tensor, rows: VerlRows) -> torch.Tensor:
 
 def verl_advantages(data, rows: VerlRows) -> torch.Tensor:
     """[N] float64: verl's advantage of each batch row (one value per sequence, checked), in batch order."""
-    advantages = _field(data, "advantages", "verl's advantages")
-    mask = _field(data, "response_mask", "which response positions are scored")
+    advantages = _padded(_field(data, "advantages", "verl's advantages"), 0.0)
+    mask = _padded(_field(data, "response_mask", "which response positions are scored"), 0)
     index = torch.tensor(rows.order, dtype=torch.long)
     return sequence_advantages(advantages[index].double(), mask[index].bool())

@@ -38,9 +38,9 @@ What runs where (verl's PPO step, per data-parallel rank):
   masks. The objective's advantages come from verl's rewards (`token_level_rewards` summed per row) within each
   group and must equal verl's `advantages` (`settings.check_advantages`), so that the advantage estimator verl
   logs is the one trained on.
-- batch keys: besides verl's own (batch.py), trajectory objectives (tracerl) read `dllm_fast_unmask_step`
-  [batch, response_length] int64, the decoding order the rollout records, and optionally
-  `dllm_fast_rollout_forwards` [batch] int64; dllm_fast's verl rollout puts them in the batch.
+- batch keys: verl's own, padded (the legacy trainer) or nested (V1) (batch.py); trajectory objectives (tracerl)
+  also read `dllm_fast_unmask_step`, the decoding order the rollout records, and optionally
+  `dllm_fast_rollout_forwards`; dllm_fast's verl rollout puts them in the batch (batch_keys.py).
 
 Micro-batching: verl's setting sets the memory, dllm_fast's engine runs it. Each update is one `Objective.backward`
 over the rank's mini-batch (so wd1's group softmax and rspo's batch centring see what the trainer's see), its
@@ -236,9 +236,12 @@ class DllmFastEngine(FSDPEngine):
         # reshard_after_forward None is FSDP2's own choice: the units reshard after their forward, the root does not.
         # The root's unit holds the LM head, which the fused ops read after the forward (an explicit True, verl's
         # default, would reshard the root too and leave the head sharded there).
+        # cast_forward_inputs=False: a unit's float inputs are the activations (already in the parameters' dtype)
+        # and the RoPE tables, which stay in fp32 (or fp64) whatever the activations' dtype; casting them would
+        # round the angles to bf16, which the fused RoPE refuses.
         kwargs = {"mesh": self.device_mesh, "offload_policy": offload_policy,
                   "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                                    cast_forward_inputs=True),
+                                                    cast_forward_inputs=False),
                   "reshard_after_forward": None if self.engine_config.reshard_after_forward else False}
         # Every rank read the whole checkpoint, so sharding in place leaves each rank its rows: no broadcast from
         # rank 0 (verl's fsdp2_load_full_state_dict cannot fill the parts of dllm_fast's fused weights on a meta

@@ -17,10 +17,11 @@ tensor/pipeline/data parallel rollout) is refused naming the setting, instead of
 
 What lands in verl's batch: the completion is the whole canvas, `response_length` tokens (the positions after
 the first EOS included, as dllm_fast's own RolloutBatch holds them; `contracts.completion_mask` says which count),
-and with record_unmask_step the decoding order per response position under `non_tensor_batch[UNMASK_STEP_KEY]`
-(one int64 array per sample: the forward that unmasked each position, as `generate(record_unmask_step=True)` gives
-it) and the batch's forward count under `non_tensor_batch[FORWARDS_KEY]` (RolloutBatch.forwards). verl's agent
-loop carries the server's `TokenOutput.extra_fields` there unchanged.
+and with record_unmask_step the decoding order per response position under `UNMASK_STEP_KEY` (one int64 array per
+sample: the forward that unmasked each position, as `generate(record_unmask_step=True)` gives it) and the batch's
+forward count under `FORWARDS_KEY` (RolloutBatch.forwards), the keys of batch_keys.py that the engine reads. verl's
+agent loop carries the server's `TokenOutput.extra_fields` into the batch unchanged (the legacy trainer as
+`non_tensor_batch` keys, the V1 trainer in each row's `extra_fields`).
 
 How the weights reach the rollout. verl calls `update_weights` after every actor update (its "naive" checkpoint
 engine for the hybrid worker: `ActorRolloutRefWorker.update_weights` hands the actor engine's
@@ -55,6 +56,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 
 from dllm_fast.contracts import block_length as block_length_of
+from dllm_fast.integrations.verl.batch_keys import FORWARDS_KEY, UNMASK_STEP_KEY
 from dllm_fast.models.checkpoint import native_state, official_state
 from dllm_fast.models.loading import family_of, model_skeleton
 from dllm_fast.rollout import GenerateConfig, generate
@@ -62,8 +64,6 @@ from dllm_fast.rollout.config import SETTINGS as GENERATE_SETTINGS
 from dllm_fast.tasks.encoding import left_pad
 
 ROLLOUT_NAME = "dllm_fast"
-UNMASK_STEP_KEY = "dllm_fast_unmask_step"
-FORWARDS_KEY = "dllm_fast_forwards"
 SETTINGS_PATH = "actor_rollout_ref.rollout.engine_kwargs.dllm_fast"
 # Set from the request or from verl's own rollout fields, never from engine_kwargs.
 _FROM_VERL = {"gen_length": "actor_rollout_ref.rollout.response_length",
