@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 # Modules `train --help` must not import: torch's compiler stack and every layer that computes.
 HEAVY = ("torch._dynamo", "torch._inductor", "dllm_fast._extension", "dllm_fast.ops", "dllm_fast.likelihood",
          "dllm_fast.rollout.sampler", "dllm_fast.objectives.base", "dllm_fast.train.loop", "dllm_fast.train.run")
