@@ -23,6 +23,7 @@
 | ebpo | LLaDA2.1 (DARE's) | composite block ELBO, a noise level per (sample, block), n_t 16; block models | exp(E - E_old), clipped once | k1/k2/k3 on E (off) |
 | justgrpo | JustGRPO | exact left-to-right likelihood, one sample per position (block-1 rollouts) | token, two-sided eps | none |
 | vrpo_dpo | LLaDA 1.5 (offline VRPO) | ELBO, n_t 4, stratified counts; preference pairs, no rollout | none (DPO) | implicit (DPO) |
+| cj_grpo | CJ-GRPO | the rollout's own decoding states, every step (needs unmask_step) | token, two-sided eps | k3 per token |
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from dllm_fast.objectives.ebpo import EBPO, EBPOConfig
     from dllm_fast.objectives.justgrpo import JustGRPO, JustGRPOConfig
     from dllm_fast.objectives.vrpo_dpo import VRPODPO, VRPODPOConfig
+    # -- CJ-GRPO --
+    from dllm_fast.objectives.cj_grpo import CJGRPO, CJGRPOConfig
 
 # The built-in objectives by name, each loaded (with torch and the likelihood engine) when first asked for, so that
 # listing the names (`train --help`) imports nothing heavy. Each class's `name` is its key here (a test checks).
@@ -58,6 +61,8 @@ _BUILT_IN: dict[str, str] = {
     "gdpo": "gdpo:GDPO", "tracerl": "tracerl:TraceRL",
     # -- EBPO, JustGRPO, offline VRPO (the likelihood engine's family) --
     "ebpo": "ebpo:EBPO", "justgrpo": "justgrpo:JustGRPO", "vrpo_dpo": "vrpo_dpo:VRPODPO",
+    # -- CJ-GRPO --
+    "cj_grpo": "cj_grpo:CJGRPO",
 }
 # Every other public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
@@ -144,4 +149,6 @@ __all__ = [
     "available", "get", "group_advantages", "nearest_valid_n_t", "presets", "register", "zero_std_fraction",
     # -- EBPO, JustGRPO, offline VRPO --
     "EBPO", "EBPOConfig", "JustGRPO", "JustGRPOConfig", "VRPODPO", "VRPODPOConfig", "preference_batch",
+    # -- CJ-GRPO --
+    "CJGRPO", "CJGRPOConfig",
 ]
