@@ -191,6 +191,10 @@ class RolloutSettings(_Settings):
         if self.eos_schedule is not None and len(self.eos_schedule) != 2:
             raise ValueError(f"--eos-schedule takes two factors, GAMMA_MIN GAMMA_MAX (e.g. 0.01 1.0), got "
                              f"{self.eos_schedule!r}.")
+        if self.unmask_schedule == "ass" and self.steps is not None and self.steps != self.decoding_steps():
+            raise ValueError(f"--diffusion-steps {self.steps} does not fit --unmask-schedule ass, whose blocks of "
+                             f"{self.block_length} take floor(log2 {self.block_length}) steps each (2^s tokens at "
+                             f"step s): pass --diffusion-steps {self.decoding_steps()} or none.")
         if self.threshold is None and self.steps is None and self.unmask_schedule != "ass":
             raise ValueError("--diffusion-steps none needs --threshold (adaptive steps); give one of them.")
         if self.steps is not None:
