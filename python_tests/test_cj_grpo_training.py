@@ -43,6 +43,7 @@ def test_a_diffusion_step_count_ass_cannot_take_is_refused_before_any_work(tmp_p
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_plan_prices_the_ass_rollouts_steps_as_states(tmp_path):
     from dllm_fast.planning import plan_step
 
