@@ -23,7 +23,7 @@
 | ebpo | LLaDA2.1 (DARE's) | composite block ELBO, a noise level per (sample, block), n_t 16; block models | exp(E - E_old), clipped once | k1/k2/k3 on E (off) |
 | justgrpo | JustGRPO | exact left-to-right likelihood, one sample per position (block-1 rollouts) | token, two-sided eps | none |
 | vrpo_dpo | LLaDA 1.5 (offline VRPO) | ELBO, n_t 4, stratified counts; preference pairs, no rollout | none (DPO) | implicit (DPO) |
-| cj_grpo | CJ-GRPO | the rollout's own decoding states, every step (needs unmask_step) | token, two-sided eps | k3 per token |
+| cj_grpo | CJ-GRPO | the rollout's own decoding states, every step (unmask_step) | token, two-sided eps | k3 per token |
 """
 
 from __future__ import annotations

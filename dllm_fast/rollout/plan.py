@@ -13,7 +13,8 @@ from dllm_fast.rollout.cache import CachePolicy, cache_policy
 from dllm_fast.rollout.config import GenerateConfig
 from dllm_fast.rollout.remasking import Remasking, remasking_rule
 from dllm_fast.validation import (check_binary_mask, check_bool, check_choice, check_float, check_int,
-                                  check_same_device, check_temperature, check_threshold, data_checks_enabled, non_binary)
+                                  check_same_device, check_temperature, check_threshold, data_checks_enabled,
+                                  non_binary)
 
 
 @dataclass(frozen=True)
