@@ -24,7 +24,7 @@ step (LLaDA's even split, ASS); they differ under a threshold or on prompts of m
 preset="dare" (DARE's llada_dp_actor_cj_grpo.py with verl's loss): eps 0.2, dual clip 3, the GRPO z-score, no
 KL, normalization="transition". DARE's step_merge (one state per block, a skip-step approximation) is shrink=
 steps per block. The decoders CJ-GRPO rolls out with are generate's options unmask_schedule="ass" and eos_schedule
-(EOSER; the official (0.01, 1.0)): `train --unmask-schedule ass --eos-schedule 0.01 1.0`.
+(EOSER; the official (0.01, 1.0)): `train --unmask-schedule ass --diffusion-steps none --eos-schedule 0.01 1.0`.
 Separable: a sum of per-state terms, one scoring pass.
 """
 
