@@ -89,23 +89,13 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 import peer_code  # noqa: E402
 import peer_models  # noqa: E402
+import plan_peers  # noqa: E402
 from common import add_ratio, synchronize, time_interleaved, write_results  # noqa: E402
+from peer_settings import (D1_TEMPERATURE, DLLM_OPTIONS, KINDS, OFFICIAL_LOSSES, PRESETS, SDAR_THRESHOLD,  # noqa: E402
+                           STEP_GROUP, THRESHOLD, print_rows)
 
-KINDS = ("rollout", "update", "step", "head")
 ENV_PEERS = "DLLM_FAST_PEERS"
 
-# Shapes per preset. small: narrow LLaDA and SDAR models with a 2,048-token vocabulary (the peers take the mask
-# id as an argument), float64 on CPU so that agreement is exact, in about a minute; 8b: LLaDA-8B and SDAR-8B, bf16
-# on a GPU.
-PRESETS = {
-    "small": dict(llada="peers-small", sdar="peers-small", batch=2, prompt=16, gen=32, block=8, steps=16,
-                  sdar_prompt=16, sdar_gen=16, sdar_block=4, sequences=4, group=4, update_prompt=16, completion=64,
-                  inner_updates=2, old="perturbed", micro_batch=8, head_rows=256, head_d=128, head_vocab=8192),
-    "8b": dict(llada="llada-8b", sdar="sdar-8b", batch=2, prompt=200, gen=256, block=32, steps=128,
-               sdar_prompt=200, sdar_gen=256, sdar_block=4, sequences=2, group=2, update_prompt=200, completion=256,
-               inner_updates=2, old="policy", micro_batch=8, head_rows=8192, head_d=4096, head_vocab=126464),
-}
-STEP_GROUP = 4  # completions per prompt in the whole step (d1's recipe has 6)
 SMALL_VOCAB = dict(vocab_size=2048, mask_token_id=2047, eos_token_id=2046, eot_token_id=2045)
 LLADA_SMALL = dict(d_model=128, n_layers=2, n_heads=4, mlp_hidden_size=384, max_sequence_length=512,
                    pad_token_id=2046, **SMALL_VOCAB)
@@ -116,9 +106,6 @@ LOW_PRECISION_TOLERANCE = 2e-2  # the same in bf16 / fp32 (different kernels rou
 # The head's log-probs against plain PyTorch in the run's dtype: dllm_fast returns fp32 log-probs, so float64
 # agrees to fp32's rounding; bf16 to its own.
 HEAD_TOLERANCE = {True: 1e-5, False: 5e-2}
-THRESHOLD = 0.9
-SDAR_THRESHOLD = 0.85  # block_diffusion_generate's default confidence_threshold
-D1_TEMPERATURE = 0.9  # d1's train.yaml
 # Published H200 figures of the LM head kernels that cannot be carried to the GPU machine (issue 38: bf16, 8,192
 # rows, d 4,096, V 128,256; plain PyTorch at that shape: 1.33-1.37x their time).
 PUBLISHED_HEAD = [("liger cute (published)", 34e-3, 36e-3), ("quack chunked (published)", 34e-3, 36e-3)]
@@ -405,20 +392,6 @@ def official_losses(run: Run):
         torch.set_default_dtype(saved)
 
 
-# The official code per objective: (peer, file, class, methods, module-level functions the methods call).
-OFFICIAL_LOSSES = {
-    "diffu_grpo": ("d1", "diffu-grpo/diffu_grpo_trainer.py", "DiffuGRPOTrainer",
-                   ("compute_loss", "_get_per_token_logps", "forward_process", "get_logits", "generate",
-                    "add_gumbel_noise", "get_num_transfer_tokens"), ()),
-    "spg": ("spg", "spg/spg_trainer.py", "SPGTrainer",
-            ("compute_loss", "_get_per_seq_logps", "forward_process", "get_logits"), ()),
-    "espo": ("espo", "espo/espo_trainer.py", "ESPOTrainer",
-             ("compute_loss", "_get_elbo_mc", "_get_elbo", "get_logits", "_get_elbo_by_chunk"),
-             ("forward_process", "compute_approx_kl")),
-}
-# dllm_fast's options that reproduce each official code (README's objectives table), and the code's settings
-# (the official recipes: d1 train.yaml; SPG's mix recipe; ESPO's GSM8K recipe).
-DLLM_OPTIONS = {"diffu_grpo": {}, "spg": dict(normalization="token"), "espo": dict(advantage="leave_one_out")}
 ESPO_NUM_MC = 2  # n_t = 4: two complementary pairs
 
 
@@ -771,8 +744,6 @@ def head_rows(run: Run) -> list[dict]:
 
 def plan_rows(gpu: str, peers_dir: Path, kinds) -> list[dict]:
     """PLANNER ESTIMATES of the 8b preset's rows (benchmarks/plan_peers.py)."""
-    import plan_peers
-
     return plan_peers.estimates(gpu, peers_dir, kinds)
 
 
@@ -833,17 +804,6 @@ def run_kinds(run: Run, kinds, report: Callable[[list[dict]], None] = lambda row
         print(f"[{kind}: {time.perf_counter() - started:.1f} s]", file=sys.stderr, flush=True)
         report(rows)
     return rows
-
-
-def print_rows(rows: list[dict]) -> None:
-    columns = ["kind", "setting", "provider", "status", "seconds", "ratio", "agree"]
-    for r in rows:
-        extra = {k: v for k, v in r.items() if k not in columns}
-        values = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
-        seconds = f"{r['seconds']:.4g} s" if r.get("seconds") is not None else "-"
-        ratio = f"x{r['ratio']:.3g}" if r.get("ratio") is not None else ""
-        print(f"{r['kind']:8} {r['setting'][:44]:44} {r['provider'][:40]:40} {r['status'][:60]:8} {seconds:>10} "
-              f"{ratio:>7} agree={r.get('agree')}  {values}")
 
 
 def main(argv=None) -> list[dict]:

@@ -39,9 +39,9 @@ import torch
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-import bench_peers  # noqa: E402
 import peer_code  # noqa: E402
 import peer_models  # noqa: E402
+import peer_settings  # noqa: E402
 
 LABEL = "PLANNER ESTIMATE"
 FLOAT64_SOFTMAX_BYTES = 2 + 8 + 8 + 8  # per logit: read bf16, write fp64, the softmax's read and write
@@ -190,7 +190,7 @@ def rollout_estimates(gpu: str, shapes: dict, scale: dict[str, float]) -> list[d
     settings = [("no cache", "none", steps, "llada generate.py"),
                 ("prefix cache", "prefix", steps, "fast-dllm generate_with_prefix_cache"),
                 ("dual cache", "dual", steps, "fast-dllm generate_with_dual_cache"),
-                (f"dual cache, threshold {bench_peers.THRESHOLD}", "dual", G, "fast-dllm generate_with_dual_cache")]
+                (f"dual cache, threshold {peer_settings.THRESHOLD}", "dual", G, "fast-dllm generate_with_dual_cache")]
     llada_scale = scale.get("llada", 1.0)
     for setting, cache, n_steps, provider in settings:
         config = dict(gen_length=G, block_length=block, diffusion_steps=n_steps, cache=cache)
@@ -219,7 +219,7 @@ def sdar_estimates(gpu: str, shapes: dict, scale: dict[str, float]) -> list[dict
     rows = []
     B, P, G, block = shapes["batch"], shapes["sdar_prompt"], shapes["sdar_gen"], shapes["sdar_block"]
     for setting, steps in (("sdar greedy (one step a block)", G // block),
-                           (f"sdar sampled T=1, threshold {bench_peers.SDAR_THRESHOLD}", G)):
+                           (f"sdar sampled T=1, threshold {peer_settings.SDAR_THRESHOLD}", G)):
         config = dict(gen_length=G, block_length=block, diffusion_steps=steps, cache="block")
         ours, _ = planned_seconds(gpu, "sdar-8b", lambda m: dllm_fast.generate(
             m, prompts(B, P), gen_length=G, block_length=block, steps=steps, temperature=0.0, cache="block",
@@ -247,8 +247,8 @@ def update_estimates(gpu: str, shapes: dict) -> list[dict]:
 
     rows = []
     N, P, L, mb = shapes["sequences"], shapes["update_prompt"], shapes["completion"], shapes["micro_batch"]
-    for name, (peer, *_rest) in bench_peers.OFFICIAL_LOSSES.items():
-        setting, options = f"{name} ({peer})", bench_peers.DLLM_OPTIONS[name]
+    for name, (peer, *_rest) in peer_settings.OFFICIAL_LOSSES.items():
+        setting, options = f"{name} ({peer})", peer_settings.DLLM_OPTIONS[name]
         costs, peaks = {}, {}
         for provider in ("dllm_fast", "official"):
             s = session(gpu, "llada-8b", objective=name, options=options, micro_batch=mb)
@@ -287,13 +287,13 @@ def step_estimates(gpu: str, shapes: dict, rollout_rows: list[dict]) -> list[dic
     from dllm_fast.planning import plan_step
     from dllm_fast.train.config import TrainConfig
 
-    mu, G, P, L = shapes["inner_updates"], bench_peers.STEP_GROUP, shapes["prompt"], shapes["gen"]
+    mu, G, P, L = shapes["inner_updates"], peer_settings.STEP_GROUP, shapes["prompt"], shapes["gen"]
     setting = f"diffu_grpo step, G={G}, mu={mu}"
     rows = []
     for provider, cache in (("dllm_fast", "none"), ("dllm_fast dual cache", "dual")):
         config = TrainConfig(model="llada-8b", objective="diffu_grpo", prompts_per_step=1, group_size=G,
                              gen_length=L, block_length=shapes["block"], diffusion_steps=shapes["steps"], cache=cache,
-                             temperature=bench_peers.D1_TEMPERATURE, inner_updates=mu,
+                             temperature=peer_settings.D1_TEMPERATURE, inner_updates=mu,
                              micro_batch=shapes["micro_batch"], compile=False, bf16=False)
         plan = plan_step(config, gpu=gpu, prompt_length=P, weights_dtype="bfloat16", search=False)
         seconds = sum(p.costs.seconds for name, p in plan.phases.items() if p.runs and name != "optimizer step")
@@ -357,7 +357,7 @@ def head_estimates(gpu: str, shapes: dict) -> list[dict]:
 
 def estimates(gpu: str, peers_dir: Path | None = None, kinds=("rollout", "update", "step", "head")) -> list[dict]:
     """Every 8b row of bench_peers, estimated for `gpu` (see the module docstring)."""
-    shapes = bench_peers.PRESETS["8b"]
+    shapes = peer_settings.PRESETS["8b"]
     peers_dir = Path(peers_dir or peer_code.default_peers_dir())
     rows = []
     if "rollout" in kinds:
@@ -387,14 +387,14 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--gpu", default="h200")
     parser.add_argument("--peers", type=Path, default=None, help="the peers folder (for the official models' kernel "
                                                                  "counts; default: .gpu/peers/)")
-    parser.add_argument("--kinds", nargs="+", choices=bench_peers.KINDS, default=list(bench_peers.KINDS))
+    parser.add_argument("--kinds", nargs="+", choices=peer_settings.KINDS, default=list(peer_settings.KINDS))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rows = estimates(args.gpu, args.peers, args.kinds)
     if args.json:
         print(json.dumps(rows, indent=1, default=str))
     else:
-        bench_peers.print_rows(rows)
+        peer_settings.print_rows(rows)
     return rows
 
 

@@ -182,6 +182,12 @@ class GenerationResult:
     unmask_step: [B, G] int64, for each completion position the 0-based index of the denoising forward that
         unmasked it (the nfe count before that forward, counted across blocks); None unless the rollout was
         asked to record it (generate(record_unmask_step=True); TraceRL's trajectory order).
+    step_predictions: [B, K, G] int64 (K = nfe), MDPO's one-step predictions: at forward k, the canvas before it
+        with every masked completion position filled by the model's sample (argmax at T = 0); the canvas x_k itself
+        is the positions with unmask_step >= k masked. None unless generate(record_step_predictions=True).
+    step_confidence: [B, K, G] float32, the sampled tokens' confidences at those masked positions (as the sampler
+        ranks them: softmax of the unscaled logits), 0 at the positions already decoded before forward k; None
+        unless recorded.
     """
 
     sequences: torch.Tensor
@@ -190,6 +196,8 @@ class GenerationResult:
     nfe: int
     attention_mask: torch.Tensor | None = None
     unmask_step: torch.Tensor | None = None
+    step_predictions: torch.Tensor | None = None
+    step_confidence: torch.Tensor | None = None
 
     @property
     def prompt_length(self) -> int:

@@ -78,6 +78,12 @@ def _hint(hint: str) -> str:
     return f" ({hint})" if hint else ""
 
 
+def nearest_multiples(value: int, unit: int) -> tuple[int, ...]:
+    """The multiples of `unit` nearest `value`, below (when above 0) and above: what an error message offers."""
+    lower = value // unit * unit
+    return (lower, lower + unit) if lower else (lower + unit,)
+
+
 def check_same_device(where: str, **tensors: torch.Tensor | None) -> torch.device:
     """Every given tensor (None skipped) on one real device, the first one's; returns that device. A tensor on
     meta holds no data, and one on another device would win the dispatch, so each is named."""

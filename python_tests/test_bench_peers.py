@@ -156,6 +156,7 @@ def test_a_wheel_in_the_peers_folder_is_imported_unless_installed(tmp_path, monk
             sys.modules["einops"] = saved
 
 
+@pytest.mark.slow  # bash and a fresh python, about 10 s on 2 cores
 def test_pack_peers_copies_only_the_files_read(tmp_path):
     checkout = tmp_path / "src" / "ML-GSAI+LLaDA"
     checkout.mkdir(parents=True)

@@ -24,7 +24,7 @@ def kernels_per_step(layers: int, by_op: dict | None = None, dtype=torch.float32
     return bench_rollout.count_step_kernels(lambda: dllm_fast.generate(model, ids, mask, **run), by_op)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("cache", ["none", "dual"])
 def test_eager_kernels_grow_by_one_layers_worth_per_layer(cache, dtype, one_thread):
     """Each layer adds the same kernels, at most 15 (issue 29: at most 20): 2 RMSNorms (one kernel each on a GPU;

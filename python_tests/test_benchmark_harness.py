@@ -27,6 +27,7 @@ def row_count(result):
     return {"value": result}
 
 
+@pytest.mark.slow  # a fresh python process that imports torch
 def test_fresh_process_counts_the_run_not_the_setup(one_thread):
     provider = Provider("alloc", setup=hold_32_mib, run=allocate_64_mib)
     out = common.measure_in_fresh_process(provider, {"device": "cpu"}, repeats=2, summarize=row_count)

@@ -12,7 +12,8 @@ from dllm_fast.contracts import RolloutBatch
 from dllm_fast.likelihood import sample_masks
 from dllm_fast.models import LLaDAConfig, LLaDAModel, SDARConfig, SDARModel
 from dllm_fast.reference import sdar as reference
-from dllm_fast.rollout.step import denoise_step
+from dllm_fast.rollout.blocks import AFTER_COMPLETION, Layout, _row_base
+from dllm_fast.rollout.step import denoise_step, position_words
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,6 +110,7 @@ def test_the_decoding_order_is_recorded_block_by_block_for_tracerl():
 
 
 @pytest.mark.compile
+@pytest.mark.slow  # torch.compile, about 15 s a case on 2 cores
 @pytest.mark.parametrize("cache, full_last_block", [("block", False), ("none", False), ("block", True)])
 def test_the_compiled_step_gives_eager_tokens_and_compiles_once_per_kind_of_step(cache, full_last_block, monkeypatch):
     """Compiled (aot_eager: dynamo's capture without code generation) with fullgraph: one graph per fed width
@@ -239,7 +241,7 @@ def test_the_issues_batch_runs_eleven_forwards_for_eight_tokens():
 @pytest.mark.parametrize("lengths, gen_length, block, steps", [
     ([8, 8], 8, 4, 8), ([6, 6], 8, 4, 8), ([5, 6], 8, 4, 8), ([8, 8], 8, 8, 8), ([5, 12, 9], 12, 4, 6),
     ([7, 7, 7], 16, 4, 4)])
-@pytest.mark.parametrize("full_last_block", [False, True])
+@pytest.mark.parametrize("full_last_block", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_on_the_planners_constant_prompts_the_forward_count_is_the_real_one(lengths, gen_length, block, steps,
                                                                               full_last_block):
     """Issue 40 item 4: on fake tensors the planner counted 12 or 16 forwards for an SDAR rollout whose real run
@@ -308,16 +310,76 @@ def test_full_last_block_is_a_boolean_and_the_default_is_the_completions_end():
 
 @pytest.mark.parametrize("full_last_block", [False, True])
 def test_every_decoded_position_of_a_batch_has_its_own_noise_word(full_last_block):
-    """Two positions with one word would draw one Gumbel noise: a full last block's extra positions are moved past
-    every row's completion words, which stay the default's."""
-    from dllm_fast.rollout.blocks import Layout, _row_base
-    from dllm_fast.rollout.step import position_words
-
+    """Two positions with one word would draw one Gumbel noise: a full last block's extra positions are set apart
+    from every row's completion words (a flag bit), which stay the default's."""
     ids, mask = mixed_prompts([3, 4, 5, 6, 7, 8, 9, 10])
     layout = Layout.of(ids, mask, 8, 4, read=True, full_last_block=full_last_block)
     columns = torch.arange(layout.width)[None].expand(8, -1)
     words = position_words(_row_base(layout, 8, 4, full_last_block), columns)
     decoded = words[layout.decoded]
-    assert decoded.unique().numel() == decoded.numel() and (decoded >= 0).all() and (decoded < 2**32).all()
+    assert decoded.unique().numel() == decoded.numel() and (decoded >= 0).all()
+    # Below 2^32 but for the after-completion flag, which the step word (bits 32 and up) never reaches.
+    assert ((decoded & ~AFTER_COMPLETION) < 2**32).all() and (decoded[decoded >= 2**32] >= AFTER_COMPLETION).all()
     default = position_words(_row_base(layout, 8, 4), columns)
     assert torch.equal(words.gather(1, layout.completion_columns), default.gather(1, layout.completion_columns))
+
+
+@pytest.mark.parametrize("full_last_block", [False, True])
+@pytest.mark.parametrize("gen_length", [4, 6, 8, 12])
+def test_a_rows_noise_words_do_not_depend_on_the_rows_after_it(full_last_block, gen_length):
+    """Issue 45 item 4: row n of a batch draws the noise it draws in any batch that holds the same first n + 1
+    rows, whatever follows (a full last block's extra positions were keyed past the whole batch's completions)."""
+    ids, mask = mixed_prompts([3, 4, 5, 6, 7, 8, 9, 10], P=10)
+    words = []
+    for B in range(1, 9):
+        layout = Layout.of(ids[:B], mask[:B], gen_length, 4, read=True, full_last_block=full_last_block)
+        columns = torch.arange(layout.width)[None].expand(B, -1)
+        words.append(position_words(_row_base(layout, gen_length, 4, full_last_block), columns)
+                     .masked_fill(~layout.decoded, -1))
+    for B in range(1, 8):  # the canvas widens with the rows' shifts; row n decodes within its own width
+        assert torch.equal(words[B][:B, :words[B - 1].shape[1]], words[B - 1]), B
+
+
+def alone_and_among_copies(model, seeds, full_last_block, copies=3):
+    """How many of `seeds` give a prompt (of 2 to 7 tokens, so its completion ends anywhere in a block) another
+    sample alone than as row 0 of `copies` copies of itself, at T = 1."""
+    differ = 0
+    for seed in seeds:
+        ids = torch.randint(0, 120, (1, 2 + seed % 6), generator=torch.Generator().manual_seed(seed))
+        options = dict(gen_length=8, block_length=4, steps=8, temperature=1.0, full_last_block=full_last_block)
+        alone, among = (dllm_fast.generate(model, batch, None, generator=torch.Generator().manual_seed(seed),
+                                           **options).completion_ids[0]
+                        for batch in (ids, ids.expand(copies, -1).contiguous()))
+        differ += not torch.equal(alone, among)
+    return differ
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("full_last_block", [False, True])
+def test_a_prompt_samples_alone_what_it_samples_as_row_0_of_copies(full_last_block):
+    """Issue 45 item 4 (SDAR: 5 of 12 seeds differed with full_last_block): generate's promise that a row's sample
+    does not depend on its batch, over 12 seeds."""
+    assert alone_and_among_copies(sdar(), range(12), full_last_block) == 0
+
+
+@pytest.mark.parametrize("gen_length", [5, 7])
+@pytest.mark.parametrize("full_last_block", [False, True])
+def test_any_gen_length_decodes_as_the_decoder_that_recomputes_every_block(gen_length, full_last_block):
+    """Issue 45 item 7: the official generate takes any gen_length; so does a block-diffusion model's: its last
+    block partial (or whole with full_last_block), steps a multiple of the blocks rounded up; the forwards stay
+    within max_block_forwards and bound unmask_step."""
+    from dllm_fast.rollout.blocks import max_block_forwards
+    from dllm_fast.rollout.plan import check_generate_config
+
+    model = sdar()
+    ids, mask = prompts(B=4)
+    for schedule in (dict(steps=4), dict(steps=8, threshold=0.05), dict(threshold=0.1)):
+        config = dllm_fast.GenerateConfig(gen_length=gen_length, block_length=4, full_last_block=full_last_block,
+                                          **schedule)
+        out = dllm_fast.generate(model, ids, mask, config=config, record_unmask_step=True)
+        expected = naive(model, ids, mask, gen_length=gen_length, full_last_block=full_last_block, **schedule)
+        assert torch.equal(out.completion_ids, expected), schedule
+        bound = max_block_forwards(check_generate_config(model, config), gen_length, 4)
+        assert (out.unmask_step < out.nfe).all() and out.nfe <= bound
+    with pytest.raises(ValueError, match=r"steps=3 is not a multiple of the number of blocks 2 .*rounded up"):
+        dllm_fast.generate(model, ids, mask, gen_length=gen_length, block_length=4, steps=3)

@@ -513,3 +513,22 @@ def test_integer_weights_are_refused_naming_the_model_family(tmp_path, family):
                                          r"point .* dllm_fast loads no quantized checkpoint") as error:
         cls.from_pretrained(tmp_path)
     assert family == "llada" or "LLaDA" not in str(error.value)
+
+
+@pytest.mark.parametrize("family, preset, loaded", [  # each family, each way a loaded config names its dtype
+    ("LLaDA2", "llada2-tiny", {"dtype": "bfloat16"}), ("SDAR", "sdar-tiny", {"torch_dtype": "bfloat16"}),
+    ("Dream", "dream-tiny", {"torch_dtype": "bfloat16", "dtype": "bfloat16"}), ("LLaDA", "tiny", {})], ids=str)
+def test_the_saved_config_says_the_dtype_the_weights_were_saved_in(tmp_path, family, preset, loaded):
+    """Issue 45 item 7: an fp32 save of a bf16 checkpoint wrote the loaded config's "dtype": "bfloat16", so the
+    official from_pretrained(dtype="auto") read the fp32 weights as bf16. Each dtype field the loaded config had
+    (else torch_dtype) now says the dtype that holds most of the saved weights."""
+    import dllm_fast.models as models
+
+    cls, config_class = getattr(models, family + "Model"), getattr(models, family + "Config")
+    config = dataclasses.replace(config_class.preset(preset), extra=dict(loaded))
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        cls.with_random_weights(config, dtype=dtype, seed=0).save_pretrained(tmp_path / str(dtype))
+        saved = json.loads((tmp_path / str(dtype) / "config.json").read_text())
+        fields = {key: saved[key] for key in ("dtype", "torch_dtype") if key in saved}
+        name = str(dtype).removeprefix("torch.")
+        assert fields == ({key: name for key in loaded} or {"torch_dtype": name}), dtype

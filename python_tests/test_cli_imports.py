@@ -40,11 +40,13 @@ def test_train_help_imports_no_compiler_op_sampler_or_engine():
         assert all(name in seen["help"] for name in names), names
 
 
+@pytest.mark.slow  # fresh interpreters, about 10 s on 2 cores
 def test_an_objectives_own_help_still_lists_its_options():
     seen = imported_by("train", "--objective", "spg", "--help")
     assert "omega" in seen["help"] and "sudoku" in seen["help"]
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_importing_the_sampler_module_first_leaves_generate_a_function():
     """A lazy package attribute named like one of its submodules is hidden by that submodule once it is imported
     directly: `dllm_fast.generate` was the module `dllm_fast.rollout.generate` whenever a caller (a test patching

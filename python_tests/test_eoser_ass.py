@@ -13,7 +13,7 @@ import dllm_fast
 from dllm_fast import reference
 from dllm_fast.models import LLaDA2Config, LLaDA2Model, LLaDAConfig, LLaDAModel, SDARConfig, SDARModel
 from dllm_fast.reference import eoser_ass, llada2 as reference_llada2, sdar as reference_sdar
-from dllm_fast.rollout import eos_factors, unmask_counts
+from dllm_fast.rollout import Resume, eos_factors, unmask_counts
 from dllm_fast.rollout.plan import ass_steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -94,6 +94,41 @@ def test_ass_unmasks_two_to_the_s_tokens_at_step_s():
                              temperature=1.0, generator=torch.Generator().manual_seed(0), record_unmask_step=True)
     per_step = torch.stack([(out.unmask_step == s).sum(dim=1) for s in range(out.nfe)], dim=1)
     assert per_step.tolist() == [[1, 2, 5, 1, 2, 5]] * 2
+
+
+@pytest.mark.parametrize("sampler", [dllm_fast.generate, reference.generate], ids=["fused", "reference"])
+def test_ass_rollouts_resume_at_ass_counts(sampler):
+    """resume=Resume(...) under ASS: a canvas stopped inside a block holds ASS's counts (1 + 2 of a block of 8 after
+    two steps; even's would be 3 + 3), and resuming there decodes the uninterrupted greedy tokens."""
+    model = llada()
+    ids, mask = padded_prompts(2, 5)
+    run = dict(gen_length=16, block_length=8, unmask_schedule="ass", eos_schedule=EOSER)  # 3 steps a block
+    whole = sampler(model, ids, mask, **run)
+    for stop, masked in ((2, 16 - 3), (4, 16 - 8 - 1)):
+        part = sampler(model, ids, mask, resume=Resume(num_steps=stop), **run)
+        assert (part.completion_ids == model.mask_token_id).sum(dim=1).tolist() == [masked] * 2
+        rest = sampler(model, ids, mask, resume=Resume(part.sequences, stop), **run)
+        assert torch.equal(rest.sequences, whole.sequences), stop
+
+
+def test_ass_on_a_partial_last_block_equals_the_twin():
+    """gen_length not a multiple of the block (main's partial last block): ASS takes ceil(G / b) blocks of
+    floor(log2 b) steps, the partial block running its schedule until it is decoded, as the twin does."""
+    build, twin, weights = BLOCK_MODELS["sdar"]
+    torch.manual_seed(1)
+    model = build().eval()
+    b = model.block_length
+    ids, mask = padded_prompts(2, 9, pad=model.eos_token_id)
+    G = 2 * b + b // 2
+    fused = dllm_fast.generate(model, ids, mask, gen_length=G, block_length=b, cache="block",
+                               unmask_schedule="ass", eos_schedule=EOSER)
+    expected = twin.generate(weights(model), model.config, ids, mask, gen_length=G, mask_token_id=model.mask_token_id,
+                             eos_token_id=model.eos_token_id, unmask_schedule="ass", eos_schedule=EOSER)
+    assert torch.equal(fused.completion_ids, expected)
+    with pytest.raises(ValueError, match=rf"3 block\(s\) \(gen_length / block_length, rounded up\) take "
+                                         rf"steps={3 * ass_steps(b)}"):
+        dllm_fast.generate(model, ids, mask, gen_length=G, block_length=b, unmask_schedule="ass",
+                           steps=2 * ass_steps(b))
 
 
 # Each family's tiny model with its EOS a token its greedy completions are full of, its twin and its weights.

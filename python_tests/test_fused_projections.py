@@ -318,6 +318,7 @@ def test_rms_norm_rounds_before_the_scale_in_bf16():
 
 
 @pytest.mark.compile
+@pytest.mark.slow  # torch.compile, about 15 s on 2 cores
 def test_lora_rollouts_compile_whole_and_equal_eager(loaded, one_thread):
     """A LoRA-adapted model's denoising step still compiles whole (fullgraph; the wrappers get their base rows
     as a keyword) and gives eager's tokens."""

@@ -279,7 +279,9 @@ def test_kv_cache_reproduces_the_full_forward(device):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(gen_length=10, block_length=4, steps=4), "gen_length=10 is not a multiple of block_length=4"),
+        (dict(gen_length=10, block_length=4, steps=4),
+         "gen_length=10 is not a multiple of block_length=4.*pass gen_length=8 or gen_length=12"),
+        (dict(gen_length=3, block_length=4, steps=4), r"gen_length=3 is not .*pass gen_length=4, or a block_length"),
         (dict(gen_length=8, block_length=4, steps=3), "steps=3 is not a multiple of the number of blocks 2"),
         (dict(gen_length=8, block_length=4, steps=4, threshold=0.9), "steps=4 is ignored when threshold"),
         (dict(gen_length=8, block_length=4), "steps=None must be an int >= 1"),

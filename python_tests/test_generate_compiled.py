@@ -50,7 +50,8 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# One configuration in the fast suite; the others (about 10 s each on 2 cores) are slow.
+@pytest.mark.parametrize("name", [n if n == "none" else pytest.param(n, marks=pytest.mark.slow) for n in CONFIGS])
 def test_the_step_compiles_whole_once_per_kind_of_step(name, fresh_dynamo, monkeypatch, one_thread):
     """Warm-up: the first call compiles one graph per kind of step (3 blocks of 3 or more steps: one graph for all).
     Then 3 calls with other prompts and seeds compile nothing (error_on_recompile) and reuse the first call's

@@ -89,8 +89,9 @@ def test_keywords_over_a_config_override_its_fields(monkeypatch):
     assert checked[1] == GenerateConfig(**{**BASE, "steps": None}, temperature=1.0, threshold=0.9)
 
 
-def test_the_config_is_frozen_and_generate_takes_at_most_8_parameters():
-    assert len(inspect.signature(dllm_fast.generate).parameters) <= 8
+def test_the_config_is_frozen_and_generate_takes_at_most_9_parameters():
+    # 9: the records beside the config (record_unmask_step, MDPO's record_step_predictions) and d-TreeRPO's resume
+    assert len(inspect.signature(dllm_fast.generate).parameters) <= 9
     assert len(inspect.signature(reference.generate).parameters) <= 8
     with pytest.raises(dataclasses.FrozenInstanceError):
         GenerateConfig(**BASE).steps = 8

@@ -20,9 +20,11 @@ def fake_llada_8b():
     return mode, model
 
 
-@pytest.mark.parametrize("cache, schedule", [("none", dict(steps=4)), ("prefix", dict(steps=4)),
-                                             ("dual", dict(steps=4)),
-                                             ("dual", dict(threshold=0.9, assumed_steps_per_block=3))])
+# The other caches and the threshold schedule at 8B shapes are slow (about 8 s each on 2 cores).
+@pytest.mark.parametrize("cache, schedule", [("none", dict(steps=4))] + [
+    pytest.param(cache, schedule, marks=pytest.mark.slow)
+    for cache, schedule in [("prefix", dict(steps=4)), ("dual", dict(steps=4)),
+                            ("dual", dict(threshold=0.9, assumed_steps_per_block=3))]])
 def test_generate_runs_at_llada_8b_shapes_on_fake_tensors(fake_llada_8b, cache, schedule):
     mode, model = fake_llada_8b
     assert isinstance(model.lm_head_weight, FakeTensor) and model.lm_head_weight.dtype == torch.bfloat16

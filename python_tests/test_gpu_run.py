@@ -78,6 +78,7 @@ def test_the_script_parses_and_records_the_machine():
         assert recorded in text.split("t build", 1)[0]
 
 
+@pytest.mark.slow  # 8B shapes on fake tensors, about 10 s on 2 cores
 def test_the_8b_training_steps_configuration_validates(tmp_path):
     """The whole-step command (issue 29 item 5) is a configuration train accepts: every flag parses and the
     TrainConfig validates as train checks it before loading anything (the tokenizer, written on the GPU host,

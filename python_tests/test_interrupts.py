@@ -105,6 +105,10 @@ def test_an_interrupt_at_any_point_of_any_objective_leaves_gradients_bit_identic
     gen = torch.Generator().manual_seed(5)
     failures = []
     for name in objectives.available():
+        if name == "mdpo":  # trains on its StepBatch (test_mdpo.py): the same all-or-nothing backward
+            continue
+        if name == "d_treerpo":  # trains on a TreeBatch of tree edges (python_tests/test_d_treerpo.py)
+            continue
         chosen = objective(name)
         masks = chosen.draw_masks(batch, generator=torch.Generator().manual_seed(1), eos_token_id=model.eos_token_id)
         update = objectives.InnerUpdate(masks)

@@ -93,6 +93,7 @@ def test_the_micro_batch_loop_allocates_the_gradients_once_and_no_gradient_sized
     assert abs(peaks[8] - peaks[1]) < head_bytes(model) // 8, peaks
 
 
+@pytest.mark.slow  # every objective traced, about 15 s on 2 cores
 def test_an_objective_update_allocates_no_gradient_sized_temporary():
     model = wide_vocabulary_model()
     sequences = rollouts(model)

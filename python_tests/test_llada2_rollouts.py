@@ -16,6 +16,7 @@ from dllm_fast.models import LLaDA2Config, LLaDA2Model
 from dllm_fast.models.moe import grouped_mm_available
 from dllm_fast.reference import llada2 as reference
 from dllm_fast.rollout.step import denoise_step
+from test_block_rollouts import alone_and_among_copies
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -122,6 +123,7 @@ def test_eos_early_stop_keeps_every_completion_up_to_its_eos_and_skips_the_rest(
 
 
 @pytest.mark.compile
+@pytest.mark.slow  # torch.compile, about 20 s on 2 cores
 def test_the_compiled_step_gives_eager_tokens_with_grouped_gemm_experts(monkeypatch):
     """Compiled (aot_eager, fullgraph: the experts' grouped GEMM has no host sync), the tokens are eager's (which
     uses the sorted batched GEMMs on CPU)."""
@@ -159,3 +161,11 @@ def test_a_moe_layer_launches_a_fixed_number_of_eager_kernels():
     assert by_op.get("aten::_grouped_mm", by_op.get("aten::bmm")) == 2, by_op
     if grouped_mm_available():
         assert total == bench_moe_rollout.MOE_LAYER_KERNELS, (total, by_op)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("full_last_block", [False, True])
+def test_a_prompt_samples_alone_what_it_samples_as_row_0_of_copies(full_last_block):
+    """Issue 45 item 4 (LLaDA2: 2 of 12 seeds differed with full_last_block, as the official generate decodes):
+    generate's promise that a row's sample does not depend on its batch, over 12 seeds."""
+    assert alone_and_among_copies(llada2(), range(12), full_last_block) == 0

@@ -65,6 +65,10 @@ def papers_rule(sampler, quadrature_points, n_t):
         return n_t == 1
     if sampler == "autoregressive":  # JustGRPO: a sample per completion position; n_t stays 1
         return n_t == 1
+    if sampler == "recorded_state":  # MDPO: each row is one recorded decoding state
+        return n_t == 1
+    if sampler == "tree_edge":  # d-TreeRPO: each tree edge scored once, on its parent's canvas
+        return n_t == 1
     return True
 
 

@@ -27,8 +27,8 @@ OLD_FIELDS = [
     "resume", "overwrite", "eval_every", "eval_gen_lengths", "eval_examples", "eval_batch_size", "plot", "progress"]
 
 # Settings added after the nesting (issue 40: a checkpoint's links out of its folder, SDAR's whole last block;
-# issue 38: rollouts through merged LoRA adapters).
-NEW_FIELDS = ["allow_external_links", "full_last_block", "lora_merge_rollouts", "rollout_weights",
+# issue 38: rollouts through merged LoRA adapters; issue 46: the rollout's weights, expert parallelism).
+NEW_FIELDS = ["allow_external_links", "expert_parallel", "full_last_block", "lora_merge_rollouts", "rollout_weights",
               "unmask_schedule", "eos_schedule"]  # issue 44: CJ-GRPO's decoders
 
 # One non-default value of every setting, by flat key, and where the nested config holds it.
@@ -42,7 +42,7 @@ CHANGED = {"objective": "bgpo", "objective_options": {"n_t": 4}, "model": "tiny"
            "checkpoint_every": 3, "eval_every": 4, "eval_gen_lengths": [32, 64], "eval_examples": 8,
            "eval_batch_size": 16, "plot": False, "progress": False, "threads": 1, "output_dir": "runs/nested",
            "allow_external_links": True, "full_last_block": True, "rollout_weights": "sharded",
-           "unmask_schedule": "ass", "eos_schedule": [0.01, 1.0]}
+           "expert_parallel": 2, "unmask_schedule": "ass", "eos_schedule": [0.01, 1.0]}
 WHERE = {"objective": ("objective", "name"), "objective_options": ("objective", "options"), "model": ("model", "name"),
          "steps": ("run", "steps"), "diffusion_steps": ("rollout", "steps"), "lr": ("optim", "lr"),
          "lora": ("lora", "enabled"), "lora_rank": ("lora", "rank"), "lora_targets": ("lora", "targets"),
@@ -125,7 +125,8 @@ def test_rollout_settings_are_generate_configs_fields():
     (lambda: TrainConfig(run=3), TypeError, r"run = 3 must be a mapping of the run settings"),
     (lambda: TrainConfig(rollout={"gen_length": 30}), ValueError, r"--gen-length 30 is not a multiple of "
                                                                   r"--block-length 24"),
-    (lambda: TrainConfig(gen_length=30), ValueError, r"--gen-length 30 is not a multiple of --block-length 24"),
+    (lambda: TrainConfig(gen_length=30), ValueError, r"--gen-length 30 is not a multiple of --block-length 24; "
+                                                     r"pass --gen-length 24 or --gen-length 48"),
     (lambda: TrainConfig(optim=OptimSettings(lr=1e-4), lr="fast"), TypeError, r"--lr = 'fast' must be a number"),
     (lambda: EvalSettings(gen_lengths=[]), ValueError, r"--eval-gen-lengths must list at least one"),
     (lambda: ObjectiveSettings(name="nope"), ValueError, r"--objective 'nope' is not one of"),

@@ -283,6 +283,7 @@ def test_the_fourth_h200_run_is_predicted_by_the_first_runs_fit():
 
 
 @pytest.mark.parametrize("cache", ["dual"])
+@pytest.mark.slow  # the profiler over a whole rollout, about 10 s on 2 cores
 def test_planned_kernels_per_step_match_the_profilers_count(cache):
     """The planner's eager kernels per denoising step against bench_rollout's count of the same call on the
     profiler's CPU trace (`count_step_kernels`: the rule that matched the H200's count within 1%), within 10%: the

@@ -244,6 +244,7 @@ def planned(world: int):
     return plan_step(config(), gpu="h200", prompt_length=8, search=False, world=world)
 
 
+@pytest.mark.slow  # several planned steps, about 10 s on 2 cores
 def test_a_rank_plans_its_share_and_counts_its_model_calls():
     """2 GPUs of a 4-prompt step: each rank rolls out 2 prompts x G = 2 rows (4 denoising forwards of 16 tokens
     each), on bf16 weights (FSDP2's gathers); its update is one backward; the per-GPU shards are the tiny model's

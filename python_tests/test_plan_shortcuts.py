@@ -221,6 +221,7 @@ def test_tolist_of_the_steps_data_is_one_host_read():
         assert value == [] and phase.costs.syncs == 0
 
 
+@pytest.mark.slow  # whole replayed steps, about 10 s on 2 cores
 def test_replayed_calls_link_parameters_only_while_they_have_no_gradient():
     """With LoRA, a replayed forward of the whole model takes only the adapters' parameters still without a
     gradient into the graph (or one, to stay in it), and its backward costs what running it costs."""

@@ -114,6 +114,7 @@ def train_with_reward(tmp_path, monkeypatch, convert):
                              output_dir=str(tmp_path / "run")))
 
 
+@pytest.mark.slow  # a training run per reward type, about 10 s on 2 cores
 def test_the_trainer_takes_numpy_and_torch_scalar_rewards(tmp_path, monkeypatch):
     result = train_with_reward(tmp_path, monkeypatch, lambda r: np.float32(r) if r < 0.5 else torch.tensor(r))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

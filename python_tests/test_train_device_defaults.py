@@ -105,6 +105,7 @@ def test_the_size_check_counts_the_weights_in_the_dtypes_they_are_kept_in(monkey
                                    training_precision(config, "cuda"))
 
 
+@pytest.mark.slow  # a LoRA training run, about 10 s on 2 cores
 def test_a_bf16_lora_run_keeps_its_base_in_bf16_and_saves_fp32_adapters(tmp_path):
     """--bf16 true on CPU runs the CUDA default's precision for real: the base bf16, the adapters fp32 (trained
     and saved as trained), and the adapters move."""

@@ -227,6 +227,20 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                              "`python -m dllm_fast train --objective vrpo_dpo --task sudoku4_pairs` (or --task "
                              "pairs_jsonl), or call Objective.backward on objectives.preference_batch(...) in your "
                              "own loop.")
+        if getattr(objective, "needs_step_predictions", False):  # MDPO rewards every denoising step
+            raise ValueError(f"objective {objective.name!r} rewards the model's one-step prediction at every "
+                             "denoising step (K reward calls per rollout) and trains on the steps with the largest "
+                             "advantage, but GRPOTrainer scores only the final completions with its reward "
+                             "functions: train it with `python -m dllm_fast train --objective mdpo`, or in your own "
+                             "loop: generate(..., record_step_predictions=True), reward each step's prediction, "
+                             "MDPO.step_batch(...) and Objective.backward.")
+        if getattr(objective, "tree_shape", None) is not None:  # d_treerpo
+            raise ValueError(f"objective {objective.name!r} trains on the edges of tree rollouts (each prompt's "
+                             "partial rollouts branching at fixed steps, rewarded at the leaves: rollout/tree.py); "
+                             "GRPOTrainer generates G independent completions per prompt and cannot branch them: "
+                             f"train it with `python -m dllm_fast train --objective {objective.name}`, or call "
+                             "Objective.backward on objectives.tree_batch(rollout.tree.tree_rollout(...), ...) in "
+                             "your own loop.")
         objective.check_model(model)  # e.g. EBPO's block samplers need a block-diffusion model
         if args is not None:
             check_trl_config(args)

@@ -541,3 +541,71 @@ register_sampler("block_cells", _block_cells, model_blocks=True)
 register_sampler("block_row_t", _block_row_t, model_blocks=True)
 register_sampler("autoregressive", _autoregressive, n_t_rule=_positions, random=False, data_n_t=True)
 register_sampler("stratified_linspace", _stratified_linspace)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MDPO's sampler (objectives/mdpo.py)
+#
+# - ``recorded_state``: one sample per row, a decoding state the rollout recorded: the completion positions whose
+#   `unmask_step` is 0 are the state's given tokens, every later one (unmask_step >= 1) is masked and read. MDPO's
+#   step batch re-bases each row's steps on the state it trains on (objectives.mdpo: a row is the rollout's canvas
+#   before forward t, with unmask_step - t + 1 clamped at 0), so the sample is the canvas x_t exactly, and the
+#   sequence scored is x_hat_t, the model's one-step prediction there. Like ``trajectory`` it reveals the given
+#   non-counted positions (the state is the rollout's own); w = 1, t = the masked fraction of counted positions.
+#   Deterministic.
+
+
+def _recorded_state(uniform: Uniform, canvas: Canvas, spec) -> Drawn:
+    counted, unmask_step = canvas.counted, canvas.unmask_step
+    if unmask_step is None:
+        raise ValueError("sampler='recorded_state' reads the state from unmask_step (0: given, >= 1: masked); "
+                         "build the batch with objectives.mdpo's step_batch (from generate(..., "
+                         "record_step_predictions=True)).")
+    masked = (unmask_step.to(counted.device) >= 1)[:, None, :]
+    chosen = masked & counted[:, None, :]
+    N = counted.shape[0]
+    weight = torch.ones(N, 1, dtype=torch.float64, device=counted.device)
+    t = chosen.sum(-1).double() / _row_lengths(counted)
+    return Drawn(chosen, weight, t, completion_masked=masked, target=chosen)
+
+
+def _one_state(spec) -> NTRule:
+    return NTRule(largest=1, message="n_t={n_t} does not apply with sampler='recorded_state': each row is one "
+                                     "recorded decoding state; leave n_t at 1.")
+
+
+register_sampler("recorded_state", _recorded_state, n_t_rule=_one_state, random=False, data_n_t=True)
+# d-TreeRPO's sampler (objectives/d_treerpo.py)
+#
+# - ``tree_edge`` (d-TreeRPO's per-edge transition, THU-BPM dtreerpo_trainer.py L165-214): each sequence is one
+#   edge of a tree rollout (rollout/tree.py), its child's canvas, and `unmask_step` gives each completion
+#   position's stage relative to the edge: 0 decoded before it (visible in the parent), 1 decoded by it and read,
+#   2 masked in the parent and not read (still masked in the child, or decoded after the child's first EOS). The
+#   one sample masks stages 1 and 2, which is the parent's canvas, and reads stage 1: lp_i = log p(child_i |
+#   parent), one forward on the parent. Weight 1, n_t 1, deterministic. Scoring also returns lp at the masked
+#   stage-2 positions (the token the batch holds there), which the estimate ignores.
+
+
+def _tree_edge(uniform: Uniform, canvas: Canvas, spec) -> Drawn:
+    stage, counted = canvas.unmask_step, canvas.counted
+    if stage is None:
+        raise ValueError("sampler='tree_edge' scores the edges of a tree rollout: pass unmask_step, each position's "
+                         "stage relative to its edge (objectives.d_treerpo.tree_batch builds it).")
+    if tuple(stage.shape) != tuple(counted.shape) or bool(((stage < 0) | (stage > 2)).any()):
+        raise ValueError(f"sampler='tree_edge' needs unmask_step [N, L] = {list(counted.shape)} of edge stages 0, 1 "
+                         "or 2 (before the edge, decoded by it, masked and not read).")
+    stage = stage.to(counted.device)
+    chosen = ((stage == 1) & counted)[:, None, :]
+    completion_masked = (stage >= 1)[:, None, :] | ~counted[:, None, :]
+    N = counted.shape[0]
+    weight = torch.ones((N, 1), dtype=torch.float64, device=counted.device)
+    t = (completion_masked & counted[:, None, :]).sum(-1).double() / _row_lengths(counted)
+    return Drawn(chosen, weight, t, completion_masked=completion_masked, target=chosen)
+
+
+def _one_edge(spec) -> NTRule:
+    return NTRule(largest=1, message="n_t={n_t} does not apply with sampler='tree_edge': each edge is scored once, "
+                                     "on its parent's canvas; leave n_t at 1.")
+
+
+register_sampler("tree_edge", _tree_edge, n_t_rule=_one_edge, random=False)

@@ -315,10 +315,30 @@ def save_checkpoint(model, path, *, max_shard_size: int, tokenizer=None) -> None
                 "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                 "weight_map": {key: name for name, shard in zip(names, shards) for key in shard},
             })
-        _write_json(staging / "config.json", model.config.to_dict())
+        config = model.config.to_dict()
+        _write_json(staging / "config.json", {**config, **saved_dtype_fields(config, tensors.values())})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(staging))
         _copy_companion_files(source, staging, tokenizer_files=tokenizer is None)
+
+
+# config.json's names for the weights' dtype: transformers 5's, and the one before it (both read by from_pretrained).
+DTYPE_FIELDS = ("dtype", "torch_dtype")
+
+
+def saved_dtype_fields(config: dict, tensors) -> dict[str, str]:
+    """The config.json fields that say the dtype the weights were saved in: the floating dtype that holds most
+    of their elements (a bf16 model's fp32 router bias does not make it fp32), under each dtype field the loaded
+    config had, else under torch_dtype. A loaded config's field is the dtype it was loaded from: an fp32 save of
+    a bf16 checkpoint must not say bfloat16 (from_pretrained(dtype="auto") would read it as bf16)."""
+    counts: dict[torch.dtype, int] = {}
+    for tensor in tensors:
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    if not counts:
+        return {}
+    name = str(max(counts, key=counts.get)).removeprefix("torch.")
+    return {field: name for field in ([f for f in DTYPE_FIELDS if f in config] or ["torch_dtype"])}
 
 
 def _is_checkpoint_file(name: str) -> bool:

@@ -110,17 +110,24 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(
             0, flat, torch.ones_like(flat))
-        compute = x.dtype
-        if torch.is_autocast_enabled(x.device.type):
-            compute = torch.get_autocast_dtype(x.device.type)
-        rows = x.index_select(0, order // k).to(compute)
-        gate_up, down = self.gate_up_proj.to(compute), self.down_proj.to(compute)
-        provider = choose_provider(provider, rows, self.width)
-        out = _PROVIDERS[provider](rows, counts, flat.index_select(0, order), gate_up, down, T)
+        out = self.sorted_rows(x.index_select(0, order // k), counts, flat.index_select(0, order), T, provider)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
         unsorted = out.index_select(0, inverse)  # back to (token, slot) order
         y = (unsorted.view(T, k, -1).to(weights.dtype) * weights.unsqueeze(-1)).sum(dim=1)
         return y.to(x.dtype), counts
+
+    def sorted_rows(self, rows: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor, tokens: int,
+                    provider: str = "auto") -> torch.Tensor:
+        """Each row's expert output [R, d] in the compute dtype, for `rows` [R, d] sorted by their expert
+        `experts` [R] (this module's indices), `counts` [E] rows per expert; `tokens` bounds an expert's rows
+        where none can be read (the "bmm" provider's cap). Expert parallelism calls it on a rank's received rows."""
+        compute = rows.dtype
+        if torch.is_autocast_enabled(rows.device.type):
+            compute = torch.get_autocast_dtype(rows.device.type)
+        rows = rows.to(compute)
+        gate_up, down = self.gate_up_proj.to(compute), self.down_proj.to(compute)
+        provider = choose_provider(provider, rows, self.width)
+        return _PROVIDERS[provider](rows, counts, experts, gate_up, down, tokens)
 
 
 def grouped_mm_available() -> bool:

@@ -24,6 +24,8 @@
 | justgrpo | JustGRPO | exact left-to-right likelihood, one sample per position (block-1 rollouts) | token, two-sided eps | none |
 | vrpo_dpo | LLaDA 1.5 (offline VRPO) | ELBO, n_t 4, stratified counts; preference pairs, no rollout | none (DPO) | implicit (DPO) |
 | cj_grpo | CJ-GRPO | the rollout's own decoding states, every step (unmask_step) | token, two-sided eps | k3 per token |
+| mdpo | MDPO | the rollout's recorded states x_t, target the one-step prediction x_hat_t; top-k steps by per-step A | token, two-sided eps | k2 per token vs ref |
+| d_treerpo | d-TreeRPO | per tree edge: one forward on the parent canvas (tree rollouts) + self-distillation | token, two-sided eps 0.4 | k3 per token vs base |
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ if TYPE_CHECKING:
     from dllm_fast.objectives.vrpo_dpo import VRPODPO, VRPODPOConfig
     # -- CJ-GRPO --
     from dllm_fast.objectives.cj_grpo import CJGRPO, CJGRPOConfig
+    # -- MDPO (the rollout's step record) --
+    from dllm_fast.objectives.mdpo import MDPO, MDPOConfig
+    # -- d-TreeRPO (tree rollouts) --
+    from dllm_fast.objectives.d_treerpo import DTreeRPO, DTreeRPOConfig, TreeBatch, tree_batch
 
 # The built-in objectives by name, each loaded (with torch and the likelihood engine) when first asked for, so that
 # listing the names (`train --help`) imports nothing heavy. Each class's `name` is its key here (a test checks).
@@ -63,6 +69,10 @@ _BUILT_IN: dict[str, str] = {
     "ebpo": "ebpo:EBPO", "justgrpo": "justgrpo:JustGRPO", "vrpo_dpo": "vrpo_dpo:VRPODPO",
     # -- CJ-GRPO --
     "cj_grpo": "cj_grpo:CJGRPO",
+    # -- MDPO (the rollout's step record) --
+    "mdpo": "mdpo:MDPO",
+    # -- d-TreeRPO (tree rollouts) --
+    "d_treerpo": "d_treerpo:DTreeRPO",
 }
 # Every other public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
@@ -71,6 +81,9 @@ _EXPORTS: dict[str, str] = {
     **{name: "base" for name in ("InnerUpdate", "LossInputs", "Objective", "ObjectiveConfig", "ObjectiveOutput")},
     "group_advantages": "advantages", "zero_std_fraction": "advantages",
     "preference_batch": "vrpo_dpo",
+    # -- MDPO --
+    "StepBatch": "mdpo",
+    "TreeBatch": "d_treerpo", "tree_batch": "d_treerpo",
 }
 _REGISTRY: dict[str, type] = {}
 
@@ -151,4 +164,8 @@ __all__ = [
     "EBPO", "EBPOConfig", "JustGRPO", "JustGRPOConfig", "VRPODPO", "VRPODPOConfig", "preference_batch",
     # -- CJ-GRPO --
     "CJGRPO", "CJGRPOConfig",
+    # -- MDPO --
+    "MDPO", "MDPOConfig", "StepBatch",
+    # -- d-TreeRPO --
+    "DTreeRPO", "DTreeRPOConfig", "TreeBatch", "tree_batch",
 ]

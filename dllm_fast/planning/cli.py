@@ -97,11 +97,10 @@ def parallel_settings_of(args, config):
     from dllm_fast.planning.planner import parallel_settings
 
     options = {"gpus_per_node": args.gpus_per_node}
-    flat = config.to_dict()
+    flat = config.flat()
     for name in RUN_SETTINGS:
         key = name[2:].replace("-", "_")
-        if key not in flat:
-            options[key] = getattr(args, key)
+        options[key] = flat[key] if key in flat else getattr(args, key)  # the plan asked for, on any --gpus
     for key in ("intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth"):
         value = getattr(args, key)
         options[key] = None if value is None else value * 1e9

@@ -131,6 +131,8 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     if engine == "two_pass":
         batching = dataclasses.replace(batching, one_pass=False)
     n_t = session.objective.config.n_t
+    if getattr(session.objective, "tree_shape", None) is not None:  # d_treerpo: refused, saying why
+        raise ValueError(tree_not_planned(config.objective.name, session.objective.tree_shape()))
     check_plannable(config, prompt_length, session.base, batching)
     with _readable_data_errors(), session:
         rollout = session.rollout(prompts=config.run.prompts_per_step, group_size=config.run.group_size,
@@ -153,11 +155,18 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
             updates = {name: extrapolate(runs[probes[0]][name], runs[probes[1]][name], *probes, n_t, fresh[name])
                        for name in UPDATE_PHASES}
         plan = Plan(config, gpu, engine, weights_dtype, prompt_length, {"rollout": rollout.phase, **updates},
-                    dict(rollouts=rollout.batch.num_rollouts, prompt_length=prompt_length,
+                    dict(rollouts=getattr(rollout.batch, "rollouts", rollout.batch.num_rollouts),  # MDPO: not its rows
+                         prompt_length=prompt_length,
                          completion_length=config.rollout.gen_length, n_t=n_t, pairs=rollout.batch.num_rollouts * n_t,
                          micro_batch=batching.micro_batch, score_micro_batch=batching.scoring),
                     rollout.nfe, session.weight_bytes, autocast=session.bf16, compiled=session.compile)
         plan.notes += _notes(plan, probes, n_t, session)
+        if getattr(session.objective, "needs_step_predictions", False):  # MDPO's step record and step batch
+            plan.notes.append(f"{config.objective.name}: the rollout records every forward's prediction and "
+                              f"confidences ({rollout.nfe} steps x rollouts x gen_length, int64 + fp32, in its "
+                              f"peak); the updates train on {rollout.batch.num_rollouts} step rows (the top-k steps "
+                              "of each rollout); its reward of every step (K calls per rollout) is host work, not "
+                              "planned")
         if world > 1:
             plan.config, plan.world, plan.parallel = total, world, parallel.parallel
             sizes = _sizes(stored, session, sharded_bf16)
@@ -179,11 +188,12 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
 
 def parallel_settings(config: TrainConfig, *, world: int = 1, **options) -> ParallelSettings:
     """The ParallelSettings of a run of `config` on `world` GPUs: its --parallel and --rollout-weights, and its
-    --expert-parallel and --fsdp-offload where the configuration has them; `options` set any field."""
-    flat = config.to_dict()
+    --expert-parallel and --fsdp-offload where the configuration has them (--expert-parallel on several GPUs: a
+    one-GPU plan, e.g. train's --micro-batch auto fit, is of the rank with every expert); `options` set any field."""
+    flat = config.flat()
     values = dict(world=world, parallel=config.run.parallel, rollout_weights=flat.get("rollout_weights", "auto"))
     for key in ("expert_parallel", "fsdp_offload"):
-        if key in flat:
+        if key in flat and (key != "expert_parallel" or world > 1):
             values[key] = flat[key]
     return ParallelSettings(**{**values, **options})
 
@@ -203,6 +213,15 @@ def _sizes(stored, session: Session, sharded_bf16: bool) -> Sizes:
 MAX_PLANNED_FORWARDS = 1024  # denoising steps of the rollout (an 8B step: about a minute of CPU)
 MAX_PLANNED_CALLS = 1024  # scoring and update micro-batches, over the inner updates, at the larger probe n_t
 UNBOUNDED_POSITIONS = 1 << 16  # for a model that states no max_sequence_length
+
+
+def tree_not_planned(name: str, shape) -> str:
+    """Why `plan` does not price a tree objective (d_treerpo), and what to do instead."""
+    return (f"plan does not price --objective {name} yet: its rollouts are trees of partial rollouts "
+            f"({shape.edges_per_prompt()} edges and {shape.leaves_per_prompt()} leaves per prompt, resumed level by "
+            "level: rollout/tree.py), which the planner's replay of one generate call per step cannot express, and "
+            "its edge batch reads values the planner's fake tensors do not hold. Measure a short train run instead "
+            "(metrics.jsonl: step_seconds and peak_memory_mib per phase).")
 
 
 def check_plannable(config: TrainConfig, prompt_length: int, model, batching: MicroBatching) -> None:

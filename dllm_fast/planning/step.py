@@ -255,9 +255,18 @@ class Session:
         result = train_step.roll_out(self.policy, input_ids, attention_mask, rollouts,
                                      generator=torch.Generator().manual_seed(c.run.seed + 1),
                                      record_unmask_step=getattr(self.objective, "needs_unmask_step", False),
-                                     hooks=self._hooks({"rollout": plan}), merge_adapters=merge)
+                                     hooks=self._hooks({"rollout": plan}), merge_adapters=merge,
+                                     record_step_predictions=getattr(self.objective, "needs_step_predictions", False))
         rewards = torch.arange(input_ids.shape[0], dtype=torch.float32) % 2
-        return Rollout(plan, RolloutBatch.from_generation(result, rewards, group_size=group_size), int(result.nfe))
+        batch = RolloutBatch.from_generation(result, rewards, group_size=group_size)
+        if getattr(self.objective, "needs_step_predictions", False):  # MDPO: as train does, its step batch (the
+            # rewards of every step's prediction alternate, so every step has an advantage and top-k keeps k)
+            step_rewards = (torch.arange(batch.num_rollouts * result.nfe, dtype=torch.float32) % 3).view(
+                batch.num_rollouts, result.nfe)
+            batch = self.objective.step_batch(batch, result.step_predictions, result.step_confidence, step_rewards,
+                                              eos_token_id=self.base.eos_token_id,
+                                              rollout_temperature=rollouts.temperature)
+        return Rollout(plan, batch, int(result.nfe))
 
     def pairs(self, input_ids: torch.Tensor, vocab: int, generator: torch.Generator) -> Rollout:
         """A step of stored preference pairs (train/pairs.py): a chosen and a rejected completion of gen_length

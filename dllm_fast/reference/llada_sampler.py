@@ -12,6 +12,7 @@ from dllm_fast.contracts import GenerationResult, completion_mask, logit_shift
 from dllm_fast.reference import eoser_ass
 from dllm_fast.rollout.config import GenerateConfig, rollout_config
 from dllm_fast.rollout.plan import check_generate_args, initial_canvas
+from dllm_fast.rollout.resume import Resume, check_resume
 from dllm_fast.rollout.rules import check_block_done, confidence_excluded_ids, raise_if_not_finite, suppressed_ids
 
 
@@ -25,7 +26,7 @@ def transfer_schedule(masked_in_block: torch.Tensor, steps: int) -> torch.Tensor
 
 @torch.no_grad()
 def generate(model, input_ids, attention_mask=None, config: GenerateConfig | None = None, *, generator=None,
-             **settings) -> GenerationResult:
+             resume: Resume | None = None, **settings) -> GenerationResult:
     """Reference block diffusion sampler (LLaDA generate.py + Fast-dLLM), the oracle for dllm_fast.generate.
 
     Differences from the published code, each deliberate: batches with left padding and an attention mask;
@@ -40,7 +41,10 @@ def generate(model, input_ids, attention_mask=None, config: GenerateConfig | Non
     unmask_schedule="ass" and eos_schedule are CJ-GRPO's decoders, the official rules (reference/eoser_ass.py).
 
     Takes the settings as dllm_fast.generate does (a GenerateConfig, keywords over it), but runs eagerly on values:
-    compile and assumed_steps_per_block (the fused sampler's) are refused.
+    compile and assumed_steps_per_block (the fused sampler's) are refused. resume (a rollout.Resume)
+    resumes a partly decoded canvas at a step of the global schedule as dllm_fast.generate does (rollout/resume.py);
+    this sampler's noise is drawn step by step from the generator, so a resumed call matches the uninterrupted
+    one token for token at T = 0 (at T > 0 it samples the same distribution with other draws).
     """
     config = rollout_config(config, settings, "reference.generate")
     if config.compile is not False:
@@ -51,10 +55,13 @@ def generate(model, input_ids, attention_mask=None, config: GenerateConfig | Non
                          "the masked count at every step; drop it (or use dllm_fast.generate).")
     plan = check_generate_args(model, input_ids, attention_mask, config, generator=generator)
     gen_length, block_length = config.gen_length, config.block_length
+    resume = check_resume(model, plan, input_ids, gen_length, block_length, resume)
     mask_id, device = model.mask_token_id, input_ids.device
     B, P = input_ids.shape
     total = P + gen_length
     x, attention_mask = initial_canvas(input_ids, attention_mask, gen_length, mask_id)
+    if resume.canvas is not None:
+        x = resume.canvas.clone()
     prompt_positions = x != mask_id
     weight = model.lm_head_weight
     shift = logit_shift(model)
@@ -81,11 +88,15 @@ def generate(model, input_ids, attention_mask=None, config: GenerateConfig | Non
     nfe = 0
     for block in range(gen_length // block_length):
         start, end = P + block * block_length, P + (block + 1) * block_length
+        first, last = resume.block_steps(block, plan.step_limit(block_length))
+        if first == last:  # decoded before this call (or after it stops)
+            continue
         schedule = None
-        if plan.steps_per_block is not None:
+        if plan.steps_per_block is not None:  # the counts of the block as it was at its start, fully masked
+            at_start = x[:, start:end] == mask_id if first == 0 else torch.ones_like(x[:, start:end], dtype=torch.bool)
             schedule_of = eoser_ass.ass_transfer_schedule if plan.unmask_schedule == "ass" else transfer_schedule
-            schedule = schedule_of(x[:, start:end] == mask_id, plan.step_limit(block_length))
-        for step in range(plan.step_limit(block_length)):
+            schedule = schedule_of(at_start, plan.step_limit(block_length))
+        for step in range(first, last):
             if not (x[:, start:end] == mask_id).any():  # Fast-dLLM leaves a complete block
                 break
             # Positions fed this step: everything (no cache / refresh), [start, L) (prefix), the block (dual).
@@ -137,6 +148,8 @@ def generate(model, input_ids, attention_mask=None, config: GenerateConfig | Non
                         chosen[row] |= x0_p[row] >= plan.threshold
             chosen &= candidates
             window[chosen] = x0[chosen]
+        if not resume.finishes(block):  # this call stops inside the block
+            break
         check_block_done(int((x[:, start:end] == mask_id).sum()), block, plan.step_limit(block_length))
     completion = x[:, P:]
     return GenerationResult(x, completion, completion_mask(completion, model.eos_token_id), nfe, attention_mask)

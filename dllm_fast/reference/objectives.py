@@ -423,3 +423,126 @@ def cj_grpo(lp, masks, rewards, group_size, lp_old=None, lp_ref=None, *, unmask_
         means = [sum(token_loss(*t) for t in members) / len(members) for members in by_step.values()]
         losses.append(sum(means) / len(means) if means else lp.new_zeros(()))
     return sum(losses) / len(losses)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MDPO: the rollout's step record (one-step predictions rewarded at every denoising step)
+
+
+def mdpo_step_advantages(step_rewards, group_size, *, variant="official", std_epsilon=1e-4) -> list[list[float]]:
+    """The official advantage loop (mdpo_trainer.py L849-858) on [N][K] step rewards: a_t from r_t, r_t-1 (0
+    before the first step) and the mean of the later rewards (r_K-1 itself at the last step), then each step's a
+    z-scored over the group (unbiased std + std_epsilon; 0 for a group of one or of equal a)."""
+    rows = [[float(r) for r in row] for row in step_rewards]
+    N, K = len(rows), len(rows[0])
+    a = []
+    for r in rows:
+        values = []
+        for t in range(K):
+            previous = r[t - 1] if t > 0 else 0.0
+            later = r[t + 1:]
+            if variant == "reward":
+                values.append(r[t])
+            elif variant == "future_mean":
+                values.append(sum(r[t:]) / (K - t))
+            elif variant == "difference":
+                values.append(r[t] - previous + 1.0)
+            else:
+                values.append(r[t] - previous + 1.0 + (sum(later) / len(later) if later else r[t]))
+        a.append(values)
+    out = [[0.0] * K for _ in range(N)]
+    for t in range(K):
+        column = advantages([a[n][t] for n in range(N)], group_size, scale="std", std_epsilon=std_epsilon)
+        for n in range(N):
+            out[n][t] = column[n]
+    return out
+
+
+def mdpo_select_steps(step_advantages, k, *, per="rollout") -> list[list[int]]:
+    """Each row's k steps of largest |A| (per "rollout"), or the batch's k of largest sum_n |A| (per "batch"),
+    in step order; ties to the earlier step."""
+    K = len(step_advantages[0])
+    if per == "batch":
+        size = [sum(abs(row[t]) for row in step_advantages) for t in range(K)]
+        chosen = sorted(sorted(range(K), key=lambda t: (-size[t], t))[:k])
+        return [list(chosen) for _ in step_advantages]
+    return [sorted(sorted(range(K), key=lambda t: (-abs(row[t]), t))[:k]) for row in step_advantages]
+
+
+def mdpo(lp, masks, step_advantages, rollouts, lp_old=None, lp_ref=None, *, epsilon=0.2, beta=0.02,
+         confidence=None):
+    """The official per-step loss (mdpo_trainer.py L1487-1532) summed over the step rows and divided by the
+    rollouts: row n is a recorded state x_t (its read positions M_t) with advantage step_advantages[n];
+    sum_{i in M_t} conf_i [-min(rho A, clip(rho) A) L / (|M_t| + 1e-4) + beta (lp_ref - lp)^2 / 2] / (|M_t| + 1e-4),
+    conf = exp(lp_old) (confidence None: the policy's probability of its sample) or the given [N, L] values."""
+    old = lp.detach() if lp_old is None else lp_old
+    N, n_t, L = lp.shape
+    loss = lp.new_zeros(())
+    for n in range(N):
+        for j in range(n_t):
+            tokens = [i for i in range(L) if reads(masks, n, j, i)]
+            masked = len(tokens) + 1e-4
+            A = float(step_advantages[n])
+            for i in tokens:
+                ratio = torch.exp(lp[n, j, i] - old[n, j, i])
+                gain = torch.minimum(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon) * A)
+                term = -gain * (L / masked)
+                if beta > 0:
+                    term = term + beta * 0.5 * (lp_ref[n, j, i] - lp[n, j, i]) ** 2
+                weight = torch.exp(old[n, j, i]) if confidence is None else confidence[n, i]
+                loss = loss + weight * term / masked
+    return loss / rollouts
+
+
+# ---------------------------------------------------------------------------------------------------------
+# d-TreeRPO (tree rollouts)
+
+
+def d_treerpo(lp, masks, advantages, groups, tokens, lp_old=None, lp_ref=None, *, epsilon=0.4, beta=0.01,
+              sd_lambda=0.0, sd_tau=1.0):
+    """The official loop over edges: each edge's clipped token surrogate and k3 KL to the reference averaged over
+    its act tokens (masks.target), the edges averaged; plus sd_lambda times the self-distillation term, for each
+    parent (groups[e]: the edge's parent) and position j active in one of its children with A > 0, the KL from
+    q_j (softmax(A / sd_tau) over those children, summed per token) to p(. | parent), averaged over the (parent,
+    j) pairs. log p(v | parent) is read off the children holding v at j (the same value in a real tree, all of
+    them scored on the parent's canvas; here their weighted mean). tokens: [E, L] the children's completions."""
+    old = lp.detach() if lp_old is None else lp_old
+    E, _, L = lp.shape
+    loss = lp.new_zeros(())
+    for e in range(E):
+        act = [i for i in range(L) if bool(masks.target[e, 0, i])]
+        if not act:
+            continue
+        term = lp.new_zeros(())
+        for i in act:
+            ratio = torch.exp(lp[e, 0, i] - old[e, 0, i])
+            a = float(advantages[e])
+            term = term - torch.minimum(ratio * a, ratio.clamp(1 - epsilon, 1 + epsilon) * a)
+            if beta:
+                x = lp_ref[e, 0, i] - lp[e, 0, i]
+                term = term + beta * (torch.exp(x) - x - 1)
+        loss = loss + term / len(act)
+    loss = loss / E
+    if not sd_lambda:
+        return loss
+    total, pairs = lp.new_zeros(()), 0
+    for group in sorted({int(g) for g in groups}):
+        children = [e for e in range(E) if int(groups[e]) == group and float(advantages[e]) > 0]
+        if not children:
+            continue
+        top = max(float(advantages[e]) / sd_tau for e in children)
+        weight = {e: math.exp(float(advantages[e]) / sd_tau - top) for e in children}
+        for j in range(L):
+            active = [e for e in children if bool(masks.target[e, 0, j])]
+            if not active:
+                continue
+            norm = sum(weight[e] for e in active)
+            by_token: dict[int, list[int]] = {}
+            for e in active:
+                by_token.setdefault(int(tokens[e, j]), []).append(e)
+            for holders in by_token.values():
+                q = sum(weight[e] for e in holders) / norm
+                log_p = sum(weight[e] * lp[e, 0, j] for e in holders) / sum(weight[e] for e in holders)
+                total = total + q * (math.log(q) - log_p)
+            pairs += 1
+    return loss + sd_lambda * total / max(pairs, 1)

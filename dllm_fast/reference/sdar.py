@@ -105,7 +105,7 @@ def generate(weights, config, input_ids: torch.Tensor, attention_mask: torch.Ten
     b = config.block_size
     forward_fn = forward if forward_fn is None else forward_fn
     head = lm_head(weights, config) if head is None else head
-    steps_per_block = None if steps is None else steps // (gen_length // b)
+    steps_per_block = None if steps is None else steps // -(-gen_length // b)  # a last block may be partial
     ass = unmask_schedule == "ass"
     if ass:
         steps_per_block = eoser_ass.ass_steps(b)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from dllm_fast.rollout.plan import (UNMASK_SCHEDULES, DecodingPlan, check_generate_args, eos_factors,
                                         masked_count_schedule, unmask_counts)
     from dllm_fast.rollout.remasking import REMASKING, LowConfidence, RandomRemasking, Remasking, remasking_rule
+    from dllm_fast.rollout.resume import Resume
 
 # name -> its module, loaded on first use: the cache and remasking registries (which `train --help` lists) need
 # neither the sampler nor the compiled ops.
@@ -36,11 +37,12 @@ _EXPORTS = {
     **dict.fromkeys(("DecodingPlan", "check_generate_args", "masked_count_schedule", "UNMASK_SCHEDULES", "eos_factors",
                      "unmask_counts"), "plan"),
     **dict.fromkeys(("REMASKING", "LowConfidence", "RandomRemasking", "Remasking", "remasking_rule"), "remasking"),
+    "Resume": "resume",  # generate's resume option (d-TreeRPO's branching)
 }
 
 __all__ = ["BLOCK_CACHE_POLICIES", "CACHE_POLICIES", "REMASKING", "BlockCache", "CachePolicy", "DecodingPlan",
            "DualCache", "GenerateConfig", "LowConfidence", "NoCache", "PrefixCache", "RandomRemasking", "Remasking",
            "cache_policy", "check_generate_args", "generate", "masked_count_schedule", "remasking_rule",
-           "UNMASK_SCHEDULES", "eos_factors", "unmask_counts"]
+           "Resume", "UNMASK_SCHEDULES", "eos_factors", "unmask_counts"]
 
 __getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -14,9 +14,10 @@ so they change the last block's tokens. The result is mapped back to [B, P + G].
 
 Forwards. A window runs until the most masked row in it is complete: at most min(steps per block, b) forwards
 (its schedule, or one token per step), fewer in a partial window. A row whose prompt length is not a multiple of
-b spans G / b + 1 windows (its first and last blocks partial), so a batch decodes at most G / b + 1 windows when
-its rows share one alignment and G / b + 2 when they do not (`max_block_forwards`): a mixed batch can run more
-forwards than gen_length (each forward unmasks at least one token of some row, not of every row).
+b spans G / b + 1 windows (its first and last blocks partial; gen_length need not be a multiple of b either, and
+G / b is then rounded up), so a batch decodes at most G / b + 1 windows when its rows share one alignment and
+G / b + 2 when they do not (`max_block_forwards`): a mixed batch can run more forwards than gen_length (each
+forward unmasks at least one token of some row, not of every row).
 `GenerationResult.nfe` is the count and bounds `unmask_step` (each position's forward, counted over the batch).
 The planner's count is the real one: on its constant prompts (planning/fake.py) the layout and every window's
 masked count are known without reading a computed value.
@@ -62,7 +63,7 @@ import torch
 
 from dllm_fast.contracts import GenerationResult, block_length as block_length_of, completion_mask
 from dllm_fast.rollout.cache import BlockCache, NoCache
-from dllm_fast.rollout.plan import DecodingPlan, step_tensors, unmask_counts
+from dllm_fast.rollout.plan import DecodingPlan, check_block_call, step_tensors, unmask_counts
 from dllm_fast.rollout.rules import check_block_done, raise_if_not_finite
 from dllm_fast.rollout.step import (_KEPT_STATES, COMPILED_STEP_GRAPHS, NOISE_STEP, STEP_IN_BLOCK, RolloutState,
                                     _graph_limit, compiled_step, denoise_step, masked_left_and_bad, step_constants)
@@ -165,24 +166,10 @@ def _every_row_ended(state: RolloutState, layout: "Layout", column: int, eos: in
 
 
 def max_block_forwards(plan: DecodingPlan, gen_length: int, block_length: int) -> int:
-    """The most forwards a block rollout of `plan` can run: gen_length / block_length + 2 windows (rows of two
-    alignments: a partial first and last block each) of at most min(steps per block, block_length) forwards."""
-    return (gen_length // block_length + 2) * plan.step_limit(block_length)
-
-
-def check_block_call(model, plan: DecodingPlan, block_length: int) -> None:
-    """What a block-diffusion rollout cannot take, refused by name."""
-    model_block = block_length_of(model)
-    if block_length != model_block:
-        raise ValueError(f"block_length={block_length}, but the model attends in blocks of {model_block} "
-                         "(model.block_length): a block-diffusion model decodes its own blocks. Pass "
-                         f"block_length={model_block}, or set model.block_length to decode in other blocks.")
-    if plan.cfg_scale:
-        raise ValueError(f"cfg_scale={plan.cfg_scale}: classifier-free guidance is not implemented for "
-                         "block-diffusion models (the official SDAR generate has none); pass cfg_scale=0.")
-    if not isinstance(plan.cache, (BlockCache, NoCache)):
-        raise ValueError(f"cache={plan.cache.name!r} is Fast-dLLM's approximate cache for bidirectional models; a "
-                         "block-diffusion model's cache is exact: pass cache='block' (or 'none' to recompute).")
+    """The most forwards a block rollout of `plan` can run: gen_length / block_length (rounded up) + 2 windows
+    (rows of two alignments: a partial first and last block each) of at most min(steps per block, block_length)
+    forwards."""
+    return (-(-gen_length // block_length) + 2) * plan.step_limit(block_length)
 
 
 class Layout:
@@ -292,13 +279,19 @@ def _start(model, plan: DecodingPlan, input_ids, layout: Layout, block_length: i
     return state
 
 
+# The flag of a full last block's positions after the completion in the noise counter: bit 62, which the step word
+# (bits 32 and up, the step within a block) never reaches, so their words need no room among the completions'.
+AFTER_COMPLETION = 1 << 62
+
+
 def _row_base(layout: Layout, gen_length: int, block_length: int, full_last_block: bool = False) -> torch.Tensor:
     """What the step adds to a canvas column for the noise counter's position word: [B, 1] row * G + b plus the
     completion position: unique per (row, completion position), independent of the batch's padding, and
     non-negative on the prompt tail decoded with the first block (fewer than b columns; its noise is unused).
     With full_last_block, [B, 3]: that, the column where each row's completion ends, and the jump that moves the
-    words of the positions after it to B * G + b + row * b on, beyond every row's completion words (which stay
-    the default's: only what the extra positions change in the logits changes a sample)."""
+    words of the positions after it to AFTER_COMPLETION + row * b + their offset: keyed by the row and the offset
+    alone, like the completion's, so that a row's sample does not depend on the batch's size (the completion's
+    words stay the default's: only what the extra positions change in the logits changes a sample)."""
     first = layout.completion_columns[:, :1]
     B, G, b = first.shape[0], gen_length, block_length
     rows = torch.arange(B, device=first.device)[:, None]
@@ -306,7 +299,7 @@ def _row_base(layout: Layout, gen_length: int, block_length: int, full_last_bloc
     if not full_last_block:
         return base
     end = first + G
-    return torch.cat([base, end, (B * G + b + rows * b) - (base + end)], dim=1)
+    return torch.cat([base, end, (AFTER_COMPLETION + rows * b) - (base + end)], dim=1)
 
 
 def _raise_not_finite(state: RolloutState, layout: Layout, plan: DecodingPlan, model) -> None:

@@ -4,17 +4,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from dllm_fast.contracts import block_length as block_length_of, check_positions, max_positions, unwrap_model
-from dllm_fast.rollout.cache import CachePolicy, cache_policy
+from dllm_fast.rollout.cache import BlockCache, CachePolicy, NoCache, cache_policy
 from dllm_fast.rollout.config import GenerateConfig
 from dllm_fast.rollout.remasking import Remasking, remasking_rule
 from dllm_fast.validation import (check_binary_mask, check_bool, check_choice, check_float, check_int,
                                   check_same_device, check_temperature, check_threshold, data_checks_enabled,
-                                  non_binary)
+                                  nearest_multiples, non_binary)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class DecodingPlan:
     assumed_steps_per_block: int | None = None
     full_last_block: bool = False
     eos_early_stop: bool = False
+    record_step_predictions: bool = False  # MDPO: every step's one-step prediction (check_step_recording)
     unmask_schedule: str = "even"
     eos_schedule: tuple[float, float] | None = None
 
@@ -141,7 +143,7 @@ def initial_canvas(input_ids, attention_mask, gen_length: int, mask_id: int):
 
 
 def check_generate_args(model, input_ids, attention_mask, config: GenerateConfig, *, generator=None,
-                        record_unmask_step=False) -> DecodingPlan:
+                        record_unmask_step=False, record_step_predictions=False) -> DecodingPlan:
     """Validate a generate() call, once, and return its plan: the prompts here, the settings by
     `check_generate_config` (errors name the field as generate's keyword). The checks that read the prompts' values
     cost one host sync (and the model's own token-id check, `check_input_ids`, one more); they are skipped where
@@ -164,7 +166,8 @@ def check_generate_args(model, input_ids, attention_mask, config: GenerateConfig
     if data_checks_enabled(input_ids, attention_mask):
         check_prompt_values(model, input_ids, attention_mask)
     plan = check_generate_config(model, config, prompt_length=input_ids.shape[1], batch=input_ids.shape[0],
-                                 record_unmask_step=record_unmask_step)
+                                 record_unmask_step=record_unmask_step,
+                                 record_step_predictions=record_step_predictions)
     if generator is not None:
         if not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
@@ -175,7 +178,8 @@ def check_generate_args(model, input_ids, attention_mask, config: GenerateConfig
 
 
 def check_generate_config(model, config: GenerateConfig, *, prompt_length: int | None = None,
-                          batch: int | None = None, record_unmask_step=False) -> DecodingPlan:
+                          batch: int | None = None, record_unmask_step=False,
+                          record_step_predictions=False) -> DecodingPlan:
     """The checks of a GenerateConfig against the model that decodes it, without prompts (a trainer checks its
     rollouts' settings this way before it writes anything; a meta-device skeleton of the model will do), and its
     plan. With prompt_length and batch, also the bounds that depend on them (the model's positions, the noise
@@ -191,10 +195,12 @@ def check_generate_config(model, config: GenerateConfig, *, prompt_length: int |
                         f"Lower gen_length to at most {limit - P}, or shorten the prompts." if limit and P < limit else
                         "Shorten the prompts: alone they fill the model's positions.")
     check_int("block_length", block_length, minimum=1)
-    if gen_length % block_length != 0:
-        raise ValueError(f"gen_length={gen_length} is not a multiple of block_length={block_length}; "
-                         "choose a block_length that divides gen_length.")
-    num_blocks = gen_length // block_length
+    if gen_length % block_length != 0 and block_length_of(model) is None:
+        valid = " or ".join(f"gen_length={n}" for n in nearest_multiples(gen_length, block_length))
+        raise ValueError(f"gen_length={gen_length} is not a multiple of block_length={block_length}: LLaDA's "
+                         "semi-autoregressive blocks split the completion evenly (the official generate asserts "
+                         f"it); pass {valid}, or a block_length that divides gen_length.")
+    num_blocks = -(-gen_length // block_length)  # a block-diffusion model's last block may be partial
     unmask_schedule = check_choice("unmask_schedule", config.unmask_schedule, UNMASK_SCHEDULES)
     if unmask_schedule == "ass":  # its steps follow from the block: 2^s tokens at step s
         per_block = ass_steps(block_length)
@@ -205,8 +211,8 @@ def check_generate_config(model, config: GenerateConfig, *, prompt_length: int |
         if steps is not None and steps != num_blocks * per_block:
             raise ValueError(f"steps={steps} does not fit unmask_schedule='ass': a block of {block_length} tokens "
                              f"takes floor(log2 {block_length}) = {per_block} steps (1, 2, 4, ... tokens, the rest at "
-                             f"the last), so {num_blocks} block(s) take steps={num_blocks * per_block}; pass that or "
-                             "steps=None.")
+                             f"the last), so {num_blocks} block(s) (gen_length / block_length, rounded up) take "
+                             f"steps={num_blocks * per_block}; pass that or steps=None.")
         steps = num_blocks * per_block
     if threshold is not None and (steps is None or block_length_of(model) is None):
         threshold = check_threshold("threshold", threshold)
@@ -223,7 +229,8 @@ def check_generate_config(model, config: GenerateConfig, *, prompt_length: int |
                              f"use at most {gen_length}.")
         if steps % num_blocks != 0:
             raise ValueError(f"steps={steps} is not a multiple of the number of blocks {num_blocks} "
-                             f"(gen_length / block_length); use e.g. steps={num_blocks * max(1, steps // num_blocks)}.")
+                             f"(gen_length / block_length, rounded up); use e.g. "
+                             f"steps={num_blocks * max(1, steps // num_blocks)}.")
         steps_per_block = steps // num_blocks
     temperature = check_temperature("temperature", config.temperature)
     cfg_scale = check_float("cfg_scale", config.cfg_scale, minimum=0.0, hint="0 disables classifier-free guidance")
@@ -271,12 +278,53 @@ def check_generate_config(model, config: GenerateConfig, *, prompt_length: int |
                          "counter's position word; generate in smaller batches.")
     plan = DecodingPlan(steps_per_block, temperature, threshold, cfg_scale, policy, rule, logits_eos_inf,
                         confidence_eos_eot_inf, compile, record_unmask_step, assumed_steps_per_block, full_last_block,
-                        eos_early_stop, unmask_schedule, eos_schedule)
+                        eos_early_stop, unmask_schedule=unmask_schedule, eos_schedule=eos_schedule)
+    if check_bool("record_step_predictions", record_step_predictions):
+        check_step_recording(model, plan, gen_length, block_length)
+        plan = dataclasses.replace(plan, record_unmask_step=True, record_step_predictions=True)
     if block_length_of(model) is not None:
-        from dllm_fast.rollout.blocks import check_block_call  # blocks.py builds on this module
-
         check_block_call(model, plan, block_length)
     return plan
+
+
+def check_block_call(model, plan: DecodingPlan, block_length: int) -> None:
+    """What a block-diffusion rollout cannot take, refused by name."""
+    model_block = block_length_of(model)
+    if block_length != model_block:
+        raise ValueError(f"block_length={block_length}, but the model attends in blocks of {model_block} "
+                         "(model.block_length): a block-diffusion model decodes its own blocks. Pass "
+                         f"block_length={model_block}, or set model.block_length to decode in other blocks.")
+    if plan.cfg_scale:
+        raise ValueError(f"cfg_scale={plan.cfg_scale}: classifier-free guidance is not implemented for "
+                         "block-diffusion models (the official SDAR generate has none); pass cfg_scale=0.")
+    if not isinstance(plan.cache, (BlockCache, NoCache)):
+        raise ValueError(f"cache={plan.cache.name!r} is Fast-dLLM's approximate cache for bidirectional models; a "
+                         "block-diffusion model's cache is exact: pass cache='block' (or 'none' to recompute).")
+
+
+# -- MDPO's step record (generate(..., record_step_predictions=True)) -------------------------------------------
+
+
+def check_step_recording(model, plan: DecodingPlan, gen_length: int, block_length: int) -> None:
+    """Refuse, naming the fix, a rollout whose steps cannot predict every masked position: the prediction of a
+    position after the current block needs its hidden state, which a block-diffusion model never computes (its
+    later blocks do not exist yet), and which a cache that feeds only the block (dual) leaves stale; a compiled
+    step decodes a fixed shape (the block), so recording runs eagerly."""
+    if block_length_of(model) is not None:
+        raise ValueError("record_step_predictions records each step's prediction of every masked completion "
+                         "position (MDPO's x_hat), but a block-diffusion model decodes block by block and never "
+                         "predicts the blocks after the current one; use a bidirectional model (LLaDA, Dream) or "
+                         "an objective that does not need the step record.")
+    if plan.compile:
+        raise ValueError("record_step_predictions decodes every masked position at every step, a shape that "
+                         "changes from block to block, so it runs eagerly: pass compile=False (train: --compile "
+                         "false).")
+    if gen_length > block_length and plan.cache.uses_cache and plan.cache.reused_span(
+            0, block_length, gen_length)[1] != gen_length:
+        raise ValueError(f"record_step_predictions predicts every masked position at every step, but "
+                         f"cache={plan.cache.name!r} feeds only the current block after its first step (the later "
+                         f"blocks' hidden states are stale); use cache='prefix' or 'none', or one block "
+                         f"(block_length=gen_length={gen_length}).")
 
 
 def check_prompt_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:

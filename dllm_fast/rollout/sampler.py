@@ -20,9 +20,11 @@ from contextlib import nullcontext
 import torch
 
 from dllm_fast.contracts import GenerationResult, block_length as block_length_of, completion_mask, mixed_dtypes_named
+from dllm_fast.rollout.blocks import generate_blocks
 from dllm_fast.rollout.cache import CachePolicy
 from dllm_fast.rollout.config import GenerateConfig, rollout_config
 from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, initial_canvas, step_tensors, unmask_counts
+from dllm_fast.rollout.resume import FROM_START, Resume, ResumePoint, check_resume
 from dllm_fast.rollout.rules import check_block_done, raise_if_not_finite
 from dllm_fast.rollout.step import (_KEPT_STATES, COMPILED_STEP_GRAPHS, NOISE_STEP, STEP_IN_BLOCK, RolloutState,
                                     StepConstants, _graph_limit, compiled_step, denoise_step, masked_left_and_bad,
@@ -39,6 +41,8 @@ def generate(
     *,
     generator: torch.Generator | None = None,
     record_unmask_step: bool = False,
+    record_step_predictions: bool = False,
+    resume: Resume | None = None,
     **settings,
 ) -> GenerationResult:
     """Generate `gen_length` tokens after each prompt by block diffusion.
@@ -53,7 +57,9 @@ def generate(
         input_ids: [B, P] prompts, left-padded; attention_mask: [B, P] bool, or integer 0/1 (1 on tokens, 0 on
             padding); float masks are rejected.
         config: the rollout settings below (rollout.GenerateConfig); settings: the same, as keywords.
-        gen_length, block_length: the completion is decoded in gen_length / block_length blocks, left to right.
+        gen_length, block_length: the completion is decoded in gen_length / block_length blocks, left to right
+            (a multiple of block_length on LLaDA; any length on a block-diffusion model, its last block partial,
+            or whole with full_last_block).
         steps: total denoising steps (a multiple of the number of blocks); each step of a block unmasks
             block_length / steps_per_block tokens (the remainder goes to the first steps). A block is left as
             soon as it is complete (Fast-dLLM), so with more steps per block than block_length the extra steps
@@ -80,9 +86,28 @@ def generate(
             graphs, on a GPU): one graph for every step, block and call of the same configuration; the first
             call compiles. A compiled step decodes every position of its block (static shapes), so the LM head
             also runs on already decoded positions; the tokens are those of eager mode.
+        resume: rollout.Resume(canvas, start_step, num_steps), to resume a partly decoded canvas (d-TreeRPO's
+            branching; rollout/resume.py): decode canvas ([B, P + gen_length], the sequences a call with the same
+            settings returned after start_step steps of the global schedule, steps numbered 0 .. steps - 1 across
+            blocks) from step start_step, for num_steps steps (None: to the end; canvas None: from the start).
+            A call with num_steps stops there and returns the partly decoded canvas (masks left in it). Resumed
+            with a generator in the state the first call started from, the tokens are the uninterrupted run's,
+            at every temperature (random remasking draws per step, so not there). Fixed schedules on
+            bidirectional models only; the prefix and dual caches resume at block boundaries only; not with
+            compile, record_unmask_step or record_step_predictions. The canvas is
+            checked against the schedule (its prompts, each block's masked count). nfe counts this call's forwards.
         record_unmask_step: also return GenerationResult.unmask_step, for each completion position the forward
             (0-based, counted across blocks like nfe) that unmasked it: every step lies in [0, nfe). Off, it costs
             nothing.
+        record_step_predictions: also return, for every forward k, MDPO's one-step prediction x_hat_k
+            (GenerationResult.step_predictions [B, K, G] int64, K = nfe: the canvas before forward k with every
+            masked completion position filled by the model's sample) and its confidences (step_confidence
+            [B, K, G] float32); unmask_step is recorded with it (the canvas x_k masks the positions whose
+            unmask_step is >= k). Memory: steps x batch x gen_length int64 and as many float32 (12 bytes each:
+            e.g. 128 steps x 64 rows x 512 tokens is 50 MiB), and each step runs the LM head on every masked
+            position from the block on (gen_length rows at most) instead of the block's. The tokens decoded are
+            those of the unrecorded call. Bidirectional models only, eagerly (compile=False), with cache "none"
+            or "prefix" (or one block); anything else is refused. Off, it costs nothing.
         full_last_block: block-diffusion models: decode each row's last block whole, as the official SDAR (and
             LLaDA2) generate does: the positions of the last block after the completion are masked, decoded with
             it and dropped, and they change its tokens. Default False: the last block ends with the completion.
@@ -93,7 +118,8 @@ def generate(
         unmask_schedule: the fixed schedule's counts per block: "even" (the split above) or "ass" (CJ-GRPO's
             ascending step-size schedule: 2^s tokens at step s of a block, the rest at its last step, so a block of
             2^K tokens takes K = floor(log2 block_length) steps: 1, 2, 4, ..., 2^(K-1) + 1; steps must be
-            (gen_length / block_length) K, or None; no threshold).
+            (gen_length / block_length, rounded up) K, or None; no threshold; a block model's partial last block
+            runs the same schedule until it is decoded; resume takes it, its canvas at ASS's step counts).
         eos_schedule: CJ-GRPO's EOSER, (gamma_min, gamma_max) or None: a position whose sampled token is EOS ranks by
             its confidence times gamma_s = gamma_min + (gamma_max - gamma_min) t_s at step s of a block's K steps,
             t_s = s / (K - 1) (even) or (2^(s+1) - 1) / 2^K (ass), so an early EOS is unmasked late (the official
@@ -114,9 +140,9 @@ def generate(
     cache is "block" (the exact cache of finished blocks) or "none", threshold with steps is SDAR's dynamic rule
     (every candidate above the threshold, at least the schedule's count), and cfg_scale is 0. A prompt whose
     length is not a multiple of block_length starts with a partial block and ends with one, and a batch whose rows
-    fall on different alignments decodes the union of their block windows: at most gen_length / block_length + 2
-    windows of at most min(steps per block, block_length) forwards each (`blocks.max_block_forwards`), so nfe can
-    exceed gen_length; it is the exact count, and bounds unmask_step.
+    fall on different alignments decodes the union of their block windows: at most gen_length / block_length
+    (rounded up) + 2 windows of at most min(steps per block, block_length) forwards each
+    (`blocks.max_block_forwards`), so nfe can exceed gen_length; it is the exact count, and bounds unmask_step.
 
     The mask token is never sampled nor argmaxed: it is removed from sampling and from the confidence softmax,
     like EOS under logits_eos_inf (a deviation from LLaDA's generate.py, whose completions can hold it). A NaN or
@@ -129,19 +155,21 @@ def generate(
     """
     config = rollout_config(config, settings, "generate")
     plan = check_generate_args(model, input_ids, attention_mask, config, generator=generator,
-                               record_unmask_step=record_unmask_step)
+                               record_unmask_step=record_unmask_step,
+                               record_step_predictions=record_step_predictions)
     gen_length, block_length = config.gen_length, config.block_length
+    resume = check_resume(model, plan, input_ids, gen_length, block_length, resume)
     reads_values = data_checks_enabled(input_ids, attention_mask, model.lm_head_weight)
     if plan.threshold is not None and plan.assumed_steps_per_block is None and not reads_values:
         raise ValueError("threshold decoding reads the masked count after every step, and these tensors hold no "
                          "values (fake or meta); pass assumed_steps_per_block=N to plan it.")
     if block_length_of(model) is not None:  # block-causal attention: decode block by block (rollout/blocks.py)
-        from dllm_fast.rollout.blocks import generate_blocks  # here: blocks.py builds on this module
-
         return generate_blocks(model, plan, input_ids, attention_mask, gen_length, block_length, generator)
     device = input_ids.device
     B, P = input_ids.shape
     state, result_mask = start_rollout(model, plan, input_ids, attention_mask, gen_length, block_length, generator)
+    if resume.canvas is not None:
+        state.canvas.copy_(resume.canvas)
     constants = step_constants(model, plan, P, block_length, B)
     step_fn = denoise_step
     if plan.compile:
@@ -150,18 +178,22 @@ def generate(
             for tensor in state.tensors():
                 torch._dynamo.mark_static_address(tensor, guard=False)
     with mixed_dtypes_named(model), _graph_limit(COMPILED_STEP_GRAPHS) if plan.compile else nullcontext():
-        nfe = decode(model, plan, state, constants, step_fn, P, gen_length, block_length, generator)
+        nfe = decode(model, plan, state, constants, step_fn, P, gen_length, block_length, generator, resume)
     sequences, unmask_step = state.canvas, state.unmask_step
     if plan.compile:  # the buffers are kept for the next call: the result gets its own copy
         sequences, unmask_step = sequences.clone(), None if unmask_step is None else unmask_step.clone()
     completion = sequences[:, P:]
+    predictions = confidence = None
+    if state.step_predictions is not None:  # the forwards that ran, of the buffer's bound
+        predictions, confidence = state.step_predictions[:, :nfe], state.step_confidence[:, :nfe]
     return GenerationResult(sequences, completion, completion_mask(completion, model.eos_token_id), nfe,
-                            result_mask, unmask_step)
+                            result_mask, unmask_step, predictions, confidence)
 
 
 def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConstants, step_fn, P: int,
-           gen_length: int, block_length: int, generator) -> int:
-    """The block loop: runs the steps of every block, and returns the number of forwards."""
+           gen_length: int, block_length: int, generator, resume: ResumePoint = FROM_START) -> int:
+    """The block loop: runs the steps of every block (those `resume` names), and returns the number of
+    forwards."""
     device, B = state.canvas.device, state.canvas.shape[0]
     feeds = FedPositions(plan.cache, P, gen_length, block_length, device, dynamic=plan.compile)
     reads_values = data_checks_enabled(state.canvas, model.lm_head_weight)
@@ -169,13 +201,21 @@ def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConsta
     schedule = None if plan.steps_per_block is None else unmask_counts(block_length, plan.step_limit(block_length),
                                                                          plan.unmask_schedule)
     nfe = 0
+    recorded = None
+    if state.step_predictions is not None:  # MDPO's record: each step predicts the block and every later position
+        recorded = [torch.arange(P + block * block_length, P + gen_length, device=device)
+                    for block in range(gen_length // block_length)]
     for block in range(gen_length // block_length):
+        begin, end = resume.block_steps(block, plan.step_limit(block_length))
+        if begin == end:  # decoded before this call (or after it stops)
+            continue
         positions = torch.arange(P + block * block_length, P + (block + 1) * block_length, device=device)
-        state.counters[STEP_IN_BLOCK] = 0
+        state.counters[STEP_IN_BLOCK] = begin
         if plan.steps_per_block is not None:  # the noise step is the schedule's: skipped steps change no sample
-            state.counters[NOISE_STEP] = block * plan.steps_per_block
-        remaining = block_length  # the most masked positions in a row; a new block is fully masked
-        for step in range(plan.step_limit(block_length)):
+            state.counters[NOISE_STEP] = block * plan.steps_per_block + begin
+        # the most masked positions in a row: a new block is fully masked, a resumed one as its schedule left it
+        remaining = block_length - (sum(schedule[:begin]) if schedule is not None else 0)
+        for step in range(begin, end):
             if remaining == 0:  # the block is complete: leave it (Fast-dLLM), no forward that unmasks nothing
                 break
             fed = feeds(block, step)
@@ -184,8 +224,9 @@ def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConsta
             # Compiled, a step decodes the whole block (a static shape); without the masked count, so must one
             # that assumes the steps; else the most masked positions any row has left.
             rows = block_length if plan.compile or plan.assumed_steps_per_block else remaining
+            decoded = positions if recorded is None else recorded[block]  # recording: the block and all after it
             with values_checked():  # the prompts were checked once: the model skips its per-call check
-                step_fn(model, state, constants, positions, fed, rows, drawn)
+                step_fn(model, state, constants, decoded, fed, rows, drawn)
             nfe += 1
             if schedule is not None:
                 remaining -= schedule[step]
@@ -195,6 +236,10 @@ def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConsta
                 remaining, any_bad = masked_left_and_bad(state, positions, model.mask_token_id)
                 if any_bad:
                     raise_if_not_finite(state.not_finite, 0, plan.cfg_scale, model.lm_head_weight)
+        if not resume.finishes(block):  # the call stops inside this block: only the non-finite check applies
+            if reads_values:
+                raise_if_not_finite(state.not_finite, 0, plan.cfg_scale, model.lm_head_weight)
+            break
         if reads_values:
             check_block_end(state, plan, positions, block, model)
         check_block_done(remaining if plan.assumed_steps_per_block is None else 0, block,
@@ -267,6 +312,12 @@ def start_rollout(model, plan: DecodingPlan, input_ids, attention_mask, gen_leng
         if plan.record_unmask_step else None,
         eos_factor=eos_factor,
     )
+    if plan.record_step_predictions:  # a forward per step at most: the blocks' step limits
+        forwards = gen_length // block_length * plan.step_limit(block_length)
+        state.step_predictions = torch.full((B, forwards, gen_length), mask_id, dtype=torch.long, device=device)
+        state.step_confidence = torch.zeros(
+            B, forwards, gen_length, device=device,
+            dtype=torch.float64 if model.lm_head_weight.dtype == torch.float64 else torch.float32)
     if plan.compile:
         _KEPT_STATES[model] = (shapes, state)
     return state, result_mask

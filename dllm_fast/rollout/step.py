@@ -86,6 +86,11 @@ class RolloutState:
     row_base: torch.Tensor
     not_finite: torch.Tensor
     unmask_step: torch.Tensor | None
+    # MDPO's step record (generate(record_step_predictions=True)): [B, forwards bound, G] each forward's one-step
+    # prediction of the completion and its confidences; None when not recorded.
+    step_predictions: torch.Tensor | None = None
+    step_confidence: torch.Tensor | None = None
+    # EOSER's factor at each step of a block [steps] (float64); None without eos_schedule.
     eos_factor: torch.Tensor | None = None
 
     def restart(self, canvas: torch.Tensor, attention_mask: torch.Tensor | None, noise_key: torch.Tensor) -> None:
@@ -116,15 +121,21 @@ def denoise_step(model, state: RolloutState, constants: StepConstants, block: to
     positions of each row to decode when decoding only masked ones (the most any row still has masked); drawn: the
     remasking rule's random numbers for this step (Remasking.draw). Writes the canvas, the KV cache,
     not_finite, unmask_step, and advances the counters.
+
+    Recording the step's prediction (state.step_predictions; eager only): `block` is then the block followed by
+    every later completion position; all of them are decoded and recorded, and only the block's first
+    block_length positions are candidates to unmask (their samples are the unrecorded step's: the noise is keyed
+    by position).
     """
     c = constants
     canvas = state.canvas
     B = canvas.shape[0]
-    window = canvas.index_select(1, block)  # [B, block_length], a copy
+    window = canvas.index_select(1, block)  # [B, block_length] (recording: to the end), a copy
     masked = window == c.mask_id
-    if c.decode_whole_block:
-        positions = torch.arange(c.block_length, device=canvas.device).expand(B, -1)
-        candidates = masked
+    recording = state.step_predictions is not None
+    if c.decode_whole_block or recording:
+        positions = torch.arange(window.shape[1], device=canvas.device).expand(B, -1)
+        candidates = masked & (positions < c.block_length) if recording else masked
     else:  # the first `rows` masked positions of each row, in position order (rows with fewer pad with unmasked)
         positions = torch.argsort((~masked).to(torch.int8), dim=1, stable=True)[:, :rows]
         candidates = masked.gather(1, positions)
@@ -152,7 +163,10 @@ def denoise_step(model, state: RolloutState, constants: StepConstants, block: to
         row_ids=stream.reshape(-1), suppress_ids=c.suppress_ids, confidence_exclude_ids=c.exclude_ids,
         chunk_size=c.chunk_size, check_finite=False)
     tokens, confidence = tokens.view(positions.shape), confidence.view(positions.shape)
-    bad = (bad_rows | confidence.isnan() | (tokens < 0)) & candidates
+    bad = (bad_rows | confidence.isnan() | (tokens < 0)) & (masked if recording else candidates)
+    if recording:  # x_hat: the canvas before this step, every masked position filled by its sample
+        record_step(state, completion_at, torch.where(masked, tokens, window),
+                    torch.where(masked, confidence, torch.zeros((), dtype=confidence.dtype, device=canvas.device)))
     state.not_finite.scatter_(1, completion_at, state.not_finite.gather(1, completion_at) | bad)
     candidates = candidates & ~bad
     if state.eos_factor is not None:  # EOSER: a sampled EOS ranks by its confidence times the step's factor
@@ -176,10 +190,23 @@ def denoise_step(model, state: RolloutState, constants: StepConstants, block: to
     state.counters.add_(1)
 
 
+def record_step(state: RolloutState, completion_at: torch.Tensor, predicted: torch.Tensor,
+                confidence: torch.Tensor) -> None:
+    """Write this forward's prediction of the completion ([B, n] at completion columns `completion_at`, the
+    columns before them decoded already) and its confidences into the step record, at index FORWARDS."""
+    completion = state.canvas[:, state.canvas.shape[1] - state.step_predictions.shape[2]:]
+    full = completion.scatter(1, completion_at, predicted)
+    scores = torch.zeros(completion.shape, dtype=state.step_confidence.dtype, device=completion.device).scatter(
+        1, completion_at, confidence.to(state.step_confidence.dtype))
+    forward = state.counters[FORWARDS:FORWARDS + 1]
+    state.step_predictions.index_copy_(1, forward, full[:, None, :])
+    state.step_confidence.index_copy_(1, forward, scores[:, None, :])
+
+
 def position_words(row_base: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """The noise counter's position word of each decoded column [B, n]: row_base [B, 1] plus the column, and with
     a block rollout's full last block ([B, 3]: also the column where each completion ends and the jump after it,
-    rollout/blocks.py) the positions after the completion moved beyond every row's completion words."""
+    rollout/blocks.py) the positions after the completion flagged apart from every row's completion words."""
     words = row_base[:, :1] + columns
     if row_base.shape[1] == 3:
         words = words + (columns >= row_base[:, 1:2]) * row_base[:, 2:3]

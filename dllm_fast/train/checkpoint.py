@@ -25,6 +25,7 @@ from dllm_fast.files import atomic_directory, disk_full, follow_umask, settled_d
 from dllm_fast.models.loading import family_of, load_model
 from dllm_fast.train.settings import AUTO
 from dllm_fast.train.distributed import full_state, set_full_state
+from dllm_fast.train.expert_parallel import local_state, whole_state
 from dllm_fast.train.resume import CONFIG, saved_config
 
 CHECKPOINT = "checkpoint"
@@ -36,6 +37,9 @@ def save_checkpoint(run) -> None:
     """Write the whole state of `run` (a train.run.Run) into its checkpoint directory. Every rank takes part
     (FSDP2 gathers its shards, every rank's random streams are collected); rank 0 writes."""
     model_state, optimizer_state = full_state(run.core, run.optimizer, run.sharded)
+    experts = getattr(run, "expert_group", None)
+    if experts is not None and not run.config.lora.enabled:  # --expert-parallel: the experts in the whole layout
+        model_state, optimizer_state = whole_state(run.core, run.optimizer, experts)
     streams = run.ranks.gather({"rng": rng_state(run.device), "rollout_generator": run.rollout_generator.get_state(),
                                 "mask_generator": run.mask_generator.get_state()})
     if run.ranks.writer:
@@ -94,6 +98,7 @@ def load_checkpoint(run) -> None:
 
 def _restore(run, directory: Path, state: dict) -> None:
     """The weights, optimizer, schedule and this rank's random streams of `state` into `run`."""
+    optimizer_state = state["optimizer"]
     if run.config.lora.enabled:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
@@ -102,9 +107,12 @@ def _restore(run, directory: Path, state: dict) -> None:
         set_peft_model_state_dict(run.core, adapter)
     else:
         saved = load_model(directory / "model", dtype=torch.float32, device="cpu").state_dict()
-        set_full_state(run.core, run.optimizer, saved, state["optimizer"], run.sharded)
+        experts = getattr(run, "expert_group", None)
+        if experts is not None:  # --expert-parallel: this rank's slice of the whole experts
+            saved, optimizer_state = local_state(run.core, run.optimizer, saved, optimizer_state, experts)
+        set_full_state(run.core, run.optimizer, saved, optimizer_state, run.sharded)
     if run.config.lora.enabled or not run.sharded:
-        run.optimizer.load_state_dict(state["optimizer"])
+        run.optimizer.load_state_dict(optimizer_state)
     run.schedule.load_state_dict(state["schedule"])
     streams = state["streams"][run.ranks.rank]
     set_rng_state(streams["rng"], run.device)

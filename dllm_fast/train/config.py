@@ -30,6 +30,7 @@ from dllm_fast.contracts import MAX_PAIRS
 from dllm_fast.train.settings import (AUTO, OPTIONS, SECTIONS, EvalSettings, LoraSettings, ModelSettings,
                                       ObjectiveSettings, OptimSettings, RolloutSettings, RunSettings)
 from dllm_fast.train.typed import Scalar, plain_value, read_value, shown
+from dllm_fast.validation import nearest_multiples
 
 __all__ = ["TrainConfig", "RunSettings", "ModelSettings", "RolloutSettings", "ObjectiveSettings", "OptimSettings",
            "LoraSettings", "EvalSettings", "read_config_file", "task_options", "compiles_rollouts",
@@ -381,7 +382,17 @@ def compiles_rollouts(config: TrainConfig, device_type: str) -> bool:
     """Whether the rollouts run through the compiled denoising step: --compile true, or auto on CUDA (CUDA graphs
     replay a step without the host's per-kernel dispatch: 3.07x on dual-cache rollouts of the `small` preset on an
     H200; on CPU there is no launch overhead to save and compiling costs seconds)."""
-    return config.rollout.compile is True or (config.rollout.compile == AUTO and device_type == "cuda")
+    auto = config.rollout.compile == AUTO and device_type == "cuda" and not records_step_predictions(config)
+    return config.rollout.compile is True or auto
+
+
+def records_step_predictions(config: TrainConfig) -> bool:
+    """Whether the objective's rollouts record every step's prediction (MDPO), which runs the steps eagerly:
+    --compile auto then leaves them uncompiled (generate refuses to record compiled steps)."""
+    from dllm_fast import objectives
+
+    return getattr(objectives.get(config.objective.name, **config.objective.options), "needs_step_predictions",
+                   False)
 
 
 def compiles_scoring(config: TrainConfig) -> bool:
@@ -421,7 +432,8 @@ def check_block_length(config: TrainConfig, model, *, evaluated: bool = True) ->
     for option, length in [("--gen-length", config.rollout.gen_length)] + evaluations:
         if length % block:
             raise ValueError(f"{option} {length} is not a multiple of --block-length {block}, the "
-                             "block-diffusion model's block: every completion is decoded in whole blocks.")
+                             "block-diffusion model's block: training decodes and scores whole blocks; pass "
+                             f"{' or '.join(f'{option} {n}' for n in nearest_multiples(length, block))}.")
 
 
 def take_block_length(config: TrainConfig, model) -> None:

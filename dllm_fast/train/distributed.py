@@ -9,6 +9,7 @@ no_sync); rank 0 alone writes files (`Ranks.writer`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import dataclass
 
@@ -66,12 +67,28 @@ def distributed_session(device: str):
     cuda = torch.cuda.is_available() and device in ("auto", "cuda")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    finished = False
     try:  # joined inside: an interrupt right after joining must not leave the process group behind
         dist.init_process_group("nccl" if cuda else "gloo")
         yield Ranks(dist.get_rank(), dist.get_world_size())
+        finished = True
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            leave_process_group(finished)
+
+
+def leave_process_group(finished: bool) -> None:
+    """Destroy the process group, in the order that lets every rank exit 0 (issue 45 item 6: a finished 2-rank
+    DDP run's rank aborted at exit, 1 run in 24). A finished run waits for every rank at a barrier first, so none
+    tears its side down while another still talks to it (a failed one cannot: its peers may never get there).
+    Then the run's objects go (the DDP wrapper sits in reference cycles, and its reducer holds the group), so the
+    group and its threads end in destroy_process_group, and not in the interpreter's teardown."""
+    import torch.distributed as dist
+
+    if finished:
+        dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def sharded(parallel: str, ranks: Ranks) -> bool:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dllm_fast.models.moe import router_load
+from dllm_fast.train.expert_parallel import expert_rank_load
 from dllm_fast.train.checkpoint import save_checkpoint
 from dllm_fast.train.config import TrainConfig
 from dllm_fast.train.distributed import distributed_session
@@ -87,7 +88,7 @@ def _train(run: Run) -> TrainResult:
 
         # 1-2. Prompts (this rank's share), then G rollouts each.
         examples = run.data.take(config.run.prompts_per_step)[run.share]
-        group_size = config.run.group_size
+        group_size = run.rollouts_per_prompt  # --group-size, or a tree objective's leaves per prompt
         if run.pairs is not None:  # -- preference pairs (vrpo_dpo; train/pairs.py): the task's stored pairs are
             batch, correct = run.pairs.step(examples)  # the batch; no rollout, no reward
             rollout, rollout_seconds = None, 0.0
@@ -98,14 +99,16 @@ def _train(run: Run) -> TrainResult:
             # 3. Rewards and the batch the objective consumes.
             batch = run.rollout_batch(examples, rollout, completions)
             correct = [run.task.correct(examples[row // group_size], text) for row, text in enumerate(completions)]
+        # MDPO trains on its rollouts' rewarded steps (Run.learner_batch); every other objective on the batch.
+        learner = batch if rollout is None else run.learner_batch(examples, rollout, batch)
 
         # 4. The inner updates' plan: masks, and the old policy's lp where the policy will have moved.
         with phases.phase("scoring"):
-            plan = run.plan_updates(batch)
+            plan = run.plan_updates(learner)
 
         # 5. Inner updates: objective gradient, clip, AdamW, schedule.
         with phases.phase("update"), router_load(run.model) as load:  # experts' balance (MoE models)
-            updates = [run.update(batch, update) for update in plan]
+            updates = [run.update(learner, update) for update in plan]
         run.after_step(phases.peak)  # FSDP2's gathered rollout copy: kept or freed by the measured peak
 
         pairs = sum(update.masks.num_sequences * update.masks.n_t for update in plan)
@@ -113,6 +116,7 @@ def _train(run: Run) -> TrainResult:
                            time.perf_counter() - step_started, run.schedule.get_last_lr()[0], phases, pairs,
                            run.batching.micro_batch)
         row.update(load.metrics())
+        row.update(expert_rank_load(load, getattr(run, "expert_group", None), run.ranks))  # --expert-parallel: each rank's share
         run.step = step + 1
         if run.step % config.eval.every == 0 or run.step == config.run.steps:
             row.update(evaluate_lengths(run))

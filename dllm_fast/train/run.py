@@ -8,6 +8,7 @@ it, which modules LoRA adapts, FSDP2's units, its tokenizer) comes from the fami
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -29,6 +30,8 @@ from dllm_fast.train.checkpoint import CHECKPOINT, load_checkpoint, seed_everyth
 from dllm_fast.train.config import TrainConfig, check_block_length, micro_batching, take_block_length, task_options
 from dllm_fast.train.data import PromptStream
 from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
+from dllm_fast.train.expert_parallel import (ExpertGradients, check_expert_parallel, distribute, expert_group,
+                                             expert_parallel_note, ignore_experts_in_ddp)
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
 from dllm_fast.train.pairs import PairSource, check_pairs_task
 from dllm_fast.train.precision import add_lora  # noqa: F401  (re-exported: the planner and tests import it here)
@@ -38,6 +41,7 @@ from dllm_fast.train.rollout_weights import keep_copy, rollout_weights_for
 from dllm_fast.train import step as train_step
 from dllm_fast.train.run_dir import RunDirectory
 from dllm_fast.train.settings import AUTO, DEFAULT_MICRO_BATCH
+from dllm_fast.train.step_rewards import decode_step_predictions, step_rewards
 from dllm_fast.train.sources import model_source
 
 
@@ -83,10 +87,17 @@ class RunSetup:
         # The model, its tokenizer and the task's prompts agree before any weight is read.
         self.source, self.tokenizer, skeleton = model_and_tokenizer_plan(config)
         check_sizes(config, skeleton, self.device, ranks, self.objective.needs_reference, self.precision)
+        check_expert_parallel(config, skeleton, ranks.world)
+        if config.run.expert_parallel > 1 and self.generate_config.compile:  # --compile auto: eager all-to-alls
+            self.generate_config = dataclasses.replace(self.generate_config, compile=False)
         check_block_length(config, skeleton)
         take_block_length(config, skeleton)
         check_rollout_settings(config, self.generate_config, skeleton)
         check_objective_fits(self.objective, self.task, config, self.generate_config, skeleton)
+        # d_treerpo rolls out a tree per prompt (rollout/tree.py): its leaves are the prompt's rollouts
+        self.tree_shape = getattr(self.objective, "tree_shape", lambda: None)()
+        if self.tree_shape is not None:
+            check_tree_fits(self.tree_shape, config, self.generate_config, skeleton)
         # last: it tokenizes every prompt of the task
         check_lengths(config, self.task, self.data.examples, self.test_examples, self.tokenizer, skeleton)
 
@@ -115,6 +126,7 @@ class Run:
         self.generate_config = setup.generate_config
         self.compiled_rollouts = self.generate_config.compile
         self.task, self.objective, self.data = setup.task, setup.objective, setup.data
+        self.tree_shape, self.tree = setup.tree_shape, None  # d_treerpo's trees (roll_out_tree)
         self.test_examples, self.tokenizer = setup.test_examples, setup.tokenizer
         source = setup.source
         # What the run decided for its device, said before the first step (on CPU by default: nothing).
@@ -134,9 +146,17 @@ class Run:
                           allow_external_links=config.model.allow_external_links).train()
         take_block_length(config, base)
         base.set_gradient_checkpointing(config.model.gradient_checkpointing)
+        # --expert-parallel N: this rank keeps its slice of the routed experts (train/expert_parallel.py)
+        self.expert_group = expert_group(config.run.expert_parallel, ranks, self.device)
+        base = distribute(base, self.expert_group)
+        if self.expert_group is not None:
+            self.setup_notes.append(expert_parallel_note(base, self.expert_group, setup.generate_config.compile
+                                                         != config.generate_config(self.device.type).compile))
         # The reference policy: the initial weights, frozen. With LoRA, the objective disables the adapters instead.
         self.model, self.ref_model = training_models(base, config, self.precision,
                                                      needs_reference=self.objective.needs_reference)
+        if self.expert_group is not None:
+            ignore_experts_in_ddp(self.model)
         self.model = data_parallel_wrapper(self.model, config.run.parallel, ranks, self.device)
         self.core = unwrap_model(self.model)
         self.rollout_weights = None  # under FSDP2: the gathered copy rollouts run on (train/rollout_weights.py)
@@ -175,8 +195,11 @@ class Run:
 
     # -- the loop's steps -----------------------------------------------------------------------------------
     def roll_out(self, examples):
-        """G completions per prompt (rows g * G .. g * G + G - 1 are prompt g's), decoded."""
+        """G completions per prompt (rows g * G .. g * G + G - 1 are prompt g's), decoded. (A tree objective's:
+        the leaves of a tree per prompt, `roll_out_tree`.)"""
         c = self.config
+        if self.tree_shape is not None:
+            return self.roll_out_tree(examples)
         prompts = [self.task.prompt(e, self.tokenizer) for e in examples for _ in range(c.run.group_size)]
         input_ids, attention_mask = encode_prompts(self.tokenizer, prompts, device=self.device,
                                                    pad_token_id=self.core.eos_token_id)
@@ -185,8 +208,35 @@ class Run:
         result = train_step.roll_out(self.core, input_ids, attention_mask, self.generate_config,
                                      generator=self.rollout_generator,
                                      record_unmask_step=self.objective.needs_unmask_step, hooks=self.step_hooks,
+                                     record_step_predictions=getattr(self.objective, "needs_step_predictions", False),
                                      merge_adapters=c.lora.enabled and c.lora.merge_rollouts and not self.sharded,
                                      weights=self.rollout_weights)
+        return result, decode_completions(self.tokenizer, result), time.perf_counter() - started
+
+    @property
+    def rollouts_per_prompt(self) -> int:
+        """The rollouts rewarded per prompt: --group-size, or a tree objective's leaves per prompt."""
+        return self.config.run.group_size if self.tree_shape is None else self.tree_shape.leaves_per_prompt()
+
+    def roll_out_tree(self, examples):
+        """d_treerpo: a tree per prompt (rollout/tree.py), kept for the batch; its leaves, as one GenerationResult
+        (rows of a prompt contiguous), decoded."""
+        from dllm_fast.contracts import GenerationResult, completion_mask
+
+        prompts = [self.task.prompt(e, self.tokenizer) for e in examples]
+        input_ids, attention_mask = encode_prompts(self.tokenizer, prompts, device=self.device,
+                                                   pad_token_id=self.core.eos_token_id)
+        started = time.perf_counter()
+        tree = train_step.roll_out(self.core, input_ids, attention_mask, self.generate_config,
+                                   generator=self.rollout_generator, record_unmask_step=False, hooks=self.step_hooks,
+                                   merge_adapters=self.config.lora.enabled and self.config.lora.merge_rollouts
+                                   and not self.sharded, weights=self.rollout_weights, tree=self.tree_shape)
+        self.tree = tree
+        leaves = tree.canvases[tree.leaves]
+        completion = leaves[:, tree.prompt_length:]
+        mask = None if tree.attention_mask is None else tree.attention_mask[tree.prompt[tree.leaves]]
+        result = GenerationResult(leaves, completion, completion_mask(completion, self.core.eos_token_id),
+                                  tree.forwards, mask)
         return result, decode_completions(self.tokenizer, result), time.perf_counter() - started
 
     def after_step(self, peaks: dict[str, int]) -> None:
@@ -204,13 +254,28 @@ class Run:
 
     def rollout_batch(self, examples, rollout, completions) -> RolloutBatch:
         """The task's rewards of the completions, with the rollouts: what the objective consumes."""
-        G = self.config.run.group_size
+        G = self.rollouts_per_prompt
         rewards = [task_reward(self.task, examples[row // G], text,
                                f"prompt {row // G} of step {self.step + 1} ({examples[row // G].question[:200]!r}), "
                                f"completion {text[:200]!r}") for row, text in enumerate(completions)]
         rewards = torch.tensor(rewards, dtype=torch.float32, device=self.device)
         check_rewards(rewards, G)
+        if self.tree_shape is not None:  # the tree's edges, valued from its leaves' rewards
+            return objectives.tree_batch(self.tree, rewards, eos_token_id=self.core.eos_token_id,
+                                         mask_token_id=self.core.mask_token_id, train_step=self.step)
         return RolloutBatch.from_generation(rollout, rewards, group_size=G)
+
+    def learner_batch(self, examples, rollout, batch: RolloutBatch) -> RolloutBatch:
+        """What the objective trains on: the rollout batch, or for MDPO (`needs_step_predictions`) its step batch:
+        every recorded one-step prediction rewarded by the task (train/step_rewards.py), the top-k steps kept."""
+        if not getattr(self.objective, "needs_step_predictions", False):
+            return batch
+        rewards = step_rewards(self.task, examples, self.config.run.group_size,
+                               decode_step_predictions(self.tokenizer, rollout, self.core.eos_token_id),
+                               f"step {self.step + 1}", self.device)
+        return self.objective.step_batch(batch, rollout.step_predictions, rollout.step_confidence, rewards,
+                                         eos_token_id=self.core.eos_token_id,
+                                         rollout_temperature=self.generate_config.temperature)
 
     def plan_updates(self, batch: RolloutBatch) -> list[InnerUpdate]:
         """The objective's plan of this batch's mu inner updates: each one's masks, and the old policy's lp on
@@ -221,8 +286,9 @@ class Run:
 
     def update(self, batch: RolloutBatch, update: InnerUpdate) -> dict:
         """One inner update: the objective's gradient, clipping, an AdamW step and the schedule."""
+        clip = ExpertGradients(self.model, self.expert_group) if self.expert_group is not None else None
         optimization = train_step.Optimization(self.trainable, self.optimizer, self.config.optim.grad_clip,
-                                               self.schedule)
+                                               self.schedule, clip=clip)
         out, norm = train_step.run_update(self.objective, self.model, batch, update, batching=self.batching,
                                           optimization=optimization, ref_model=self.ref_model,
                                           hooks=self.step_hooks, when=f" at step {self.step + 1}")
@@ -266,6 +332,9 @@ def auto_micro_batch(config: TrainConfig, device: torch.device, ranks: Ranks) ->
     planner's fit (dllm_fast.train.micro_batch), the smallest over the ranks so that all cut pairs alike."""
     if device.type != "cuda":
         return DEFAULT_MICRO_BATCH, f"--micro-batch auto: {DEFAULT_MICRO_BATCH} on {device.type}"
+    if hasattr(objectives.get(config.objective.name, **config.objective.options), "tree_shape"):
+        return DEFAULT_MICRO_BATCH, (f"--micro-batch auto: {DEFAULT_MICRO_BATCH} (the planner does not price "
+                                     f"--objective {config.objective.name}'s tree rollouts)")
     from dllm_fast.train.micro_batch import fitted_micro_batch
 
     micro_batch, note = fitted_micro_batch(config, device)
@@ -304,8 +373,22 @@ def check_objective_fits(objective, task, config: TrainConfig, rollouts, model) 
         objective.check_model(model)
         if not objective.preference_pairs:
             objective.check_rollouts(rollouts)
+        if getattr(objective, "needs_step_predictions", False):  # MDPO: generate can record these rollouts' steps
+            from dllm_fast.rollout.plan import check_generate_config
+
+            check_generate_config(model, rollouts, record_step_predictions=True)
     except ValueError as error:
         raise ValueError(f"--objective {name} with --model {config.model.name!r}: {error}") from None
+
+
+def check_tree_fits(shape, config: TrainConfig, rollouts, model) -> None:
+    """A tree objective's rollouts (rollout/tree.py) suit the settings and the model, before any work."""
+    from dllm_fast.rollout.tree import check_tree_rollouts
+
+    try:
+        check_tree_rollouts(model, rollouts, shape)
+    except ValueError as error:
+        raise ValueError(f"--objective {config.objective.name} with --model {config.model.name!r}: {error}") from None
 
 
 def check_rollout_records(objective, name: str) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dllm_fast.train.typed import read_value
-from dllm_fast.validation import check_float, check_int
+from dllm_fast.validation import check_float, check_int, nearest_multiples
 
 SCHEDULES = ("constant", "cosine", "linear")
 PARALLEL = ("ddp", "fsdp2")
@@ -88,6 +88,10 @@ class RunSettings(_Settings):
     threads: int | None = option(None, help="CPU threads (default: torch's)")
     parallel: str = option("ddp", help="under torchrun: ddp, or fsdp2 (full fine-tunes; sharded weights)",
                            choices=PARALLEL)
+    expert_parallel: int = option(1, help="under torchrun, LLaDA2: ranks an expert group spans; each holds "
+                                          "num_experts / N of every MoE layer's routed experts, and tokens move to "
+                                          "them by all-to-all (train/expert_parallel.py; default: 1, none)",
+                                  metavar="N")
     rollout_weights: str = option("auto", help="under --parallel fsdp2, what rollouts run on: gathered (a plain copy "
                                                "of the weights gathered once a step), sharded (FSDP2's per-layer "
                                                "gathers at every forward), or auto (gathered when it fits beside "
@@ -107,6 +111,7 @@ class RunSettings(_Settings):
         if self.threads is not None:
             check_int("--threads", self.threads, minimum=1)
         check_int("--seed", self.seed, minimum=0, maximum=MAX_SEED)
+        check_int("--expert-parallel", self.expert_parallel, minimum=1)
         if not self.output_dir.strip():
             raise ValueError("--output-dir is empty; name the run directory (e.g. runs/default).")
         check_choice(self, "parallel")
@@ -185,7 +190,9 @@ class RolloutSettings(_Settings):
         check_choice(self, "remasking")
         if self.gen_length % self.block_length:
             raise ValueError(f"--gen-length {self.gen_length} is not a multiple of --block-length "
-                             f"{self.block_length}; choose a block length that divides it.")
+                             f"{self.block_length}; pass " + " or ".join(
+                                 f"--gen-length {n}" for n in nearest_multiples(self.gen_length, self.block_length))
+                             + ", or a block length that divides it.")
         if self.unmask_schedule not in ("even", "ass"):  # rollout.plan.UNMASK_SCHEDULES
             raise ValueError(f"--unmask-schedule {self.unmask_schedule!r} is not one of 'even', 'ass'.")
         if self.eos_schedule is not None and len(self.eos_schedule) != 2:
@@ -212,7 +219,7 @@ class RolloutSettings(_Settings):
         """The rollout's denoising steps: --diffusion-steps, or under --unmask-schedule ass the blocks times
         floor(log2 --block-length) (rollout.plan.ass_steps); None under --threshold alone."""
         if self.unmask_schedule == "ass":
-            return self.gen_length // self.block_length * max(1, self.block_length.bit_length() - 1)
+            return -(-self.gen_length // self.block_length) * max(1, self.block_length.bit_length() - 1)
         return self.steps
 
     def generate_config(self, *, compile: bool):

@@ -57,12 +57,14 @@ NO_HOOKS = StepHooks()
 
 def roll_out(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerateConfig, *,
              generator: torch.Generator, record_unmask_step: bool, hooks: StepHooks = NO_HOOKS,
-             merge_adapters: bool = False, weights=None):
+             merge_adapters: bool = False, weights=None, record_step_predictions: bool = False, tree=None):
     """`generate`'s result for the prompts. The model samples in eval mode (no dropout) and is left in the mode it
     was in. record_unmask_step: trajectory objectives (TraceRL) replay the decoding order, so only they ask for it.
     merge_adapters: a LoRA policy samples through a copy of its adapted weights with the adapters merged in
     (models.merged_lora: one GEMM a projection; refreshed when the adapters have moved). weights: an FSDP2
-    policy's gathered copy (train/rollout_weights.GatheredWeights), filled before the rollout and released after."""
+    policy's gathered copy (train/rollout_weights.GatheredWeights), filled before the rollout and released after.
+    record_step_predictions: MDPO rewards every step's one-step prediction, so only it asks for them.
+    tree: a rollout.tree.TreeShape: grow one tree per prompt instead (d_treerpo), returning the rollout.tree.Tree."""
     with hooks.phase(ROLLOUT):
         was_training = model.training
         model.eval()
@@ -73,8 +75,14 @@ def roll_out(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, confi
                 else:
                     sampler = merged_for_rollouts(model) if merge_adapters else model
                 try:
+                    if tree is not None:  # d-TreeRPO: a tree of partial rollouts per prompt (rollout/tree.py)
+                        from dllm_fast.rollout.tree import tree_rollout
+
+                        return tree_rollout(generate, sampler, input_ids, attention_mask, config, tree,
+                                            generator=generator)
                     return generate(sampler, input_ids, attention_mask, config, generator=generator,
-                                    record_unmask_step=record_unmask_step)
+                                    record_unmask_step=record_unmask_step,
+                                    **({"record_step_predictions": True} if record_step_predictions else {}))
                 finally:
                     if weights is not None:
                         weights.release()
@@ -113,12 +121,14 @@ def inner_update(objective: Objective, model, batch: RolloutBatch, update: Inner
 @dataclass
 class Optimization:
     """What an optimizer step updates and how: the trainable parameters, the optimizer, the clipping norm and the
-    learning-rate schedule (None: none)."""
+    learning-rate schedule (None: none). clip: what clips the gradients, called as clip_grad_norm_ (None: it; expert
+    parallelism's reduces the experts' gradients first: train/expert_parallel.py)."""
 
     trainable: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     grad_clip: float
     schedule: object | None = None
+    clip: Callable | None = None
 
 
 def optimizer_step(optimization: Optimization, *, hooks: StepHooks = NO_HOOKS, when: str = "") -> torch.Tensor:
@@ -127,7 +137,7 @@ def optimizer_step(optimization: Optimization, *, hooks: StepHooks = NO_HOOKS, w
     places it, e.g. " at step 3")."""
     optimizer = optimization.optimizer
     with hooks.phase(OPTIMIZER_STEP):
-        norm = torch.nn.utils.clip_grad_norm_(optimization.trainable, optimization.grad_clip)
+        norm = (optimization.clip or torch.nn.utils.clip_grad_norm_)(optimization.trainable, optimization.grad_clip)
         if not torch.isfinite(norm):
             optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"the gradient norm is {float(norm)}{when}; no update was taken. Lower the "

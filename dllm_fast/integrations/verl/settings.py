@@ -76,6 +76,11 @@ class EngineSettings:
             objective = objectives.get(name, preset=section.get("preset"), **options)
         except (TypeError, ValueError) as error:
             raise type(error)(f"{SECTION_PATH} (objective {name!r}): {error}") from None
+        if getattr(objective, "needs_step_predictions", False):  # MDPO: a reward per denoising step
+            raise ValueError(f"{SECTION_PATH}.objective={name!r} rewards the model's one-step prediction at every "
+                             "denoising step and trains on the steps with the largest advantage; verl's rollouts and "
+                             "reward manager score final completions only: train it with `python -m dllm_fast "
+                             "train --objective mdpo`.")
         micro_batch = section.get("micro_batch")
         if micro_batch is not None:
             micro_batch = _positive_int(f"{SECTION_PATH}.micro_batch", micro_batch,
@@ -149,6 +154,8 @@ def check_actor_settings(objective: Objective, actor) -> None:
 def advantage_estimator_for(objective: Objective) -> str | None:
     """verl's advantage settings that compute `objective`'s advantages, or None when none of verl's does."""
     c = objective.config
+    if getattr(objective, "tree_shape", None) is not None:  # d_treerpo: a tree's sibling advantages, none of verl's
+        return None
     if c.advantage == "mean" and not c.scale_rewards:
         return "algorithm.adv_estimator=grpo algorithm.norm_adv_by_std_in_grpo=false"
     if c.advantage == "mean" and c.scale_rewards and not c.population_std and c.std_epsilon == 1e-6:
