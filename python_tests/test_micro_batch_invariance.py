@@ -30,6 +30,7 @@ VARIANTS = [
     ("rspo", {"center": "group"}),
     ("coupled_grpo", {"normalize_per": "micro_batch", "micro_batch_rows": 3}),
     ("espo", {"preset": "countdown"}),
+    ("cj_grpo", {"micro_batch_rows": 3}),  # the official step pooling per micro-batch of rows
 ]
 # One pair per graph; 3 per graph and 5 per scoring call (neither divides N n_t); every pair in one graph, 2
 # per scoring call.

@@ -25,6 +25,8 @@ DEFAULTS = {
     "ebpo": ("mean", True, 1e-6, True),                # DARE's GRPO z-score
     "justgrpo": ("mean", True, 1e-4, True),            # the official (r - mean) / (std + 1e-4)
     "vrpo_dpo": ("mean", False, 1e-6, True),           # none enters its loss (pairs): the options are refused
+    # -- CJ-GRPO --
+    "cj_grpo": ("mean", False, 1e-6, True),            # the official r - group mean, no std
 }
 # mdpo's advantage is its own, per denoising step over the group, computed on the whole step record before the
 # steps are selected (objectives.mdpo.step_advantages, tested in test_mdpo.py); the shared options are refused.

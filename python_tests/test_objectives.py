@@ -37,6 +37,9 @@ ARGS = {  # which constants each reference twin takes, and the config options it
     "ebpo": (("lp_old", "lp_ref"), ("epsilon_low", "epsilon_high", "beta", "kl_estimator", "std_epsilon")),
     "justgrpo": (("lp_old",), ("epsilon", "normalization", "dual_clip", "std_epsilon")),
     "vrpo_dpo": (("lp_ref",), ("beta", "normalization")),
+    # -- CJ-GRPO --
+    "cj_grpo": (("lp_old", "lp_ref", "unmask_step"), ("epsilon", "beta", "normalization", "scale_rewards",
+                                                       "std_epsilon", "dual_clip")),
 }
 VARIANTS = [  # (name, overrides): every default, plus each documented option
     *[(name, {}) for name in NAMES],
@@ -78,6 +81,9 @@ VARIANTS = [  # (name, overrides): every default, plus each documented option
     ("ebpo", {"beta": 0.1, "kl_estimator": "k1", "count": "all"}),
     ("justgrpo", {"normalization": "sequence", "dual_clip": 2.0, "count": "eos"}),
     ("vrpo_dpo", {"normalization": "none", "sampler": "random_t"}),
+    # -- CJ-GRPO --
+    ("cj_grpo", {"normalization": "transition", "dual_clip": 2.0, "scale_rewards": True, "epsilon": 0.05}),
+    ("cj_grpo", {"micro_batch_rows": 3, "shrink": 2}),  # preset="dare": python_tests/test_cj_grpo.py
 ]
 
 
@@ -135,7 +141,7 @@ def random_lp(masks, seed, low=0.05, high=4.0):
 
 def reference_loss(objective, lp, inputs):
     takes, options = ARGS[objective.name]
-    constants = {"lp_old": inputs.lp_old, "lp_ref": inputs.lp_ref}
+    constants = {"lp_old": inputs.lp_old, "lp_ref": inputs.lp_ref, "unmask_step": inputs.batch.unmask_step}
     kwargs = {name: getattr(objective.config, name) for name in options}
     if hasattr(objective.config, "micro_batch_rows"):  # the objective's own rows (None: the whole batch)
         kwargs["rows"] = objective.config.micro_batch_rows
@@ -227,7 +233,7 @@ def test_known_current_lp_gives_the_same_gradient(name):
 
 ZERO_WIDTH_CLIP = {"diffu_grpo": {"epsilon": 0.0}, "espo": {"epsilon_low": 0.0, "epsilon_high": 0.0},
                    "coupled_grpo": {"epsilon": 0.0}, "gdpo": {"epsilon_low": 0.0, "epsilon_high": 0.0},
-                   "tracerl": {"epsilon": 0.0}}
+                   "tracerl": {"epsilon": 0.0}, "cj_grpo": {"epsilon": 0.0}}
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if objectives.get(n).uses_old_policy])

@@ -78,7 +78,8 @@ def make_rollout_func(config: GenerateConfig | None = None, *, seed: int = 0, **
     The settings are generate's: a GenerateConfig (`config`, e.g. a TrainConfig's `generate_config(device)`),
     keywords (its fields: cache, compile, threshold, ...), or both, the keywords overriding the config's fields;
     each rollout passes generate one GenerateConfig. Left out or None, gen_length is the trainer's
-    `max_completion_length`, steps gen_length (one token per step; none with a threshold), temperature the
+    `max_completion_length`, steps gen_length (one token per step; none with a threshold or
+    unmask_schedule="ass", whose steps follow from the block), temperature the
     trainer's `temperature`; block_length a block-diffusion model's own block (SDAR; a threshold with steps is its
     dynamic rule), else 32, capped at gen_length. cache ("none"; "prefix", "dual": Fast-dLLM's KV caches;
     "block": a block-diffusion model's exact cache of finished blocks), full_last_block and compile (each denoising
@@ -139,7 +140,8 @@ def rollout_config(given: dict, args, model) -> GenerateConfig:
     steps, temperature = given.get("steps"), given.get("temperature")
     return GenerateConfig(**{
         **given, "gen_length": length, "block_length": block,
-        "steps": steps if steps is not None or given.get("threshold") is not None else length,
+        "steps": steps if steps is not None or given.get("threshold") is not None
+        or given.get("unmask_schedule") == "ass" else length,  # ASS: its steps follow from the block
         "temperature": temperature if temperature is not None else args.temperature})
 
 

@@ -23,6 +23,7 @@
 | ebpo | LLaDA2.1 (DARE's) | composite block ELBO, a noise level per (sample, block), n_t 16; block models | exp(E - E_old), clipped once | k1/k2/k3 on E (off) |
 | justgrpo | JustGRPO | exact left-to-right likelihood, one sample per position (block-1 rollouts) | token, two-sided eps | none |
 | vrpo_dpo | LLaDA 1.5 (offline VRPO) | ELBO, n_t 4, stratified counts; preference pairs, no rollout | none (DPO) | implicit (DPO) |
+| cj_grpo | CJ-GRPO | the rollout's own decoding states, every step (unmask_step) | token, two-sided eps | k3 per token |
 | mdpo | MDPO | the rollout's recorded states x_t, target the one-step prediction x_hat_t; top-k steps by per-step A | token, two-sided eps | k2 per token vs ref |
 | d_treerpo | d-TreeRPO | per tree edge: one forward on the parent canvas (tree rollouts) + self-distillation | token, two-sided eps 0.4 | k3 per token vs base |
 """
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     from dllm_fast.objectives.ebpo import EBPO, EBPOConfig
     from dllm_fast.objectives.justgrpo import JustGRPO, JustGRPOConfig
     from dllm_fast.objectives.vrpo_dpo import VRPODPO, VRPODPOConfig
+    # -- CJ-GRPO --
+    from dllm_fast.objectives.cj_grpo import CJGRPO, CJGRPOConfig
     # -- MDPO (the rollout's step record) --
     from dllm_fast.objectives.mdpo import MDPO, MDPOConfig
     # -- d-TreeRPO (tree rollouts) --
@@ -64,6 +67,8 @@ _BUILT_IN: dict[str, str] = {
     "gdpo": "gdpo:GDPO", "tracerl": "tracerl:TraceRL",
     # -- EBPO, JustGRPO, offline VRPO (the likelihood engine's family) --
     "ebpo": "ebpo:EBPO", "justgrpo": "justgrpo:JustGRPO", "vrpo_dpo": "vrpo_dpo:VRPODPO",
+    # -- CJ-GRPO --
+    "cj_grpo": "cj_grpo:CJGRPO",
     # -- MDPO (the rollout's step record) --
     "mdpo": "mdpo:MDPO",
     # -- d-TreeRPO (tree rollouts) --
@@ -157,6 +162,8 @@ __all__ = [
     "available", "get", "group_advantages", "nearest_valid_n_t", "presets", "register", "zero_std_fraction",
     # -- EBPO, JustGRPO, offline VRPO --
     "EBPO", "EBPOConfig", "JustGRPO", "JustGRPOConfig", "VRPODPO", "VRPODPOConfig", "preference_batch",
+    # -- CJ-GRPO --
+    "CJGRPO", "CJGRPOConfig",
     # -- MDPO --
     "MDPO", "MDPOConfig", "StepBatch",
     # -- d-TreeRPO --

@@ -269,7 +269,7 @@ def check_plannable(config: TrainConfig, prompt_length: int, model, batching: Mi
         raise ValueError(f"--prompt-length {prompt_length} with --gen-length {G} needs {prompt_length + G} "
                          f"positions; the model has {positions} (max_sequence_length). Lower --prompt-length "
                          f"(at most {positions - G} with this --gen-length) or --gen-length.")
-    forwards = G if config.rollout.threshold is not None else config.rollout.steps
+    forwards = G if config.rollout.threshold is not None else config.rollout.decoding_steps()
     if forwards > MAX_PLANNED_FORWARDS:
         raise ValueError(f"the rollout runs {forwards} denoising steps (--diffusion-steps, or --gen-length under "
                          f"--threshold), more than the {MAX_PLANNED_FORWARDS} a plan replays; plan fewer steps "

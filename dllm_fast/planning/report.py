@@ -18,7 +18,8 @@ def _gb(value: float) -> str:
 def summary(plan: Plan) -> str:
     c, shapes = plan.config, plan.shapes
     rollout = c.rollout
-    schedule = f"threshold {rollout.threshold}" if rollout.threshold is not None else f"{rollout.steps} steps"
+    schedule = f"threshold {rollout.threshold}" if rollout.threshold is not None else \
+        f"{rollout.decoding_steps()} steps"
     lora = f"LoRA r{c.lora.rank}" if c.lora.enabled else "full fine-tune"
     # float32 with autocast is train's precision (train/precision.py): trained weights fp32, frozen ones bf16
     weights = "fp32 trained, bf16 frozen + bf16 autocast" if plan.weights_dtype == "float32" and plan.autocast else \

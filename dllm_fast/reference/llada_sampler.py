@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dllm_fast.contracts import GenerationResult, completion_mask, logit_shift
+from dllm_fast.reference import eoser_ass
 from dllm_fast.rollout.config import GenerateConfig, rollout_config
 from dllm_fast.rollout.plan import check_generate_args, initial_canvas
 from dllm_fast.rollout.resume import Resume, check_resume
@@ -36,6 +37,8 @@ def generate(model, input_ids, attention_mask=None, config: GenerateConfig | Non
     forward; Gumbel-max runs in the log domain, argmax(logits / T - log(-log u)), the same argmax as LLaDA's
     exp(logits) / (-log u)^T without its overflow; a decoded position without a defined confidence (a NaN or
     +inf logit among the tokens that may be decoded) raises, as in the fused sampler.
+
+    unmask_schedule="ass" and eos_schedule are CJ-GRPO's decoders, the official rules (reference/eoser_ass.py).
 
     Takes the settings as dllm_fast.generate does (a GenerateConfig, keywords over it), but runs eagerly on values:
     compile and assumed_steps_per_block (the fused sampler's) are refused. resume (a rollout.Resume)
@@ -91,7 +94,8 @@ def generate(model, input_ids, attention_mask=None, config: GenerateConfig | Non
         schedule = None
         if plan.steps_per_block is not None:  # the counts of the block as it was at its start, fully masked
             at_start = x[:, start:end] == mask_id if first == 0 else torch.ones_like(x[:, start:end], dtype=torch.bool)
-            schedule = transfer_schedule(at_start, plan.step_limit(block_length))
+            schedule_of = eoser_ass.ass_transfer_schedule if plan.unmask_schedule == "ass" else transfer_schedule
+            schedule = schedule_of(at_start, plan.step_limit(block_length))
         for step in range(first, last):
             if not (x[:, start:end] == mask_id).any():  # Fast-dLLM leaves a complete block
                 break
@@ -122,6 +126,10 @@ def generate(model, input_ids, attention_mask=None, config: GenerateConfig | Non
                 confidence_logits = logits.clone()
                 confidence_logits[:, :, exclude] = float("-inf")
                 x0_p = torch.softmax(confidence_logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)
+                if plan.eos_schedule is not None:  # CJ-GRPO's EOSER, the official rule
+                    factor = eoser_ass.eos_factor(step, plan.step_limit(block_length), plan.eos_schedule,
+                                                  ass=plan.unmask_schedule == "ass")
+                    x0_p = eoser_ass.scale_eos(x0_p, x0, model.eos_token_id, factor)
             x0_p = plan.remasking.scores(x0_p, fed_shape=tuple(x0.shape), fed_positions=None, generator=generator,
                                          device=device)
             x0_p = x0_p.double().masked_fill(~candidates, float("-inf"))

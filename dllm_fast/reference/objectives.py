@@ -380,6 +380,52 @@ def autoregressive_logprob(model, prompt: torch.Tensor, completion: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------------------
+# CJ-GRPO
+
+
+def cj_grpo(lp, masks, rewards, group_size, lp_old=None, lp_ref=None, *, unmask_step, epsilon=0.5, beta=0.04,
+            normalization="step", rows=None, scale_rewards=False, std_epsilon=1e-6, dual_clip=None):
+    """CJ-GRPO on the trajectory states: each read token's clipped surrogate and k3 term; "step" pools each step's
+    tokens over a micro-batch's rows (the step: the forward `unmask_step` [N, L] records), averages the steps
+    holding a token, then the micro-batches; "transition" averages each (row, state)'s tokens, then the row's
+    states, then the rows."""
+    old = lp.detach() if lp_old is None else lp_old
+    adv = advantages(rewards, group_size, scale="std" if scale_rewards else "none", std_epsilon=std_epsilon)
+    N, n_t, L = lp.shape
+
+    def token_loss(n, j, i):
+        ratio = torch.exp(lp[n, j, i] - old[n, j, i])
+        gain = torch.minimum(ratio * adv[n], ratio.clamp(1 - epsilon, 1 + epsilon) * adv[n])
+        if dual_clip is not None and adv[n] < 0:
+            gain = torch.maximum(gain, lp.new_tensor(dual_clip * adv[n]))
+        loss = -gain
+        if beta:
+            x = lp_ref[n, j, i] - lp[n, j, i]
+            loss = loss + beta * (torch.exp(x) - x - 1)
+        return loss
+
+    states = {(n, j): [i for i in range(L) if reads(masks, n, j, i)] for n in range(N) for j in range(n_t)}
+    states = {key: tokens for key, tokens in states.items() if tokens}
+    if normalization == "transition":
+        per_row = []
+        for n in range(N):
+            means = [sum(token_loss(n, j, i) for i in tokens) / len(tokens)
+                     for (m, j), tokens in states.items() if m == n]
+            per_row.append(sum(means) / len(means) if means else lp.new_zeros(()))
+        return sum(per_row) / N
+    losses = []
+    for chunk in micro_batches(N, rows):
+        by_step = {}
+        for (n, j), tokens in states.items():
+            if n in chunk:
+                step = min(int(unmask_step[n, i]) for i in tokens)
+                by_step.setdefault(step, []).extend((n, j, i) for i in tokens)
+        means = [sum(token_loss(*t) for t in members) / len(members) for members in by_step.values()]
+        losses.append(sum(means) / len(means) if means else lp.new_zeros(()))
+    return sum(losses) / len(losses)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # MDPO: the rollout's step record (one-step predictions rewarded at every denoising step)
 
 
@@ -446,6 +492,9 @@ def mdpo(lp, masks, step_advantages, rollouts, lp_old=None, lp_ref=None, *, epsi
                 weight = torch.exp(old[n, j, i]) if confidence is None else confidence[n, i]
                 loss = loss + weight * term / masked
     return loss / rollouts
+
+
+# ---------------------------------------------------------------------------------------------------------
 # d-TreeRPO (tree rollouts)
 
 

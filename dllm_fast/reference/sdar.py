@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from dllm_fast.reference import eoser_ass
+
 
 def dense_block_causal_mask(length: int, block_length: int) -> torch.Tensor:
     """[length, length] bool: i reads j when j's block is not after i's (blocks of block_length from 0)."""
@@ -83,7 +85,8 @@ def _row(tokens: torch.Tensor, attention_mask: torch.Tensor | None, n: int) -> i
 @torch.no_grad()
 def generate(weights, config, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *, gen_length: int,
              steps: int | None = None, threshold: float | None = None, mask_token_id: int, forward_fn=None,
-             head: torch.Tensor | None = None, full_last_block: bool = False) -> torch.Tensor:
+             head: torch.Tensor | None = None, full_last_block: bool = False, unmask_schedule: str = "even",
+             eos_schedule: tuple[float, float] | None = None, eos_token_id: int | None = None) -> torch.Tensor:
     """Greedy block decoding, each prompt alone: [B, P] left-padded prompts -> completions [B, gen_length].
 
     Every step runs the whole sequence so far (through the current block) with the dense block-causal mask. The
@@ -96,11 +99,16 @@ def generate(weights, config, input_ids: torch.Tensor, attention_mask: torch.Ten
     above the threshold ("low_confidence_dynamic"); with a threshold and no steps, the most probable one plus
     every one at or above the threshold (Fast-dLLM). A block is left once complete. forward_fn and head: another
     block-diffusion family's forward (same signature as `forward`) and LM head (reference/llada2.py).
+    unmask_schedule="ass" (steps=None: int(log2 b) per block) and eos_schedule (with eos_token_id): CJ-GRPO's
+    decoders, the official rules in each block (reference/eoser_ass.py).
     """
     b = config.block_size
     forward_fn = forward if forward_fn is None else forward_fn
     head = lm_head(weights, config) if head is None else head
     steps_per_block = None if steps is None else steps // -(-gen_length // b)  # a last block may be partial
+    ass = unmask_schedule == "ass"
+    if ass:
+        steps_per_block = eoser_ass.ass_steps(b)
     rows = []
     for n in range(input_ids.shape[0]):
         prompt = input_ids[n, _row(input_ids, attention_mask, n):]
@@ -118,9 +126,16 @@ def generate(weights, config, input_ids: torch.Tensor, attention_mask: torch.Ten
                 logits[:, mask_token_id] = float("-inf")
                 probs = torch.softmax(logits, dim=-1)
                 tokens = logits.argmax(-1)
-                confidence = probs.gather(-1, tokens[:, None])[:, 0].masked_fill(~masked, float("-inf"))
+                confidence = probs.gather(-1, tokens[:, None])[:, 0]
+                if eos_schedule is not None:
+                    confidence = eoser_ass.scale_eos(confidence, tokens, eos_token_id,
+                                                     eoser_ass.eos_factor(step, steps_per_block, eos_schedule, ass))
+                confidence = confidence.masked_fill(~masked, float("-inf"))
                 order = torch.sort(confidence, descending=True, stable=True).indices
-                if steps_per_block is not None:
+                if ass:  # the block's own schedule: 2^step, the rest of the block at its last step
+                    count = eoser_ass.ass_transfer_schedule(torch.ones(1, b, dtype=torch.bool), steps_per_block)
+                    count = int(count[0, step])
+                elif steps_per_block is not None:
                     base, remainder = divmod(b, steps_per_block)
                     count = base + (1 if step < remainder else 0)
                     if threshold is not None:

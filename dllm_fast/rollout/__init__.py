@@ -22,7 +22,8 @@ if TYPE_CHECKING:
                                          NoCache, PrefixCache, cache_policy)
     from dllm_fast.rollout.config import GenerateConfig
     from dllm_fast.rollout.sampler import generate
-    from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, masked_count_schedule
+    from dllm_fast.rollout.plan import (UNMASK_SCHEDULES, DecodingPlan, check_generate_args, eos_factors,
+                                        masked_count_schedule, unmask_counts)
     from dllm_fast.rollout.remasking import REMASKING, LowConfidence, RandomRemasking, Remasking, remasking_rule
     from dllm_fast.rollout.resume import Resume
 
@@ -33,7 +34,8 @@ _EXPORTS = {
                      "PrefixCache", "cache_policy"), "cache"),
     "GenerateConfig": "config",
     "generate": "sampler",
-    **dict.fromkeys(("DecodingPlan", "check_generate_args", "masked_count_schedule"), "plan"),
+    **dict.fromkeys(("DecodingPlan", "check_generate_args", "masked_count_schedule", "UNMASK_SCHEDULES", "eos_factors",
+                     "unmask_counts"), "plan"),
     **dict.fromkeys(("REMASKING", "LowConfidence", "RandomRemasking", "Remasking", "remasking_rule"), "remasking"),
     "Resume": "resume",  # generate's resume option (d-TreeRPO's branching)
 }
@@ -41,6 +43,6 @@ _EXPORTS = {
 __all__ = ["BLOCK_CACHE_POLICIES", "CACHE_POLICIES", "REMASKING", "BlockCache", "CachePolicy", "DecodingPlan",
            "DualCache", "GenerateConfig", "LowConfidence", "NoCache", "PrefixCache", "RandomRemasking", "Remasking",
            "cache_policy", "check_generate_args", "generate", "masked_count_schedule", "remasking_rule",
-           "Resume"]
+           "Resume", "UNMASK_SCHEDULES", "eos_factors", "unmask_counts"]
 
 __getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -63,7 +63,7 @@ import torch
 
 from dllm_fast.contracts import GenerationResult, block_length as block_length_of, completion_mask
 from dllm_fast.rollout.cache import BlockCache, NoCache
-from dllm_fast.rollout.plan import DecodingPlan, check_block_call, masked_count_schedule
+from dllm_fast.rollout.plan import DecodingPlan, check_block_call, step_tensors, unmask_counts
 from dllm_fast.rollout.rules import check_assumed_steps, check_block_done, raise_if_not_finite
 from dllm_fast.rollout.step import (_KEPT_STATES, COMPILED_STEP_GRAPHS, NOISE_STEP, STEP_IN_BLOCK, RolloutState,
                                     _graph_limit, compiled_step, denoise_step, masked_left_and_bad, step_constants)
@@ -80,7 +80,8 @@ def generate_blocks(model, plan: DecodingPlan, input_ids: torch.Tensor, attentio
     reads_values = data_checks_enabled(input_ids, attention_mask, model.lm_head_weight)
     layout = Layout.of(input_ids, attention_mask, G, b, read=reads_values, full_last_block=plan.full_last_block)
     shapes = ("blocks", device, B, P, G, b, layout.width, layout.prefilled, plan.steps_per_block,
-              plan.record_unmask_step, plan.cache, model.lm_head_weight.dtype, plan.full_last_block)
+              plan.record_unmask_step, plan.cache, model.lm_head_weight.dtype, plan.full_last_block,
+              plan.unmask_schedule, plan.eos_schedule)
     state = _start(model, plan, input_ids, layout, b, generator, shapes, _KEPT_STATES)
     constants = step_constants(model, plan, 0, b, B)
     step_fn = denoise_step
@@ -89,7 +90,7 @@ def generate_blocks(model, plan: DecodingPlan, input_ids: torch.Tensor, attentio
         if device.type == "cuda":
             for tensor in state.tensors():
                 torch._dynamo.mark_static_address(tensor, guard=False)
-    schedule = None if plan.steps_per_block is None else masked_count_schedule(b, plan.steps_per_block)
+    schedule = None if plan.steps_per_block is None else unmask_counts(b, plan.steps_per_block, plan.unmask_schedule)
     cached = isinstance(plan.cache, BlockCache)
     with values_checked():  # the prompts were checked once: the model skips its per-call check
         if cached and layout.prefilled:
@@ -262,10 +263,9 @@ def _start(model, plan: DecodingPlan, input_ids, layout: Layout, block_length: i
         kept[1].restart(canvas, layout.mask, noise_key)
         kept[1].row_base.copy_(_row_base(layout, G, block_length, plan.full_last_block))
         return kept[1]
-    schedule = None
-    if plan.steps_per_block is not None:
-        base, remainder = divmod(block_length, plan.steps_per_block)
-        schedule = base + (torch.arange(plan.steps_per_block, device=device) < remainder).long()
+    schedule = eos_factor = None
+    if plan.steps_per_block is not None:  # unmask_counts (and EOSER's factors), on the device
+        schedule, eos_factor = step_tensors(plan, block_length, plan.steps_per_block, device)
     kv = plan.cache.new_cache(model, B, layout.width)
     if kv is not None:  # columns a step reads before any step wrote them are masked out, but must be finite
         for tensor in kv.keys + kv.values:
@@ -276,7 +276,7 @@ def _start(model, plan: DecodingPlan, input_ids, layout: Layout, block_length: i
         row_base=_row_base(layout, G, block_length, plan.full_last_block),
         not_finite=torch.zeros(B, layout.width, dtype=torch.bool, device=device),
         unmask_step=torch.full((B, layout.width), -1, dtype=torch.long, device=device)
-        if plan.record_unmask_step else None)
+        if plan.record_unmask_step else None, eos_factor=eos_factor)
     if plan.compile:
         kept_states[model] = (shapes, state)
     return state

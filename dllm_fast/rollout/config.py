@@ -19,7 +19,9 @@ class GenerateConfig:
     lengths, the schedule (steps or a threshold), temperature, remasking, classifier-free guidance, the cache, the
     EOS rules, compilation, for planning on fake tensors assumed_steps_per_block, and for block-diffusion models
     full_last_block (the official SDAR/LLaDA2 generate's whole last block; off by default) and eos_early_stop
-    (stop once every row has ended, as LLaDA2's generate does). The generator and
+    (stop once every row has ended, as LLaDA2's generate does), and CJ-GRPO's decoders: unmask_schedule ("even",
+    LLaDA's split; "ass", 2^s tokens at step s of a block) and eos_schedule (EOSER: the EOS confidence times a
+    factor rising from eos_schedule[0] to eos_schedule[1] over a block's steps). The generator and
     record_unmask_step are not settings: they travel beside it. Values are checked where the config is used
     (errors name the field, as generate's keyword), so a config can be built before its model exists."""
 
@@ -37,6 +39,9 @@ class GenerateConfig:
     assumed_steps_per_block: int | None = None
     full_last_block: bool = False
     eos_early_stop: bool = False
+    # -- CJ-GRPO's decoders (EOSER, ASS; rollout/plan.py unmask_counts and eos_factors) --
+    unmask_schedule: str = "even"
+    eos_schedule: tuple[float, float] | None = None
 
 
 SETTINGS = tuple(field.name for field in dataclasses.fields(GenerateConfig))

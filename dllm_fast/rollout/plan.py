@@ -13,9 +13,9 @@ from dllm_fast.contracts import block_length as block_length_of, check_positions
 from dllm_fast.rollout.cache import BlockCache, CachePolicy, NoCache, cache_policy
 from dllm_fast.rollout.config import GenerateConfig
 from dllm_fast.rollout.remasking import Remasking, remasking_rule
-from dllm_fast.validation import (check_binary_mask, check_bool, check_float, check_int, check_same_device,
-                                  check_temperature, check_threshold, data_checks_enabled, nearest_multiples,
-                                  non_binary)
+from dllm_fast.validation import (check_binary_mask, check_bool, check_choice, check_float, check_int,
+                                  check_same_device, check_temperature, check_threshold, data_checks_enabled,
+                                  nearest_multiples, non_binary)
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,9 @@ class DecodingPlan:
     temperatures too small to sample at); assumed_steps_per_block, in threshold mode, replaces the per-step read of
     the masked count. Both steps_per_block and threshold (block-diffusion models only): SDAR's
     "low_confidence_dynamic" rule, each step unmasks every candidate above the threshold and at least the fixed
-    schedule's count."""
+    schedule's count. unmask_schedule: the fixed schedule's counts ("even" or "ass", `unmask_counts`; under "ass"
+    steps_per_block is ass_steps(block_length)); eos_schedule: EOSER's (gamma_min, gamma_max) or None
+    (`eos_factors`)."""
 
     steps_per_block: int | None
     temperature: float
@@ -41,6 +43,8 @@ class DecodingPlan:
     full_last_block: bool = False
     eos_early_stop: bool = False
     record_step_predictions: bool = False  # MDPO: every step's one-step prediction (check_step_recording)
+    unmask_schedule: str = "even"
+    eos_schedule: tuple[float, float] | None = None
 
     def step_limit(self, block_length: int) -> int:
         """Most steps a block may take: its schedule, or one unmasked token per step under a threshold. Never more
@@ -57,6 +61,74 @@ def masked_count_schedule(block_length: int, steps_per_block: int) -> list[int]:
     """Tokens unmasked at each step of a fully masked block: LLaDA's even split, remainder first."""
     base, remainder = divmod(block_length, steps_per_block)
     return [base + (1 if i < remainder else 0) for i in range(steps_per_block)]
+
+
+# -- CJ-GRPO's decoders: the ASS schedule and the EOSER factor (Yang et al. 2025, yjyddq/EOSER-ASS-RL) ----------
+UNMASK_SCHEDULES = ("even", "ass")
+
+
+def ass_steps(block_length: int) -> int:
+    """The steps of a block under unmask_schedule="ass": K = floor(log2 block_length), at least 1 (the official
+    code's S = int(log2 L) for its one block of L = 2^S tokens)."""
+    return max(1, block_length.bit_length() - 1)
+
+
+def unmask_counts(block_length: int, steps: int, schedule: str = "even") -> list[int]:
+    """Tokens each step of a fully masked block unmasks: "even", LLaDA's split (masked_count_schedule); "ass",
+    2^s at step s and the rest at the last step (1, 2, 4, ..., 2^(K-1) + 1 for a block of 2^K: the official
+    get_num_transfer_tokens_ass), over steps = ass_steps(block_length)."""
+    if schedule == "even":
+        return masked_count_schedule(block_length, steps)
+    return [2**s for s in range(steps - 1)] + [block_length - (2 ** (steps - 1) - 1)]
+
+
+def eos_factors(eos_schedule: tuple[float, float], steps: int, schedule: str = "even") -> list[float]:
+    """EOSER's factor at each step s of a block of `steps`: gamma_min + (gamma_max - gamma_min) t_s, t_s = s / (K - 1)
+    under the even schedule (cj_grpo_trainer_eoser.py `sampling`) and the decoded fraction (2^(s+1) - 1) / 2^K under
+    ASS (cj_grpo_trainer_eoser_ass.py `ass_sampling`); gamma_max throughout for a one-step block."""
+    low, high = eos_schedule
+    if steps == 1:
+        return [high]
+    progress = [s / (steps - 1) for s in range(steps)] if schedule == "even" else \
+        [(2 ** (s + 1) - 1) / 2**steps for s in range(steps)]
+    return [low + (high - low) * t for t in progress]
+
+
+def step_tensors(plan: DecodingPlan, block_length: int, steps: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A fixed schedule's counts [steps] (int64) and EOSER's factors [steps] (float64; None without eos_schedule),
+    built on the device from an arange (no host-to-device copy, which would sync on a GPU): `unmask_counts` and
+    `eos_factors` as tensors."""
+    s = torch.arange(steps, device=device)
+    if plan.unmask_schedule == "even":
+        base, remainder = divmod(block_length, steps)
+        counts = base + (s < remainder).long()
+    else:
+        counts = torch.where(s == steps - 1, block_length - 2 ** (steps - 1) + 1, 2**s)
+    factors = None
+    if plan.eos_schedule is not None:
+        low, high = plan.eos_schedule
+        s = s.double()
+        if steps == 1:
+            progress = torch.ones_like(s)
+        elif plan.unmask_schedule == "even":
+            progress = s / (steps - 1)
+        else:
+            progress = (torch.exp2(s + 1) - 1) / 2**steps
+        factors = low + (high - low) * progress
+    return counts, factors
+
+
+def check_eos_schedule(value) -> tuple[float, float] | None:
+    """eos_schedule: None, or (gamma_min, gamma_max), two finite factors >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
+        raise ValueError(f"eos_schedule={value!r} must be None or a pair (gamma_min, gamma_max): the EOS token's "
+                         "confidence is scaled by a factor rising from gamma_min at a block's first step to gamma_max "
+                         "at its last (CJ-GRPO's EOSER; the official code uses (0.01, 1.0) with ASS).")
+    low, high = (check_float(f"eos_schedule[{i}]", v, minimum=0.0, hint="a factor on the EOS confidence, e.g. "
+                             "(0.01, 1.0)") for i, v in enumerate(value))
+    return low, high
 
 
 def initial_canvas(input_ids, attention_mask, gen_length: int, mask_id: int):
@@ -129,6 +201,19 @@ def check_generate_config(model, config: GenerateConfig, *, prompt_length: int |
                          "semi-autoregressive blocks split the completion evenly (the official generate asserts "
                          f"it); pass {valid}, or a block_length that divides gen_length.")
     num_blocks = -(-gen_length // block_length)  # a block-diffusion model's last block may be partial
+    unmask_schedule = check_choice("unmask_schedule", config.unmask_schedule, UNMASK_SCHEDULES)
+    if unmask_schedule == "ass":  # its steps follow from the block: 2^s tokens at step s
+        per_block = ass_steps(block_length)
+        if threshold is not None:
+            raise ValueError(f"unmask_schedule='ass' is a fixed schedule (2^s tokens at step s of a block), but "
+                             f"threshold={threshold} decides each step's count; drop threshold, or pass "
+                             "unmask_schedule='even'.")
+        if steps is not None and steps != num_blocks * per_block:
+            raise ValueError(f"steps={steps} does not fit unmask_schedule='ass': a block of {block_length} tokens "
+                             f"takes floor(log2 {block_length}) = {per_block} steps (1, 2, 4, ... tokens, the rest at "
+                             f"the last), so {num_blocks} block(s) (gen_length / block_length, rounded up) take "
+                             f"steps={num_blocks * per_block}; pass that or steps=None.")
+        steps = num_blocks * per_block
     if threshold is not None and (steps is None or block_length_of(model) is None):
         threshold = check_threshold("threshold", threshold)
         if steps is not None:
@@ -167,6 +252,19 @@ def check_generate_config(model, config: GenerateConfig, *, prompt_length: int |
             raise ValueError(f"assumed_steps_per_block={assumed_steps_per_block} replaces threshold decoding's read "
                              "of the masked count; with a fixed schedule (steps) the steps are known: drop it.")
     eos_early_stop = check_bool("eos_early_stop", config.eos_early_stop)
+    eos_schedule = check_eos_schedule(config.eos_schedule)
+    if eos_schedule is not None:
+        if steps_per_block is None:
+            raise ValueError(f"eos_schedule={config.eos_schedule!r} scales the EOS confidence by a block's step s of "
+                             "its K steps, but threshold decoding has no fixed K; pass steps (a fixed schedule), or "
+                             "eos_schedule=None.")
+        if not rule.uses_model_confidence:
+            raise ValueError(f"eos_schedule={config.eos_schedule!r} scales the EOS confidence, which "
+                             f"remasking={rule.name!r} does not read (it ranks positions at random); pass "
+                             "remasking='low_confidence', or eos_schedule=None.")
+        if confidence_eos_eot_inf:
+            raise ValueError(f"eos_schedule={config.eos_schedule!r} and confidence_eos_eot_inf=True both set the EOS "
+                             "confidence (confidence_eos_eot_inf is the factor 0 at every step); choose one.")
     if eos_early_stop and block_length_of(model) is None:
         raise ValueError("eos_early_stop=True stops a block-diffusion rollout once every row has decoded its EOS "
                          "(LLaDA2's generate); this model decodes bidirectionally: pass eos_early_stop=False.")
@@ -180,7 +278,7 @@ def check_generate_config(model, config: GenerateConfig, *, prompt_length: int |
                          "counter's position word; generate in smaller batches.")
     plan = DecodingPlan(steps_per_block, temperature, threshold, cfg_scale, policy, rule, logits_eos_inf,
                         confidence_eos_eot_inf, compile, record_unmask_step, assumed_steps_per_block, full_last_block,
-                        eos_early_stop)
+                        eos_early_stop, unmask_schedule=unmask_schedule, eos_schedule=eos_schedule)
     if check_bool("record_step_predictions", record_step_predictions):
         check_step_recording(model, plan, gen_length, block_length)
         plan = dataclasses.replace(plan, record_unmask_step=True, record_step_predictions=True)

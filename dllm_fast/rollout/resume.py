@@ -3,7 +3,8 @@ decodes a partly decoded canvas from step `start_step` of the call's global sche
 Shared by the fused sampler and its reference twin.
 
 The global schedule numbers the steps of a fixed-schedule call 0 .. steps - 1, block by block: step g is step
-g mod steps_per_block of block g div steps_per_block (LLaDA's even split; rollout.plan.masked_count_schedule).
+g mod steps_per_block of block g div steps_per_block (the plan's unmask_schedule: LLaDA's even split or ASS's
+2^s tokens; rollout.plan.unmask_counts).
 A canvas "at step g" holds exactly what the steps before g left: every earlier block decoded, every later one
 masked, and the current block with the schedule's count of its first (g mod steps_per_block) steps decoded.
 That is checked (one host sync), so a canvas from another schedule is refused instead of decoded wrongly.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm_fast.contracts import block_length as block_length_of
-from dllm_fast.rollout.plan import DecodingPlan, masked_count_schedule
+from dllm_fast.rollout.plan import DecodingPlan, unmask_counts
 from dllm_fast.validation import check_int, data_checks_enabled
 
 
@@ -122,27 +123,27 @@ def check_resume(model, plan: DecodingPlan, input_ids: torch.Tensor, gen_length:
     canvas = start_canvas.long()
     if data_checks_enabled(canvas, input_ids):
         check_canvas_at(canvas, input_ids, model.mask_token_id, start_step, spb, plan.step_limit(block_length),
-                        block_length)
+                        block_length, plan.unmask_schedule)
     return ResumePoint(start_step, stop, canvas, spb)
 
 
-def expected_masked(start_step: int, steps_per_block: int, limit: int, block_length: int,
-                    num_blocks: int) -> list[int]:
+def expected_masked(start_step: int, steps_per_block: int, limit: int, block_length: int, num_blocks: int,
+                    unmask_schedule: str = "even") -> list[int]:
     """The masked positions each block holds at global step `start_step` of the schedule."""
     block, in_block = divmod(start_step, steps_per_block)
-    done = sum(masked_count_schedule(block_length, limit)[:min(in_block, limit)])
+    done = sum(unmask_counts(block_length, limit, unmask_schedule)[:min(in_block, limit)])
     return [0 if b < block else block_length if b > block else block_length - done for b in range(num_blocks)]
 
 
 def check_canvas_at(canvas: torch.Tensor, input_ids: torch.Tensor, mask_id: int, start_step: int,
-                    steps_per_block: int, limit: int, block_length: int) -> None:
+                    steps_per_block: int, limit: int, block_length: int, unmask_schedule: str = "even") -> None:
     """A canvas at `start_step`: its prompts are input_ids, and every block holds the masked count the schedule
     leaves there (one host sync; a failure reads more, to name the row and block)."""
     P = input_ids.shape[1]
     completion = canvas[:, P:]
     num_blocks = completion.shape[1] // block_length
-    expected = torch.tensor(expected_masked(start_step, steps_per_block, limit, block_length, num_blocks),
-                            device=canvas.device)
+    expected = torch.tensor(expected_masked(start_step, steps_per_block, limit, block_length, num_blocks,
+                                            unmask_schedule), device=canvas.device)
     masked = (completion == mask_id).view(canvas.shape[0], num_blocks, block_length).sum(-1)  # [B, blocks]
     prompt_differs = (canvas[:, :P] != input_ids.long()).any(dim=1)
     count_differs = (masked != expected).any(dim=1)

@@ -23,7 +23,7 @@ from dllm_fast.contracts import GenerationResult, block_length as block_length_o
 from dllm_fast.rollout.blocks import generate_blocks
 from dllm_fast.rollout.cache import CachePolicy
 from dllm_fast.rollout.config import GenerateConfig, rollout_config
-from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, initial_canvas, masked_count_schedule
+from dllm_fast.rollout.plan import DecodingPlan, check_generate_args, initial_canvas, step_tensors, unmask_counts
 from dllm_fast.rollout.resume import FROM_START, Resume, ResumePoint, check_resume
 from dllm_fast.rollout.rules import check_assumed_steps, check_block_done, raise_if_not_finite
 from dllm_fast.rollout.step import (_KEPT_STATES, COMPILED_STEP_GRAPHS, NOISE_STEP, STEP_IN_BLOCK, RolloutState,
@@ -115,6 +115,16 @@ def generate(
         eos_early_stop: block-diffusion models only: once every row's finished blocks hold an EOS, decode no
             further block (LLaDA2's generate); the completions up to their first EOS are unchanged, later
             undecoded positions are EOS.
+        unmask_schedule: the fixed schedule's counts per block: "even" (the split above) or "ass" (CJ-GRPO's
+            ascending step-size schedule: 2^s tokens at step s of a block, the rest at its last step, so a block of
+            2^K tokens takes K = floor(log2 block_length) steps: 1, 2, 4, ..., 2^(K-1) + 1; steps must be
+            (gen_length / block_length, rounded up) K, or None; no threshold; a block model's partial last block
+            runs the same schedule until it is decoded; resume takes it, its canvas at ASS's step counts).
+        eos_schedule: CJ-GRPO's EOSER, (gamma_min, gamma_max) or None: a position whose sampled token is EOS ranks by
+            its confidence times gamma_s = gamma_min + (gamma_max - gamma_min) t_s at step s of a block's K steps,
+            t_s = s / (K - 1) (even) or (2^(s+1) - 1) / 2^K (ass), so an early EOS is unmasked late (the official
+            code's (0.01, 1.0) with ASS). Needs a fixed schedule and a confidence-ranking remasking rule; it
+            replaces confidence_eos_eot_inf (the factor 0), which it refuses beside it.
         assumed_steps_per_block: threshold decoding only: instead of reading the masked count after every step
             (one host sync), assume each block completes in this many steps. For planning on fake tensors, where
             no value can be read; a real run checks at each block's end that the block is complete.
@@ -188,8 +198,8 @@ def decode(model, plan: DecodingPlan, state: RolloutState, constants: StepConsta
     feeds = FedPositions(plan.cache, P, gen_length, block_length, device, dynamic=plan.compile)
     reads_values = data_checks_enabled(state.canvas, model.lm_head_weight)
     # Of a schedule longer than the block, only the first block_length steps can run (plan.step_limit).
-    schedule = None if plan.steps_per_block is None else masked_count_schedule(block_length,
-                                                                                 plan.step_limit(block_length))
+    schedule = None if plan.steps_per_block is None else unmask_counts(block_length, plan.step_limit(block_length),
+                                                                         plan.unmask_schedule)
     nfe = 0
     recorded = None
     if state.step_predictions is not None:  # MDPO's record: each step predicts the block and every later position
@@ -276,16 +286,14 @@ def start_rollout(model, plan: DecodingPlan, input_ids, attention_mask, gen_leng
     step_mask = result_mask
     if guided and result_mask is not None:
         step_mask = torch.cat([result_mask, result_mask])
-    schedule = None
-    if plan.steps_per_block is not None:  # masked_count_schedule, built on the device
-        limit = plan.step_limit(block_length)
-        base, remainder = divmod(block_length, limit)
-        schedule = base + (torch.arange(limit, device=device) < remainder).long()
+    schedule = eos_factor = None
+    if plan.steps_per_block is not None:  # unmask_counts (and EOSER's factors), built on the device
+        schedule, eos_factor = step_tensors(plan, block_length, plan.step_limit(block_length), device)
     noise_key = torch.zeros((), dtype=torch.long, device=device)
     if plan.temperature > 0:  # 62 random bits, drawn once on the device: no host sync
         noise_key = torch.randint(2**62, (), generator=generator, device=device)
     shapes = (device, B, P, gen_length, block_length, plan.steps_per_block, guided, step_mask is not None,
-              plan.record_unmask_step, plan.cache, model.lm_head_weight.dtype)
+              plan.record_unmask_step, plan.cache, model.lm_head_weight.dtype, plan.unmask_schedule, plan.eos_schedule)
     kept = _KEPT_STATES.get(model) if plan.compile else None
     if kept is not None and kept[0] == shapes:
         kept[1].restart(canvas, step_mask, noise_key)
@@ -302,6 +310,7 @@ def start_rollout(model, plan: DecodingPlan, input_ids, attention_mask, gen_leng
         not_finite=torch.zeros(B, gen_length, dtype=torch.bool, device=device),
         unmask_step=torch.full((B, gen_length), -1, dtype=torch.long, device=device)
         if plan.record_unmask_step else None,
+        eos_factor=eos_factor,
     )
     if plan.record_step_predictions:  # a forward per step at most: the blocks' step limits
         forwards = gen_length // block_length * plan.step_limit(block_length)

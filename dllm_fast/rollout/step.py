@@ -59,6 +59,7 @@ class StepConstants:
     exclude_ids: tuple[int, ...]
     chunk_size: int  # the LM head's vocabulary chunk, one for the call: eager and compiled sum alike
     decode_whole_block: bool  # compiled: every position of the block (static shapes); eager: the masked ones
+    eos_id: int = -1  # the token whose confidence EOSER scales (RolloutState.eos_factor)
 
 
 @dataclass
@@ -71,7 +72,8 @@ class RolloutState:
     STEP_IN_BLOCK). schedule: [steps per block] tokens a fixed-schedule step unmasks (None in threshold mode).
     row_base: [B, 1] row * gen_length; a block rollout's full last block adds two columns, the column where each
     row's completion ends and the jump of the words from there on (rollout/blocks.py). not_finite: [B, G] completion positions whose output had no defined
-    confidence. unmask_step: [B, G] the forward that unmasked each position (-1: not yet), or None.
+    confidence. unmask_step: [B, G] the forward that unmasked each position (-1: not yet), or None. eos_factor:
+    [steps per block] float64, EOSER's factor on the confidence of a sampled EOS at each step (None: off).
     """
 
     canvas: torch.Tensor
@@ -88,6 +90,8 @@ class RolloutState:
     # prediction of the completion and its confidences; None when not recorded.
     step_predictions: torch.Tensor | None = None
     step_confidence: torch.Tensor | None = None
+    # EOSER's factor at each step of a block [steps] (float64); None without eos_schedule.
+    eos_factor: torch.Tensor | None = None
 
     def restart(self, canvas: torch.Tensor, attention_mask: torch.Tensor | None, noise_key: torch.Tensor) -> None:
         """Start a new call of the same shapes in these buffers, in place (their addresses stay). The KV cache
@@ -165,6 +169,9 @@ def denoise_step(model, state: RolloutState, constants: StepConstants, block: to
                     torch.where(masked, confidence, torch.zeros((), dtype=confidence.dtype, device=canvas.device)))
     state.not_finite.scatter_(1, completion_at, state.not_finite.gather(1, completion_at) | bad)
     candidates = candidates & ~bad
+    if state.eos_factor is not None:  # EOSER: a sampled EOS ranks by its confidence times the step's factor
+        factor = state.eos_factor.index_select(0, state.counters[STEP_IN_BLOCK:STEP_IN_BLOCK + 1])
+        confidence = torch.where(tokens == c.eos_id, (confidence.double() * factor).to(confidence.dtype), confidence)
 
     fed_length = ids.shape[1] if fed is None else fed.shape[0]
     scores = c.remasking.rank(confidence, drawn, fed_shape=(B, fed_length), fed_positions=in_fed,
@@ -244,7 +251,7 @@ def step_constants(model, plan: DecodingPlan, prompt_length: int, block_length: 
         cfg_scale=plan.cfg_scale, cache=plan.cache, remasking=plan.remasking,
         suppress_ids=tuple(suppressed_ids(model, plan)), exclude_ids=tuple(confidence_excluded_ids(model, plan)),
         chunk_size=default_chunk_size(batch * block_length, weight.shape[0], weight.device),
-        decode_whole_block=plan.compile)
+        decode_whole_block=plan.compile, eos_id=model.eos_token_id if plan.eos_schedule is not None else -1)
 
 
 def masked_left_and_bad(state: RolloutState, positions: torch.Tensor, mask_id: int) -> tuple[int, bool]:

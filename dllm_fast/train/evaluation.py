@@ -37,6 +37,8 @@ def eval_config(rollouts: GenerateConfig, config, length: int, model) -> Generat
     """The rollouts' settings for evaluating at `length` tokens: greedy, eval_schedule's block and steps, and
     eager (evaluation's batch and lengths are not the rollouts': each would compile graphs of its own)."""
     block, steps = eval_schedule(config, length)
+    if rollouts.unmask_schedule == "ass":  # its steps follow from the block (rollout.plan.ass_steps)
+        steps = None
     # A block-diffusion model takes a threshold with steps too (SDAR's dynamic rule).
     threshold = rollouts.threshold if steps is None or block_length(model) is not None else None
     return replace(rollouts, gen_length=length, block_length=block, steps=steps, threshold=threshold,

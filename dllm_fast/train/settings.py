@@ -173,6 +173,14 @@ class RolloutSettings(_Settings):
                                               "completion's finished blocks hold an EOS (LLaDA2's generate; the "
                                               "completions up to their first EOS are unchanged, and rollouts of "
                                               "short answers take fewer forwards); default: every block decoded")
+    # -- CJ-GRPO's decoders (generate's unmask_schedule and eos_schedule) --
+    unmask_schedule: str = option("even", help="tokens a step unmasks: even (LLaDA's split of each block over its "
+                                               "steps) or ass (CJ-GRPO: 2^s at step s of a block, floor(log2 "
+                                               "block) steps a block: --diffusion-steps none or that count)")
+    eos_schedule: list[float] | None = option(None, help="EOSER (CJ-GRPO): GAMMA_MIN GAMMA_MAX, a sampled EOS "
+                                                         "ranked by its confidence times a factor rising over a "
+                                                         "block's steps (official: 0.01 1.0); none: off",
+                                              metavar="GAMMA")
 
     def check(self) -> None:
         check_int("--gen-length", self.gen_length, minimum=1)
@@ -189,7 +197,16 @@ class RolloutSettings(_Settings):
                              f"{self.block_length}; pass " + " or ".join(
                                  f"--gen-length {n}" for n in nearest_multiples(self.gen_length, self.block_length))
                              + ", or a block length that divides it.")
-        if self.threshold is None and self.steps is None:
+        if self.unmask_schedule not in ("even", "ass"):  # rollout.plan.UNMASK_SCHEDULES
+            raise ValueError(f"--unmask-schedule {self.unmask_schedule!r} is not one of 'even', 'ass'.")
+        if self.eos_schedule is not None and len(self.eos_schedule) != 2:
+            raise ValueError(f"--eos-schedule takes two factors, GAMMA_MIN GAMMA_MAX (e.g. 0.01 1.0), got "
+                             f"{self.eos_schedule!r}.")
+        if self.unmask_schedule == "ass" and self.steps is not None and self.steps != self.decoding_steps():
+            raise ValueError(f"--diffusion-steps {self.steps} does not fit --unmask-schedule ass, whose blocks of "
+                             f"{self.block_length} take floor(log2 {self.block_length}) steps each (2^s tokens at "
+                             f"step s): pass --diffusion-steps {self.decoding_steps()} or none.")
+        if self.threshold is None and self.steps is None and self.unmask_schedule != "ass":
             raise ValueError("--diffusion-steps none needs --threshold (adaptive steps); give one of them.")
         if self.steps is not None:
             blocks = self.gen_length // self.block_length
@@ -202,6 +219,13 @@ class RolloutSettings(_Settings):
                                  "unmasks at least one token, so steps beyond the completion's length run no model "
                                  f"call; use at most {self.gen_length}.")
 
+    def decoding_steps(self) -> int | None:
+        """The rollout's denoising steps: --diffusion-steps, or under --unmask-schedule ass the blocks times
+        floor(log2 --block-length) (rollout.plan.ass_steps); None under --threshold alone."""
+        if self.unmask_schedule == "ass":
+            return -(-self.gen_length // self.block_length) * max(1, self.block_length.bit_length() - 1)
+        return self.steps
+
     def generate_config(self, *, compile: bool):
         """These settings as the GenerateConfig that decodes them, `compile` being what --compile means on the run's
         device (config.compiles_rollouts)."""
@@ -210,7 +234,8 @@ class RolloutSettings(_Settings):
         return GenerateConfig(gen_length=self.gen_length, block_length=self.block_length, steps=self.steps,
                               temperature=self.temperature, remasking=self.remasking, cache=self.cache,
                               threshold=self.threshold, compile=compile, full_last_block=self.full_last_block,
-                              eos_early_stop=self.eos_early_stop)
+                              eos_early_stop=self.eos_early_stop, unmask_schedule=self.unmask_schedule,
+                              eos_schedule=None if self.eos_schedule is None else tuple(self.eos_schedule))
 
 
 @dataclass
