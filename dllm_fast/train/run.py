@@ -32,7 +32,8 @@ from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
 from dllm_fast.train.pairs import PairSource, check_pairs_task
 from dllm_fast.train.precision import add_lora  # noqa: F401  (re-exported: the planner and tests import it here)
-from dllm_fast.train.precision import Precision, short_name, training_models, training_precision
+from dllm_fast.train.precision import (Precision, sharded_mixed_precision, short_name, training_models,
+                                       training_precision)
 from dllm_fast.train.resume import CONFIG, check_resumable, saved_config
 from dllm_fast.train.rollout_weights import keep_copy, rollout_weights_for
 from dllm_fast.train import step as train_step
@@ -58,8 +59,11 @@ class RunSetup:
                              f"{ranks.world} ranks: each rank rolls out its own complete prompt groups.")
         self.share = ranks.share(config.run.prompts_per_step)
         self.sharded = sharded(config.run.parallel, ranks)
-        if self.sharded and config.lora.enabled:  # issue 46's FSDP2 shards a LoRA run's frozen base (its branch)
-            raise ValueError("--parallel fsdp2 shards a full fine-tune; with --lora true use --parallel ddp.")
+        if self.sharded and config.lora.enabled and config.lora.merge_rollouts and config.run.rollout_weights == \
+                "sharded":  # the merged weights are the gathered copy's; per-layer gathers have no copy to merge into
+            raise ValueError("--lora-merge-rollouts true under --parallel fsdp2 merges the adapters into the rollout "
+                             "copy gathered once a step, which --rollout-weights sharded does without; use "
+                             "--rollout-weights gathered (or auto), or --lora-merge-rollouts false.")
         if self.sharded and config.rollout.threshold is not None:
             raise ValueError("--threshold decoding takes a different number of model calls on each rank, which "
                              "FSDP2's sharded forwards cannot; use a fixed schedule (--diffusion-steps) or DDP.")
@@ -137,7 +141,14 @@ class Run:
         # The reference policy: the initial weights, frozen. With LoRA, the objective disables the adapters instead.
         self.model, self.ref_model = training_models(base, config, self.precision,
                                                      needs_reference=self.objective.needs_reference)
-        self.model = data_parallel_wrapper(self.model, config.run.parallel, ranks, self.device)
+        # Under FSDP2 the policy (a LoRA run's frozen base with its adapters) and the reference copy are sharded
+        # alike, gathered in the compute dtype on CUDA; the reference trains nothing, so it has no optimizer state.
+        mixed_precision = sharded_mixed_precision(self.precision, self.device.type)
+        self.model = data_parallel_wrapper(self.model, config.run.parallel, ranks, self.device,
+                                           mixed_precision=mixed_precision)
+        if self.sharded and self.ref_model is not None:
+            self.ref_model = data_parallel_wrapper(self.ref_model, config.run.parallel, ranks, self.device,
+                                                   mixed_precision=mixed_precision)
         self.core = unwrap_model(self.model)
         self.rollout_weights = None  # under FSDP2: the gathered copy rollouts run on (train/rollout_weights.py)
         if self.sharded:
