@@ -139,8 +139,12 @@ class Run:
         take_block_length(config, base)
         base.set_gradient_checkpointing(config.model.gradient_checkpointing)
         # The reference policy: the initial weights, frozen. With LoRA, the objective disables the adapters instead.
-        self.model, self.ref_model = training_models(base, config, self.precision,
-                                                     needs_reference=self.objective.needs_reference)
+        # LoRA's initial adapters are drawn from --seed alone, the same on every rank: FSDP2 shards each rank's own
+        # tensors (DDP would broadcast rank 0's), and the ranks' random streams (seeded by rank) go on untouched.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(config.run.seed)
+            self.model, self.ref_model = training_models(base, config, self.precision,
+                                                         needs_reference=self.objective.needs_reference)
         # Under FSDP2 the policy (a LoRA run's frozen base with its adapters) and the reference copy are sharded
         # alike, gathered in the compute dtype on CUDA; the reference trains nothing, so it has no optimizer state.
         mixed_precision = sharded_mixed_precision(self.precision, self.device.type)
