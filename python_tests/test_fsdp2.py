@@ -56,6 +56,21 @@ def test_an_fsdp2_module_reduce_scatters_at_every_backward():
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
+def test_merged_lora_rollouts_need_the_gathered_copy_under_fsdp2(tmp_path):
+    """--lora-merge-rollouts merges into the copy gathered once a step; --rollout-weights sharded has none, so the
+    pair is refused before anything is written (no process group needed: RunSetup refuses first)."""
+    from dllm_fast.train.distributed import Ranks
+    from dllm_fast.train.run import RunSetup
+    from dllm_fast.train.run_dir import RunDirectory
+
+    config = TrainConfig(output_dir=str(tmp_path / "run"), parallel="fsdp2", lora=True, lora_merge_rollouts=True,
+                         rollout_weights="sharded", prompts_per_step=2)
+    ranks = Ranks(0, 2)
+    with pytest.raises(ValueError, match="--lora-merge-rollouts true under --parallel fsdp2 merges the adapters"):
+        RunSetup(config, ranks, RunDirectory(config.run.output_dir, ranks))
+    assert not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Gloo ranks
 
@@ -119,7 +134,7 @@ def two_steps(config: TrainConfig, ranks) -> dict:
 
     units = [u for u in fsdp_units(run.model) if trains(u)]
     return {"weights": weights, "reduce_scatters": len(reduce_scatters), "sharded_reference": sharded_reference,
-            "reference": run.ref_model is not None, "units_with_gradients": len(units)}
+            "reference": run.ref_model is not None, "units_with_gradients": len(units), "notes": run.setup_notes}
 
 
 def worker(rank, world, lora, rendezvous, output_dir, result_path):
@@ -156,6 +171,9 @@ def test_fsdp2_ranks_equal_one_process_after_two_steps(tmp_path, lora):
     distributed = torch.load(result)
     single = two_steps(run_config(tmp_path / "single", lora, 1), _one_process())
     assert distributed["reference"] == (not lora) and distributed["sharded_reference"] == (not lora)
+    sharded = "the frozen base with its LoRA adapters" if lora else "the policy and the reference copy"
+    assert f"--parallel fsdp2: {sharded} sharded over 2 ranks, gathered in each weight's own dtype" in \
+        distributed["notes"]
     # Once a unit an update would be the no_sync count; a rank's 8 pairs (2 sequences x n_t 4) in micro-batches of 2
     # make up to 4 backwards an update
     assert distributed["reduce_scatters"] >= 2 * 2 * distributed["units_with_gradients"] > 0

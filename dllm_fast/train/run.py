@@ -156,6 +156,7 @@ class Run:
         self.core = unwrap_model(self.model)
         self.rollout_weights = None  # under FSDP2: the gathered copy rollouts run on (train/rollout_weights.py)
         if self.sharded:
+            self.setup_notes.append(sharding_note(config, ranks, mixed_precision, self.ref_model is not None))
             self.rollout_weights, note = rollout_weights_for(self.model, config, ranks, self.device, self.precision)
             self.setup_notes.append(note)
         elif config.run.rollout_weights != "auto":
@@ -258,6 +259,16 @@ def previous_checkpoint(config: TrainConfig, run_dir: RunDirectory) -> bool:
     if previous and config.run.resume:
         check_resumable(config, saved_config(checkpoint), str(checkpoint / CONFIG))
     return previous
+
+
+def sharding_note(config: TrainConfig, ranks: Ranks, mixed_precision, reference: bool) -> str:
+    """The setup line of a run under FSDP2: what is sharded, and the dtypes of its gathers and reductions."""
+    what = "the frozen base with its LoRA adapters" if config.lora.enabled else "the policy"
+    what += " and the reference copy" if reference else ""
+    dtypes = ("in each weight's own dtype" if mixed_precision is None else
+              f"in {short_name(mixed_precision.param_dtype)}, gradients reduce-scattered in "
+              f"{short_name(mixed_precision.reduce_dtype)} at every backward")
+    return f"--parallel fsdp2: {what} sharded over {ranks.world} ranks, gathered {dtypes}"
 
 
 def check_rollout_settings(config: TrainConfig, rollouts, model) -> None:

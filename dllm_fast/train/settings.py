@@ -86,7 +86,7 @@ class RunSettings(_Settings):
     seed: int = option(0, help="seeds the data order, rollouts, masks and any random weights")
     device: str = option("auto", help="torch device; auto: cuda when available", metavar="DEVICE")
     threads: int | None = option(None, help="CPU threads (default: torch's)")
-    parallel: str = option("ddp", help="under torchrun: ddp, or fsdp2 (full fine-tunes; sharded weights)",
+    parallel: str = option("ddp", help="under torchrun: ddp (whole replicas), or fsdp2 (sharded weights, LoRA's frozen base too)",
                            choices=PARALLEL)
     rollout_weights: str = option("auto", help="under --parallel fsdp2, what rollouts run on: gathered (a plain copy "
                                                "of the weights gathered once a step), sharded (FSDP2's per-layer "
