@@ -34,6 +34,26 @@ def test_fsdp2_gathers_in_bf16_and_reduces_in_fp32_on_cuda_only():
     assert sharded_mixed_precision(FP64, "cpu") is None
 
 
+def test_every_fsdp2_unit_is_sharded_with_the_runs_policy(monkeypatch):
+    """data_parallel_wrapper hands the policy to each of the model's units and to the root (fully_shard stood in
+    for: no process group needed)."""
+    import torch.distributed.device_mesh
+    import torch.distributed.fsdp
+
+    from dllm_fast.models import LLaDAConfig, LLaDAModel
+    from dllm_fast.train.distributed import Ranks, data_parallel_wrapper
+
+    sharded = []
+    monkeypatch.setattr(torch.distributed.device_mesh, "init_device_mesh", lambda device, shape: ("mesh", shape))
+    monkeypatch.setattr(torch.distributed.fsdp, "fully_shard",
+                        lambda module, *, mesh, mp_policy: sharded.append((module, mesh, mp_policy)) or module)
+    model = LLaDAModel(LLaDAConfig.preset("tiny"))
+    policy = sharded_mixed_precision(training_precision(TrainConfig(), "cuda"), "cuda")
+    assert data_parallel_wrapper(model, "fsdp2", Ranks(0, 2), torch.device("cpu"), mixed_precision=policy) is model
+    assert [m for m, _, _ in sharded] == [*model.shard_units(), model]
+    assert all(mesh == ("mesh", (2,)) and mp is policy for _, mesh, mp in sharded)
+
+
 def test_an_fsdp2_module_reduce_scatters_at_every_backward():
     """The engine never turns FSDP2's gradient sync off between micro-batches (set_requires_gradient_sync(False)
     would accumulate whole gradients on every rank); each backward reduce-scatters into the shards instead."""
@@ -75,12 +95,13 @@ def test_merged_lora_rollouts_need_the_gathered_copy_under_fsdp2(tmp_path):
 # Gloo ranks
 
 
-def run_config(output_dir, lora: bool, world: int) -> TrainConfig:
+def run_config(output_dir, lora: bool) -> TrainConfig:
     """Two steps of ESPO with a KL term (beta > 0: a reference policy), 2 pairs a micro-batch (several backwards
-    an update), on the embedded default."""
+    an update), on the embedded default; LoRA of rank 3, whose A matrices FSDP2 shards unevenly (over 4 ranks one
+    rank holds none of their rows)."""
     return TrainConfig(output_dir=str(output_dir), objective="espo", objective_options={"n_t": 4, "beta": 0.05},
                        micro_batch=2, prompts_per_step=GROUPS, group_size=G, steps=2, parallel="fsdp2",
-                       lora=lora, lora_rank=4, lr=1e-2, device="cpu", threads=1, progress=False, plot=False,
+                       lora=lora, lora_rank=3, lr=1e-2, device="cpu", threads=1, progress=False, plot=False,
                        eval_every=100, checkpoint_every=100, eval_examples=1)
 
 
@@ -146,7 +167,7 @@ def worker(rank, world, lora, rendezvous, output_dir, result_path):
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))  # a lost peer fails the collective, never hangs it
     try:
-        result = two_steps(run_config(output_dir, lora, world), Ranks(rank, world))
+        result = two_steps(run_config(output_dir, lora), Ranks(rank, world))
         if rank == 0:
             torch.save(result, result_path)
     finally:
@@ -159,23 +180,22 @@ def worker(rank, world, lora, rendezvous, output_dir, result_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_fsdp2_ranks_equal_one_process_after_two_steps(tmp_path, lora):
-    """2 gloo ranks under FSDP2, full fine-tune (the reference a sharded frozen copy) and LoRA (the frozen base
+@pytest.mark.parametrize("world, lora", [(2, False), (2, True), (4, True)], ids=["full-2", "lora-2", "lora-4"])
+def test_fsdp2_ranks_equal_one_process_after_two_steps(tmp_path, world, lora):
+    """2 or 4 gloo ranks under FSDP2, full fine-tune (the reference a sharded frozen copy) and LoRA (the frozen base
     sharded, the reference the adapter-disabled policy): after two AdamW steps of 4 micro-batches an update, the
     trained weights equal one process's on the whole batch to 1e-10, and each micro-batch's backward
     reduce-scattered (more reduce-scatters than the units with gradients: never one accumulated whole)."""
-    world = 2
     result = tmp_path / "rank0.pt"
     run_ranks(worker, (world, lora, str(tmp_path / "rendezvous"), str(tmp_path / "ranks"), str(result)), world)
     distributed = torch.load(result)
-    single = two_steps(run_config(tmp_path / "single", lora, 1), _one_process())
+    single = two_steps(run_config(tmp_path / "single", lora), _one_process())
     assert distributed["reference"] == (not lora) and distributed["sharded_reference"] == (not lora)
     sharded = "the frozen base with its LoRA adapters" if lora else "the policy and the reference copy"
-    assert f"--parallel fsdp2: {sharded} sharded over 2 ranks, gathered in each weight's own dtype" in \
+    assert f"--parallel fsdp2: {sharded} sharded over {world} ranks, gathered in each weight's own dtype" in \
         distributed["notes"]
-    # Once a unit an update would be the no_sync count; a rank's 8 pairs (2 sequences x n_t 4) in micro-batches of 2
-    # make up to 4 backwards an update
+    # Once a unit an update would be the no_sync count; a rank's pairs (its sequences x n_t 4, at least 8) in
+    # micro-batches of 2 make several backwards an update
     assert distributed["reduce_scatters"] >= 2 * 2 * distributed["units_with_gradients"] > 0
     assert distributed["weights"].keys() == single["weights"].keys()
     initial = two_steps_initial(tmp_path / "initial", lora)
@@ -197,7 +217,7 @@ def two_steps_initial(output_dir, lora: bool) -> dict:
     from dllm_fast.train.run import Run, RunSetup
     from dllm_fast.train.run_dir import RunDirectory
 
-    config, ranks = run_config(output_dir, lora, 1), _one_process()
+    config, ranks = run_config(output_dir, lora), _one_process()
     run_dir = RunDirectory(config.run.output_dir, ranks)
     setup = RunSetup(config, ranks, run_dir)
     setup.precision = FP64
