@@ -19,7 +19,6 @@ from dllm_fast.train.precision import Precision, sharded_mixed_precision, traini
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 G, P, L = 2, 6, 8  # group size, prompt and completion lengths of the made-up rollouts
-GROUPS = 4  # prompt groups a step (a multiple of every world tested)
 FP64 = Precision(None, torch.float64, torch.float64)
 
 
@@ -95,22 +94,22 @@ def test_merged_lora_rollouts_need_the_gathered_copy_under_fsdp2(tmp_path):
 # Gloo ranks
 
 
-def run_config(output_dir, lora: bool) -> TrainConfig:
+def run_config(output_dir, lora: bool, groups: int) -> TrainConfig:
     """Two steps of ESPO with a KL term (beta > 0: a reference policy), 2 pairs a micro-batch (several backwards
-    an update), on the embedded default; LoRA of rank 3, whose A matrices FSDP2 shards unevenly (over 4 ranks one
+    an update), `groups` prompt groups a step, on the embedded default; LoRA of rank 3, whose A matrices FSDP2 shards unevenly (over 4 ranks one
     rank holds none of their rows)."""
     return TrainConfig(output_dir=str(output_dir), objective="espo", objective_options={"n_t": 4, "beta": 0.05},
-                       micro_batch=2, prompts_per_step=GROUPS, group_size=G, steps=2, parallel="fsdp2",
+                       micro_batch=2, prompts_per_step=groups, group_size=G, steps=2, parallel="fsdp2",
                        lora=lora, lora_rank=3, lr=1e-2, device="cpu", threads=1, progress=False, plot=False,
                        eval_every=100, checkpoint_every=100, eval_examples=1)
 
 
-def made_up_batch(step: int, vocabulary: int, eos: int) -> RolloutBatch:
+def made_up_batch(step: int, groups: int, vocabulary: int, eos: int) -> RolloutBatch:
     """The same rollouts on every rank (each takes its share): random prompts and completions, some cut by EOS."""
     gen = torch.Generator().manual_seed(100 + step)
-    sequences = torch.randint(0, vocabulary, (GROUPS * G, P + L), generator=gen)
+    sequences = torch.randint(0, vocabulary, (groups * G, P + L), generator=gen)
     sequences[1, P + 5:] = eos
-    rewards = torch.rand(GROUPS * G, generator=gen, dtype=torch.float64).round(decimals=1)
+    rewards = torch.rand(groups * G, generator=gen, dtype=torch.float64).round(decimals=1)
     return RolloutBatch(sequences, None, P, completion_mask(sequences[:, P:], eos), rewards, G)
 
 
@@ -135,13 +134,12 @@ def two_steps(config: TrainConfig, ranks) -> dict:
         torch.distributed.reduce_scatter_single = counted
     eos = run.core.eos_token_id
     for step in range(2):
-        batch = made_up_batch(step, 100, eos)
+        batch = made_up_batch(step, config.run.prompts_per_step, 100, eos)
         # the masks of the whole batch, drawn once: each rank takes the rows of its groups
         masks = run.objective.draw_masks(batch, generator=torch.Generator().manual_seed(7 + step), eos_token_id=eos)
-        share = run.share
-        groups = slice(share.start // G, share.stop // G)
+        groups = run.share  # this rank's prompts, each a group of G rows
         mine = batch.groups(groups.start, groups.stop)
-        run.update(mine, objectives.InnerUpdate(masks.rows(share.start, share.stop)))
+        run.update(mine, objectives.InnerUpdate(masks.rows(groups.start * G, groups.stop * G)))
         run.step += 1
     weights = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                for name, p in run.core.named_parameters() if p.requires_grad}
@@ -167,7 +165,7 @@ def worker(rank, world, lora, rendezvous, output_dir, result_path):
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))  # a lost peer fails the collective, never hangs it
     try:
-        result = two_steps(run_config(output_dir, lora), Ranks(rank, world))
+        result = two_steps(run_config(output_dir, lora, groups=world), Ranks(rank, world))
         if rank == 0:
             torch.save(result, result_path)
     finally:
@@ -183,22 +181,23 @@ def worker(rank, world, lora, rendezvous, output_dir, result_path):
 @pytest.mark.parametrize("world, lora", [(2, False), (2, True), (4, True)], ids=["full-2", "lora-2", "lora-4"])
 def test_fsdp2_ranks_equal_one_process_after_two_steps(tmp_path, world, lora):
     """2 or 4 gloo ranks under FSDP2, full fine-tune (the reference a sharded frozen copy) and LoRA (the frozen base
-    sharded, the reference the adapter-disabled policy): after two AdamW steps of 4 micro-batches an update, the
+    sharded, the reference the adapter-disabled policy): after two AdamW steps of 4 micro-batches an update (a group a rank), the
     trained weights equal one process's on the whole batch to 1e-10, and each micro-batch's backward
     reduce-scattered (more reduce-scatters than the units with gradients: never one accumulated whole)."""
     result = tmp_path / "rank0.pt"
-    run_ranks(worker, (world, lora, str(tmp_path / "rendezvous"), str(tmp_path / "ranks"), str(result)), world)
+    run_ranks(worker, (world, lora, str(tmp_path / "rendezvous"), str(tmp_path / "ranks"), str(result)), world,
+              timeout_s=180 * world)  # a loaded 2-core runner: about 3 minutes for 2 ranks
     distributed = torch.load(result)
-    single = two_steps(run_config(tmp_path / "single", lora), _one_process())
+    single = two_steps(run_config(tmp_path / "single", lora, groups=world), _one_process())
     assert distributed["reference"] == (not lora) and distributed["sharded_reference"] == (not lora)
     sharded = "the frozen base with its LoRA adapters" if lora else "the policy and the reference copy"
     assert f"--parallel fsdp2: {sharded} sharded over {world} ranks, gathered in each weight's own dtype" in \
         distributed["notes"]
-    # Once a unit an update would be the no_sync count; a rank's pairs (its sequences x n_t 4, at least 8) in
+    # Once a unit an update would be the no_sync count; a rank's 8 pairs (its group's 2 sequences x n_t 4) in
     # micro-batches of 2 make several backwards an update
     assert distributed["reduce_scatters"] >= 2 * 2 * distributed["units_with_gradients"] > 0
     assert distributed["weights"].keys() == single["weights"].keys()
-    initial = two_steps_initial(tmp_path / "initial", lora)
+    initial = two_steps_initial(tmp_path / "initial", lora, world)
     moved = 0
     for name, want in single["weights"].items():
         torch.testing.assert_close(distributed["weights"][name], want, rtol=1e-10, atol=1e-12, msg=name)
@@ -212,12 +211,12 @@ def _one_process():
     return Ranks()
 
 
-def two_steps_initial(output_dir, lora: bool) -> dict:
+def two_steps_initial(output_dir, lora: bool, groups: int) -> dict:
     """The trainable weights a run of run_config starts from."""
     from dllm_fast.train.run import Run, RunSetup
     from dllm_fast.train.run_dir import RunDirectory
 
-    config, ranks = run_config(output_dir, lora), _one_process()
+    config, ranks = run_config(output_dir, lora, groups), _one_process()
     run_dir = RunDirectory(config.run.output_dir, ranks)
     setup = RunSetup(config, ranks, run_dir)
     setup.precision = FP64
