@@ -269,11 +269,12 @@ def _two_pass(model, sequences: torch.Tensor, masks: MonteCarloMasks, objective,
         with torch.no_grad():  # pass 1
             lp = torch.zeros(N * n_t, L, dtype=accumulate_dtype(unwrap_model(model).lm_head_weight.dtype),
                              device=device)
+            calls = backward_pass.aligned(len(batches), device)  # agreed before the first (FSDP2's forwards gather)
             for batch in batches:
                 if replay:
                     rng_states.append(_rng_state(device))
                 lp[batch.pairs] = score_batch(batch)
-            for _ in range(backward_pass.aligned(len(batches), device) - len(batches)):  # other ranks' calls
+            for _ in range(calls - len(batches)):  # other ranks' calls
                 score_batch(batches[-1])
     lp = lp.reshape(N, n_t, L).clone().requires_grad_(True)
     with torch.enable_grad():
