@@ -136,26 +136,15 @@ def test_an_interrupt_at_any_point_of_any_objective_leaves_gradients_bit_identic
     assert not failures, "\n".join(failures)
 
 
-class SyncSwitch(torch.nn.Module):
-    """A module that looks FSDP2-sharded to the engine: it has set_requires_gradient_sync."""
-
-    def __init__(self):
-        super().__init__()
-        self.sync = True
-
-    def set_requires_gradient_sync(self, value):
-        self.sync = value
-
-
 def guards(tmp_path):
     """(name, a block that enters the guard and leaves it, whether the state it changes is back to normal)."""
-    from dllm_fast.likelihood import engine, gradients
+    from dllm_fast.likelihood import gradients
     from dllm_fast.models import llada
     from dllm_fast.ops import backend
     from dllm_fast.train.run_dir import RunDirectory
     from dllm_fast.validation import data_checks_enabled, values_checked
 
-    model, switch, run_dir = tiny_model(), SyncSwitch(), RunDirectory(tmp_path / "run")
+    model, run_dir = tiny_model(), RunDirectory(tmp_path / "run")
 
     def enter(context):
         def block():
@@ -176,12 +165,11 @@ def guards(tmp_path):
          lambda: torch.get_default_dtype() == torch.float32),
         ("embedding_grads_in_place", lambda: enter(gradients.embedding_grads_in_place(model)),
          lambda: not any(m._forward_hooks for m in model.modules())),
-        ("fsdp_no_sync", lambda: enter(engine.default_grad_sync(switch)()), lambda: switch.sync),
         ("run_directory_lock", lambda: enter(run_dir.locked()), lock_is_free),
     ]
 
 
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(5))
 def test_an_interrupt_at_any_point_of_a_guard_leaves_no_state_behind(tmp_path, index):
     """Issue 32 item 1, the neighbours: every guard of the library that changes state for a block (a context
     variable, the default dtype, hooks, gradient sync, a lock) put it back after an interrupt at any point of

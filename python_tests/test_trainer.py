@@ -159,6 +159,13 @@ def final_parameters(output_dir):
     return model.state_dict()
 
 
+def final_adapter(output_dir):
+    """A LoRA run's adapter weights, as its checkpoint holds them."""
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(output_dir) / "checkpoint" / "adapter" / "adapter_model.safetensors"))
+
+
 def run_cli(output_dir, *extra):
     flags = []
     for key, value in {**QUICK, "steps": 6, "eval_every": 6, "checkpoint_every": 1}.items():
@@ -198,15 +205,18 @@ def test_a_run_killed_mid_step_resumes_to_the_uninterrupted_parameters(tmp_path)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("parallel, lora", [("ddp", False), ("fsdp2", False), ("fsdp2", True)],
+                         ids=["ddp", "fsdp2", "fsdp2-lora"])
 @pytest.mark.slow
-def test_torchrun_checkpoints_from_rank_0_and_resumes_every_rank(tmp_path, parallel):
-    """2 gloo processes under torchrun: rank 0 writes the checkpoint (weights gathered from FSDP2's shards), and
-    a run stopped after step 2 and resumed to step 3 ends with the parameters of an uninterrupted 3-step run."""
+def test_torchrun_checkpoints_from_rank_0_and_resumes_every_rank(tmp_path, parallel, lora):
+    """2 gloo processes under torchrun: rank 0 writes the checkpoint (weights gathered from FSDP2's shards: the
+    whole model, or LoRA's adapters alone), and a run stopped after step 2 and resumed to step 3 ends with the
+    parameters of an uninterrupted 3-step run. A single process refuses to resume the 2 ranks' checkpoint."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def torchrun(output_dir, steps, *extra):
-        command = run_cli(output_dir, "--steps", str(steps), "--parallel", parallel, "--eval-every", "3", *extra)
+        command = run_cli(output_dir, "--steps", str(steps), "--parallel", parallel, "--eval-every", "3",
+                          "--lora", str(lora).lower(), *extra)
         # --standalone: the rendezvous takes a free port (a fixed one collides with a run beside this one)
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     *command[1:]]
@@ -216,10 +226,18 @@ def test_torchrun_checkpoints_from_rank_0_and_resumes_every_rank(tmp_path, paral
     torchrun(tmp_path / "split", 2)
     assert torch.load(tmp_path / "split" / "checkpoint" / "state.pt", weights_only=False)["world"] == 2
     torchrun(tmp_path / "split", 3, "--resume", "true")
-    want, got = final_parameters(tmp_path / "whole"), final_parameters(tmp_path / "split")
-    assert all(torch.equal(want[k], got[k]) for k in want)
+    parameters = final_adapter if lora else final_parameters
+    want, got = parameters(tmp_path / "whole"), parameters(tmp_path / "split")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    if lora:  # the adapters trained (LoRA's B starts at zero)
+        assert any(value.abs().sum() > 0 for name, value in want.items() if "lora_B" in name)
     rows = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and "eval_accuracy@24" in rows[2]
+    if parallel == "fsdp2":  # another number of ranks: refused, saying why and what to do instead
+        one = subprocess.run(run_cli(tmp_path / "split", "--steps", "4", "--parallel", parallel, "--eval-every", "3",
+                                     "--lora", str(lora).lower(), "--resume", "true"),
+                             env=env, capture_output=True, text=True, timeout=600)
+        assert one.returncode != 0 and "was written by 2 ranks; resume it with the same number of ranks" in one.stderr
 
 
 def test_the_progress_bar_says_compiling_on_the_first_step_only(tmp_path, monkeypatch):

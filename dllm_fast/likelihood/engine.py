@@ -234,25 +234,15 @@ class _Backward:
 
 
 def default_grad_sync(model) -> Callable[[], ContextManager] | None:
-    """The context that suspends gradient all-reduce for `model`: DDP's `no_sync`, FSDP2's
-    `set_requires_gradient_sync(False)`, or None for a model that does not synchronise."""
+    """The context around every backward of a call but the last (when it synchronises): DDP's `no_sync`, which
+    defers the all-reduce to the last backward; for an FSDP2 module, none that suspends anything: each backward
+    reduce-scatters into the sharded gradients, where the micro-batches accumulate (the same sum as one reduction
+    at the end), so that a rank never holds whole gradients (`set_requires_gradient_sync(False)` would accumulate
+    them unsharded); None for a model that does not synchronise."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model.no_sync
     if data_parallel(model):  # torch.distributed.fsdp.FSDPModule (fully_shard)
-
-        @contextlib.contextmanager
-        def fsdp_no_sync():
-            try:  # set inside: an interrupt right after it must not leave gradient sync off
-                model.set_requires_gradient_sync(False)
-                yield
-            finally:
-                try:
-                    model.set_requires_gradient_sync(True)
-                except BaseException:  # an interrupt landed in it: finish it, then let the interrupt go on
-                    model.set_requires_gradient_sync(True)
-                    raise
-
-        return fsdp_no_sync
+        return contextlib.nullcontext
     return None
 
 
@@ -279,11 +269,12 @@ def _two_pass(model, sequences: torch.Tensor, masks: MonteCarloMasks, objective,
         with torch.no_grad():  # pass 1
             lp = torch.zeros(N * n_t, L, dtype=accumulate_dtype(unwrap_model(model).lm_head_weight.dtype),
                              device=device)
+            calls = backward_pass.aligned(len(batches), device)  # agreed before the first (FSDP2's forwards gather)
             for batch in batches:
                 if replay:
                     rng_states.append(_rng_state(device))
                 lp[batch.pairs] = score_batch(batch)
-            for _ in range(backward_pass.aligned(len(batches), device) - len(batches)):  # other ranks' calls
+            for _ in range(calls - len(batches)):  # other ranks' calls
                 score_batch(batches[-1])
     lp = lp.reshape(N, n_t, L).clone().requires_grad_(True)
     with torch.enable_grad():

@@ -76,9 +76,12 @@ def score(
     with ids_checked_once(model, sequences):
         if not torch.is_grad_enabled():
             lp = torch.zeros(N * n_t, L, dtype=dtype, device=sequences.device)
+            # agreed before the first call: under FSDP2 a rank's forwards gather, so a count agreed after them
+            # would meet another rank still in its forwards (a rank skips the pairs that score nothing)
+            calls = aligned_call_count(len(batches), sequences.device, data_parallel(model))
             for batch in batches:
                 lp[batch.pairs] = score_batch(batch)
-            for _ in range(aligned_call_count(len(batches), sequences.device, data_parallel(model)) - len(batches)):
+            for _ in range(calls - len(batches)):
                 score_batch(batches[-1])
             return lp.view(N, n_t, L)
         rows = [score_batch(batch) for batch in batches]

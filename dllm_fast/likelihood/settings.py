@@ -67,10 +67,11 @@ class BackwardHooks:
 
     sync_gradients: whether the call all-reduces its gradients in data-parallel training. True: only its last
         backward synchronises (one all-reduce per call, not one per micro-batch); False: none does (accumulating
-        over several calls before an optimizer step; the last of them passes True).
+        over several calls before an optimizer step; the last of them passes True). An FSDP2 module reduce-scatters
+        at every backward either way (its gradients accumulate sharded, never whole).
     grad_sync: a factory of the context manager that suspends gradient synchronisation, entered around every
-        backward that must not all-reduce. None: `model.no_sync` for DistributedDataParallel,
-        `set_requires_gradient_sync(False)` for an FSDP2 module, nothing for a single process.
+        backward that must not all-reduce. None: `model.no_sync` for DistributedDataParallel, nothing for an
+        FSDP2 module (engine.default_grad_sync) or a single process.
     backward: called as `backward(loss)` instead of `loss.backward()`, for host trainers that own the backward
         (e.g. `accelerator.backward`).
     """

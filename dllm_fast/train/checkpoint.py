@@ -36,7 +36,8 @@ FORMAT = 2  # state.pt's layout: 2 = tensors and plain values only (1, before, p
 def save_checkpoint(run) -> None:
     """Write the whole state of `run` (a train.run.Run) into its checkpoint directory. Every rank takes part
     (FSDP2 gathers its shards, every rank's random streams are collected); rank 0 writes."""
-    model_state, optimizer_state = full_state(run.core, run.optimizer, run.sharded)
+    model_state, optimizer_state = full_state(run.core, run.optimizer, run.sharded,
+                                              trainable_only=run.config.lora.enabled)
     experts = getattr(run, "expert_group", None)
     if experts is not None and not run.config.lora.enabled:  # --expert-parallel: the experts in the whole layout
         model_state, optimizer_state = whole_state(run.core, run.optimizer, experts)
@@ -47,8 +48,9 @@ def save_checkpoint(run) -> None:
         previous = settled_directory(target).is_dir()
         try:
             with atomic_directory(target) as directory:
-                if run.config.lora.enabled:
-                    run.core.save_pretrained(str(directory / "adapter"), save_embedding_layers=False)
+                if run.config.lora.enabled:  # under FSDP2, from the adapters' gathered weights
+                    run.core.save_pretrained(str(directory / "adapter"), save_embedding_layers=False,
+                                             **({} if model_state is None else {"state_dict": model_state}))
                     for file in (directory / "adapter").iterdir():
                         follow_umask(file)
                 else:
@@ -78,8 +80,12 @@ def load_checkpoint(run) -> None:
         raise FileNotFoundError(f"{weights} is missing: the checkpoint is incomplete and cannot be resumed; start "
                                 "afresh with --overwrite true.")
     if state["world"] != run.ranks.world:
+        weights_hint = ("" if run.config.lora.enabled else
+                        f" Its weights are whole (the model's own layout, also under FSDP2): to train them further on "
+                        f"{run.ranks.world} ranks, start a new run from them with --model {weights}.")
         raise ValueError(f"{directory} was written by {state['world']} ranks; resume it with the same number "
-                         f"of ranks (this run has {run.ranks.world}), since each rank's random streams are restored.")
+                         f"of ranks (this run has {run.ranks.world}): each rank's random streams (rollouts, masks) "
+                         f"are restored, so another number of ranks would not continue the run.{weights_hint}")
     try:
         _restore(run, directory, state)
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, OSError) as error:
@@ -99,7 +105,13 @@ def load_checkpoint(run) -> None:
 def _restore(run, directory: Path, state: dict) -> None:
     """The weights, optimizer, schedule and this rank's random streams of `state` into `run`."""
     optimizer_state = state["optimizer"]
-    if run.config.lora.enabled:
+    if run.config.lora.enabled and run.sharded:
+        from safetensors.torch import load_file
+
+        adapter = load_file(str(directory / "adapter" / "adapter_model.safetensors"), device="cpu")
+        set_full_state(run.core, run.optimizer, adapter_state(run.core, adapter), optimizer_state, True,
+                       partial=True)
+    elif run.config.lora.enabled:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
@@ -111,13 +123,25 @@ def _restore(run, directory: Path, state: dict) -> None:
         if experts is not None:  # --expert-parallel: this rank's slice of the whole experts
             saved, optimizer_state = local_state(run.core, run.optimizer, saved, optimizer_state, experts)
         set_full_state(run.core, run.optimizer, saved, optimizer_state, run.sharded)
-    if run.config.lora.enabled or not run.sharded:
+    if not run.sharded:
         run.optimizer.load_state_dict(optimizer_state)
     run.schedule.load_state_dict(state["schedule"])
     streams = state["streams"][run.ranks.rank]
     set_rng_state(streams["rng"], run.device)
     run.rollout_generator.set_state(streams["rollout_generator"])
     run.mask_generator.set_state(streams["mask_generator"])
+
+
+def adapter_state(model, saved: dict) -> dict:
+    """A saved LoRA adapter's tensors (PEFT's file, whose names leave out the adapter's name) under the names of
+    `model`'s trainable parameters, which PEFT derives them from; refused unless they are the same set."""
+    names = {name.replace(f".{model.active_adapter}", ""): name
+             for name, p in model.named_parameters() if p.requires_grad}
+    if set(saved) != set(names):
+        unknown, missing = sorted(set(saved) - set(names)), sorted(set(names) - set(saved))
+        raise KeyError(f"the adapter's weights are not this run's adapters (not in the run: {unknown[:3]}; "
+                       f"missing: {missing[:3]})")
+    return {names[key]: value for key, value in saved.items()}
 
 
 def read_state(path: Path) -> dict:

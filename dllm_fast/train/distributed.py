@@ -1,9 +1,11 @@
 """Scaling out on PyTorch's own engine: the process group of a torchrun launch, the DDP or FSDP2 wrapper, and what
 the ranks exchange (barriers, gathered objects, averaged metrics, whole state dicts gathered from FSDP2's shards).
 
-Each rank rolls out its own share of a step's prompts, so advantages stay within complete groups; gradients are
-all-reduced once per optimizer step (the objective's entry point runs every micro-batch but the last under
-no_sync); rank 0 alone writes files (`Ranks.writer`).
+Each rank rolls out its own share of a step's prompts, so advantages stay within complete groups. Under DDP
+gradients are all-reduced once per optimizer step (the objective's entry point runs every micro-batch but the last
+under no_sync). Under FSDP2 every micro-batch's backward reduce-scatters into the sharded gradients, which
+accumulate there: a rank never holds a whole gradient (likelihood/engine.default_grad_sync). The reference copy,
+where there is one, is sharded like the policy. Rank 0 alone writes files (`Ranks.writer`).
 """
 
 from __future__ import annotations
@@ -96,43 +98,59 @@ def sharded(parallel: str, ranks: Ranks) -> bool:
     return ranks.world > 1 and parallel == "fsdp2"
 
 
-def data_parallel_wrapper(model, parallel: str, ranks: Ranks, device: torch.device):
+def data_parallel_wrapper(model, parallel: str, ranks: Ranks, device: torch.device, *, mixed_precision=None):
     """The model as every rank trains it: unchanged for one process, DDP, or FSDP2 (each of the model's
-    `shard_units()`, then the root, whose unit holds the rest)."""
+    `shard_units()`, then the root, whose unit holds the rest). mixed_precision: FSDP2's MixedPrecisionPolicy
+    (train/precision.sharded_mixed_precision; None: each weight gathered in its own dtype). A model without
+    trainable weights (the reference copy) is sharded alike and holds no gradient."""
     if ranks.world == 1:
         return model
     if parallel == "ddp":
         ids = [device.index] if device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (ranks.world,))
+    policy = mixed_precision if mixed_precision is not None else MixedPrecisionPolicy()
     for unit in model.shard_units():
-        fully_shard(unit, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def full_state(model, optimizer, is_sharded: bool):
+def full_state(model, optimizer, is_sharded: bool, *, trainable_only: bool = False):
     """(model state, optimizer state) as whole tensors gathered from FSDP2's shards; (None, the optimizer's
-    state) when the model holds whole tensors already."""
+    state) when the model holds whole tensors already. trainable_only: the model state holds the weights that
+    train only (LoRA's adapters, named as the model's state_dict names them): a LoRA checkpoint never gathers the
+    frozen base."""
     if not is_sharded:
         return None, optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+    if trainable_only:  # every rank gathers the same tensors in the same order
+        model_state = {name: _whole(p).detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
+    else:
+        model_state = get_model_state_dict(model, options=options)
+    return model_state, get_optimizer_state_dict(model, optimizer, options=options)
 
 
-def set_full_state(model, optimizer, model_state: dict, optimizer_state: dict, is_sharded: bool) -> None:
-    """Load whole tensors into the model (and, when sharded, the optimizer: FSDP2 re-shards both)."""
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 shard's whole tensor (an all-gather); a plain tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def set_full_state(model, optimizer, model_state: dict, optimizer_state: dict, is_sharded: bool, *,
+                   partial: bool = False) -> None:
+    """Load whole tensors into the model (and, when sharded, the optimizer: FSDP2 re-shards both). partial: the
+    model state holds some of the model's weights (LoRA's adapters); the others stay as they are."""
     if not is_sharded:
-        model.load_state_dict(model_state)
+        model.load_state_dict(model_state, strict=not partial)
         return
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    options = StateDictOptions(full_state_dict=True)
+    options = StateDictOptions(full_state_dict=True, strict=not partial)
     set_model_state_dict(model, model_state, options=options)
-    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))

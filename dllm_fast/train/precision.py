@@ -15,6 +15,10 @@ With bf16 compute (`--bf16`, on by default on CUDA: autocast to bf16):
 
 Checkpoints hold the trained weights as they train: the adapter, or the full policy, in fp32. Without bf16 compute
 (the CPU default) every weight stays fp32, as before.
+
+Under FSDP2 (`sharded_mixed_precision`) the same split holds for the gathers: on CUDA with bf16 compute each unit's
+weights are all-gathered in bf16 (half the bytes of fp32 master weights; what autocast would cast them to anyway)
+and its gradients reduce-scattered in fp32 into the fp32 shards. On CPU the shards are gathered in their own dtype.
 """
 
 from __future__ import annotations
@@ -65,6 +69,18 @@ def training_precision(config, device_type: str, *, weights: torch.dtype | None 
     if weights is not None:
         return Precision(compute, weights, weights)
     return Precision(compute, torch.float32, torch.bfloat16 if bf16 else torch.float32)
+
+
+def sharded_mixed_precision(precision: Precision, device_type: str):
+    """FSDP2's MixedPrecisionPolicy for a run in `precision` on `device_type`, or None (gathers and reductions in
+    each weight's own dtype). On CUDA with bf16 compute: parameters gathered in the compute dtype, gradients
+    reduced in fp32 (the master weights' dtype). On CPU the run keeps its own dtype (fp32, or fp64 in the exact
+    tests), whatever the compute dtype."""
+    if device_type != "cuda" or precision.compute is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=torch.float32)
 
 
 def training_models(base, config, precision: Precision, *, needs_reference: bool):

@@ -260,7 +260,8 @@ def rollout_weights_for(policy: nn.Module, config, ranks, device: torch.device, 
     if path == "sharded":
         copy = None
     what = ("a plain copy of the weights gathered once a step" + (", LoRA merged into it" if merge else "")
-            if copy is not None else "FSDP2's per-layer gathers at every forward, each layer prefetching the next")
+            if copy is not None else "FSDP2's per-layer gathers at every forward, each layer prefetching the next"
+            + (" (the LoRA adapters unmerged: --lora-merge-rollouts merges into a gathered copy)" if merge else ""))
     return copy, f"--rollout-weights {choice}: rollouts run on {what} ({why})"
 
 

@@ -36,7 +36,8 @@ from dllm_fast.train.expert_parallel import (ExpertGradients, check_expert_paral
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
 from dllm_fast.train.pairs import PairSource, check_pairs_task
 from dllm_fast.train.precision import add_lora  # noqa: F401  (re-exported: the planner and tests import it here)
-from dllm_fast.train.precision import Precision, short_name, training_models, training_precision
+from dllm_fast.train.precision import (Precision, sharded_mixed_precision, short_name, training_models,
+                                       training_precision)
 from dllm_fast.train.resume import CONFIG, check_resumable, saved_config
 from dllm_fast.train.rollout_weights import keep_copy, rollout_weights_for
 from dllm_fast.train import step as train_step
@@ -68,8 +69,11 @@ class RunSetup:
                           "under torchrun, or one rank): the run trains unsharded, as one process does under any "
                           "--parallel. Launch it with `torchrun --nproc-per-node N -m dllm_fast train ...` to shard.",
                           UserWarning, stacklevel=2)
-        if self.sharded and config.lora.enabled:  # issue 46's FSDP2 shards a LoRA run's frozen base (its branch)
-            raise ValueError("--parallel fsdp2 shards a full fine-tune; with --lora true use --parallel ddp.")
+        if self.sharded and config.lora.enabled and config.lora.merge_rollouts and config.run.rollout_weights == \
+                "sharded":  # the merged weights are the gathered copy's; per-layer gathers have no copy to merge into
+            raise ValueError("--lora-merge-rollouts true under --parallel fsdp2 merges the adapters into the rollout "
+                             "copy gathered once a step, which --rollout-weights sharded does without; use "
+                             "--rollout-weights gathered (or auto), or --lora-merge-rollouts false.")
         if self.sharded and config.rollout.threshold is not None:
             raise ValueError("--threshold decoding takes a different number of model calls on each rank, which "
                              "FSDP2's sharded forwards cannot; use a fixed schedule (--diffusion-steps) or DDP.")
@@ -160,14 +164,26 @@ class Run:
             self.setup_notes.append(expert_parallel_note(base, self.expert_group, setup.generate_config.compile
                                                          != config.generate_config(self.device.type).compile))
         # The reference policy: the initial weights, frozen. With LoRA, the objective disables the adapters instead.
-        self.model, self.ref_model = training_models(base, config, self.precision,
-                                                     needs_reference=self.objective.needs_reference)
+        # LoRA's initial adapters are drawn from --seed alone, the same on every rank: FSDP2 shards each rank's own
+        # tensors (DDP would broadcast rank 0's), and the ranks' random streams (seeded by rank) go on untouched.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(config.run.seed)
+            self.model, self.ref_model = training_models(base, config, self.precision,
+                                                         needs_reference=self.objective.needs_reference)
+        # Under FSDP2 the policy (a LoRA run's frozen base with its adapters) and the reference copy are sharded
+        # alike, gathered in the compute dtype on CUDA; the reference trains nothing, so it has no optimizer state.
+        mixed_precision = sharded_mixed_precision(self.precision, self.device.type)
         if self.expert_group is not None:
             ignore_experts_in_ddp(self.model)
-        self.model = data_parallel_wrapper(self.model, config.run.parallel, ranks, self.device)
+        self.model = data_parallel_wrapper(self.model, config.run.parallel, ranks, self.device,
+                                           mixed_precision=mixed_precision)
+        if self.sharded and self.ref_model is not None:
+            self.ref_model = data_parallel_wrapper(self.ref_model, config.run.parallel, ranks, self.device,
+                                                   mixed_precision=mixed_precision)
         self.core = unwrap_model(self.model)
         self.rollout_weights = None  # under FSDP2: the gathered copy rollouts run on (train/rollout_weights.py)
         if self.sharded:
+            self.setup_notes.append(sharding_note(config, ranks, mixed_precision, self.ref_model is not None))
             self.rollout_weights, note = rollout_weights_for(self.model, config, ranks, self.device, self.precision)
             self.setup_notes.append(note)
         elif config.run.rollout_weights != "auto":
@@ -316,6 +332,16 @@ def previous_checkpoint(config: TrainConfig, run_dir: RunDirectory) -> bool:
     if previous and config.run.resume:
         check_resumable(config, saved_config(checkpoint), str(checkpoint / CONFIG))
     return previous
+
+
+def sharding_note(config: TrainConfig, ranks: Ranks, mixed_precision, reference: bool) -> str:
+    """The setup line of a run under FSDP2: what is sharded, and the dtypes of its gathers and reductions."""
+    what = "the frozen base with its LoRA adapters" if config.lora.enabled else "the policy"
+    what += " and the reference copy" if reference else ""
+    dtypes = ("in each weight's own dtype" if mixed_precision is None else
+              f"in {short_name(mixed_precision.param_dtype)}, gradients reduce-scattered in "
+              f"{short_name(mixed_precision.reduce_dtype)} at every backward")
+    return f"--parallel fsdp2: {what} sharded over {ranks.world} ranks, gathered {dtypes}"
 
 
 def check_rollout_settings(config: TrainConfig, rollouts, model) -> None:

@@ -86,7 +86,7 @@ class RunSettings(_Settings):
     seed: int = option(0, help="seeds the data order, rollouts, masks and any random weights")
     device: str = option("auto", help="torch device; auto: cuda when available", metavar="DEVICE")
     threads: int | None = option(None, help="CPU threads (default: torch's)")
-    parallel: str = option("ddp", help="under torchrun: ddp, or fsdp2 (full fine-tunes; sharded weights)",
+    parallel: str = option("ddp", help="under torchrun: ddp (whole replicas), or fsdp2 (sharded weights, LoRA's frozen base too)",
                            choices=PARALLEL)
     expert_parallel: int = option(1, help="under torchrun, LLaDA2: ranks an expert group spans; each holds "
                                           "num_experts / N of every MoE layer's routed experts, and tokens move to "

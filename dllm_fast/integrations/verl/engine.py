@@ -32,7 +32,8 @@ What runs where (verl's PPO step, per data-parallel rank):
 - update (`forward_backward_batch(data, loss_function)`, once per verl mini-batch): the rows regrouped by uid into
   whole prompt groups (refused otherwise), the same masks drawn again, and `Objective.backward` on the whole
   mini-batch of this rank: the exact streaming gradient, memory set by the pairs per backward graph and flat in
-  n_t, one or two passes as the objective needs, its one gradient sync under FSDP2 at its last backward. Before the
+  n_t, one or two passes as the objective needs, each backward reduce-scattering into FSDP2's sharded gradients
+  (which accumulate there; no rank holds a whole gradient). Before the
   policy has moved (verl's first mini-batch) the update is on-policy (ratios exactly 1, dllm_fast's convention);
   after an optimizer step it reads the old policy's lp kept by the scoring. The reference is scored on the same
   masks. The objective's advantages come from verl's rewards (`token_level_rewards` summed per row) within each
