@@ -23,6 +23,9 @@ def lp_and_masks(sampler, n_t=4, seed=0):
         n_t += 1 - n_t % 2  # the full mask and pairs
     if sampler == "trajectory":  # two positions decoded per step, in a random order
         n_t, options["unmask_step"] = None, torch.rand(3, L, generator=gen).argsort(-1).argsort(-1) // 2
+    if sampler in ("recorded_state", "tree_edge"):  # MDPO's state (0 given, >= 1 masked); an edge's stages 0-2
+        stages = 2 if sampler == "recorded_state" else 3
+        n_t, options["unmask_step"] = 1, torch.rand(3, L, generator=gen).argsort(-1).argsort(-1) % stages
     if SAMPLERS[sampler].data_n_t:  # e.g. autoregressive: a sample per position
         n_t = None
     masks = sample_masks(sequences, prompt_length=P, n_t=n_t, sampler=sampler, eos_token_id=99, generator=gen,

@@ -38,6 +38,10 @@ def draw(sampler, sequences=None, P=3, n_t=6, seed=1, **kwargs):
         n_t += 1
     if sampler == "trajectory":
         kwargs.setdefault("unmask_step", synthetic_unmask_step(*sequences[:, P:].shape))
+    if sampler in ("recorded_state", "tree_edge"):  # MDPO's state (0 given, >= 1 masked); an edge's stages 0-2
+        kwargs.setdefault("unmask_step", synthetic_unmask_step(*sequences[:, P:].shape, per_step=1) %
+                          (2 if sampler == "recorded_state" else 3))
+        n_t = 1
     if SAMPLERS[sampler].data_n_t:  # trajectory's states, autoregressive's positions: from the sequences
         n_t = None
     return sample_masks(sequences, prompt_length=P, n_t=n_t, sampler=sampler,
@@ -76,7 +80,7 @@ def test_structure_common_to_all_samplers(sampler, count):
     assert torch.equal(masks.counted, counted)
     assert torch.equal(masks.num_counted, counted.sum(-1))
     completion = masks.masked[..., P:]
-    if sampler != "trajectory":  # a replayed state shows the padding the rollout had decoded by then
+    if sampler not in ("trajectory", "recorded_state"):  # a replayed state shows the padding decoded by then
         assert completion[~counted[:, None, :].expand(N, n_t, L)].all(), "positions that do not count stay masked"
     assert torch.equal(masks.num_masked, masks.targets.sum(-1))
     assert not (masks.targets & ~masks.scored).any()

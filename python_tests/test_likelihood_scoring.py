@@ -35,6 +35,10 @@ def masks_for(model, sequences, sampler="stratified_l", n_t=4, seed=1, **kwargs)
     if sampler == "trajectory":  # four states, each decoding its row's next positions in a random order
         order = torch.rand(sequences.shape[0], L, generator=torch.Generator().manual_seed(seed)).argsort(-1)
         n_t, kwargs["unmask_step"] = None, order.argsort(-1) * 4 // L
+    elif sampler in ("recorded_state", "tree_edge"):  # MDPO's state (0 given, >= 1 masked); an edge's stages 0-2
+        order = torch.rand(sequences.shape[0], L, generator=torch.Generator().manual_seed(seed)).argsort(-1)
+        recorded = sampler == "recorded_state"
+        n_t, kwargs["unmask_step"] = (None if recorded else 1), order % (2 if recorded else 3)
     elif SAMPLERS.get(sampler).data_n_t:  # its samples follow from the sequences (autoregressive: one a position)
         n_t = None
     return sample_masks(sequences, prompt_length=P, n_t=n_t, sampler=sampler,
