@@ -63,7 +63,7 @@ def test_the_two_stream_forward_equals_per_block_scoring(sampler):
     assert (lp[masks.scored] < 0).all()
 
 
-@pytest.mark.parametrize("separable", [False, True])
+@pytest.mark.parametrize("separable", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_the_engine_gradient_equals_fp64_autograd_through_per_block_scoring(separable):
     """A nonlinear objective (VRPO-OL's exp of the ELBO) two-pass, or a separable one, micro-batch 2 < N n_t: every
     parameter's gradient (router, stacked experts, shared experts, attention, embeddings) to 1e-10."""

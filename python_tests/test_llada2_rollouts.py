@@ -60,7 +60,7 @@ def test_greedy_tokens_with_kv_reuse_equal_the_decoder_that_recomputes_every_blo
     assert torch.equal(out.sequences[:, :ids.shape[1]], ids) and (out.completion_ids != MASK).all()
 
 
-@pytest.mark.parametrize("full_last_block", [False, True])
+@pytest.mark.parametrize("full_last_block", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_the_last_block_whole_or_ended_at_the_completion_as_the_decoder_that_recomputes(full_last_block):
     """The official LLaDA2 generate decodes a whole last block (full_last_block=True); by default it ends with the
     completion. Blocks count from each row's first real token, so with prompts of 11 - n real tokens a completion

@@ -13,7 +13,7 @@ from test_trainer import quick_config
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("name", ["espo", "diffu_grpo"])  # one-pass and separable; both score old and reference
+@pytest.mark.parametrize("name", ["espo", pytest.param("diffu_grpo", marks=pytest.mark.slow)])  # one-pass and separable; both score old and reference
 def test_a_training_step_packs_the_micro_batch_once_and_the_engine_gets_that_object(tmp_path, monkeypatch, name):
     created, seen = [], []
     post_init = MicroBatching.__post_init__

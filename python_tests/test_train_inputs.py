@@ -181,7 +181,8 @@ def test_a_bad_value_is_one_line_naming_it_and_the_fix(arguments, message, capsy
 
 @pytest.mark.parametrize("output_dir, message", [
     ("file", r"--output-dir '.*file' is a file, not a directory"),
-    ("file/run", r"cannot create the run directory .*file/run \(Not a directory\); pick an --output-dir"),
+    pytest.param("file/run", r"cannot create the run directory .*file/run \(Not a directory\); pick an --output-dir",
+                 marks=pytest.mark.slow),
 ])
 def test_an_unusable_run_directory_is_named(output_dir, message, capsys, tmp_path):
     (tmp_path / "file").write_text("")

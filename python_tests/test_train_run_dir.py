@@ -104,7 +104,12 @@ def replaced(name, content=None):
     return replace
 
 
-@pytest.mark.parametrize("alter, message", [
+def _fast_first(cases, fast=4):
+    """The first `fast` cases in the fast suite, the others marked slow (each case resumes a trained run)."""
+    return [case if i < fast else pytest.param(*case, marks=pytest.mark.slow) for i, case in enumerate(cases)]
+
+
+@pytest.mark.parametrize("alter, message", _fast_first([
     (altered_state(lambda s: s.pop("optimizer")), r"state.pt is damaged or was altered \(it lacks 'optimizer'\)"),
     (altered_state(lambda s: s.update(step="1")), r"state.pt is damaged .* \(its 'step' is of type str, not int\)"),
     (altered_state(lambda s: s.update(step=10**9)), r"state.pt is at step 1000000000, past the --steps 1 the run"),
@@ -116,7 +121,7 @@ def replaced(name, content=None):
     (replaced("checkpoint/config.json", '{"objective": "bogus"}'),
      r"checkpoint/config.json, the configuration the checkpoint ran with, is not valid \(--objective 'bogus'"),
     (replaced("metrics.jsonl", True), r"metrics.jsonl is a directory, where the run keeps its metrics.jsonl file"),
-])
+]))
 def test_a_damaged_or_altered_checkpoint_is_refused_and_left_as_it_was(run_dir, alter, message):
     alter(run_dir)
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}

@@ -45,8 +45,8 @@ def test_the_trainer_runs_the_shared_step(tmp_path, phases):
     assert phases == one_step(2)
 
 
-@pytest.mark.parametrize("engine", ["streaming", "all_graphs"])
-@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("engine", ["streaming", pytest.param("all_graphs", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("fast", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_the_planner_plans_the_shared_step(phases, engine, fast):
     """The planner runs the shared phases in order; fast (the planner's default), an optimizer step identical to
     one it ran (the same gradients) is replayed from its record instead of run again (planning/replay.py)."""
