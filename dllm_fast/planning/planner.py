@@ -241,7 +241,8 @@ def step_pairs(config: TrainConfig) -> int:
         rollouts *= objective_config.top_k_steps
     if not fixed_n_t(config):
         return rollouts * objective_config.n_t
-    forwards = G if config.rollout.threshold is not None else config.rollout.steps
+    steps = config.rollout.decoding_steps()  # ASS derives its own count
+    forwards = G if config.rollout.threshold is not None or steps is None else steps
     return rollouts * (G if objective_config.sampler == "autoregressive" else forwards)
 
 
