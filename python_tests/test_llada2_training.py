@@ -43,8 +43,9 @@ def finite(row: dict) -> bool:
 
 @pytest.mark.slow
 # JustGRPO and offline VRPO run on block models in test_block_training (SDAR): no second MoE case for them; d-TreeRPO's
-# refusal on block models is tested there
-@pytest.mark.parametrize("name", [n for n in objectives.available() if n not in ("justgrpo", "vrpo_dpo", "d_treerpo")])
+# and MDPO's refusals on block models are tested there
+@pytest.mark.parametrize("name", [n for n in objectives.available()
+                                  if n not in ("justgrpo", "vrpo_dpo", "d_treerpo", "mdpo")])
 def test_every_objective_trains_llada2_without_nan(tmp_path, name):
     objective = objectives.get(name)
     small = {"n_t": 2} if objective.config.n_t > 2 and objective.config.sampler != "coupled" else {}
