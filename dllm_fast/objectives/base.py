@@ -533,6 +533,12 @@ def check_epsilon(name: str, value: float) -> float:
     return check_float(name, value, minimum=0.0, hint="clip range; 0 pins the ratio's interval to [1, 1]")
 
 
+def check_dual_clip(value: float | None) -> None:
+    """DARE's dual clip: None (off) or a bound above 1 on a negative advantage's ratio term."""
+    if value is not None:
+        check_float("dual_clip", value, minimum=1.0, open_minimum=True, hint="DARE uses 3; it must exceed 1")
+
+
 NORMALIZE_PER = ("batch", "micro_batch")
 
 

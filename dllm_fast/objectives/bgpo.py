@@ -28,8 +28,8 @@ import torch
 
 from dllm_fast.likelihood import MaskSpec
 from dllm_fast.likelihood.masks import weighted_sum
-from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_micro_batch_rows, clipped,
-                                       clipped_surrogate, dual_clipped, mask_defaults, micro_batch_index,
+from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_dual_clip, check_micro_batch_rows,
+                                       clipped, clipped_surrogate, dual_clipped, mask_defaults, micro_batch_index,
                                        micro_batch_sums, safe_exp)
 from dllm_fast.validation import check_choice, check_float
 
@@ -58,9 +58,7 @@ class BGPOConfig(ObjectiveConfig):
                                "aggregation='length_weighted'")
         if self.clip_epsilon is not None:
             check_float("clip_epsilon", self.clip_epsilon, minimum=0.0, open_minimum=True)
-        if self.dual_clip is not None:
-            check_float("dual_clip", self.dual_clip, minimum=1.0, open_minimum=True,
-                        hint="DARE uses 3; it must exceed 1")
+        check_dual_clip(self.dual_clip)
 
 
 class BGPO(Objective):

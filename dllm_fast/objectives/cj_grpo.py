@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dllm_fast.likelihood import MaskSpec
-from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_epsilon, check_micro_batch_rows,
-                                       clipped, clipped_surrogate, dual_clipped, kl_k3, mask_defaults,
-                                       micro_batch_index)
+from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_dual_clip, check_epsilon,
+                                       check_micro_batch_rows, clipped, clipped_surrogate, dual_clipped, kl_k3,
+                                       mask_defaults, micro_batch_index)
 from dllm_fast.validation import check_choice, check_float
 
 NORMALIZATIONS = ("step", "transition")
@@ -61,9 +61,7 @@ class CJGRPOConfig(ObjectiveConfig):
         check_float("beta", self.beta, minimum=0.0, hint="KL coefficient")
         check_choice("normalization", self.normalization, NORMALIZATIONS)
         check_micro_batch_rows(self.micro_batch_rows, False, "")
-        if self.dual_clip is not None:
-            check_float("dual_clip", self.dual_clip, minimum=1.0, open_minimum=True,
-                        hint="DARE uses 3; it must exceed 1")
+        check_dual_clip(self.dual_clip)
 
 
 class CJGRPO(Objective):

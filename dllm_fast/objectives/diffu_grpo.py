@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dllm_fast.likelihood import MaskSpec
-from dllm_fast.objectives.base import (NORMALIZE_PER, LossInputs, Objective, ObjectiveConfig, check_epsilon,
-                                       check_micro_batch_rows, clipped, clipped_surrogate, dual_clipped, kl_k3,
-                                       mask_defaults, micro_batch_index, micro_batch_sums)
+from dllm_fast.objectives.base import (LossInputs, NORMALIZE_PER, Objective, ObjectiveConfig, check_dual_clip,
+                                       check_epsilon, check_micro_batch_rows, clipped, clipped_surrogate, dual_clipped,
+                                       kl_k3, mask_defaults, micro_batch_index, micro_batch_sums)
 from dllm_fast.validation import check_choice, check_float
 
 NORMALIZATIONS = ("token", "sequence")
@@ -57,9 +57,7 @@ class DiffuGRPOConfig(ObjectiveConfig):
         check_choice("normalize_per", self.normalize_per, NORMALIZE_PER)
         check_micro_batch_rows(self.micro_batch_rows, self.normalize_per == "micro_batch",
                                "normalize_per='micro_batch'")
-        if self.dual_clip is not None:
-            check_float("dual_clip", self.dual_clip, minimum=1.0, open_minimum=True,
-                        hint="DARE uses 3; it must exceed 1")
+        check_dual_clip(self.dual_clip)
 
 
 class DiffuGRPO(Objective):

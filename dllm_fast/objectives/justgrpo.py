@@ -33,7 +33,7 @@ import torch
 
 from dllm_fast.contracts import unwrap_model
 from dllm_fast.likelihood import MaskSpec
-from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_epsilon, clipped,
+from dllm_fast.objectives.base import (LossInputs, Objective, ObjectiveConfig, check_dual_clip, check_epsilon, clipped,
                                        clipped_surrogate, dual_clipped, mask_defaults)
 from dllm_fast.validation import check_choice, check_float
 
@@ -58,8 +58,7 @@ class JustGRPOConfig(ObjectiveConfig):
         check_choice("normalization", self.normalization, NORMALIZATIONS)
         check_float("temperature", self.temperature, minimum=0.0, open_minimum=True,
                     hint="the learner's softmax temperature, e.g. 1.0 or 0.6")
-        if self.dual_clip is not None:
-            check_float("dual_clip", self.dual_clip, minimum=1.0, open_minimum=True, hint="DARE uses 3")
+        check_dual_clip(self.dual_clip)
 
 
 class JustGRPO(Objective):
