@@ -17,7 +17,7 @@ from dllm_fast.planning.parallel import Sizes, layout, per_gpu
 from dllm_fast.planning.planner import plan_step
 from dllm_fast.planning.step import MODEL_CALLS, PhasePlan
 from dllm_fast.train.config import TrainConfig
-from dllm_fast.train.rollout_weights import ROLLOUT_MARGIN
+from dllm_fast.train.rollout_rule import ROLLOUT_MARGIN
 
 H200 = GPUS["h200"]
 NVLINK, NETWORK = H200.interconnect, H200.internode

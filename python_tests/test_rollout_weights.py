@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dllm_fast.testing.ranks import run_ranks
-from dllm_fast.train.rollout_weights import ROLLOUT_MARGIN, keep_copy, rollout_path
+from dllm_fast.train.rollout_rule import ROLLOUT_MARGIN, keep_copy, rollout_path
 
 WORLD = 2
 

@@ -80,6 +80,12 @@ _FACTORIES = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, a
 # Ops whose CUDA implementation launches kernels of its own before the op's (see the module docstring): an
 # out-of-place masked_fill clones, then fills; a sort copies the values and fills the indices, then sorts.
 _GPU_KERNELS = {aten.masked_fill: 2, aten.sort: 3}
+# torch's fused AdamW (train/optimizer.py): it reads the weights, gradients, moments and step counts and writes the
+# weights, moments and counts (the gradients only with a grad scaler, which train does not use), 28 bytes a
+# trained fp32 element, in CUDA's multi-tensor launches (_multi_tensor_kernels).
+_FUSED_ADAM = {aten._fused_adam_, aten._fused_adamw_}
+_FUSED_ADAM_WRITES = (0, 2, 3, 4, 5)  # params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
+_MULTI_TENSOR = _FUSED_ADAM
 # Functions a GPU runs as one fused kernel, which decompose into several ops on the CPU tensors a plan runs on.
 _FUSED_ON_GPU = {torch.rms_norm, F.rms_norm}
 
@@ -494,6 +500,8 @@ class Accountant(TorchDispatchMode):
 
     def _count(self, func, packet, args, kwargs, outputs, extra) -> None:
         sync = packet in HOST_SYNCS
+        if not outputs and func._schema.is_mutable:  # an in-place op that returns nothing (foreach, fused AdamW):
+            outputs = _written_in_place(func, args, kwargs)  # what it writes is its output
         if not outputs and not sync:  # a metadata query (device, size): no kernel
             return
         if not self._fused:
@@ -504,7 +512,8 @@ class Accountant(TorchDispatchMode):
                 else _moved_bytes(packet, args, kwargs, outputs)
             traffic = extra.traffic if extra is not None else 0
             if flops or moved or traffic:
-                self._add_kernels(packet, args, flops, moved, traffic, _GPU_KERNELS.get(packet, 1))
+                kernels = _multi_tensor_kernels(args[0]) if packet in _MULTI_TENSOR else _GPU_KERNELS.get(packet, 1)
+                self._add_kernels(packet, args, flops, moved, traffic, kernels)
         if sync:
             for ledger in (self.costs, *(mark.costs for mark in self._marks)):
                 ledger.sync()
@@ -604,6 +613,26 @@ def _aliases(func, args, outputs) -> bool:
     view by another name: `_unsafe_view`, which reshapes a GEMM's output)."""
     return (len(outputs) == 1 and args and isinstance(args[0], torch.Tensor) and not func._schema.is_mutable
             and outputs[0].untyped_storage() is args[0].untyped_storage())
+
+
+def _written_in_place(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an op that returns nothing writes: its schema's mutated arguments (a foreach op's first list),
+    for fused AdamW the weights, moments and step counts (_FUSED_ADAM_WRITES)."""
+    if func.overloadpacket in _FUSED_ADAM:
+        return _tensors([args[i] for i in _FUSED_ADAM_WRITES if i < len(args)])
+    written = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            written += _tensors(value)
+    return written
+
+
+def _multi_tensor_kernels(tensors) -> int:
+    """Kernels CUDA's multi_tensor_apply launches over fused Adam's weights (`tensors`, each with a gradient and
+    two moments: four lists): one per 320 blocks of 65,536 elements, or per 36 tensors, at least one."""
+    elements = sum(t.numel() for t in tensors)
+    return max(1, -(-elements // (65536 * 320)), -(-len(tensors) // 36))
 
 
 def flat_values(tree):

@@ -29,7 +29,9 @@ class ParallelSettings:
     - gpus_per_node: GPUs a node (the link between two ranks is NVLink inside a node, the network between nodes);
     - expert_parallel: ranks an expert group spans (inside a node), 1 for none;
     - fsdp_offload: FSDP2's CPUOffloadPolicy: sharded parameters, gradients and AdamW's state live on the host, the
-      optimizer step runs there;
+      optimizer step runs there (the reference copy's shards too);
+    - reference_offload: the reference copy's shards alone on the host (CPUOffloadPolicy on the reference, verl's
+      ref param_offload), copied to the GPU at each of its gathers;
     - rollout_weights: "auto" (the rule of train/rollout_weights.py), "gathered" (a plain bf16 copy gathered once a
       step) or "sharded" (FSDP2's per-layer gathers at every forward);
     - intra_node_bandwidth, inter_node_bandwidth, host_bandwidth: bytes/s, None for the GPU's entry
@@ -40,6 +42,7 @@ class ParallelSettings:
     gpus_per_node: int = 8
     expert_parallel: int = 1
     fsdp_offload: bool = False
+    reference_offload: bool = False
     rollout_weights: str = "auto"
     intra_node_bandwidth: float | None = None
     inter_node_bandwidth: float | None = None
@@ -63,7 +66,8 @@ class ParallelSettings:
             raise ValueError(f"--gpus {self.world} is not a whole number of nodes of --gpus-per-node "
                              f"{self.gpus_per_node}; torchrun starts the same number of ranks on every node.")
         sharded_only = [flag for flag, on in (("--expert-parallel", self.expert_parallel > 1),
-                                              ("--fsdp-offload true", self.fsdp_offload)) if on]
+                                              ("--fsdp-offload true", self.fsdp_offload),
+                                              ("--reference-offload true", self.reference_offload)) if on]
         if sharded_only and (self.world == 1 or self.parallel != "fsdp2"):
             raise ValueError(f"{', '.join(sharded_only)} plans FSDP2 on several GPUs; add --parallel fsdp2 and "
                              "--gpus N (N > 1).")
@@ -75,6 +79,11 @@ class ParallelSettings:
                 raise ValueError(f"--expert-parallel {self.expert_parallel} spans more than a node of "
                                  f"--gpus-per-node {self.gpus_per_node}; expert groups stay inside a node (their "
                                  "all-to-alls run at every MoE layer of every forward).")
+
+    @property
+    def reference_on_host(self) -> bool:
+        """Whether the reference copy's shards live on the host (--reference-offload, or --fsdp-offload)."""
+        return self.fsdp_offload or self.reference_offload
 
     @property
     def nodes(self) -> int:

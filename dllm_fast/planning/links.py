@@ -57,8 +57,8 @@ class Links:
         if size <= 0:
             return 0.0
         if not self.host:
-            raise ValueError("--fsdp-offload true copies between host and GPU, whose bandwidth is unknown for this "
-                             "GPU (planning/gpus.py); give --host-bandwidth GB/s.")
+            raise ValueError("--fsdp-offload true and --reference-offload true copy between host and GPU, whose "
+                             "bandwidth is unknown for this GPU (planning/gpus.py); give --host-bandwidth GB/s.")
         return size / self.host
 
 

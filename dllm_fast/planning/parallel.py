@@ -60,7 +60,7 @@ from dllm_fast.planning.links import Links, all_gather, all_to_all, links as lin
 from dllm_fast.planning.step import PhasePlan, Session
 from dllm_fast.train import step as train_step
 from dllm_fast.train.config import TrainConfig
-from dllm_fast.train.rollout_weights import ROLLOUT_MARGIN, keep_copy, rollout_path
+from dllm_fast.train.rollout_rule import ROLLOUT_MARGIN, keep_copy, rollout_path
 
 ADAMW_BYTES = 28  # a trained fp32 element: AdamW reads the weight, its gradient and two moments, writes three
 
@@ -196,8 +196,9 @@ def per_gpu(phases: dict[str, PhasePlan], shape: Layout, settings: ParallelSetti
         out.rollout_communication_share = out.collectives[train_step.ROLLOUT].seconds / rollout.costs.seconds
     if settings.fsdp_offload:
         out.host_bytes = int(_shards(shape.trained, sizes.trained, shape, settings) * 4
-                             + _shards(shape.frozen, sizes.frozen, shape, settings)
-                             + _shards(shape.reference, sizes.frozen, shape, settings))
+                             + _shards(shape.frozen, sizes.frozen, shape, settings))
+    if settings.reference_on_host:
+        out.host_bytes += int(_shards(shape.reference, sizes.frozen, shape, settings))
     peak = max(p.peak for p in phases.values() if p.runs)
     if capacity is not None and peak > capacity:
         out.alternatives = _alternatives(phases, rank_memory, shape, settings, sizes, out.rollout_path)
@@ -213,10 +214,12 @@ def _shards(part: Elements, itemsize: int, shape: Layout, settings: ParallelSett
     return (-(-part.dense // settings.world) + -(-part.experts // settings.expert_shards)) * itemsize
 
 
-def _held(trained: Elements, frozen: Elements, settings: ParallelSettings, sizes: Sizes) -> float:
-    """Bytes of these parameters unsharded: the dense ones, and the experts where FSDP2 shards them."""
+def _held(trained: Elements, frozen: Elements, settings: ParallelSettings, sizes: Sizes, *,
+          on_host: bool = False) -> float:
+    """Bytes of these parameters unsharded: the dense ones, and the experts where FSDP2 shards them or they come
+    from the host (`on_host`: this model's shards are offloaded)."""
     dense, experts = sizes.gathered(trained, frozen)
-    return dense + (experts if _experts_move(settings) else 0)
+    return dense + (experts if _experts_move(settings) or on_host else 0)
 
 
 def _experts_move(settings: ParallelSettings) -> bool:
@@ -244,8 +247,9 @@ def _fsdp2_memory(phase: PhasePlan, rank: dict[str, int], shape: Layout, setting
     shards = 0.0
     if on_gpu:
         shards = (_shards(shape.trained, sizes.trained, shape, settings)
-                  + _shards(shape.frozen, sizes.frozen, shape, settings)
-                  + _shards(shape.reference, sizes.frozen, shape, settings))
+                  + _shards(shape.frozen, sizes.frozen, shape, settings))
+    if not settings.reference_on_host:  # --reference-offload: the reference's shards on the host
+        shards += _shards(shape.reference, sizes.frozen, shape, settings)
     held = 0.0
     copy = sum(_copy_bytes(shape, settings, sizes))
     if rollout and path == "gathered":
@@ -255,7 +259,8 @@ def _fsdp2_memory(phase: PhasePlan, rank: dict[str, int], shape: Layout, setting
             held += _held(shape.root_trained + shape.unit_trained.scaled(2),
                           shape.root_frozen + shape.unit_frozen.scaled(2), settings, sizes)
         if calls["reference"]:
-            held += _held(Elements(), shape.reference_root + shape.reference_unit.scaled(2), settings, sizes)
+            held += _held(Elements(), shape.reference_root + shape.reference_unit.scaled(2), settings, sizes,
+                          on_host=settings.reference_on_host)
         if kept:
             held += copy
     memory["parameters"] = int(shape.buffers + shards + held)
@@ -302,9 +307,11 @@ def _alternatives(phases, rank_memory, shape: Layout, settings: ParallelSettings
                "--fsdp-offload true": (sizes, dataclasses.replace(settings, fsdp_offload=True)),
                "--weights-dtype bfloat16 --fsdp-offload true": (dataclasses.replace(sizes, trained=2, frozen=2),
                                                                 dataclasses.replace(settings, fsdp_offload=True))}
+    if shape.reference.total and not settings.reference_on_host:
+        options["--reference-offload true"] = (sizes, dataclasses.replace(settings, reference_offload=True))
     out = {}
     for label, (other_sizes, other) in options.items():
-        if label.startswith("--fsdp-offload") and settings.fsdp_offload:
+        if "--fsdp-offload" in label and settings.fsdp_offload:
             continue
         out[label] = max(_peak(p, _fsdp2_memory(p, rank_memory[name], shape, other, other_sizes, path, False))
                          for name, p in phases.items() if p.runs)
@@ -341,12 +348,14 @@ def _fsdp2_collectives(name: str, phase: PhasePlan, shape: Layout, settings: Par
                         host=layers_host)
     _sharded_collective(out, "all_gather", settings, wire, *root, units=1, times=calls["policy_grad"], host=root_host)
     reference_layers = sizes.gathered(Elements(), shape.reference - shape.reference_root)
+    # the reference's shards, on the host under --reference-offload (or --fsdp-offload), come in at each gather
+    on_host = settings.reference_on_host
     _sharded_collective(out, "all_gather", settings, wire, *reference_layers, units=layer_units,
                         times=calls["reference"],
-                        host=host((shape.reference - shape.reference_root, sizes.frozen)))
+                        host=host((shape.reference - shape.reference_root, sizes.frozen)), offloaded=on_host)
     _sharded_collective(out, "all_gather", settings, wire, *sizes.gathered(Elements(), shape.reference_root),
                         units=1, times=phase.runs if calls["reference"] else 0,
-                        host=host((shape.reference_root, sizes.frozen)))
+                        host=host((shape.reference_root, sizes.frozen)), offloaded=on_host)
     # every backward reduce-scatters the trained gradients in the reduce dtype (the shards go to the host offloaded)
     _sharded_collective(out, "reduce_scatter", settings, wire, shape.trained.dense * sizes.reduce,
                         shape.trained.experts * sizes.reduce, units=shape.units, times=calls["policy_grad"],
@@ -377,11 +386,14 @@ def _fsdp2_collectives(name: str, phase: PhasePlan, shape: Layout, settings: Par
 
 
 def _sharded_collective(out: Collectives, kind: str, settings: ParallelSettings, wire: Links, dense: float,
-                        experts: float, *, units: int, times: int, exposed: bool = False, host: float = 0.0) -> None:
+                        experts: float, *, units: int, times: int, exposed: bool = False, host: float = 0.0,
+                        offloaded: bool | None = None) -> None:
     """`times` all-gathers (or reduce-scatters) of `units` units: `dense` bytes over the N ranks, a rank's
     `experts` bytes over their S shards (a group of their own, across nodes when there are several; without expert
-    parallelism they are in the layers' units, over the N ranks); with offload, `host` bytes copied in (or out)
-    each time."""
+    parallelism they are in the layers' units, over the N ranks); where these shards are on the host (`offloaded`;
+    default: --fsdp-offload), `host` bytes copied in (or out) each time."""
+    if offloaded is None:
+        offloaded = settings.fsdp_offload
     if not times or not units:
         return
     world, shards = settings.world, settings.expert_shards
@@ -404,7 +416,7 @@ def _sharded_collective(out: Collectives, kind: str, settings: ParallelSettings,
         out.exposed += times * seconds
     else:
         out.overlapped += times * seconds
-    if settings.fsdp_offload and host:  # before the collective, hidden (or not) as it is
+    if offloaded and host:  # before the collective, hidden (or not) as it is
         out.host_bytes += times * host
         if exposed:
             out.exposed += times * wire.host_copy(host)
@@ -430,7 +442,10 @@ def _fsdp2_notes(shape: Layout, settings: ParallelSettings, sizes: Sizes, out: P
              "in a backward their gradients)"
              + ("; --fsdp-offload true: shards, gradients and AdamW state on the host (about "
                 f"{out.host_bytes / 1e9:.1f} GB a rank), the optimizer step on the host's CPUs"
-                if settings.fsdp_offload else "")]
+                if settings.fsdp_offload else "")
+             + (f"; --reference-offload true: the reference copy's shards on the host ({out.host_bytes / 1e9:.1f} GB "
+                "a rank, pinned), copied to the GPU at each of its gathers" if settings.reference_offload
+                and not settings.fsdp_offload and shape.reference.total else "")]
     if out.alternatives:
         notes.append("what would fit (memory by this plan's categories, not planned again): " + "; ".join(
             f"{label}: peak {peak / 1e9:.1f} GB" for label, peak in out.alternatives.items()))
@@ -443,7 +458,7 @@ def _links_note(wire: Links, settings: ParallelSettings) -> str:
     parts = [f"inside a node {wire.intra / 1e9:.0f} GB/s + {wire.latency_intra * 1e6:.0f} us a collective"]
     if settings.world > settings.gpus_per_node:
         parts.append(f"across nodes {wire.inter / 1e9:.0f} GB/s a GPU + {wire.latency_inter * 1e6:.0f} us")
-    if settings.fsdp_offload:
+    if settings.fsdp_offload or settings.reference_offload:
         parts.append(f"host-device {wire.host / 1e9:.0f} GB/s, host memory {wire.host_memory / 1e9:.0f} GB/s a node")
     return ("communication: " + "; ".join(parts) + " (assumptions, not fitted: planning/gpus.py; "
             "--intra-node-bandwidth, --inter-node-bandwidth, --host-bandwidth change them); gathers and "

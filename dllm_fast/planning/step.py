@@ -39,6 +39,7 @@ from dllm_fast.planning.fake import Assumptions, PlanningFakeMode, fake_module, 
 from dllm_fast.planning.replay import RecordedWork, Replayer
 from dllm_fast.train import step as train_step
 from dllm_fast.train.config import TrainConfig, check_block_length, compiles_scoring, take_block_length
+from dllm_fast.train.optimizer import build_adamw
 from dllm_fast.train.sources import model_source
 from dllm_fast.train.precision import Precision, training_models, training_precision
 
@@ -172,9 +173,8 @@ class Session:
         c = self.config
         self.optimizer = None
         if self.with_optimizer:
-            self.optimizer = torch.optim.AdamW(self.trainable, lr=c.optim.lr, betas=tuple(c.optim.betas),
-                                               weight_decay=c.optim.weight_decay,
-                                               foreach=True if self.target.device_type == "cuda" else None)
+            # train's AdamW on the target's device (train/optimizer.py: fused on CUDA, no temporary)
+            self.optimizer = build_adamw(self.trainable, c.optim, device_type=self.target.device_type)
             _prime_optimizer(self.optimizer, self.trainable, self.accountant)
         return self
 

@@ -69,6 +69,10 @@ class TrainConfig:
         from dllm_fast.train.sources import block_diffusion_model, check_cache
 
         check_cache(self.model, rollout.cache)
+        if self.run.reference_offload and self.lora.enabled:
+            raise ValueError("--reference-offload true moves a full fine-tune's reference copy to the host; with "
+                             "--lora true the reference is the policy's own base with its adapters disabled (no "
+                             "copy to offload): leave it false, or offload the whole model with --fsdp-offload true.")
 
         if rollout.eos_early_stop and not block_diffusion_model(self.model):
             raise ValueError(f"--eos-early-stop true stops a block-diffusion model's rollout once every completion "
@@ -88,6 +92,9 @@ class TrainConfig:
         run = self.run
         with _prefixed("--objective-options"):
             objective = objectives.get(self.objective.name, **self.objective.options)
+        if run.reference_offload and not objective.needs_reference:
+            raise ValueError(f"--reference-offload true offloads the reference copy, and --objective "
+                             f"{self.objective.name} (as configured) uses no reference; leave it false.")
         samples = run.prompts_per_step * run.group_size * objective.config.n_t
         if samples > MAX_PAIRS:  # the library's own bound (sample_masks refuses more)
             raise ValueError(f"--prompts-per-step {run.prompts_per_step} x --group-size {run.group_size} x "

@@ -98,10 +98,30 @@ def sharded(parallel: str, ranks: Ranks) -> bool:
     return ranks.world > 1 and parallel == "fsdp2"
 
 
-def data_parallel_wrapper(model, parallel: str, ranks: Ranks, device: torch.device, *, mixed_precision=None):
+def check_offload(config, is_sharded: bool) -> None:
+    """--fsdp-offload and --reference-offload place FSDP2's shards on the host: refused, naming the flag, where
+    nothing is sharded (one process), and with expert parallelism (whose routed experts it places itself)."""
+    flags = [flag for flag, on in (("--fsdp-offload", config.run.fsdp_offload),
+                                   ("--reference-offload", config.run.reference_offload)) if on]
+    if not flags:
+        return
+    if not is_sharded:
+        raise ValueError(f"{' and '.join(flags)} true offload FSDP2's shards to the host, and this is one process: "
+                         "nothing is sharded. Launch under torchrun (`torchrun --nproc-per-node N -m dllm_fast train "
+                         "--parallel fsdp2 ...`), or leave them false.")
+    if config.run.expert_parallel > 1:  # train/expert_parallel.py places them, without an offload policy
+        raise ValueError(f"{' and '.join(flags)} true with --expert-parallel {config.run.expert_parallel}: a rank's "
+                         "routed experts are placed by expert parallelism, not offloaded with the other shards; "
+                         "leave one of them off.")
+
+
+def data_parallel_wrapper(model, parallel: str, ranks: Ranks, device: torch.device, *, mixed_precision=None,
+                          offload: bool = False):
     """The model as every rank trains it: unchanged for one process, DDP, or FSDP2 (each of the model's
     `shard_units()`, then the root, whose unit holds the rest). mixed_precision: FSDP2's MixedPrecisionPolicy
-    (train/precision.sharded_mixed_precision; None: each weight gathered in its own dtype). A model without
+    (train/precision.sharded_mixed_precision; None: each weight gathered in its own dtype). offload: FSDP2's
+    CPUOffloadPolicy (`offload_policy`), the shards (and their gradients) in host memory, pinned on CUDA, each unit
+    copied to `device` when it is gathered; on CPU they are where they were (the same numbers). A model without
     trainable weights (the reference copy) is sharded alike and holds no gradient."""
     if ranks.world == 1:
         return model
@@ -109,13 +129,14 @@ def data_parallel_wrapper(model, parallel: str, ranks: Ranks, device: torch.devi
         ids = [device.index] if device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (ranks.world,))
     policy = mixed_precision if mixed_precision is not None else MixedPrecisionPolicy()
+    placement = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     for unit in model.shard_units():
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-    return fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=placement)
+    return fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=placement)
 
 
 def full_state(model, optimizer, is_sharded: bool, *, trainable_only: bool = False):

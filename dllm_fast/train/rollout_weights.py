@@ -3,7 +3,8 @@ weight of the policy. `GatheredWeights` instead keeps a plain (unsharded, un-hoo
 tree, fills it once a step through one FSDP2 unshard of each unit (one all-gather a unit a step, in the
 MixedPrecisionPolicy's dtype when it has one), and the rollout samples through the copy with no collective.
 
-The two paths and the rule between them (`rollout_path`, the planner's and train's):
+The two paths and the rule between them (`rollout_path`, the planner's and train's: train/rollout_rule.py, which
+imports nothing of the planner's, so that planning/parallel.py can take it without importing this module back):
 
 - "gathered": the copy; taken when the rollout's peak with the copy stays within ROLLOUT_MARGIN of the GPU's
   memory (or where no limit is known: on CPU). With LoRA the copy holds the merged weights W + s B A (models/
@@ -40,42 +41,7 @@ import torch
 from torch import nn
 
 from dllm_fast.models.merged_lora import add_lora_deltas, check_plain_lora, lora_wrappers, merge_target
-
-ROLLOUT_MARGIN = 0.9  # of the GPU's memory: the most the rollout with the copy (or a step with it kept) may take
-PATHS = ("gathered", "sharded")  # settings.ROLLOUT_WEIGHTS less "auto"
-
-
-def rollout_path(choice: str, copy_bytes: int, peak_with_copy: int, capacity: int | None) -> tuple[str, str]:
-    """(path, why) for a rollout under FSDP2: `choice` "gathered" or "sharded" as asked, or "auto": gathered when
-    the rollout's peak with the copy of `copy_bytes` (`peak_with_copy`) stays within ROLLOUT_MARGIN of
-    `capacity` (None: no limit known), else sharded."""
-    copy_gb = f"{copy_bytes / 1e9:.2f} GB"
-    if choice in PATHS:
-        return choice, f"--rollout-weights {choice}"
-    if choice != "auto":
-        raise ValueError(f"--rollout-weights {choice!r} is not one of auto, {', '.join(PATHS)}.")
-    if capacity is None:
-        return "gathered", f"a {copy_gb} copy; no memory limit known here"
-    limit = ROLLOUT_MARGIN * capacity
-    if peak_with_copy <= limit:
-        return "gathered", (f"the rollout's peak with the {copy_gb} copy, {peak_with_copy / 1e9:.2f} GB, is within "
-                            f"{ROLLOUT_MARGIN:.0%} of {capacity / 1e9:.1f} GB")
-    return "sharded", (f"the rollout's peak with a {copy_gb} copy would be {peak_with_copy / 1e9:.2f} GB, over "
-                       f"{ROLLOUT_MARGIN:.0%} of {capacity / 1e9:.1f} GB")
-
-
-def keep_copy(peak_without_copy: int | None, copy_bytes: int, capacity: int | None) -> tuple[bool, str]:
-    """(keep, why): keep the copy's storage between steps when the step's peak without it plus the copy stays
-    within ROLLOUT_MARGIN of `capacity`; unmeasured (None), free it."""
-    if peak_without_copy is None or capacity is None:
-        return False, "no measured peak to keep it by"
-    total, limit = peak_without_copy + copy_bytes, ROLLOUT_MARGIN * capacity
-    if total <= limit:
-        return True, (f"the step's peak without it plus the copy, {total / 1e9:.2f} GB, is within "
-                      f"{ROLLOUT_MARGIN:.0%} of {capacity / 1e9:.1f} GB")
-    return False, (f"the step's peak without it plus the copy, {total / 1e9:.2f} GB, exceeds {ROLLOUT_MARGIN:.0%} "
-                   f"of {capacity / 1e9:.1f} GB")
-
+from dllm_fast.train.rollout_rule import ROLLOUT_MARGIN, PATHS, keep_copy, rollout_path  # noqa: F401 (re-exported)
 
 def shared_with_the_copy(module: nn.Module) -> bool:
     """The seam's default: a module whose `rollout_shared` attribute is true (an expert-parallel wrapper of a rank's
@@ -127,11 +93,12 @@ class GatheredWeights:
     all-gather a unit) and returns the model to sample through; `release()` frees its storage unless `keep`."""
 
     def __init__(self, policy: nn.Module, *, dtype: torch.dtype | None = None, merge_adapters: bool = False,
-                 shared: Callable[[nn.Module], bool] | None = None):
+                 shared: Callable[[nn.Module], bool] | None = None, device: torch.device | None = None):
         """policy: the FSDP2-wrapped policy (a PEFT LoRA model or the model itself). dtype: the copy's (None: each
         parameter's own). merge_adapters: LoRA's adapters merged into the copy's weights. shared: modules the copy
-        calls as they are instead of copying (the seam for expert parallelism)."""
-        self.policy, self.dtype, self.shared = policy, dtype, shared or shared_with_the_copy
+        calls as they are instead of copying (the seam for expert parallelism). device: where the copy lives (None:
+        each parameter's own; the compute device under --fsdp-offload, whose shards are on the host)."""
+        self.policy, self.dtype, self.shared, self.device = policy, dtype, shared or shared_with_the_copy, device
         root = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         wrappers = lora_wrappers(root) if merge_adapters else {}
         check_plain_lora(wrappers)
@@ -181,7 +148,8 @@ class GatheredWeights:
                 parameters[name] = None
                 continue
             dtype = self.dtype if self.dtype is not None and parameter.is_floating_point() else parameter.dtype
-            tensor = nn.Parameter(torch.empty(parameter.shape, dtype=dtype, device=parameter.device),
+            device = self.device if self.device is not None else parameter.device
+            tensor = nn.Parameter(torch.empty(parameter.shape, dtype=dtype, device=device),
                                   requires_grad=False)
             tensor.untyped_storage().resize_(0)  # allocated at the first gather
             parameters[name] = tensor
@@ -249,7 +217,8 @@ def rollout_weights_for(policy: nn.Module, config, ranks, device: torch.device, 
     prefetch_next_units(policy)
     choice = config.run.rollout_weights
     merge = config.lora.enabled and config.lora.merge_rollouts
-    copy = None if choice == "sharded" else GatheredWeights(policy, dtype=precision.compute, merge_adapters=merge)
+    copy = None if choice == "sharded" else GatheredWeights(policy, dtype=precision.compute, merge_adapters=merge,
+                                                            device=device)
     if copy is None:
         path, why = rollout_path(choice, 0, 0, None)
     elif choice == "auto" and device.type == "cuda":  # rank 0 plans, the others take its answer

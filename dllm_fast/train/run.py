@@ -30,16 +30,18 @@ from dllm_fast.tasks.rewards import task_reward
 from dllm_fast.train.checkpoint import CHECKPOINT, load_checkpoint, seed_everything
 from dllm_fast.train.config import TrainConfig, check_block_length, micro_batching, take_block_length, task_options
 from dllm_fast.train.data import PromptStream
-from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
+from dllm_fast.train.distributed import Ranks, check_offload, data_parallel_wrapper, sharded
 from dllm_fast.train.expert_parallel import (ExpertGradients, check_expert_parallel, distribute, expert_group,
                                              expert_parallel_note, ignore_experts_in_ddp)
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
+from dllm_fast.train.optimizer import build_adamw
 from dllm_fast.train.pairs import PairSource, check_pairs_task
 from dllm_fast.train.precision import add_lora  # noqa: F401  (re-exported: the planner and tests import it here)
 from dllm_fast.train.precision import (Precision, sharded_mixed_precision, short_name, training_models,
                                        training_precision)
 from dllm_fast.train.resume import CONFIG, check_resumable, saved_config
-from dllm_fast.train.rollout_weights import keep_copy, rollout_weights_for
+from dllm_fast.train.rollout_rule import keep_copy
+from dllm_fast.train.rollout_weights import rollout_weights_for
 from dllm_fast.train import step as train_step
 from dllm_fast.train.run_dir import RunDirectory
 from dllm_fast.train.settings import AUTO, DEFAULT_MICRO_BATCH
@@ -64,6 +66,7 @@ class RunSetup:
                              f"{ranks.world} ranks: each rank rolls out its own complete prompt groups.")
         self.share = ranks.share(config.run.prompts_per_step)
         self.sharded = sharded(config.run.parallel, ranks)
+        check_offload(config, self.sharded)
         if config.run.parallel == "fsdp2" and ranks.world == 1:  # said before the run starts, whatever --progress
             warnings.warn("--parallel fsdp2 shards the weights across torchrun's ranks, and this is one process (not "
                           "under torchrun, or one rank): the run trains unsharded, as one process does under any "
@@ -175,11 +178,13 @@ class Run:
         mixed_precision = sharded_mixed_precision(self.precision, self.device.type)
         if self.expert_group is not None:
             ignore_experts_in_ddp(self.model)
+        # --fsdp-offload: the policy's shards on the host; --reference-offload: the reference's (no optimizer state)
         self.model = data_parallel_wrapper(self.model, config.run.parallel, ranks, self.device,
-                                           mixed_precision=mixed_precision)
+                                           mixed_precision=mixed_precision, offload=config.run.fsdp_offload)
         if self.sharded and self.ref_model is not None:
             self.ref_model = data_parallel_wrapper(self.ref_model, config.run.parallel, ranks, self.device,
-                                                   mixed_precision=mixed_precision)
+                                                   mixed_precision=mixed_precision,
+                                                   offload=config.run.fsdp_offload or config.run.reference_offload)
         self.core = unwrap_model(self.model)
         self.rollout_weights = None  # under FSDP2: the gathered copy rollouts run on (train/rollout_weights.py)
         if self.sharded:
@@ -190,8 +195,7 @@ class Run:
             self.setup_notes.append(f"--rollout-weights {config.run.rollout_weights}: nothing to gather without "
                                     "FSDP2 on several ranks; rollouts run on the model itself")
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=config.optim.lr, betas=tuple(config.optim.betas),
-                                           weight_decay=config.optim.weight_decay)
+        self.optimizer = build_adamw(self.trainable, config.optim)  # fused on CUDA (train/optimizer.py)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, learning_rate_factor(config))
         self.step_hooks = train_step.StepHooks(autocast=self.autocast)  # train/step.py's phases in this precision
         # Preference objectives (vrpo_dpo) train on the task's stored pairs instead of rollouts (train/pairs.py).

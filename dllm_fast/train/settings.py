@@ -96,6 +96,12 @@ class RunSettings(_Settings):
                                                "of the weights gathered once a step), sharded (FSDP2's per-layer "
                                                "gathers at every forward), or auto (gathered when it fits beside "
                                                "the rollout, train/rollout_weights.py)", choices=ROLLOUT_WEIGHTS)
+    fsdp_offload: bool = option(False, help="under --parallel fsdp2: FSDP2's CPUOffloadPolicy on the policy (and "
+                                            "the reference copy): shards, gradients and AdamW state in host memory, "
+                                            "each unit copied to the GPU when gathered, AdamW stepping on the host")
+    reference_offload: bool = option(False, help="under --parallel fsdp2, a full fine-tune's reference copy: its "
+                                                 "shards in host memory (CPUOffloadPolicy), copied to the GPU at each "
+                                                 "forward (with LoRA the reference is the policy's base: refused)")
     steps: int = option(300, help="optimisation steps (each: rollouts, then the inner updates)")
     prompts_per_step: int = option(8, help="prompts per step (a multiple of the number of ranks)")
     group_size: int = option(8, help="G: completions per prompt")
@@ -116,6 +122,10 @@ class RunSettings(_Settings):
             raise ValueError("--output-dir is empty; name the run directory (e.g. runs/default).")
         check_choice(self, "parallel")
         check_choice(self, "rollout_weights")
+        for name in ("fsdp_offload", "reference_offload"):
+            if getattr(self, name) and self.parallel != "fsdp2":
+                raise ValueError(f"{flag(name)} true offloads FSDP2's shards to the host; add --parallel fsdp2 (and "
+                                 "launch under torchrun), or leave it false.")
         check_choice(self, "task")
         if self.resume and self.overwrite:
             raise ValueError("--resume true continues the run in --output-dir and --overwrite true replaces it; "
