@@ -13,8 +13,8 @@ eager kernels, each at its fitted rate, with the host's launch costs) and its da
 
 Several GPUs (table "parallel", issue 46): the plans of docs/planning.md's "Several GPUs" section, each the
 `plan` command written beside it: llada2-flash LoRA on 8 H100s with FSDP2 and --expert-parallel 8; its full
-fine-tune (fp32 master weights, AdamW, a sharded reference) on 16 H200s in two nodes, on 8 H200s, and on 8 H200s
-with --fsdp-offload true; llada-8b's full fine-tune on 8 H100s. Per plan: the verdict, the spare memory, the step
+fine-tune (fp32 master weights, AdamW, a sharded reference) on 16 H200s in two nodes (also with the reference's
+shards on the host, --reference-offload true), on 8 H200s, and on 8 H200s with --fsdp-offload true; llada-8b's full fine-tune on 8 H100s. Per plan: the verdict, the spare memory, the step
 time, the rollout's path, time and communication share, and what would fit where nothing does.
 
 Rollouts (table "rollout"): the same model and lengths in bf16, inference only (no optimizer state), batch 1 and
@@ -118,6 +118,9 @@ PARALLEL_PLANS = {
                                          "--group-size", "8"],
     "llada2-flash full, 16 H200 (2 nodes)": FLASH + ["--gpus", "16", "--gpu", "h200", "--prompts-per-step", "16",
                                                      "--group-size", "8"],
+    "llada2-flash full, 16 H200 (2 nodes), reference offload": FLASH + ["--gpus", "16", "--gpu", "h200",
+                                                                        "--prompts-per-step", "16", "--group-size",
+                                                                        "8", "--reference-offload", "true"],
     "llada2-flash full, 8 H200": FLASH + ["--gpus", "8", "--gpu", "h200", "--prompts-per-step", "8", "--group-size",
                                          "8"],
     "llada2-flash full, 8 H200, offload": FLASH + ["--gpus", "8", "--gpu", "h200", "--prompts-per-step", "8",

@@ -74,9 +74,6 @@ RUN_SETTINGS = {
     "--expert-parallel": dict(default=1, type="whole", metavar="N",
                               help="ranks an expert group spans, inside a node: each holds num_experts / N routed "
                                    "experts, tokens move to them by all-to-all (default: 1, none)"),
-    "--fsdp-offload": dict(default=False, type="bool", metavar="true|false",
-                           help="FSDP2's CPUOffloadPolicy: shards, gradients and AdamW state on the host, the "
-                                "optimizer step there (default: false)"),
 }
 
 
