@@ -45,7 +45,8 @@ def test_every_fsdp2_unit_is_sharded_with_the_runs_policy(monkeypatch):
     sharded = []
     monkeypatch.setattr(torch.distributed.device_mesh, "init_device_mesh", lambda device, shape: ("mesh", shape))
     monkeypatch.setattr(torch.distributed.fsdp, "fully_shard",
-                        lambda module, *, mesh, mp_policy: sharded.append((module, mesh, mp_policy)) or module)
+                        lambda module, *, mesh, mp_policy, offload_policy: sharded.append((module, mesh, mp_policy))
+                        or module)
     model = LLaDAModel(LLaDAConfig.preset("tiny"))
     policy = sharded_mixed_precision(training_precision(TrainConfig(), "cuda"), "cuda")
     assert data_parallel_wrapper(model, "fsdp2", Ranks(0, 2), torch.device("cpu"), mixed_precision=policy) is model

@@ -189,15 +189,17 @@ def test_offload_moves_the_states_to_the_host():
 
 
 def test_what_would_fit_when_nothing_does():
-    """A GPU too small for the step: the peaks with bf16 states, with offload and with both, from this plan's
-    categories."""
+    """A GPU too small for the step: the peaks with bf16 states, with offload, with both, and with the reference's
+    shards on the host, from this plan's categories."""
     shape = dense_layout()
     tiny = dataclasses.replace(H200, memory=4000)
     phases, out = run(shape, gpu=tiny)
-    assert max(p.peak for p in phases.values() if p.runs) > 4000
+    peak = max(p.peak for p in phases.values() if p.runs)
+    assert peak > 4000
     assert set(out.alternatives) == {"--weights-dtype bfloat16", "--fsdp-offload true",
-                                     "--weights-dtype bfloat16 --fsdp-offload true"}
-    assert out.alternatives["--fsdp-offload true"] < max(p.peak for p in phases.values() if p.runs)
+                                     "--weights-dtype bfloat16 --fsdp-offload true", "--reference-offload true"}
+    assert out.alternatives["--fsdp-offload true"] < peak
+    assert out.alternatives["--reference-offload true"] == peak - 1000 // 4 * 2  # the reference's bf16 shard
     assert out.alternatives["--weights-dtype bfloat16 --fsdp-offload true"] <= out.alternatives["--fsdp-offload true"]
 
 

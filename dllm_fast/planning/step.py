@@ -175,7 +175,7 @@ class Session:
         if self.with_optimizer:
             # train's AdamW on the target's device (train/optimizer.py: fused on CUDA, no temporary)
             self.optimizer = build_adamw(self.trainable, c.optim, device_type=self.target.device_type)
-            _prime_optimizer(self.optimizer, self.trainable, self.accountant)
+            _prime_optimizer(self.optimizer, self.trainable, self.accountant, self.mode, c.optim.grad_clip)
         return self
 
     def __exit__(self, *exc):
@@ -489,18 +489,24 @@ def _library_caches_kept():
         masks._fingerprint_multipliers.update(kept)
 
 
-def _prime_optimizer(optimizer, trainable, accountant: Accountant) -> None:
-    """Allocate the optimizer's state as a first step does, and count it as optimizer state. Its step counters
-    live on the host (AdamW without capturable), so reading them is no device sync."""
-    for p in trainable:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for state in optimizer.state.values():
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor):
-                if name == "step":
-                    accountant.host_resident(value)
-                else:
-                    accountant.classify(value, "optimizer_state")
-
+def _prime_optimizer(optimizer, trainable, accountant: Accountant, mode: PlanningFakeMode, grad_clip: float) -> None:
+    """Allocate the optimizer's state as a first step does (train_step.optimizer_step: clipping, its finite-norm
+    check, the step, the gradients zeroed) and count it as optimizer state; then step once more, so that the
+    launch queue is left as every later step leaves it (a replayed step's key, replay.RecordedWork). The step
+    counters of a fused AdamW live on the device (a few bytes); otherwise on the host, so reading them is no
+    device sync."""
+    on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
+    for first in (True, False):
+        with mode.fake_factories():  # gradients as a backward leaves them: device tensors, made without a kernel
+            for p in trainable:
+                p.grad = torch.empty_like(p)
+        train_step.optimizer_step(train_step.Optimization(trainable, optimizer, grad_clip))
+        if not first:
+            continue
+        for state in optimizer.state.values():
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    if name == "step" and not on_device:
+                        accountant.host_resident(value)
+                    else:
+                        accountant.classify(value, "optimizer_state")

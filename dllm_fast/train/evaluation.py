@@ -27,7 +27,7 @@ def evaluate_lengths(run) -> dict:
         with run.autocast():
             result = evaluate(run.core, run.tokenizer, run.task, run.test_examples,
                               config=eval_config(run.generate_config, c, length, run.core),
-                              batch_size=c.eval.batch_size)
+                              batch_size=c.eval.batch_size, device=run.device)
         row[f"eval_accuracy@{length}"] = result.accuracy
         row[f"eval_reward@{length}"] = result.mean_reward
     return row
@@ -76,7 +76,7 @@ class Evaluation:
 @torch.no_grad()
 def evaluate(model, tokenizer, task: Task, examples: Sequence[Example] | None = None, *,
              config: GenerateConfig | None = None, batch_size: int = 256, seed: int = 0,
-             **settings) -> Evaluation:
+             device: torch.device | str | None = None, **settings) -> Evaluation:
     """Generate one completion per example (greedy by default) and score it with the task.
 
     Args:
@@ -85,6 +85,8 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example] | None = 
             such as gen_length, block_length, steps, temperature, cache over it); temperature 0 unless set.
         batch_size: prompts per `generate` call.
         seed: seeds the sampling generator when temperature > 0 (greedy decoding draws nothing).
+        device: where prompts go and sampling runs (default: the device of the model's LM head; FSDP2 with its
+            shards offloaded to the host computes on the GPU).
     """
     config = rollout_config(config, settings, "evaluate")
     check_int("batch_size", batch_size, minimum=1)
@@ -92,7 +94,8 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example] | None = 
     if not examples:
         raise ValueError(f"no examples to evaluate {task.name} on; pass a non-empty list (or None for the test split).")
     start = time.perf_counter()
-    device = model.lm_head_weight.device
+    if device is None:  # where the model computes: its head's device (a trainer under --fsdp-offload says it)
+        device = model.lm_head_weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     was_training = getattr(model, "training", False)
     try:  # eval() inside: an interrupt within it must not leave the model half in eval mode

@@ -345,7 +345,10 @@ def sharding_note(config: TrainConfig, ranks: Ranks, mixed_precision, reference:
     dtypes = ("in each weight's own dtype" if mixed_precision is None else
               f"in {short_name(mixed_precision.param_dtype)}, gradients reduce-scattered in "
               f"{short_name(mixed_precision.reduce_dtype)} at every backward")
-    return f"--parallel fsdp2: {what} sharded over {ranks.world} ranks, gathered {dtypes}"
+    offloaded = ("; --fsdp-offload true: every shard, gradient and AdamW state in host memory, AdamW stepping "
+                 "there" if config.run.fsdp_offload else "; --reference-offload true: the reference's shards in host "
+                 "memory" if config.run.reference_offload and reference else "")
+    return f"--parallel fsdp2: {what} sharded over {ranks.world} ranks, gathered {dtypes}{offloaded}"
 
 
 def check_rollout_settings(config: TrainConfig, rollouts, model) -> None:
