@@ -115,6 +115,14 @@ def check_offload(config, is_sharded: bool) -> None:
                          "leave one of them off.")
 
 
+def offload_policy(device: torch.device, offload: bool):
+    """FSDP2's offload_policy for a model's units on `device`: CPUOffloadPolicy (shards in host memory, pinned on
+    CUDA) when `offload`, else the plain OffloadPolicy (shards on the device)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+
+
 def data_parallel_wrapper(model, parallel: str, ranks: Ranks, device: torch.device, *, mixed_precision=None,
                           offload: bool = False):
     """The model as every rank trains it: unchanged for one process, DDP, or FSDP2 (each of the model's
@@ -129,11 +137,11 @@ def data_parallel_wrapper(model, parallel: str, ranks: Ranks, device: torch.devi
         ids = [device.index] if device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (ranks.world,))
     policy = mixed_precision if mixed_precision is not None else MixedPrecisionPolicy()
-    placement = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    placement = offload_policy(device, offload)
     for unit in model.shard_units():
         fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=placement)
     return fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=placement)
