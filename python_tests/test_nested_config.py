@@ -29,9 +29,9 @@ OLD_FIELDS = [
 # Settings added after the nesting (issue 40: a checkpoint's links out of its folder, SDAR's whole last block;
 # issue 38: rollouts through merged LoRA adapters; issue 46: the rollout's weights, expert parallelism; issue 45:
 # LLaDA2's EOS early stop, for block-diffusion models, so CHANGED, on a bidirectional model, leaves it at its default;
-# issue 44: CJ-GRPO's decoders).
+# issue 44: CJ-GRPO's decoders; issue 46: FSDP2's host offload).
 NEW_FIELDS = ["allow_external_links", "expert_parallel", "full_last_block", "lora_merge_rollouts", "rollout_weights",
-              "eos_early_stop", "unmask_schedule", "eos_schedule"]
+              "eos_early_stop", "unmask_schedule", "eos_schedule", "fsdp_offload", "reference_offload"]
 
 # One non-default value of every setting, by flat key, and where the nested config holds it.
 CHANGED = {"objective": "bgpo", "objective_options": {"n_t": 4}, "model": "tiny", "seed": 3, "steps": 7,
@@ -44,7 +44,8 @@ CHANGED = {"objective": "bgpo", "objective_options": {"n_t": 4}, "model": "tiny"
            "checkpoint_every": 3, "eval_every": 4, "eval_gen_lengths": [32, 64], "eval_examples": 8,
            "eval_batch_size": 16, "plot": False, "progress": False, "threads": 1, "output_dir": "runs/nested",
            "allow_external_links": True, "full_last_block": True, "rollout_weights": "sharded",
-           "expert_parallel": 2, "unmask_schedule": "ass", "eos_schedule": [0.01, 1.0]}
+           "expert_parallel": 2, "unmask_schedule": "ass", "eos_schedule": [0.01, 1.0], "parallel": "fsdp2",
+           "fsdp_offload": True}  # reference_offload: refused with LoRA (test_offload.py)
 WHERE = {"objective": ("objective", "name"), "objective_options": ("objective", "options"), "model": ("model", "name"),
          "steps": ("run", "steps"), "diffusion_steps": ("rollout", "steps"), "lr": ("optim", "lr"),
          "lora": ("lora", "enabled"), "lora_rank": ("lora", "rank"), "lora_targets": ("lora", "targets"),
