@@ -63,7 +63,8 @@ def add_plan_arguments(parser) -> None:
                             f"(default: {GPUS_PER_NODE})")
     for name, what in (("intra-node", "inside a node (default: the GPU's NVLink entry)"),
                        ("inter-node", "across nodes, a GPU (default: the GPU's network entry)"),
-                       ("host", "between host and GPU, for --fsdp-offload (default: the GPU's PCIe entry)")):
+                       ("host", "between host and GPU, for --fsdp-offload and --reference-offload (default: the GPU's "
+                                "PCIe entry)")):
         group.add_argument(f"--{name}-bandwidth", default=None, type=_bandwidth(f"--{name}-bandwidth"),
                            metavar="GB/s", help=f"the bus bandwidth {what}; planning/gpus.py names the defaults")
 

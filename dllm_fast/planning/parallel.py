@@ -19,6 +19,9 @@ N ranks; with expert parallelism N_e, the routed experts on the expert groups' m
   expert parallelism: E / N_e of them, sharded over the N / N_e expert groups (across nodes) when there are
   several. `--fsdp-offload true` (CPUOffloadPolicy): shards, gradients and AdamW state on the host; each unshard
   copies the shard host to device, each reduce-scatter's output goes back, AdamW runs on the host.
+  `--reference-offload true`: the reference copy's shards alone on the host, copied in at each of its gathers.
+- AdamW as train builds it (train/optimizer.py): fused on CUDA, so the optimizer step holds no temporary the size
+  of the weights (torch's foreach AdamW would); the rank's planned step measures whichever it builds.
 - Unsharded while a model runs on FSDP2's per-layer gathers: the root's unit (embedding, norm, head: FSDP2 keeps
   the root unsharded from forward to backward) and two of the largest layer unit (the one computing, the one
   prefetched), in the gather dtype; in a backward also their gradients, in the reduce dtype.
