@@ -11,11 +11,12 @@ Training step (table "step"): LLaDA-8B, one prompt group of G = 8 per step, prom
 bf16 autocast today) as a row of its own. Time: the calibrated estimate (dllm_fast/planning/calibration.py:
 eager kernels, each at its fitted rate, with the host's launch costs) and its datasheet floor.
 
-Several GPUs (table "parallel", issue 46): the plans of docs/planning.md's "Several GPUs" section, each the
-`plan` command written beside it: llada2-flash LoRA on 8 H100s with FSDP2 and --expert-parallel 8; its full
-fine-tune (fp32 master weights, AdamW, a sharded reference) on 16 H200s in two nodes (also with the reference's
-shards on the host, --reference-offload true), on 8 H200s, and on 8 H200s with --fsdp-offload true; llada-8b's full fine-tune on 8 H100s. Per plan: the verdict, the spare memory, the step
-time, the rollout's path, time and communication share, and what would fit where nothing does.
+Several GPUs (table "parallel", issue 46): the plans of docs/planning.md's "Several GPUs" section, each the `plan`
+command written beside it: llada2-flash LoRA on 8 H100s with FSDP2 and --expert-parallel 8; its full fine-tune (fp32
+master weights, AdamW, a sharded reference) on 16 H200s in two nodes (also with the reference's shards on the host,
+--reference-offload true), on 8 H200s, and on 8 H200s with --fsdp-offload true; llada-8b's full fine-tune on 8
+H100s. Per plan: the verdict, the spare memory, the step time, the rollout's path, time and communication share, and
+what would fit where nothing does.
 
 Rollouts (table "rollout"): the same model and lengths in bf16, inference only (no optimizer state), batch 1 and
 8, caches none / prefix / dual, eager and compiled (each denoising step one CUDA graph): peak memory, KV cache,

@@ -194,8 +194,9 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
 
 def parallel_settings(config: TrainConfig, *, world: int = 1, **options) -> ParallelSettings:
     """The ParallelSettings of a run of `config` on `world` GPUs: its --parallel and --rollout-weights, and its
-    --expert-parallel, --fsdp-offload and --reference-offload where the configuration has them (--expert-parallel on several GPUs: a
-    one-GPU plan, e.g. train's --micro-batch auto fit, is of the rank with every expert); `options` set any field."""
+    --expert-parallel, --fsdp-offload and --reference-offload where the configuration has them (--expert-parallel
+    on several GPUs: a one-GPU plan, e.g. train's --micro-batch auto fit, is of the rank with every expert);
+    `options` set any field."""
     flat = config.flat()
     values = dict(world=world, parallel=config.run.parallel, rollout_weights=flat.get("rollout_weights", "auto"))
     for key in ("expert_parallel", "fsdp_offload", "reference_offload"):
