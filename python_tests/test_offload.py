@@ -40,6 +40,21 @@ def test_adamw_is_fused_on_cuda_and_torchs_default_elsewhere():
     assert build_adamw(weights, optim, device_type="cuda").defaults["fused"]
 
 
+def test_a_plan_builds_the_adamw_train_builds_on_its_device():
+    """The planner's session steps train's AdamW: fused for a GPU (its step counters on the device), torch's default
+    on the CPU (the counters on the host)."""
+    from dllm_fast.planning.accounting import Target
+    from dllm_fast.planning.gpus import GPUS
+    from dllm_fast.planning.step import Session
+
+    state = {}
+    for target in (Target("cuda", GPUS["h100"]), Target("cpu")):
+        with Session(TrainConfig(model="tiny"), target=target) as session:
+            state[target.device_type] = session.accountant.memory["optimizer_state"]
+            assert bool(session.optimizer.defaults["fused"]) == (target.device_type == "cuda")
+    assert state["cuda"] > state["cpu"]  # the counters: a few bytes each, in CUDA's 512-byte blocks
+
+
 def test_the_planner_prices_fused_adamw_without_a_temporary_and_at_28_bytes_an_element():
     """A plan for a GPU builds train's fused AdamW: its step allocates no temporary the size of the weights (the
     foreach step's square roots) and moves 28 bytes a trained fp32 element (read weight, gradient, two moments;
