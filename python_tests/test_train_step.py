@@ -48,8 +48,9 @@ def test_the_trainer_runs_the_shared_step(tmp_path, phases):
 @pytest.mark.parametrize("engine", ["streaming", pytest.param("all_graphs", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fast", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_the_planner_plans_the_shared_step(phases, engine, fast):
-    """The planner runs the shared phases in order; fast (the planner's default), an optimizer step identical to
-    one it ran (the same gradients) is replayed from its record instead of run again (planning/replay.py)."""
+    """The planner runs the shared phases in order, after priming AdamW's state with two of train's optimizer
+    steps (planning/step._prime_optimizer); fast (the planner's default), an optimizer step identical to one it ran
+    (the same gradients) is replayed from its record instead of run again (planning/replay.py)."""
     from dllm_fast.likelihood import MicroBatching
     from dllm_fast.planning.accounting import Target
     from dllm_fast.planning.step import Session
@@ -61,7 +62,7 @@ def test_the_planner_plans_the_shared_step(phases, engine, fast):
         rollout = session.rollout(prompts=1, group_size=2, prompt_length=8)
         planned = session.updates(rollout.batch, n_t=2, batching=MicroBatching(4))
     replayed = ["roll_out", "plan_updates", "inner_update", "optimizer_step", "inner_update"]  # the second step
-    assert phases == (replayed if fast else one_step(2))
+    assert phases == ["optimizer_step"] * 2 + (replayed if fast else one_step(2))
     # every update phase of the shared step was accounted (espo: a ratio and a KL to the reference)
     assert all(planned[name].runs == 2 for name in ("reference scoring", "inner update", "optimizer step"))
     assert planned["old-policy scoring"].runs == 1
