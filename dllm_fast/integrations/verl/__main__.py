@@ -12,7 +12,10 @@ objective's rollout needs follow from the loss (`record_unmask_step` for TraceRL
 the CPU platform (no accelerator) Ray is given `trainer.n_gpus_per_node` worker slots and enough logical CPUs for
 verl's placement groups (integrations/verl/platform.py says why). Then it calls `verl.trainer.main_ppo.main()`,
 which starts Ray (or joins the cluster of `ray_kwargs.ray_init.address`, for several nodes) and runs verl's task
-runner there. Refuses to start, naming the cause, when the plugin did not load (a missing or mismatched verl).
+runner there. Refuses to start, naming the cause, when the plugin did not load (a missing or mismatched verl), and,
+before Ray starts, when the composed config asks for what the engine cannot honour (`check_config`). With the
+engine, `actor.ppo_mini_batch_size` defaults to `data.train_batch_size`: with several data-parallel ranks verl's
+V1 trainer keeps a prompt's completions together only within the whole step.
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ DEFAULTS = {
     "reward.reward_manager.name": "dllm_fast",
 }
 ENGINE_DEFAULTS = {"++actor_rollout_ref.model.model_type": "dllm_fast",
-                   "actor_rollout_ref.actor.strategy": "fsdp2"}  # the engine shards with FSDP2 only
+                   "actor_rollout_ref.actor.strategy": "fsdp2",  # the engine shards with FSDP2 only
+                   # one mini-batch per step: with several data-parallel ranks verl's V1 trainer keeps a prompt's
+                   # completions together only within the whole step (settings.check_verl_config)
+                   "actor_rollout_ref.actor.ppo_mini_batch_size": "${data.train_batch_size}"}
 CPU_DEFAULTS = {
     "++ray_kwargs.ray_init.num_gpus": "${trainer.n_gpus_per_node}",
     "++ray_kwargs.ray_init.num_cpus": "32",
@@ -115,8 +121,30 @@ def main(argv: list[str] | None = None) -> None:
         return
     from verl.trainer import main_ppo
 
-    sys.argv = [f"{sys.argv[0]}"] + overrides(arguments)
+    chosen = overrides(arguments)
+    check_config(chosen)
+    sys.argv = [f"{sys.argv[0]}"] + chosen
     main_ppo.main()
+
+
+def check_config(arguments: list[str]) -> None:
+    """The driver's check of the config verl's main_ppo composes from `arguments`, before Ray starts
+    (`settings.check_verl_config`: the settings the engine cannot honour or verl would silently ignore, each
+    named); exits with its one-line message."""
+    import os
+
+    from hydra import compose, initialize_config_dir
+    from verl import trainer
+
+    from dllm_fast.integrations.verl.settings import check_verl_config
+
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(trainer.__file__), "config"),
+                               version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=arguments)
+    try:
+        check_verl_config(config)
+    except (TypeError, ValueError) as error:
+        raise SystemExit(f"dllm_fast: {error}") from None
 
 
 if __name__ == "__main__":
