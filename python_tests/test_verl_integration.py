@@ -398,6 +398,10 @@ def test_a_config_that_selects_the_engine_is_checked_and_one_that_does_not_is_le
     ({"algorithm__adv_estimator": "gae"}, "algorithm.adv_estimator='gae' is not an outcome estimator.*grpo"),
     ({"algorithm__adv_estimator": "reinforce_plus_plus"}, "adv_estimator='reinforce_plus_plus'"),
     ({"algorithm__use_kl_in_reward": True}, "algorithm.use_kl_in_reward=true"),
+    ({"algorithm__norm_adv_by_std_in_grpo": True}, "algorithm.adv_estimator=grpo algorithm.norm_adv_by_std_in_grpo="
+                                                   "true does not compute espo's advantages.*set algorithm.adv_"
+                                                   "estimator=grpo algorithm.norm_adv_by_std_in_grpo=false"),
+    ({"algorithm__adv_estimator": "rloo"}, "adv_estimator=rloo does not compute espo's"),
     ({"algorithm__rollout_correction": {"bypass_mode": True}}, "rollout_correction.bypass_mode=true"),
     ({"actor_rollout_ref__rollout__n": 1}, "actor_rollout_ref.rollout.n=1"),
     ({"trainer__use_v1": False, "trainer__balance_batch": True}, "trainer.balance_batch=true"),

@@ -186,6 +186,8 @@ def check_verl_config(config) -> EngineSettings | None:
         raise ValueError(f"algorithm.adv_estimator={estimator!r} is not an outcome estimator with one advantage per "
                          f"sequence, which {objective.name} takes; use one of {', '.join(ONE_VALUE_PER_SEQUENCE)} "
                          f"({advantage_estimator_for(objective) or 'grpo'} matches its options).")
+    if settings.check_advantages:
+        _check_estimator(objective, estimator, _get(config, "algorithm.norm_adv_by_std_in_grpo", True))
     if _get(config, "algorithm.use_kl_in_reward", False):
         raise ValueError("algorithm.use_kl_in_reward=true needs verl's per-token reference log-probs, which the "
                          "dllm_fast engine does not produce; set it to false and give the objective its own KL "
@@ -228,6 +230,23 @@ def check_verl_config(config) -> EngineSettings | None:
         raise ValueError("actor_rollout_ref.actor.shuffle=true cuts mini-batches across prompt groups; "
                          f"{objective.name} needs each prompt's completions in one mini-batch: set it to false.")
     return settings
+
+
+def _check_estimator(objective: Objective, estimator: str, norm_by_std) -> None:
+    """Refuse, before any rollout, grpo or rloo set otherwise than to the objective's advantages (the engine would
+    refuse them on its first update, `check_advantages`); other estimators are left to that check."""
+    if estimator not in ("grpo", "rloo"):
+        return
+    match = advantage_estimator_for(objective)
+    given = f"algorithm.adv_estimator={estimator}" + (
+        f" algorithm.norm_adv_by_std_in_grpo={str(bool(norm_by_std)).lower()}" if estimator == "grpo" else "")
+    if match != given:
+        fix = (f"set {match}" if match else "no verl estimator computes them: set the objective's options "
+               f"(advantage, scale_rewards, std_epsilon, population_std) to grpo's or rloo's, or {SECTION_PATH}."
+               "check_advantages=false")
+        raise ValueError(f"{given} does not compute {objective.name}'s advantages (advantage="
+                         f"{objective.config.advantage!r}, scale_rewards={objective.config.scale_rewards}), which "
+                         f"the engine trains on: {fix}.")
 
 
 def _world(config) -> int:
