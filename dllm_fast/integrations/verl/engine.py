@@ -32,7 +32,9 @@ What runs where (verl's PPO step, per data-parallel rank):
   `actor/entropy`), each response position's predictive entropy averaged over the samples that score it, from the
   same model calls (entropy.py).
 - update (`forward_backward_batch(data, loss_function)`, once per verl mini-batch): the rows regrouped by uid into
-  whole prompt groups (refused otherwise), the same masks drawn again, and `Objective.backward` on the whole
+  whole prompt groups, across the data-parallel ranks where verl's dispatch split them (`_whole_groups`: verl's V1
+  trainer balances a step's rows over the ranks by length, whatever their prompt; a group cut by verl's
+  mini-batches is refused, naming the settings), the same masks drawn again, and `Objective.backward` on the whole
   mini-batch of this rank: the exact streaming gradient, memory set by the pairs per backward graph and flat in
   n_t, one or two passes as the objective needs, each backward reduce-scattering into FSDP2's sharded gradients
   (which accumulate there; no rank holds a whole gradient). Before the
