@@ -180,7 +180,7 @@ def build_ext_class():
                           "compiler and torch build; DLLM_FAST_REBUILD=1 compiles)")
                     if os.path.abspath(found) != os.path.abspath(target):
                         os.makedirs(os.path.dirname(target), exist_ok=True)
-                        shutil.copyfile(found, target)
+                        shutil.copy2(found, target)
                     return
             super().build_extension(ext)
             os.makedirs(os.path.dirname(BUILD_RECORD), exist_ok=True)
