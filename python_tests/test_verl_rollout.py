@@ -363,11 +363,14 @@ def test_the_launchers_loss_and_rollout_follow_the_engines_objective():
     (["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum"], "actor.loss_agg_mode='seq-mean-token-sum'"),
     (["trainer.n_gpus_per_node=2", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
      "ppo_mini_batch_size=2 with 2 data-parallel ranks"),
-    (["++actor_rollout_ref.model.override_config.dllm_fast.objective=justgrpo", "actor_rollout_ref.rollout.n=2",
+    (["++actor_rollout_ref.model.override_config.dllm_fast.objective=justgrpo",
+      "++actor_rollout_ref.model.override_config.dllm_fast.check_advantages=false",
       "actor_rollout_ref.rollout.response_length=64"],
      "actor_rollout_ref.rollout.engine_kwargs.dllm_fast \\(objective justgrpo\\): .*block_length 1"),
-    (["++actor_rollout_ref.rollout.engine_kwargs.dllm_fast.top_p=0.9", "actor_rollout_ref.rollout.n=2"],
+    (["++actor_rollout_ref.rollout.engine_kwargs.dllm_fast.top_p=0.9"],
      "engine_kwargs.dllm_fast.top_p is no dllm_fast rollout setting"),
+    (["++actor_rollout_ref.model.override_config.dllm_fast.objective=justgrpo"],
+     "does not compute justgrpo's advantages.*check_advantages=false"),
 ])
 def test_the_launcher_refuses_a_config_the_engine_cannot_honour_before_ray_starts(arguments, message):
     from dllm_fast.integrations.verl import __main__ as launcher
