@@ -174,7 +174,8 @@ def test_verl_runs_three_steps_on_the_cpu_and_resumes_from_its_checkpoint(tmp_pa
     metrics = step_metrics(log)
     assert sorted(metrics) == list(range(1, STEPS)), f"steps logged: {sorted(metrics)}\n{log[-3000:]}"
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS - 1)
-    first, second = actor_weights(checkpoints / "global_step_1"), actor_weights(checkpoints / f"global_step_{STEPS - 1}")
+    first = actor_weights(checkpoints / "global_step_1")
+    second = actor_weights(checkpoints / f"global_step_{STEPS - 1}")
     assert any(not torch.equal(first[k], second[k]) for k in second), "no actor weight changed in step 2"
 
     log = launch(data, tmp_path, STEPS, tmp_path / "resumed.log", workers)

@@ -253,8 +253,8 @@ def portable_rows(data, *, rewards: bool, advantages: bool, unmask_step: bool,
     prompts, prompt_real, responses, response_real = padded_tokens(data)
     uids = uid_list(data)
     B = len(uids)
-    out = [{"uid": uids[n], "prompt": prompts[n][prompt_real[n]].cpu(), "response": responses[n][response_real[n]].cpu()}
-           for n in range(B)]
+    out = [{"uid": uids[n], "prompt": prompts[n][prompt_real[n]].cpu(),
+            "response": responses[n][response_real[n]].cpu()} for n in range(B)]
     if rewards:
         for row, value in zip(out, _row_rewards(data).double().cpu()):
             row["reward"] = float(value)
