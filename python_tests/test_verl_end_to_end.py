@@ -1,5 +1,7 @@
 """A real verl run on the CPU: `python -m dllm_fast.integrations.verl` (verl's own main_ppo with dllm_fast's plugin
-and defaults), the embedded sudoku4 model, 3 training steps, then a resumed run from its checkpoint.
+and defaults), the embedded sudoku4 model, 3 training steps: 2 in a first run, a checkpoint after each, then a
+second run that resumes from step 2's checkpoint and takes step 3; finite losses and entropies, weights that move
+in each run's last step.
 
 What runs where: all of it inside Ray, started locally by verl's `run_ppo` (loopback only:
 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray bind and advertise 127.0.0.1; no dashboard): verl's V1 task runner
@@ -7,8 +9,8 @@ RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray bind and advertise 127.0.0.1; no d
 gloo (verl's ActorRolloutRefWorker with dllm_fast's actor engine, `model_type=dllm_fast`, and dllm_fast's rollout),
 one dllm_fast rollout server per worker, the agent-loop worker, the reward-loop worker (the `dllm_fast` reward
 manager scoring sudoku4) and the load balancer. One worker by default; two (FSDP2 over 2 gloo ranks, each rank
-reading the checkpoint and sharding it in place) with DLLM_FAST_VERL_TWO_WORKERS=1, a second whole run, which fails
-today: verl V1 hands a rank part of a prompt's group, which the engine refuses (the marker below).
+reading the checkpoint and sharding it in place) with DLLM_FAST_VERL_TWO_WORKERS=1, a second whole run: verl V1
+hands each rank part of a prompt's group, and the engine regathers whole groups across the ranks.
 Nothing is driven in-process: where verl asks Ray for GPUs (ResourcePoolManager, placement bundles), the CPU
 platform (integrations/verl/platform.py) gives Ray `n_gpus_per_node` logical worker slots to count instead.
 
@@ -87,7 +89,7 @@ def run_overrides(data: Path, out: Path, total_steps: int, workers: int) -> list
         f"trainer.n_gpus_per_node={workers}",
         "trainer.balance_batch=false",  # with 2 ranks: each rank's rows must be whole prompt groups
         f"trainer.total_training_steps={total_steps}",
-        "trainer.save_freq=2",
+        "trainer.save_freq=1",
         "trainer.test_freq=-1",
         "trainer.val_before_train=false",
         "trainer.logger=[console]",
@@ -153,38 +155,40 @@ def actor_weights(folder: Path) -> dict:
     return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().float() for k, v in state.items()}
 
 
-# Two workers, a known failure (open in issue 47, strict: the marker goes once it runs): verl V1's dispatch does not
-# keep a prompt's completions on one rank (a rank's mini-batch held 1 of a prompt's 2), and the engine, whose
-# advantages are per prompt group, refuses that by name on the first update.
+# Two workers: verl V1's dispatch hands each rank part of a prompt's group (it balances the step's rows by length);
+# the engine regathers whole groups across the two ranks (engine._whole_groups).
 @pytest.mark.parametrize("workers", [1, pytest.param(2, marks=[
     pytest.mark.skipif(not TWO_WORKERS, reason="a second verl run (2 Ray workers on gloo, about 2x the CPU); set "
-                                               "DLLM_FAST_VERL_TWO_WORKERS=1 to run"),
-    pytest.mark.xfail(strict=True, reason="verl V1 splits a prompt's completions across the 2 ranks, which the "
-                                          "engine refuses")])])
+                                               "DLLM_FAST_VERL_TWO_WORKERS=1 to run")])])
 def test_verl_runs_three_steps_on_the_cpu_and_resumes_from_its_checkpoint(tmp_path, workers):
     import torch
 
     from dllm_fast.integrations.verl.data import write_task
 
     data = write_task("sudoku4", tmp_path / "data", num_train=8, num_test=2, prompt_style="grid")["train"].parent
+    checkpoints = tmp_path / "checkpoints"
     start = time.time()
-    log = launch(data, tmp_path, STEPS, tmp_path / "run.log", workers)
+    # Steps 1 and 2, a checkpoint after each; then a second launch resumes from step 2's and takes step 3.
+    log = launch(data, tmp_path, STEPS - 1, tmp_path / "run.log", workers)
     first_run = time.time() - start
     metrics = step_metrics(log)
-    assert sorted(metrics) == list(range(1, STEPS + 1)), f"steps logged: {sorted(metrics)}\n{log[-3000:]}"
+    assert sorted(metrics) == list(range(1, STEPS)), f"steps logged: {sorted(metrics)}\n{log[-3000:]}"
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS - 1)
+    first = actor_weights(checkpoints / "global_step_1")
+    second = actor_weights(checkpoints / f"global_step_{STEPS - 1}")
+    assert any(not torch.equal(first[k], second[k]) for k in second), "no actor weight changed in step 2"
+
+    log = launch(data, tmp_path, STEPS, tmp_path / "resumed.log", workers)
+    assert f"global_step_{STEPS - 1}" in log and "Training from scratch" not in log, log[-3000:]
+    resumed = step_metrics(log)
+    assert sorted(resumed) == [STEPS], log[-3000:]
+    metrics.update(resumed)
     for step, values in metrics.items():
         loss = values.get("actor/pg_loss", values.get("actor/loss"))  # verl's actor's name, the engine's
         assert loss is not None and torch.isfinite(torch.tensor(loss)), (step, values)
+        if _engine_registered():  # the engine's predictive entropy on its masks (entropy.py), not verl's NaN
+            assert values["actor/entropy"] > 0 and torch.isfinite(torch.tensor(values["actor/entropy"])), values
         assert 0.0 <= values["critic/score/mean"] <= 1.0, values  # sudoku4's reward: the share of blanks filled
-    checkpoints = tmp_path / "checkpoints"
-    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
-    before, after = actor_weights(checkpoints / "global_step_2"), actor_weights(checkpoints / f"global_step_{STEPS}")
-    moved = [k for k in after if not torch.equal(before[k], after[k])]
-    assert moved, "no actor weight changed between steps 2 and 3"
-
-    log = launch(data, tmp_path, STEPS + 1, tmp_path / "resumed.log", workers)
-    assert f"global_step_{STEPS}" in log and "Training from scratch" not in log, log[-3000:]
-    assert sorted(step_metrics(log)) == [STEPS + 1], log[-3000:]
-    resumed = actor_weights(checkpoints / f"global_step_{STEPS + 1}")
-    assert any(not torch.equal(after[k], resumed[k]) for k in resumed)
+    third = actor_weights(checkpoints / f"global_step_{STEPS}")
+    assert any(not torch.equal(second[k], third[k]) for k in third), "the resumed step moved no actor weight"
     print(json.dumps({"first_run_s": round(first_run, 1), "total_s": round(time.time() - start, 1)}))

@@ -462,48 +462,67 @@ def test_the_verl_estimator_named_for_an_objective_computes_its_advantages(name)
 
 # -- two ranks (opt-in: each rank imports verl, about 12 s of CPU apiece, beyond this file's budget) ---------------
 
-def _two_rank_worker(rank, port, out):
+def _two_rank_worker(rank, port, out, name, split):
     platform_manager.set_platform(CPUPlatform())
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         torch.set_num_threads(1)
         verl_engine.register_engine()
-        engine, _ = build_engine("espo")
+        engine, _ = build_engine(name)
         policy = load_model(MODEL, dtype=torch.float64, device="cpu")
         with torch.no_grad():
             result, rewards = rollouts(policy)
-        data, _ = verl_data(result, rewards, engine.objective, policy.eos_token_id, order=list(range(PROMPTS * G)))
-        share = tu.chunk_tensordict(data, 2)[rank]  # verl's dispatch: one prompt group per rank
+        # verl's dispatch: one prompt group per rank, or (verl V1's balancing) part of each group on each rank
+        data, _ = verl_data(result, rewards, engine.objective, policy.eos_token_id,
+                            order=SHUFFLED if split else list(range(PROMPTS * G)))
+        share = tu.chunk_tensordict(data, 2)[rank]
         with engine.eval_mode():
             engine.infer_batch(share)
-        norms = []
+        norms, moved = [], []
         for _ in range(2):
             with engine.train_mode():
-                norms.append(engine.train_batch(share, loss_function=actor_loss())["metrics"]["grad_norm"])
+                metrics = engine.train_batch(share, loss_function=actor_loss())["metrics"]
+            norms.append(metrics["grad_norm"])
+            moved.append(metrics["dllm_fast/policy_moved"])
             engine.lr_scheduler_step()
         state = parameters(engine)
         if rank == 0:
-            torch.save({"parameters": state, "norms": norms}, out)
+            torch.save({"parameters": state, "norms": norms, "moved": moved}, out)
     finally:
         dist.destroy_process_group()
 
 
+# wd1 on two FSDP2 ranks: a known failure, open: its first update's gradient norm is 13.938 on two ranks, 13.861 in
+# one process (fp64), with whole groups on each rank as with the regathered halves (the same 13.938362207200669 in
+# both), while one rank equals the trainer (test_a_verl_step_is_the_trainers_step[wd1]): not the regathering.
+WD1_TWO_RANKS = pytest.mark.xfail(strict=True, reason="wd1's two-rank FSDP2 gradient differs from the one-process "
+                                                      "trainer's by 0.6%, with or without the regathering")
+
+
+@pytest.mark.parametrize("name,split", [("espo", False), ("espo", True),
+                                        pytest.param("wd1", False, marks=WD1_TWO_RANKS),
+                                        pytest.param("wd1", True, marks=WD1_TWO_RANKS)])
 @pytest.mark.skipif(os.environ.get("DLLM_FAST_VERL_TWO_RANKS") != "1",
                     reason="two verl processes cost about 25 s of CPU; set DLLM_FAST_VERL_TWO_RANKS=1 to run")
-def test_two_ranks_give_the_trainers_step_on_the_whole_batch(tmp_path):
-    """FSDP2 over two gloo ranks, each with one prompt group: verl's averaged gradient and global clipping give the
-    trainer's step on the whole batch in one process (each rank's objective is its groups' mean)."""
+def test_two_ranks_give_the_trainers_step_on_the_whole_batch(tmp_path, name, split):
+    """FSDP2 over two gloo ranks, each with one prompt group, or (split) each with half of every group, as verl
+    V1's dispatch leaves them, which the engine regathers into one whole group per rank: verl's averaged gradient
+    and global clipping give the trainer's step on the whole batch in one process (each rank's objective is its
+    groups' mean; wd1's group softmax sees each whole group, but see WD1_TWO_RANKS), over two updates (the second
+    on the old policy's log-probs, which travel with the rows)."""
     from dllm_fast.testing.ranks import run_ranks
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     out = tmp_path / "rank0.pt"
-    run_ranks(_two_rank_worker, (port, str(out)), 2, timeout_s=900)
+    run_ranks(_two_rank_worker, (port, str(out), name, split), 2, timeout_s=900)
     saved = torch.load(out)
+    assert saved["moved"] == [[0.0], [1.0]]
     policy = load_model(MODEL, dtype=torch.float64, device="cpu").train()
-    reference = load_model(MODEL, dtype=torch.float64, device="cpu").eval().requires_grad_(False)
-    objective = objectives.get("espo")
+    objective = objectives.get(name, **KINDS[name])
+    reference = (load_model(MODEL, dtype=torch.float64, device="cpu").eval().requires_grad_(False)
+                 if objective.needs_reference else None)
     with torch.no_grad():
         result, rewards = rollouts(policy)
     batch = RolloutBatch.from_generation(result, rewards, group_size=G)
@@ -518,5 +537,6 @@ def test_two_ranks_give_the_trainers_step_on_the_whole_batch(tmp_path):
         _, norm = train_step.run_update(objective, policy, batch, update, batching=batching,
                                         optimization=optimization, ref_model=reference)
         assert abs(saved["norms"][k] - float(norm)) <= 1e-9
-    for name, p in policy.named_parameters():
-        torch.testing.assert_close(saved["parameters"][name], p.detach(), rtol=0, atol=1e-9, msg=name)
+    for parameter_name, p in policy.named_parameters():
+        torch.testing.assert_close(saved["parameters"][parameter_name], p.detach(), rtol=0, atol=1e-9,
+                                   msg=parameter_name)

@@ -398,9 +398,17 @@ def test_a_config_that_selects_the_engine_is_checked_and_one_that_does_not_is_le
     ({"algorithm__adv_estimator": "gae"}, "algorithm.adv_estimator='gae' is not an outcome estimator.*grpo"),
     ({"algorithm__adv_estimator": "reinforce_plus_plus"}, "adv_estimator='reinforce_plus_plus'"),
     ({"algorithm__use_kl_in_reward": True}, "algorithm.use_kl_in_reward=true"),
+    ({"algorithm__norm_adv_by_std_in_grpo": True}, "algorithm.adv_estimator=grpo algorithm.norm_adv_by_std_in_grpo="
+                                                   "true does not compute espo's advantages.*set algorithm.adv_"
+                                                   "estimator=grpo algorithm.norm_adv_by_std_in_grpo=false"),
+    ({"algorithm__adv_estimator": "rloo"}, "adv_estimator=rloo does not compute espo's"),
     ({"algorithm__rollout_correction": {"bypass_mode": True}}, "rollout_correction.bypass_mode=true"),
     ({"actor_rollout_ref__rollout__n": 1}, "actor_rollout_ref.rollout.n=1"),
-    ({"trainer__balance_batch": True}, "trainer.balance_batch=true"),
+    ({"trainer__use_v1": False, "trainer__balance_batch": True}, "trainer.balance_batch=true"),
+    ({"actor_rollout_ref__actor__ppo_mini_batch_size": 2}, "ppo_mini_batch_size=2 with 2 data-parallel ranks.*set "
+                                                          "ppo_mini_batch_size=data.train_batch_size \\(4\\)"),
+    ({"data__train_batch_size": 3, "actor_rollout_ref__actor__ppo_mini_batch_size": 3},
+     "data.train_batch_size=3 prompts for 2 data-parallel ranks.*multiple of 2"),
     ({"actor_rollout_ref__model__override_config": {"dllm_fast": {"objective": "espo", "rollout": {
         "temperature": 0.7}}}}, "rollout.temperature=0.7 but actor_rollout_ref.rollout.temperature=1.0"),
     ({"actor_rollout_ref__model__override_config": {"dllm_fast": {"objective": "nope"}}}, "objective='nope'"),
@@ -411,10 +419,18 @@ def test_verl_settings_the_engine_would_override_are_refused_naming_them(change,
 
 
 def test_balance_batch_is_harmless_with_one_rank_and_one_mini_batch():
-    one = verl_config(trainer__balance_batch=True, trainer__n_gpus_per_node=1)
+    """The legacy trainer reads trainer.balance_batch; verl's V1 trainer does not (it balances by length always)."""
+    one = verl_config(trainer__balance_batch=True, trainer__n_gpus_per_node=1, trainer__use_v1=False)
     assert verl_settings.check_verl_config(one) is not None
     with pytest.raises(ValueError, match="trainer.balance_batch=true"):
         verl_settings.check_verl_config({**one, "data": {"train_batch_size": 8}})
+    assert verl_settings.check_verl_config(verl_config(trainer__balance_batch=True)) is not None  # V1, 2 ranks
+
+
+def test_one_rank_under_verls_v1_trainer_may_cut_the_step_into_mini_batches():
+    one = verl_config(trainer__n_gpus_per_node=1, data__train_batch_size=8,
+                      actor_rollout_ref__actor__ppo_mini_batch_size=2)
+    assert verl_settings.check_verl_config(one) is not None
 
 
 def test_the_advantage_settings_named_for_each_objective():
@@ -520,6 +536,71 @@ def test_verl_v1_nested_rows_read_as_the_padded_rows_they_hold():
     assert verl_batch.verl_advantages(data, nested).tolist() == [0.0] * 6
     values = verl_batch.verl_token_values(torch.ones(6, 5, dtype=torch.float64), nested)
     assert values.offsets().diff().tolist() == [2 + 5, 3 + 5, 2 + 5, 3 + 5, 2 + 5, 3 + 5]  # verl's row order
+
+
+def _split(data, rows):
+    """verl's rows `rows` of a batch: a rank's share after verl's dispatch."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            out[key] = torch.nested.as_nested_tensor([value.unbind()[i] for i in rows], layout=torch.jagged)
+        elif isinstance(value, torch.Tensor):
+            out[key] = value[rows]
+        else:
+            out[key] = [value[i] for i in rows]
+    return out
+
+
+@pytest.mark.parametrize("layout", ["padded", "v1"])
+def test_ranks_holding_parts_of_groups_train_whole_groups_with_the_same_rows(layout):
+    """verl's V1 trainer hands each data-parallel rank part of every prompt group; the ranks send their rows and
+    each trains the same number of whole groups: the batch, keys (so masks) and advantages are those of the whole
+    batch's rows, and every row is trained once."""
+    data = verl_rows() if layout == "padded" else v1_rows()
+    data["advantages"] = (torch.arange(6.0)[:, None] * torch.ones(1, 5)).masked_fill(
+        torch.as_tensor(verl_rows()["response_mask"]) == 0, 0.0)
+    if layout == "v1":
+        data["advantages"] = torch.nested.as_nested_tensor(list(torch.arange(6.0)[:, None].expand(6, 5)),
+                                                           layout=torch.jagged)
+    unmask = layout == "v1"
+    whole = verl_batch.rows_from_verl(data, eos_token_id=9, device=torch.device("cpu"), grouped=True,
+                                      unmask_step=unmask)
+    parts = [verl_batch.portable_rows(_split(data, rows), rewards=True, advantages=True, unmask_step=unmask)
+             for rows in ([0, 1, 2], [3, 4, 5])]  # p0 p1 p0 | p1 p0 p1
+    sizes = verl_batch.Counter(data["uid"])
+    trained = []
+    for rank in range(2):
+        share = verl_batch.rows_of_portable(verl_batch.share_of_groups(parts, rank, sizes))
+        rows = verl_batch.rows_from_verl(share, eos_token_id=9, device=torch.device("cpu"), grouped=True,
+                                         group_sizes=sizes, unmask_step=unmask)
+        assert rows.batch.group_size == 3 and len(set(rows.uids)) == 1
+        k = [whole.uids.index(rows.uids[0]) + i for i in range(3)]  # the whole batch's rows of this group
+        assert rows.keys == [whole.keys[i] for i in k]
+        torch.testing.assert_close(rows.batch.sequences, whole.batch.sequences[k][:, -rows.batch.sequences.shape[1]:])
+        torch.testing.assert_close(rows.batch.rewards, whole.batch.rewards[k])
+        torch.testing.assert_close(verl_batch.verl_advantages(share, rows), verl_batch.verl_advantages(data, whole)[k])
+        if unmask:
+            assert torch.equal(rows.batch.unmask_step, whole.batch.unmask_step[k])
+        trained += rows.keys
+    assert sorted(trained) == sorted(whole.keys)
+
+
+def test_ranks_holding_whole_groups_keep_their_rows_and_groups_cut_by_mini_batches_are_refused():
+    data = verl_rows()
+    sizes = verl_batch.Counter(data["uid"])
+    p0, p1 = [i for i, u in enumerate(data["uid"]) if u == "p0"], [i for i, u in enumerate(data["uid"]) if u == "p1"]
+    parts = [verl_batch.portable_rows(_split(data, rows), rewards=True, advantages=False, unmask_step=False)
+             for rows in (p1, p0)]
+    assert verl_batch.share_of_groups(parts, 0, sizes) is parts[0]  # whole groups: each rank keeps its own
+    cut = [verl_batch.portable_rows(_split(data, rows), rewards=True, advantages=False, unmask_step=False)
+           for rows in ([0, 1], [2, 3])]  # 2 of p0's 3, 2 of p1's 3: the rest in another mini-batch
+    with pytest.raises(ValueError, match="holds 2 of prompt 'p0''s 3 completions.*ppo_mini_batch_size=data.train_"
+                                         "batch_size"):
+        verl_batch.share_of_groups(cut, 0, sizes)
+    three = [verl_batch.portable_rows(_split(data, rows), rewards=True, advantages=False, unmask_step=False)
+             for rows in ([0, 1], [2, 3], [4, 5])]  # 2 groups over 3 ranks
+    with pytest.raises(ValueError, match="2 prompt groups, which 3 ranks cannot share evenly.*multiple of 3"):
+        verl_batch.share_of_groups(three, 0, sizes)
 
 
 def test_the_rollouts_fields_missing_from_some_v1_rows_are_named():

@@ -342,3 +342,38 @@ def test_the_launcher_defaults_verls_advantages_to_the_objectives_own():
     assert "algorithm.adv_estimator=rloo" in overrides([f"++{SECTION_PATH}.objective=coupled_grpo"])
     given = overrides(["algorithm.adv_estimator=gae"])
     assert [a for a in given if a.startswith("algorithm.adv_estimator")] == ["algorithm.adv_estimator=gae"]
+
+
+def test_the_launchers_loss_and_rollout_follow_the_engines_objective():
+    """With the engine, the policy loss defaults to the section's objective's (which the engine accepts; verl's
+    vanilla for one not registered as a loss), TraceRL's rollout records its decoding order, and one mini-batch
+    per step (verl V1 keeps a prompt's completions together only within the step)."""
+    from dllm_fast.integrations.verl.__main__ import overrides
+    from dllm_fast.integrations.verl.settings import SECTION_PATH
+
+    assert "actor_rollout_ref.actor.policy_loss.loss_mode=dllm_fast_espo" in overrides([])
+    assert "actor_rollout_ref.actor.ppo_mini_batch_size=${data.train_batch_size}" in overrides([])
+    wd1 = overrides([f"++{SECTION_PATH}.objective=wd1"])
+    assert "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla" in wd1
+    tracerl = overrides([f"++{SECTION_PATH}.objective=tracerl"])
+    assert "++actor_rollout_ref.rollout.engine_kwargs.dllm_fast.record_unmask_step=true" in tracerl
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum"], "actor.loss_agg_mode='seq-mean-token-sum'"),
+    (["trainer.n_gpus_per_node=2", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
+     "ppo_mini_batch_size=2 with 2 data-parallel ranks"),
+    (["++actor_rollout_ref.model.override_config.dllm_fast.objective=justgrpo",
+      "++actor_rollout_ref.model.override_config.dllm_fast.check_advantages=false",
+      "actor_rollout_ref.rollout.response_length=64"],
+     "actor_rollout_ref.rollout.engine_kwargs.dllm_fast \\(objective justgrpo\\): .*block_length 1"),
+    (["++actor_rollout_ref.rollout.engine_kwargs.dllm_fast.top_p=0.9"],
+     "engine_kwargs.dllm_fast.top_p is no dllm_fast rollout setting"),
+    (["++actor_rollout_ref.model.override_config.dllm_fast.objective=justgrpo"],
+     "does not compute justgrpo's advantages.*check_advantages=false"),
+])
+def test_the_launcher_refuses_a_config_the_engine_cannot_honour_before_ray_starts(arguments, message):
+    from dllm_fast.integrations.verl import __main__ as launcher
+
+    with pytest.raises(SystemExit, match=message):
+        launcher.check_config(launcher.overrides(["actor_rollout_ref.rollout.n=2", *arguments]))

@@ -41,8 +41,9 @@ from dllm_fast.likelihood import MonteCarloMasks
 from dllm_fast.likelihood.samplers import SAMPLERS
 from dllm_fast.objectives import Objective
 
-GROUPING_SETTINGS = ("trainer.balance_batch=false, actor_rollout_ref.actor.shuffle=false, and "
-                     "actor_rollout_ref.actor.ppo_mini_batch_size (prompts) a multiple of the data-parallel size")
+GROUPING_SETTINGS = ("actor_rollout_ref.actor.shuffle=false and, with several data-parallel ranks, "
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=data.train_batch_size (verl's V1 trainer; the "
+                     "legacy trainer: trainer.balance_batch=false)")
 
 
 @dataclass
@@ -241,6 +242,91 @@ def _group_size(uids: list[str], group_sizes: Counter | None) -> int:
                          f"completions, others {max(sizes)}); each mini-batch must hold whole groups of "
                          f"actor_rollout_ref.rollout.n completions. Set {GROUPING_SETTINGS}.")
     return sizes.pop()
+
+
+def portable_rows(data, *, rewards: bool, advantages: bool, unmask_step: bool,
+                  lp_old: torch.Tensor | None = None) -> list[dict]:
+    """The rows of verl's batch (either layout) as plain per-row values, to send to other data-parallel ranks:
+    uid, the prompt's and the response's tokens (padding dropped), and as asked the row's reward
+    (`_row_rewards`), verl's advantage (one per row, checked), the rollout's decoding order and forward count, and
+    the old policy's lp [n_t, L] (`lp_old`, in verl's row order). `rows_of_portable` reads them back."""
+    prompts, prompt_real, responses, response_real = padded_tokens(data)
+    uids = uid_list(data)
+    B = len(uids)
+    out = [{"uid": uids[n], "prompt": prompts[n][prompt_real[n]].cpu(),
+            "response": responses[n][response_real[n]].cpu()} for n in range(B)]
+    if rewards:
+        for row, value in zip(out, _row_rewards(data).double().cpu()):
+            row["reward"] = float(value)
+    if advantages:
+        values = _padded(_field(data, "advantages", "verl's advantages"), 0.0)
+        mask = _padded(_field(data, "response_mask", "which response positions are scored"), 0)
+        for row, value in zip(out, sequence_advantages(values.double(), mask.bool()).cpu()):
+            row["advantage"] = float(value)
+    if unmask_step:
+        what = "the rollout's decoding order, which dllm_fast's verl rollout records with record_unmask_step=true"
+        steps = rollout_field(data, UNMASK_STEP_KEY, what)
+        if steps is None:
+            _field(data, UNMASK_STEP_KEY, what)  # raises, naming the key
+        forwards = rollout_field(data, FORWARDS_KEY, "the rollout's forward count")
+        for n, row in enumerate(out):
+            row[UNMASK_STEP_KEY] = torch.as_tensor(steps[n]).long().cpu()
+            if forwards is not None:
+                row[FORWARDS_KEY] = int(forwards[n])
+    if lp_old is not None:
+        for row, value in zip(out, lp_old.detach().cpu()):
+            row["lp_old"] = value
+    return out
+
+
+def rows_of_portable(rows: list[dict]) -> dict:
+    """`portable_rows`' rows as a batch `rows_from_verl` and `verl_advantages` read (verl V1's nested layout)."""
+    def nested(name):
+        return torch.nested.as_nested_tensor([row[name] for row in rows], layout=torch.jagged)
+
+    data = {"uid": [row["uid"] for row in rows], "prompts": nested("prompt"), "responses": nested("response")}
+    if "reward" in rows[0]:
+        data["token_level_rewards"] = torch.tensor([[row["reward"]] for row in rows], dtype=torch.float64)
+    if "advantage" in rows[0]:
+        data["advantages"] = torch.tensor([[row["advantage"]] for row in rows], dtype=torch.float64)
+        data["response_mask"] = torch.ones(len(rows), 1, dtype=torch.long)
+    if UNMASK_STEP_KEY in rows[0]:
+        data[UNMASK_STEP_KEY] = [row[UNMASK_STEP_KEY] for row in rows]
+        if FORWARDS_KEY in rows[0]:
+            data[FORWARDS_KEY] = [row[FORWARDS_KEY] for row in rows]
+    return data
+
+
+def share_of_groups(parts: list[list[dict]], rank: int, group_sizes: Counter) -> list[dict]:
+    """This rank's rows of one mini-batch whose rows are spread over the data-parallel ranks (`parts[r]`: rank r's
+    rows, `portable_rows`): its own rows where every rank's rows are whole prompt groups, else the same number of
+    whole groups for each rank, in order of first appearance. Refused, naming the settings, where a group is not
+    whole within the ranks' mini-batch (`group_sizes`: the step's, counted when the old policy was scored) or the
+    groups cannot be shared out evenly."""
+    everyone = [row for part in parts for row in part]
+    counts = Counter(row["uid"] for row in everyone)
+    for uid, count in counts.items():
+        whole = group_sizes.get(uid)
+        if whole is not None and whole != count:
+            raise ValueError(f"the data-parallel ranks' mini-batch holds {count} of prompt {uid!r}'s {whole} "
+                             "completions: verl's V1 trainer spreads a step's rows over the ranks by length, whatever "
+                             "their prompt (it does not read trainer.balance_batch), so only the whole step holds "
+                             "each group; the objective's advantages (and wd1's softmax) are per prompt group. Set "
+                             "actor_rollout_ref.actor.ppo_mini_batch_size=data.train_batch_size (one mini-batch per "
+                             "step; ppo_epochs for more updates) and actor_rollout_ref.actor.shuffle=false.")
+    if all(Counter(row["uid"] for row in part) == Counter({uid: counts[uid] for uid in {row["uid"] for row in part}})
+           for part in parts):
+        return parts[rank]
+    groups: dict[str, list[dict]] = {}
+    for row in everyone:
+        groups.setdefault(row["uid"], []).append(row)
+    if len(groups) % len(parts):
+        raise ValueError(f"the data-parallel ranks' mini-batch holds {len(groups)} prompt groups, which {len(parts)} "
+                         "ranks cannot share evenly (the engine gives each rank whole groups, as many on each): set "
+                         f"data.train_batch_size (prompts) to a multiple of {len(parts)}, with "
+                         "actor_rollout_ref.actor.ppo_mini_batch_size=data.train_batch_size.")
+    per_rank = len(groups) // len(parts)
+    return [row for group in list(groups.values())[rank * per_rank:(rank + 1) * per_rank] for row in group]
 
 
 def row_keys(batch: RolloutBatch, uids: list[str]) -> list[bytes]:

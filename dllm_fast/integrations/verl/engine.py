@@ -28,9 +28,13 @@ What runs where (verl's PPO step, per data-parallel rank):
   row's uid and tokens, `batch.row_masks`, so that every rank, every micro-batch split and the update draw the same
   ones), scored with `likelihood.score`. The lp of each row is kept on this worker, keyed by the row, for the
   updates that come after the policy has moved. verl gets back, as `log_probs`, each token's share of the ELBO
-  estimate (`batch.per_token`), and NaN entropies (none is computed).
+  estimate (`batch.per_token`), and, where verl asks (`calculate_entropy`, as its trainer does for
+  `actor/entropy`), each response position's predictive entropy averaged over the samples that score it, from the
+  same model calls (entropy.py).
 - update (`forward_backward_batch(data, loss_function)`, once per verl mini-batch): the rows regrouped by uid into
-  whole prompt groups (refused otherwise), the same masks drawn again, and `Objective.backward` on the whole
+  whole prompt groups, across the data-parallel ranks where verl's dispatch split them (`_whole_groups`: verl's V1
+  trainer balances a step's rows over the ranks by length, whatever their prompt; a group cut by verl's
+  mini-batches is refused, naming the settings), the same masks drawn again, and `Objective.backward` on the whole
   mini-batch of this rank: the exact streaming gradient, memory set by the pairs per backward graph and flat in
   n_t, one or two passes as the objective needs, each backward reduce-scattering into FSDP2's sharded gradients
   (which accumulate there; no rank holds a whole gradient). Before the
@@ -77,8 +81,10 @@ from verl.utils.fsdp_utils import CPUOffloadPolicy, MixedPrecisionPolicy, apply_
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
-from dllm_fast.integrations.verl.batch import (FORWARDS_KEY, UNMASK_STEP_KEY, per_token, row_masks, rows_from_verl,
-                                               uid_list, verl_advantages, verl_token_values)
+from dllm_fast.integrations.verl.batch import (FORWARDS_KEY, UNMASK_STEP_KEY, per_token, portable_rows, row_masks,
+                                               rows_from_verl, rows_of_portable, share_of_groups, uid_list,
+                                               verl_advantages, verl_token_values)
+from dllm_fast.integrations.verl.entropy import score_with_entropy
 from dllm_fast.integrations.verl.model_types import SECTION, register_model_types
 from dllm_fast.integrations.verl.settings import (MODEL_TYPE, SECTION_PATH, EngineSettings, advantage_estimator_for,
                                                   check_actor_settings)
@@ -311,15 +317,20 @@ class DllmFastEngine(FSDPEngine):
         rows = self._rows(data, grouped=False)
         masks = row_masks(self.objective, rows.batch, rows.keys, seed=self.settings.seed, model=self.module)
         batching = MicroBatching(self._pairs_per_graph(data, masks.n_t, rows.batch.sequences.shape[1]))
+        entropy = None
         with torch.no_grad(), self._autocast():
-            lp = score(self.module, rows.batch.sequences, masks, micro_batch=batching,
-                       attention_mask=rows.batch.attention_mask)
+            if bool(_non_tensor(data, "calculate_entropy", False)):  # as verl's own engine: only when asked
+                lp, entropy = score_with_entropy(self.module, rows.batch.sequences, masks, micro_batch=batching,
+                                                 attention_mask=rows.batch.attention_mask)
+            else:
+                lp = score(self.module, rows.batch.sequences, masks, micro_batch=batching,
+                           attention_mask=rows.batch.attention_mask)
         self.old_policy = OldPolicyScores({key: lp[k] for k, key in enumerate(rows.keys)}, self.optimizer_steps,
                                           self._global_group_sizes(uid_list(data)))
-        values = per_token(lp, masks)
-        log_probs = verl_token_values(values, rows)
-        entropy = verl_token_values(torch.full_like(values, float("nan")), rows)
-        return {"model_output": {"log_probs": log_probs, "entropy": entropy}, "loss": [0.0], "metrics": {}}
+        output = {"log_probs": verl_token_values(per_token(lp, masks), rows)}
+        if entropy is not None:
+            output["entropy"] = verl_token_values(entropy, rows)
+        return {"model_output": output, "loss": [0.0], "metrics": {}}
 
     def _global_group_sizes(self, uids: list[str]) -> Counter:
         counts = Counter(uids)
@@ -337,15 +348,17 @@ class DllmFastEngine(FSDPEngine):
             raise RuntimeError("the dllm_fast engine's update ran before verl's compute_log_prob scored this batch: "
                                "the objective's masks and the old policy's log-probs come from that scoring. Keep "
                                "algorithm.rollout_correction.bypass_mode off.")
-        rows = self._rows(data, grouped=True, group_sizes=self.old_policy.group_sizes)
+        moved = self.optimizer_steps != self.old_policy.optimizer_steps
+        needs_old = moved and self.objective.uses_old_policy
+        groups, lp_old = self._whole_groups(data, needs_old)
+        rows = self._rows(groups, grouped=True, group_sizes=self.old_policy.group_sizes)
         batch = rows.batch
         if self.settings.check_advantages:
-            self._check_advantages(data, rows)
+            self._check_advantages(groups, rows)
         masks = row_masks(self.objective, rows.batch, rows.keys, seed=self.settings.seed, model=self.module)
-        moved = self.optimizer_steps != self.old_policy.optimizer_steps
-        lp_old = None
-        if moved and self.objective.uses_old_policy:
-            lp_old = self.old_policy.lp(rows.keys, rows.uids, batch.sequences)
+        if needs_old:
+            lp_old = (self.old_policy.lp(rows.keys, rows.uids, batch.sequences) if lp_old is None
+                      else torch.stack([lp_old[i] for i in rows.order]).to(batch.sequences.device))
         batching = MicroBatching(self._pairs_per_graph(data, masks.n_t, batch.sequences.shape[1]))
         with self._autocast():
             lp_ref = self._reference_lp(batch, masks, batching) if self.objective.needs_reference else None
@@ -356,6 +369,30 @@ class DllmFastEngine(FSDPEngine):
         metrics = {f"dllm_fast/{name}": [value] for name, value in out.stats.items()}
         metrics["dllm_fast/policy_moved"] = [float(moved)]  # since the old policy was scored
         return {"model_output": {}, "loss": [float(out.loss)], "metrics": metrics}
+
+    def _whole_groups(self, data, needs_old: bool):
+        """With several data-parallel ranks, this rank's share of the ranks' mini-batch as whole prompt groups:
+        verl's V1 trainer spreads a step's rows over the ranks by length whatever their prompt, so each rank sends
+        its rows (tokens, reward, verl's advantage, the rollout's decoding order, and after an optimizer step the
+        old policy's lp it scored) to every rank, which takes the same number of whole groups
+        (`batch.share_of_groups`; its own rows where they already are whole groups). Exact: the rows, their masks
+        (seeded by the row) and old lp are the same wherever a row is trained, and FSDP2 averages the ranks'
+        gradients of equal shares. Returns the batch to train on and its old lp by row (None: this rank's own
+        store, `OldPolicyScores`), or `data` itself with one rank."""
+        group = self.get_data_parallel_group()
+        world = torch.distributed.get_world_size(group)
+        if world == 1:
+            return data, None
+        lp_old = None
+        if needs_old:
+            local = self._rows(data, grouped=False)
+            lp_old = self.old_policy.lp(local.keys, local.uids, local.batch.sequences)
+        mine = portable_rows(data, rewards=True, advantages=self.settings.check_advantages,
+                             unmask_step=self.objective.needs_unmask_step, lp_old=lp_old)
+        parts = [None] * world
+        torch.distributed.all_gather_object(parts, mine, group=group)
+        share = share_of_groups(parts, torch.distributed.get_rank(group), self.old_policy.group_sizes)
+        return rows_of_portable(share), ([row["lp_old"] for row in share] if needs_old else None)
 
     def _reference_lp(self, batch, masks, batching) -> torch.Tensor:
         with torch.no_grad():

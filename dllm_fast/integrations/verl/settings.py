@@ -131,8 +131,8 @@ def _get(config, dotted: str, default=None):
 def check_actor_settings(objective: Objective, actor) -> None:
     """Refuse verl actor settings (an `ActorConfig` or its dict) that the engine would silently override: the
     loss settings the objective replaces (`losses.check_verl_loss_settings`), a policy loss other than verl's
-    default or this objective's registered one, verl's entropy bonus and KL loss (the engine computes no
-    entropies; the objective holds its own KL, scored on the same masks)."""
+    default or this objective's registered one, verl's entropy bonus and KL loss (the update runs the
+    objective's own loss, which has neither; the objective holds its own KL, scored on the same masks)."""
     from dllm_fast.integrations.verl.losses import check_verl_loss_settings
 
     check_verl_loss_settings(objective, actor, _get(actor, "loss_agg_mode", VERL_LOSS_DEFAULTS["loss_agg_mode"]))
@@ -143,8 +143,9 @@ def check_actor_settings(objective: Objective, actor) -> None:
                          f"and choose the objective with {SECTION_PATH}.objective.")
     entropy = _get(actor, "entropy_coeff", 0)
     if entropy:
-        raise ValueError(f"actor_rollout_ref.actor.entropy_coeff={entropy!r}: the dllm_fast engine computes no token "
-                         "entropies (a diffusion policy's per-token entropy is not its objective's); set it to 0.")
+        raise ValueError(f"actor_rollout_ref.actor.entropy_coeff={entropy!r}: the dllm_fast engine's update runs the "
+                         "objective's own loss, which has no entropy bonus (the entropy verl logs, actor/entropy, is "
+                         "only reported); set it to 0.")
     if _get(actor, "use_kl_loss", False):
         raise ValueError("actor_rollout_ref.actor.use_kl_loss=true adds verl's per-token KL, which the dllm_fast "
                          "engine does not compute; the objective's own KL is scored on its masks: set "
@@ -185,6 +186,8 @@ def check_verl_config(config) -> EngineSettings | None:
         raise ValueError(f"algorithm.adv_estimator={estimator!r} is not an outcome estimator with one advantage per "
                          f"sequence, which {objective.name} takes; use one of {', '.join(ONE_VALUE_PER_SEQUENCE)} "
                          f"({advantage_estimator_for(objective) or 'grpo'} matches its options).")
+    if settings.check_advantages:
+        _check_estimator(objective, estimator, _get(config, "algorithm.norm_adv_by_std_in_grpo", True))
     if _get(config, "algorithm.use_kl_in_reward", False):
         raise ValueError("algorithm.use_kl_in_reward=true needs verl's per-token reference log-probs, which the "
                          "dllm_fast engine does not produce; set it to false and give the objective its own KL "
@@ -202,8 +205,24 @@ def check_verl_config(config) -> EngineSettings | None:
         raise ValueError(f"{SECTION_PATH}.rollout.temperature={temperature!r} but actor_rollout_ref.rollout."
                          f"temperature={verl_temperature!r}: give the rollout's temperature once, as verl's "
                          "rollout.temperature.")
-    whole_batch = _get(config, "actor_rollout_ref.actor.ppo_mini_batch_size") == _get(config, "data.train_batch_size")
-    if _get(config, "trainer.balance_batch", True) and not (whole_batch and _world(config) == 1):
+    mini_batch, batch = (_get(config, "actor_rollout_ref.actor.ppo_mini_batch_size"),
+                         _get(config, "data.train_batch_size"))
+    world = _world(config)
+    if _get(config, "trainer.use_v1", True):
+        # verl's V1 trainer balances every step's rows over the data-parallel ranks by length, whatever their
+        # prompt (it does not read trainer.balance_batch); each rank then cuts its share into mini-batches. Only the
+        # whole step holds each prompt's group, which the engine regathers across the ranks (engine._whole_groups).
+        if world > 1 and mini_batch != batch:
+            raise ValueError(f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch} with {world} data-parallel "
+                             "ranks: verl's V1 trainer spreads a step's rows over the ranks by length whatever their "
+                             f"prompt, so only the whole step holds each prompt's completions, which {objective.name} "
+                             f"needs together; set ppo_mini_batch_size=data.train_batch_size ({batch}), one "
+                             "mini-batch per step (ppo_epochs for more updates).")
+        if world > 1 and batch % world:
+            raise ValueError(f"data.train_batch_size={batch} prompts for {world} data-parallel ranks "
+                             "(trainer.nnodes x trainer.n_gpus_per_node): the engine gives each rank the same number "
+                             f"of whole prompt groups; use a multiple of {world}.")
+    elif _get(config, "trainer.balance_batch", True) and not (mini_batch == batch and world == 1):
         raise ValueError("trainer.balance_batch=true reorders the batch's rows across data-parallel ranks and "
                          f"mini-batches without regard to prompt groups, and {objective.name} needs each prompt's "
                          "completions together; set trainer.balance_batch=false.")
@@ -211,6 +230,23 @@ def check_verl_config(config) -> EngineSettings | None:
         raise ValueError("actor_rollout_ref.actor.shuffle=true cuts mini-batches across prompt groups; "
                          f"{objective.name} needs each prompt's completions in one mini-batch: set it to false.")
     return settings
+
+
+def _check_estimator(objective: Objective, estimator: str, norm_by_std) -> None:
+    """Refuse, before any rollout, grpo or rloo set otherwise than to the objective's advantages (the engine would
+    refuse them on its first update, `check_advantages`); other estimators are left to that check."""
+    if estimator not in ("grpo", "rloo"):
+        return
+    match = advantage_estimator_for(objective)
+    given = f"algorithm.adv_estimator={estimator}" + (
+        f" algorithm.norm_adv_by_std_in_grpo={str(bool(norm_by_std)).lower()}" if estimator == "grpo" else "")
+    if match != given:
+        fix = (f"set {match}" if match else "no verl estimator computes them: set the objective's options "
+               f"(advantage, scale_rewards, std_epsilon, population_std) to grpo's or rloo's, or {SECTION_PATH}."
+               "check_advantages=false")
+        raise ValueError(f"{given} does not compute {objective.name}'s advantages (advantage="
+                         f"{objective.config.advantage!r}, scale_rewards={objective.config.scale_rewards}), which "
+                         f"the engine trains on: {fix}.")
 
 
 def _world(config) -> int:
