@@ -98,11 +98,14 @@ def sharded(parallel: str, ranks: Ranks) -> bool:
     return ranks.world > 1 and parallel == "fsdp2"
 
 
-def data_parallel_wrapper(model, parallel: str, ranks: Ranks, device: torch.device, *, mixed_precision=None):
+def data_parallel_wrapper(model, parallel: str, ranks: Ranks, device: torch.device, *, mixed_precision=None,
+                          ignored_params: set | None = None):
     """The model as every rank trains it: unchanged for one process, DDP, or FSDP2 (each of the model's
     `shard_units()`, then the root, whose unit holds the rest). mixed_precision: FSDP2's MixedPrecisionPolicy
     (train/precision.sharded_mixed_precision; None: each weight gathered in its own dtype). A model without
-    trainable weights (the reference copy) is sharded alike and holds no gradient."""
+    trainable weights (the reference copy) is sharded alike and holds no gradient. ignored_params: parameters
+    FSDP2 leaves whole on each rank (expert parallelism's routed experts, each rank's own:
+    train/expert_parallel.py); modules already sharded (fully_shard on another mesh) keep their own units."""
     if ranks.world == 1:
         return model
     if parallel == "ddp":
@@ -113,9 +116,10 @@ def data_parallel_wrapper(model, parallel: str, ranks: Ranks, device: torch.devi
 
     mesh = init_device_mesh(device.type, (ranks.world,))
     policy = mixed_precision if mixed_precision is not None else MixedPrecisionPolicy()
+    extra = {"ignored_params": set(ignored_params)} if ignored_params else {}
     for unit in model.shard_units():
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-    return fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, **extra)
+    return fully_shard(model, mesh=mesh, mp_policy=policy, **extra)
 
 
 def full_state(model, optimizer, is_sharded: bool, *, trainable_only: bool = False):

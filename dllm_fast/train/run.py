@@ -32,7 +32,7 @@ from dllm_fast.train.config import TrainConfig, check_block_length, micro_batchi
 from dllm_fast.train.data import PromptStream
 from dllm_fast.train.distributed import Ranks, data_parallel_wrapper, sharded
 from dllm_fast.train.expert_parallel import (ExpertGradients, check_expert_parallel, distribute, expert_group,
-                                             expert_parallel_note, ignore_experts_in_ddp)
+                                             expert_parallel_note, ignore_experts_in_ddp, shard_experts)
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
 from dllm_fast.train.pairs import PairSource, check_pairs_task
 from dllm_fast.train.precision import add_lora  # noqa: F401  (re-exported: the planner and tests import it here)
@@ -162,7 +162,8 @@ class Run:
         base = distribute(base, self.expert_group)
         if self.expert_group is not None:
             self.setup_notes.append(expert_parallel_note(base, self.expert_group, setup.generate_config.compile
-                                                         != config.generate_config(self.device.type).compile))
+                                                         != config.generate_config(self.device.type).compile,
+                                                         sharded=self.sharded))
         # The reference policy: the initial weights, frozen. With LoRA, the objective disables the adapters instead.
         # LoRA's initial adapters are drawn from --seed alone, the same on every rank: FSDP2 shards each rank's own
         # tensors (DDP would broadcast rank 0's), and the ranks' random streams (seeded by rank) go on untouched.
@@ -173,13 +174,16 @@ class Run:
         # Under FSDP2 the policy (a LoRA run's frozen base with its adapters) and the reference copy are sharded
         # alike, gathered in the compute dtype on CUDA; the reference trains nothing, so it has no optimizer state.
         mixed_precision = sharded_mixed_precision(self.precision, self.device.type)
-        if self.expert_group is not None:
+        if self.expert_group is not None and not self.sharded:
             ignore_experts_in_ddp(self.model)
+        # under FSDP2 a rank's routed experts are left whole, or sharded over their replicas (train/expert_parallel.py)
+        ignored = shard_experts(self.model, self.expert_group, mixed_precision) if self.sharded else set()
         self.model = data_parallel_wrapper(self.model, config.run.parallel, ranks, self.device,
-                                           mixed_precision=mixed_precision)
+                                           mixed_precision=mixed_precision, ignored_params=ignored)
         if self.sharded and self.ref_model is not None:
+            ignored = shard_experts(self.ref_model, self.expert_group, mixed_precision)
             self.ref_model = data_parallel_wrapper(self.ref_model, config.run.parallel, ranks, self.device,
-                                                   mixed_precision=mixed_precision)
+                                                   mixed_precision=mixed_precision, ignored_params=ignored)
         self.core = unwrap_model(self.model)
         self.rollout_weights = None  # under FSDP2: the gathered copy rollouts run on (train/rollout_weights.py)
         if self.sharded:
@@ -309,7 +313,8 @@ class Run:
 
     def update(self, batch: RolloutBatch, update: InnerUpdate) -> dict:
         """One inner update: the objective's gradient, clipping, an AdamW step and the schedule."""
-        clip = ExpertGradients(self.model, self.expert_group) if self.expert_group is not None else None
+        clip = (ExpertGradients(self.model, self.expert_group, sharded=self.sharded)
+                if self.expert_group is not None else None)
         optimization = train_step.Optimization(self.trainable, self.optimizer, self.config.optim.grad_clip,
                                                self.schedule, clip=clip)
         out, norm = train_step.run_update(self.objective, self.model, batch, update, batching=self.batching,
