@@ -156,7 +156,12 @@ def two_steps(config: TrainConfig, ranks) -> dict:
             "reference": run.ref_model is not None, "units_with_gradients": len(units), "notes": run.setup_notes}
 
 
-def worker(rank, world, lora, rendezvous, output_dir, result_path):
+LAUNCHES = {2: (False, True), 4: (True,)}  # the LoRA settings each world size's one launch runs
+
+
+def worker(rank, world, rendezvous, output_dir, result_path):
+    """Every case of LAUNCHES[world] in one process group (one launch a world size: CI's time); rank 0 saves
+    {lora: result}."""
     import torch.distributed as dist
 
     from dllm_fast.train.distributed import Ranks
@@ -165,7 +170,8 @@ def worker(rank, world, lora, rendezvous, output_dir, result_path):
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))  # a lost peer fails the collective, never hangs it
     try:
-        result = two_steps(run_config(output_dir, lora, groups=world), Ranks(rank, world))
+        result = {lora: two_steps(run_config(f"{output_dir}-{lora}", lora, groups=world), Ranks(rank, world))
+                  for lora in LAUNCHES[world]}
         if rank == 0:
             torch.save(result, result_path)
     finally:
@@ -176,18 +182,28 @@ def worker(rank, world, lora, rendezvous, output_dir, result_path):
     os._exit(0)
 
 
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """{world: rank 0's {lora: two_steps result}}, from one launch of gloo ranks per world size."""
+    results = {}
+    for world in LAUNCHES:
+        root = tmp_path_factory.mktemp(f"fsdp2_world{world}")
+        result = root / "rank0.pt"
+        run_ranks(worker, (world, str(root / "rendezvous"), str(root / "ranks"), str(result)), world,
+                  timeout_s=240 * world)  # a loaded 2-core runner: about 3 minutes for 2 ranks
+        results[world] = torch.load(result)
+    return results
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("world, lora", [(2, False), (2, True), (4, True)], ids=["full-2", "lora-2", "lora-4"])
-def test_fsdp2_ranks_equal_one_process_after_two_steps(tmp_path, world, lora):
+def test_fsdp2_ranks_equal_one_process_after_two_steps(launches, tmp_path, world, lora):
     """2 or 4 gloo ranks under FSDP2, full fine-tune (the reference a sharded frozen copy) and LoRA (the frozen base
     sharded, the reference the adapter-disabled policy): after two AdamW steps of 4 micro-batches an update (a group a rank), the
     trained weights equal one process's on the whole batch to 1e-10, and each micro-batch's backward
     reduce-scattered (more reduce-scatters than the units with gradients: never one accumulated whole)."""
-    result = tmp_path / "rank0.pt"
-    run_ranks(worker, (world, lora, str(tmp_path / "rendezvous"), str(tmp_path / "ranks"), str(result)), world,
-              timeout_s=180 * world)  # a loaded 2-core runner: about 3 minutes for 2 ranks
-    distributed = torch.load(result)
+    distributed = launches[world][lora]
     single = two_steps(run_config(tmp_path / "single", lora, groups=world), _one_process())
     assert distributed["reference"] == (not lora) and distributed["sharded_reference"] == (not lora)
     sharded = "the frozen base with its LoRA adapters" if lora else "the policy and the reference copy"

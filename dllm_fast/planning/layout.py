@@ -27,7 +27,7 @@ class ParallelSettings:
     """A step on `world` GPUs under torchrun, in `parallel`'s mode, as planned (every field a flag of `plan`):
 
     - gpus_per_node: GPUs a node (the link between two ranks is NVLink inside a node, the network between nodes);
-    - expert_parallel: ranks an expert group spans (inside a node), 1 for none;
+    - expert_parallel: ranks an expert group spans (inside a node, or its all-to-alls cross nodes), 1 for none;
     - fsdp_offload: FSDP2's CPUOffloadPolicy: sharded parameters, gradients and AdamW's state live on the host, the
       optimizer step runs there;
     - rollout_weights: "auto" (the rule of train/rollout_weights.py), "gathered" (a plain bf16 copy gathered once a
@@ -62,19 +62,13 @@ class ParallelSettings:
         if self.world > self.gpus_per_node and self.world % self.gpus_per_node:
             raise ValueError(f"--gpus {self.world} is not a whole number of nodes of --gpus-per-node "
                              f"{self.gpus_per_node}; torchrun starts the same number of ranks on every node.")
-        sharded_only = [flag for flag, on in (("--expert-parallel", self.expert_parallel > 1),
-                                              ("--fsdp-offload true", self.fsdp_offload)) if on]
-        if sharded_only and (self.world == 1 or self.parallel != "fsdp2"):
-            raise ValueError(f"{', '.join(sharded_only)} plans FSDP2 on several GPUs; add --parallel fsdp2 and "
-                             "--gpus N (N > 1).")
-        if self.expert_parallel > 1:
-            if self.world % self.expert_parallel:
+        if self.fsdp_offload and (self.world == 1 or self.parallel != "fsdp2"):
+            raise ValueError("--fsdp-offload true plans FSDP2 on several GPUs; add --parallel fsdp2 and --gpus N "
+                             "(N > 1).")
+        if self.expert_parallel > 1:  # under DDP or FSDP2, as train runs it (train/expert_parallel.py)
+            if self.world % self.expert_parallel:  # --gpus 1 included
                 raise ValueError(f"--expert-parallel {self.expert_parallel} must divide --gpus {self.world}: every "
                                  "rank belongs to one expert group.")
-            if self.expert_parallel > min(self.gpus_per_node, self.world):
-                raise ValueError(f"--expert-parallel {self.expert_parallel} spans more than a node of "
-                                 f"--gpus-per-node {self.gpus_per_node}; expert groups stay inside a node (their "
-                                 "all-to-alls run at every MoE layer of every forward).")
 
     @property
     def nodes(self) -> int:

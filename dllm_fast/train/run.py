@@ -59,9 +59,7 @@ class RunSetup:
                                    else ("cpu" if config.run.device == "auto" else config.run.device))
         if self.device.type == "cuda" and ranks.world > 1:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if config.run.prompts_per_step % ranks.world:
-            raise ValueError(f"--prompts-per-step {config.run.prompts_per_step} must be a multiple of the "
-                             f"{ranks.world} ranks: each rank rolls out its own complete prompt groups.")
+        check_parallel(config, None, ranks.world)
         self.share = ranks.share(config.run.prompts_per_step)
         self.sharded = sharded(config.run.parallel, ranks)
         if config.run.parallel == "fsdp2" and ranks.world == 1:  # said before the run starts, whatever --progress
@@ -74,9 +72,6 @@ class RunSetup:
             raise ValueError("--lora-merge-rollouts true under --parallel fsdp2 merges the adapters into the rollout "
                              "copy gathered once a step, which --rollout-weights sharded does without; use "
                              "--rollout-weights gathered (or auto), or --lora-merge-rollouts false.")
-        if self.sharded and config.rollout.threshold is not None:
-            raise ValueError("--threshold decoding takes a different number of model calls on each rank, which "
-                             "FSDP2's sharded forwards cannot; use a fixed schedule (--diffusion-steps) or DDP.")
         for name in (METRICS, PLOT, CONFIG, CHECKPOINT):  # a link out of the directory, or the wrong kind: refused
             run_dir.expect(name, directory=name == CHECKPOINT)
         previous_checkpoint(config, run_dir)
@@ -98,7 +93,7 @@ class RunSetup:
         # The model, its tokenizer and the task's prompts agree before any weight is read.
         self.source, self.tokenizer, skeleton = model_and_tokenizer_plan(config)
         check_sizes(config, skeleton, self.device, ranks, self.objective.needs_reference, self.precision)
-        check_expert_parallel(config, skeleton, ranks.world)
+        check_parallel(config, skeleton, ranks.world)
         if config.run.expert_parallel > 1 and self.generate_config.compile:  # --compile auto: eager all-to-alls
             self.generate_config = dataclasses.replace(self.generate_config, compile=False)
         check_block_length(config, skeleton)
@@ -325,6 +320,21 @@ class Run:
 
 # ---------------------------------------------------------------------------------------------------------
 # Setup helpers
+
+
+def check_parallel(config: TrainConfig, skeleton, world: int) -> None:
+    """Refuse, naming the flags, a --parallel / --expert-parallel the run cannot take on `world` ranks: prompts
+    that do not split over the ranks, threshold decoding under FSDP2, and what expert parallelism refuses
+    (train/expert_parallel.check_expert_parallel; with `skeleton`, the policy's, None before it is known). What
+    passes here is what the planner plans (python_tests/test_parallel_agreement.py)."""
+    if config.run.prompts_per_step % world:
+        raise ValueError(f"--prompts-per-step {config.run.prompts_per_step} must be a multiple of the "
+                         f"{world} ranks: each rank rolls out its own complete prompt groups.")
+    if sharded(config.run.parallel, Ranks(0, world)) and config.rollout.threshold is not None:
+        raise ValueError("--threshold decoding takes a different number of model calls on each rank, which "
+                         "FSDP2's sharded forwards cannot; use a fixed schedule (--diffusion-steps) or DDP.")
+    if skeleton is not None:
+        check_expert_parallel(config, skeleton, world)
 
 
 def previous_checkpoint(config: TrainConfig, run_dir: RunDirectory) -> bool:
