@@ -123,7 +123,8 @@ def _restore(run, directory: Path, state: dict) -> None:
         adapter = load_file(str(directory / "adapter" / "adapter_model.safetensors"), device=str(run.device))
         set_peft_model_state_dict(run.core, adapter)
     else:
-        saved = load_model(directory / "model", dtype=torch.float32, device="cpu").state_dict()
+        # in the dtype the weights train in (fp32 master weights; the exact tests' fp64), as they were saved
+        saved = load_model(directory / "model", dtype=run.precision.trainable, device="cpu").state_dict()
         experts = getattr(run, "expert_group", None)
         if experts is not None and run.sharded:  # --expert-parallel: this rank's slice of the whole experts
             saved = local_experts(saved, experts)
