@@ -35,7 +35,7 @@ FLAG = "--expert-parallel"
 def check_expert_parallel(config, model, world: int) -> None:
     """Refuse, naming the flag, an --expert-parallel the run cannot take: N must divide the ranks and the model's
     routed experts, the model must have routed experts, and the run must be one expert parallelism supports here
-    (DDP, eager rollouts on a fixed schedule). `model`: the policy's skeleton."""
+    (eager rollouts on a fixed schedule; --parallel ddp or fsdp2 alike). `model`: the policy's skeleton."""
     size = config.run.expert_parallel
     if size == 1:
         return
@@ -73,10 +73,8 @@ def expert_group(size: int, ranks, device: torch.device) -> ExpertGroup | None:
 
     mesh = init_device_mesh(device.type, (ranks.world // size, size), mesh_dim_names=("data", "expert"))
     replicas = ranks.world // size
-    group = ExpertGroup(size, mesh.get_local_rank("expert"), mesh.get_group("expert"),
-                        mesh.get_group("data") if replicas > 1 else None, replicas, ranks.world)
-    group.data_mesh = mesh["data"]
-    return group
+    return ExpertGroup(size, mesh.get_local_rank("expert"), mesh.get_group("expert"),
+                       mesh.get_group("data") if replicas > 1 else None, replicas, ranks.world, data_mesh=mesh["data"])
 
 
 def shard_experts(model, group: ExpertGroup | None, mixed_precision=None) -> set:
