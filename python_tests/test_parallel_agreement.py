@@ -3,6 +3,8 @@ train accepts (train/run.check_parallel, what RunSetup checks of them) the plann
 ParallelSettings as plan's flags build it, the rank's share of the prompts, the rank's model of its experts), and
 every one train refuses the planner refuses too."""
 
+import pytest
+
 from dllm_fast.train.config import TrainConfig
 
 COMBINATIONS = [(model, world, parallel, experts) for model in ("llada2-tiny", "sudoku4") for world in (1, 2, 4, 8)
@@ -29,6 +31,7 @@ def _outcome(check) -> str | None:
     return None
 
 
+@pytest.mark.slow  # about 15 s: two models' skeletons and 48 combinations
 def test_plan_and_train_accept_the_same_parallel_combinations():
     from dllm_fast.planning.layout import expert_rank_config
     from dllm_fast.planning.parallel import rank_config
