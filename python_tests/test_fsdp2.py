@@ -96,9 +96,12 @@ def test_merged_lora_rollouts_need_the_gathered_copy_under_fsdp2(tmp_path):
 
 def run_config(output_dir, lora: bool, groups: int) -> TrainConfig:
     """Two steps of ESPO with a KL term (beta > 0: a reference policy), 2 pairs a micro-batch (several backwards
-    an update), `groups` prompt groups a step, on the embedded default; LoRA of rank 3, whose A matrices FSDP2 shards unevenly (over 4 ranks one
+    an update), `groups` prompt groups a step, on the embedded default model (the made-up batches are its
+    rollouts; the synthetic task's 8 short prompts make a quick setup: the default task's thousands of prompts are
+    each tokenized at every run's setup); LoRA of rank 3, whose A matrices FSDP2 shards unevenly (over 4 ranks one
     rank holds none of their rows)."""
     return TrainConfig(output_dir=str(output_dir), objective="espo", objective_options={"n_t": 4, "beta": 0.05},
+                       task="synthetic", task_options={"prompt_length": P, "num_train": 8, "num_test": 1},
                        micro_batch=2, prompts_per_step=groups, group_size=G, steps=2, parallel="fsdp2",
                        lora=lora, lora_rank=3, lr=1e-2, device="cpu", threads=1, progress=False, plot=False,
                        eval_every=100, checkpoint_every=100, eval_examples=1)
