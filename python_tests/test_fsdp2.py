@@ -97,9 +97,12 @@ def test_merged_lora_rollouts_need_the_gathered_copy_under_fsdp2(tmp_path):
 
 def run_config(output_dir, lora: bool, groups: int) -> TrainConfig:
     """Two steps of ESPO with a KL term (beta > 0: a reference policy), 2 pairs a micro-batch (several backwards
-    an update), `groups` prompt groups a step, on the embedded default; LoRA of rank 3, whose A matrices FSDP2 shards unevenly (over 4 ranks one
+    an update), `groups` prompt groups a step, on the embedded default model (the made-up batches are its
+    rollouts; the synthetic task's 8 short prompts make a quick setup: the default task's thousands of prompts are
+    each tokenized at every run's setup); LoRA of rank 3, whose A matrices FSDP2 shards unevenly (over 4 ranks one
     rank holds none of their rows)."""
     return TrainConfig(output_dir=str(output_dir), objective="espo", objective_options={"n_t": 4, "beta": 0.05},
+                       task="synthetic", task_options={"prompt_length": P, "num_train": 8, "num_test": 1},
                        micro_batch=2, prompts_per_step=groups, group_size=G, steps=2, parallel="fsdp2",
                        lora=lora, lora_rank=3, lr=1e-2, device="cpu", threads=1, progress=False, plot=False,
                        eval_every=100, checkpoint_every=100, eval_examples=1)
@@ -134,6 +137,8 @@ def two_steps(config: TrainConfig, ranks) -> dict:
 
         torch.distributed.reduce_scatter_single = counted
     eos = run.core.eos_token_id
+    initial = {name: p.detach().clone() for name, p in run.core.named_parameters() if p.requires_grad} \
+        if ranks.world == 1 else None  # what the steps start from (one process's weights are whole)
     for step in range(2):
         batch = made_up_batch(step, config.run.prompts_per_step, 100, eos)
         # the masks of the whole batch, drawn once: each rank takes the rows of its groups
@@ -153,11 +158,17 @@ def two_steps(config: TrainConfig, ranks) -> dict:
         return group is not None and any(p.sharded_param.requires_grad for p in group.fsdp_params)
 
     units = [u for u in fsdp_units(run.model) if trains(u)]
-    return {"weights": weights, "reduce_scatters": len(reduce_scatters), "sharded_reference": sharded_reference,
+    return {"weights": weights, "initial": initial, "reduce_scatters": len(reduce_scatters),
+            "sharded_reference": sharded_reference,
             "reference": run.ref_model is not None, "units_with_gradients": len(units), "notes": run.setup_notes}
 
 
-def worker(rank, world, lora, rendezvous, output_dir, result_path):
+LAUNCHES = {2: (False, True), 4: (True,)}  # the LoRA settings each world size's one launch runs
+
+
+def worker(rank, world, rendezvous, output_dir, result_path):
+    """Every case of LAUNCHES[world] in one process group (one launch a world size: CI's time); rank 0 saves
+    {lora: result}."""
     import torch.distributed as dist
 
     from dllm_fast.train.distributed import Ranks
@@ -166,7 +177,8 @@ def worker(rank, world, lora, rendezvous, output_dir, result_path):
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))  # a lost peer fails the collective, never hangs it
     try:
-        result = two_steps(run_config(output_dir, lora, groups=world), Ranks(rank, world))
+        result = {lora: two_steps(run_config(f"{output_dir}-{lora}", lora, groups=world), Ranks(rank, world))
+                  for lora in LAUNCHES[world]}
         if rank == 0:
             torch.save(result, result_path)
     finally:
@@ -177,18 +189,28 @@ def worker(rank, world, lora, rendezvous, output_dir, result_path):
     os._exit(0)
 
 
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """{world: rank 0's {lora: two_steps result}}, from one launch of gloo ranks per world size."""
+    results = {}
+    for world in LAUNCHES:
+        root = tmp_path_factory.mktemp(f"fsdp2_world{world}")
+        result = root / "rank0.pt"
+        run_ranks(worker, (world, str(root / "rendezvous"), str(root / "ranks"), str(result)), world,
+                  timeout_s=240 * world)  # a loaded 2-core runner: about 3 minutes for 2 ranks
+        results[world] = torch.load(result)
+    return results
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("world, lora", [(2, False), (2, True), (4, True)], ids=["full-2", "lora-2", "lora-4"])
-def test_fsdp2_ranks_equal_one_process_after_two_steps(tmp_path, world, lora):
+def test_fsdp2_ranks_equal_one_process_after_two_steps(launches, tmp_path, world, lora):
     """2 or 4 gloo ranks under FSDP2, full fine-tune (the reference a sharded frozen copy) and LoRA (the frozen base
     sharded, the reference the adapter-disabled policy): after two AdamW steps of 4 micro-batches an update (a group a rank), the
     trained weights equal one process's on the whole batch to 1e-10, and each micro-batch's backward
     reduce-scattered (more reduce-scatters than the units with gradients: never one accumulated whole)."""
-    result = tmp_path / "rank0.pt"
-    run_ranks(worker, (world, lora, str(tmp_path / "rendezvous"), str(tmp_path / "ranks"), str(result)), world,
-              timeout_s=180 * world)  # a loaded 2-core runner: about 3 minutes for 2 ranks
-    distributed = torch.load(result)
+    distributed = launches[world][lora]
     single = two_steps(run_config(tmp_path / "single", lora, groups=world), _one_process())
     assert distributed["reference"] == (not lora) and distributed["sharded_reference"] == (not lora)
     sharded = "the frozen base with its LoRA adapters" if lora else "the policy and the reference copy"
@@ -198,7 +220,7 @@ def test_fsdp2_ranks_equal_one_process_after_two_steps(tmp_path, world, lora):
     # micro-batches of 2 make several backwards an update
     assert distributed["reduce_scatters"] >= 2 * 2 * distributed["units_with_gradients"] > 0
     assert distributed["weights"].keys() == single["weights"].keys()
-    initial = two_steps_initial(tmp_path / "initial", lora, world)
+    initial = single["initial"]
     moved = 0
     for name, want in single["weights"].items():
         torch.testing.assert_close(distributed["weights"][name], want, rtol=1e-10, atol=1e-12, msg=name)
@@ -210,16 +232,3 @@ def _one_process():
     from dllm_fast.train.distributed import Ranks
 
     return Ranks()
-
-
-def two_steps_initial(output_dir, lora: bool, groups: int) -> dict:
-    """The trainable weights a run of run_config starts from."""
-    from dllm_fast.train.run import Run, RunSetup
-    from dllm_fast.train.run_dir import RunDirectory
-
-    config, ranks = run_config(output_dir, lora, groups), _one_process()
-    run_dir = RunDirectory(config.run.output_dir, ranks)
-    setup = RunSetup(config, ranks, run_dir)
-    setup.precision = FP64
-    run = Run(config, ranks, run_dir, setup=setup)
-    return {name: p.detach().clone() for name, p in run.core.named_parameters() if p.requires_grad}

@@ -112,10 +112,11 @@ def test_offload_flags_need_fsdp2_and_a_reference_to_offload():
     TrainConfig(parallel="fsdp2", fsdp_offload=True, lora=True)
 
 
-def test_offload_is_refused_on_one_process_and_with_expert_parallelism(tmp_path):
-    """Nothing is sharded on one process, and expert parallelism places a rank's experts itself: refused before
-    anything is written."""
-    from dllm_fast.train.distributed import Ranks
+def test_offload_is_refused_on_one_process_and_under_one_expert_group(tmp_path):
+    """Nothing is sharded on one process, and one expert group keeps a rank's experts whole, outside FSDP2's shards:
+    refused before anything is written. Several groups shard the experts over their replicas: offloaded alike."""
+    from dllm_fast.planning.layout import ParallelSettings
+    from dllm_fast.train.distributed import Ranks, check_offload
     from dllm_fast.train.run import RunSetup
     from dllm_fast.train.run_dir import RunDirectory
 
@@ -124,10 +125,18 @@ def test_offload_is_refused_on_one_process_and_with_expert_parallelism(tmp_path)
                                          "process"):
         RunSetup(config, Ranks(), RunDirectory(config.run.output_dir, Ranks()))
     config = config.replace(expert_parallel=2, prompts_per_step=2)
-    with pytest.raises(ValueError, match="with --expert-parallel 2: a rank's routed experts are placed by expert "
-                                         "parallelism"):
+    with pytest.raises(ValueError, match="with --expert-parallel 2 on 2 ranks: one expert group keeps each rank's "
+                                         "routed experts whole"):
         RunSetup(config, Ranks(0, 2), RunDirectory(config.run.output_dir, Ranks(0, 2)))
     assert not (tmp_path / "run").exists()
+    check_offload(config, True, 4)  # two groups of two: the experts are FSDP2 shards over their replicas
+    for world, refused in ((2, True), (4, False)):  # the planner draws the same line
+        settings = dict(world=world, parallel="fsdp2", expert_parallel=2, fsdp_offload=True)
+        if refused:
+            with pytest.raises(ValueError, match="one expert group keeps each rank's routed experts whole"):
+                ParallelSettings(**settings)
+        else:
+            ParallelSettings(**settings)
 
 
 def test_the_wrapper_hands_fsdp2_the_offload_policy(monkeypatch):

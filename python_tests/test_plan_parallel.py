@@ -214,10 +214,32 @@ def test_ddp_keeps_whole_replicas_and_adds_the_buckets():
     assert out.communication["rollout"] == 0
 
 
+def test_ddp_with_expert_parallelism_prices_what_train_runs():
+    """DDP with expert groups of 2 on 4 ranks (train/expert_parallel.py: DDP ignores the routed experts): the
+    buckets and the update's all-reduce hold the 1,000 dense trained elements only, the optimizer step all-reduces
+    the rank's 800 expert elements over their 2 replicas, and every forward's MoE layers run the all-to-alls of
+    FSDP2's plan; an expert group spanning two nodes runs them at the network's bandwidth."""
+    phases = step()
+    out = per_gpu(phases, moe_layout(), ParallelSettings(world=4, parallel="ddp", expert_parallel=2), H200, SIZES)
+    assert phases["inner update"].memory["gradients"] == 5 + 1000 * 4
+    assert out.collectives["inner update"].all_reduce_bytes == 2 * 0.75 * 4000
+    optimizer = out.collectives["optimizer step"]
+    assert (optimizer.all_reduces, optimizer.all_reduce_bytes) == (1, 2 * 0.5 * 3200)
+    fsdp = run(moe_layout(), expert_parallel=2)[1]
+    for name in ("rollout", "inner update"):
+        ddp_moves, fsdp_moves = out.collectives[name], fsdp.collectives[name]
+        assert (ddp_moves.all_to_alls, ddp_moves.all_to_all_bytes) == (fsdp_moves.all_to_alls,
+                                                                       fsdp_moves.all_to_all_bytes) != (0, 0)
+    assert "DDP ignores them" in out.notes[0]
+    wide = per_gpu(step(), moe_layout(), ParallelSettings(world=16, parallel="ddp", expert_parallel=16), H200, SIZES)
+    update = wide.collectives["inner update"]
+    assert update.exposed == pytest.approx(update.all_to_all_bytes / NETWORK + update.all_to_alls * LATENCY["inter"])
+
+
 @pytest.mark.parametrize("settings, message", [
-    (dict(world=2, parallel="ddp", expert_parallel=2), "--expert-parallel plans FSDP2 on several GPUs"),
+    (dict(world=2, parallel="ddp", fsdp_offload=True), "--fsdp-offload true plans FSDP2 on several GPUs"),
     (dict(world=4, parallel="fsdp2", expert_parallel=3), "--expert-parallel 3 must divide --gpus 4"),
-    (dict(world=16, parallel="fsdp2", expert_parallel=16), "--expert-parallel 16 spans more than a node"),
+    (dict(world=1, parallel="ddp", expert_parallel=2), "--expert-parallel 2 must divide --gpus 1"),
     (dict(world=12, parallel="fsdp2"), "--gpus 12 is not a whole number of nodes of --gpus-per-node 8"),
     (dict(world=1, parallel="fsdp2", fsdp_offload=True), "--fsdp-offload true plans FSDP2 on several GPUs"),
     (dict(world=2, parallel="fsdp2", inter_node_bandwidth=0.0), "--inter-node-bandwidth 0.0 must be a positive"),

@@ -35,12 +35,14 @@ from dllm_fast.models.moe import Experts, MixtureOfExperts
 class ExpertGroup:
     """The ranks an expert group spans and the replicas of each of its ranks: `size` ranks in `group` (this one is
     `rank` in it), each expert replicated on the `replicas` ranks of `data_group` (one a group; None when there is
-    one group). `world`: the run's ranks. Shared, never copied, by the models built from one (a frozen reference's
-    deepcopy holds the same process groups)."""
+    one group). `world`: the run's ranks. data_mesh: the device mesh of this rank's replicas (FSDP2 shards its experts
+    over it when there are several; None otherwise). Shared, never copied, by the models built from one (a frozen
+    reference's deepcopy holds the same process groups)."""
 
-    def __init__(self, size: int, rank: int, group, data_group=None, replicas: int = 1, world: int | None = None):
+    def __init__(self, size: int, rank: int, group, data_group=None, replicas: int = 1, world: int | None = None,
+                 data_mesh=None):
         self.size, self.rank, self.group = size, rank, group
-        self.data_group, self.replicas = data_group, replicas
+        self.data_group, self.replicas, self.data_mesh = data_group, replicas, data_mesh
         self.world = size * replicas if world is None else world
 
     def __deepcopy__(self, memo):

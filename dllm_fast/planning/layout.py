@@ -27,7 +27,7 @@ class ParallelSettings:
     """A step on `world` GPUs under torchrun, in `parallel`'s mode, as planned (every field a flag of `plan`):
 
     - gpus_per_node: GPUs a node (the link between two ranks is NVLink inside a node, the network between nodes);
-    - expert_parallel: ranks an expert group spans (inside a node), 1 for none;
+    - expert_parallel: ranks an expert group spans (inside a node, or its all-to-alls cross nodes), 1 for none;
     - fsdp_offload: FSDP2's CPUOffloadPolicy: sharded parameters, gradients and AdamW's state live on the host, the
       optimizer step runs there (the reference copy's shards too);
     - reference_offload: the reference copy's shards alone on the host (CPUOffloadPolicy on the reference, verl's
@@ -65,20 +65,20 @@ class ParallelSettings:
         if self.world > self.gpus_per_node and self.world % self.gpus_per_node:
             raise ValueError(f"--gpus {self.world} is not a whole number of nodes of --gpus-per-node "
                              f"{self.gpus_per_node}; torchrun starts the same number of ranks on every node.")
-        sharded_only = [flag for flag, on in (("--expert-parallel", self.expert_parallel > 1),
-                                              ("--fsdp-offload true", self.fsdp_offload),
-                                              ("--reference-offload true", self.reference_offload)) if on]
-        if sharded_only and (self.world == 1 or self.parallel != "fsdp2"):
-            raise ValueError(f"{', '.join(sharded_only)} plans FSDP2 on several GPUs; add --parallel fsdp2 and "
+        offloads = [flag for flag, on in (("--fsdp-offload true", self.fsdp_offload),
+                                          ("--reference-offload true", self.reference_offload)) if on]
+        if offloads and (self.world == 1 or self.parallel != "fsdp2"):
+            raise ValueError(f"{', '.join(offloads)} plans FSDP2 on several GPUs; add --parallel fsdp2 and "
                              "--gpus N (N > 1).")
-        if self.expert_parallel > 1:
-            if self.world % self.expert_parallel:
+        if offloads and self.expert_parallel > 1 and self.expert_parallel == self.world:
+            raise ValueError(f"{', '.join(offloads)} with --expert-parallel {self.expert_parallel} on --gpus "
+                             f"{self.world}: one expert group keeps each rank's routed experts whole, outside FSDP2's "
+                             "shards, so they cannot be offloaded; use an --expert-parallel that leaves several groups "
+                             "(it must divide --gpus and be smaller), or no offload.")
+        if self.expert_parallel > 1:  # under DDP or FSDP2, as train runs it (train/expert_parallel.py)
+            if self.world % self.expert_parallel:  # --gpus 1 included
                 raise ValueError(f"--expert-parallel {self.expert_parallel} must divide --gpus {self.world}: every "
                                  "rank belongs to one expert group.")
-            if self.expert_parallel > min(self.gpus_per_node, self.world):
-                raise ValueError(f"--expert-parallel {self.expert_parallel} spans more than a node of "
-                                 f"--gpus-per-node {self.gpus_per_node}; expert groups stay inside a node (their "
-                                 "all-to-alls run at every MoE layer of every forward).")
 
     @property
     def reference_on_host(self) -> bool:

@@ -165,7 +165,7 @@ def per_gpu(phases: dict[str, PhasePlan], shape: Layout, settings: ParallelSetti
     out = ParallelPlan(settings)
     wire = links_of(gpu, settings) if gpu is not None else None
     if settings.parallel == "ddp":
-        _ddp(phases, shape, settings, sizes, wire, out)
+        _ddp(phases, shape, settings, sizes, wire, out, checkpointing)
         return out
     capacity = gpu.memory if gpu is not None else None
     rank_memory = {name: dict(phase.memory) for name, phase in phases.items()}
@@ -363,19 +363,7 @@ def _fsdp2_collectives(name: str, phase: PhasePlan, shape: Layout, settings: Par
     _sharded_collective(out, "reduce_scatter", settings, wire, shape.trained.dense * sizes.reduce,
                         shape.trained.experts * sizes.reduce, units=shape.units, times=calls["policy_grad"],
                         host=host((shape.trained, sizes.trained)))
-    if settings.expert_parallel > 1 and shape.moe_layers:
-        ranks = settings.expert_parallel
-        per_token = shape.top_k * shape.hidden * sizes.activation
-        # dispatch and combine at every MoE layer of a forward; a backward runs both again, a recompute once more
-        passes = {"policy": 2, "reference": 2, "policy_grad": 6 if checkpointing else 4}
-        for kind, count in passes.items():
-            if not calls[kind]:
-                continue
-            crossing = all_to_all(calls[kind + "_tokens"] * per_token, ranks) * shape.moe_layers * count
-            collectives = calls[kind] * shape.moe_layers * count
-            out.all_to_alls += collectives
-            out.all_to_all_bytes += crossing
-            out.exposed += wire.collective(crossing, ranks, count=collectives, across_nodes=False)
+    _all_to_alls(out, calls, shape, settings, sizes, wire, checkpointing)
     if _casts_experts(shape, settings, sizes):  # read fp32, write bf16, every forward (and back in a backward)
         from dllm_fast.planning.calibration import DEFAULT
 
@@ -386,6 +374,27 @@ def _fsdp2_collectives(name: str, phase: PhasePlan, shape: Layout, settings: Par
         ranks_a_node = min(settings.world, settings.gpus_per_node)
         out.exposed += phase.runs * elements * ADAMW_BYTES / (wire.host_memory / ranks_a_node)
     return out
+
+
+def _all_to_alls(out: Collectives, calls: dict, shape: Layout, settings: ParallelSettings, sizes: Sizes,
+                 wire: Links, checkpointing: bool) -> None:
+    """Expert parallelism's all-to-alls of a phase (under DDP and FSDP2 alike), exposed: dispatch and combine at
+    every MoE layer of a forward; a backward runs both again, a recompute once more. Inside a node unless an
+    expert group spans more than one."""
+    if settings.expert_parallel == 1 or not shape.moe_layers:
+        return
+    ranks = settings.expert_parallel
+    per_token = shape.top_k * shape.hidden * sizes.activation
+    passes = {"policy": 2, "reference": 2, "policy_grad": 6 if checkpointing else 4}
+    for kind, count in passes.items():
+        if not calls[kind]:
+            continue
+        crossing = all_to_all(calls[kind + "_tokens"] * per_token, ranks) * shape.moe_layers * count
+        collectives = calls[kind] * shape.moe_layers * count
+        out.all_to_alls += collectives
+        out.all_to_all_bytes += crossing
+        out.exposed += wire.collective(crossing, ranks, count=collectives,
+                                       across_nodes=ranks > settings.gpus_per_node)
 
 
 def _sharded_collective(out: Collectives, kind: str, settings: ParallelSettings, wire: Links, dense: float,
@@ -472,9 +481,14 @@ def _links_note(wire: Links, settings: ParallelSettings) -> str:
 # -- DDP ------------------------------------------------------------------------------------------------------
 
 def _ddp(phases, shape: Layout, settings: ParallelSettings, sizes: Sizes, wire: Links | None,
-         out: ParallelPlan) -> None:
-    trained = shape.trained.total * sizes.trained
-    world = settings.world
+         out: ParallelPlan, checkpointing: bool = False) -> None:
+    """DDP; with expert parallelism (train/expert_parallel.py) DDP ignores the routed experts (the rank's plan holds
+    its own E / N_e of them): the reducer's buckets and the all-reduce take the dense gradients, the experts'
+    gradients are all-reduced over their N / N_e replicas at the optimizer step, and the all-to-alls move tokens."""
+    experts = settings.expert_parallel > 1
+    trained = (shape.trained.dense if experts else shape.trained.total) * sizes.trained
+    expert_grads = shape.trained.experts * sizes.trained if experts else 0
+    world, replicas = settings.world, settings.world // settings.expert_parallel
     updates = phases[train_step.OPTIMIZER_STEP].runs
     for name, phase in phases.items():
         if not phase.runs:
@@ -489,12 +503,21 @@ def _ddp(phases, shape: Layout, settings: ParallelSettings, sizes: Sizes, wire: 
                 collectives.all_reduces = updates
                 collectives.all_reduce_bytes = 2 * all_gather(trained, world) * updates
                 collectives.overlapped = updates * wire.collective(2 * all_gather(trained, world), world)
+            if name == train_step.OPTIMIZER_STEP and expert_grads and replicas > 1:
+                collectives.all_reduces += phase.runs
+                collectives.all_reduce_bytes += 2 * all_gather(expert_grads, replicas) * phase.runs
+                collectives.exposed += phase.runs * wire.collective(2 * all_gather(expert_grads, replicas),
+                                                                    replicas, across_nodes=wire.spans_nodes(world))
+            _all_to_alls(collectives, phase.model_calls, shape, settings, sizes, wire, checkpointing)
             out.collectives[name] = collectives
-            phase.costs.closed += max(0.0, collectives.overlapped - phase.costs.seconds)
-    out.notes = [f"DDP on {world} GPUs: each rank plans its share of the prompts with the whole model; gradients "
-                 f"add the reducer's buckets, a copy of every trained gradient ({trained / 1e9:.2f} GB, DDP's "
-                 "default gradient_as_bucket_view=False); one all-reduce of the trained gradients per optimizer "
-                 "step (2 (N-1)/N of their bytes)"]
+            phase.costs.closed += max(0.0, collectives.overlapped - phase.costs.seconds) + collectives.exposed
+    out.notes = [f"DDP on {world} GPUs: each rank plans its share of the prompts with the whole model"
+                 + (f" but its E/{settings.expert_parallel} routed experts (DDP ignores them; their gradients are "
+                    f"all-reduced over their {replicas} replica{'s' if replicas > 1 else ''} at the optimizer step, "
+                    "tokens reach them by all-to-all)" if experts else "")
+                 + f"; gradients add the reducer's buckets, a copy of every {'dense ' if experts else ''}trained "
+                 f"gradient ({trained / 1e9:.2f} GB, DDP's default gradient_as_bucket_view=False); one all-reduce "
+                 "of them per optimizer step (2 (N-1)/N of their bytes)"]
     if wire is not None:
         out.notes.append(_links_note(wire, settings))
 

@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from dllm_fast.files import atomic_directory, disk_full, follow_umask, settled_directory, write_text_atomic
+from dllm_fast.models.expert_parallel import local_experts
 from dllm_fast.models.loading import family_of, load_model
 from dllm_fast.train.settings import AUTO
 from dllm_fast.train.distributed import full_state, set_full_state
-from dllm_fast.train.expert_parallel import local_state, whole_state
+from dllm_fast.train.expert_parallel import local_sharded_state, local_state, whole_sharded_state, whole_state
 from dllm_fast.train.resume import CONFIG, saved_config
 
 CHECKPOINT = "checkpoint"
@@ -40,7 +41,11 @@ def save_checkpoint(run) -> None:
                                               trainable_only=run.config.lora.enabled)
     experts = getattr(run, "expert_group", None)
     if experts is not None and not run.config.lora.enabled:  # --expert-parallel: the experts in the whole layout
-        model_state, optimizer_state = whole_state(run.core, run.optimizer, experts)
+        if run.sharded:
+            model_state, optimizer_state = whole_sharded_state(run.core, run.optimizer, model_state,
+                                                               optimizer_state, experts, run.ranks.writer)
+        else:
+            model_state, optimizer_state = whole_state(run.core, run.optimizer, experts)
     streams = run.ranks.gather({"rng": rng_state(run.device), "rollout_generator": run.rollout_generator.get_state(),
                                 "mask_generator": run.mask_generator.get_state()})
     if run.ranks.writer:
@@ -118,9 +123,13 @@ def _restore(run, directory: Path, state: dict) -> None:
         adapter = load_file(str(directory / "adapter" / "adapter_model.safetensors"), device=str(run.device))
         set_peft_model_state_dict(run.core, adapter)
     else:
-        saved = load_model(directory / "model", dtype=torch.float32, device="cpu").state_dict()
+        # in the dtype the weights train in (fp32 master weights; the exact tests' fp64), as they were saved
+        saved = load_model(directory / "model", dtype=run.precision.trainable, device="cpu").state_dict()
         experts = getattr(run, "expert_group", None)
-        if experts is not None:  # --expert-parallel: this rank's slice of the whole experts
+        if experts is not None and run.sharded:  # --expert-parallel: this rank's slice of the whole experts
+            saved = local_experts(saved, experts)
+            optimizer_state = local_sharded_state(run.core, optimizer_state, experts)
+        elif experts is not None:
             saved, optimizer_state = local_state(run.core, run.optimizer, saved, optimizer_state, experts)
         set_full_state(run.core, run.optimizer, saved, optimizer_state, run.sharded)
     if not run.sharded:

@@ -98,9 +98,9 @@ def sharded(parallel: str, ranks: Ranks) -> bool:
     return ranks.world > 1 and parallel == "fsdp2"
 
 
-def check_offload(config, is_sharded: bool) -> None:
+def check_offload(config, is_sharded: bool, world: int) -> None:
     """--fsdp-offload and --reference-offload place FSDP2's shards on the host: refused, naming the flag, where
-    nothing is sharded (one process), and with expert parallelism (whose routed experts it places itself)."""
+    nothing is sharded (one process), and under one expert group (whose whole routed experts are not FSDP2's)."""
     flags = [flag for flag, on in (("--fsdp-offload", config.run.fsdp_offload),
                                    ("--reference-offload", config.run.reference_offload)) if on]
     if not flags:
@@ -109,10 +109,11 @@ def check_offload(config, is_sharded: bool) -> None:
         raise ValueError(f"{' and '.join(flags)} true offload FSDP2's shards to the host, and this is one process: "
                          "nothing is sharded. Launch under torchrun (`torchrun --nproc-per-node N -m dllm_fast train "
                          "--parallel fsdp2 ...`), or leave them false.")
-    if config.run.expert_parallel > 1:  # train/expert_parallel.py places them, without an offload policy
-        raise ValueError(f"{' and '.join(flags)} true with --expert-parallel {config.run.expert_parallel}: a rank's "
-                         "routed experts are placed by expert parallelism, not offloaded with the other shards; "
-                         "leave one of them off.")
+    if config.run.expert_parallel > 1 and config.run.expert_parallel == world:
+        raise ValueError(f"{' and '.join(flags)} true with --expert-parallel {config.run.expert_parallel} on "
+                         f"{world} ranks: one expert group keeps each rank's routed experts whole, outside FSDP2's "
+                         "shards, so they cannot be offloaded; use an --expert-parallel that leaves several groups "
+                         "(a divisor of the ranks smaller than them), or leave the offload off.")
 
 
 def offload_policy(device: torch.device, offload: bool):
@@ -124,13 +125,15 @@ def offload_policy(device: torch.device, offload: bool):
 
 
 def data_parallel_wrapper(model, parallel: str, ranks: Ranks, device: torch.device, *, mixed_precision=None,
-                          offload: bool = False):
+                          offload: bool = False, ignored_params: set | None = None):
     """The model as every rank trains it: unchanged for one process, DDP, or FSDP2 (each of the model's
     `shard_units()`, then the root, whose unit holds the rest). mixed_precision: FSDP2's MixedPrecisionPolicy
     (train/precision.sharded_mixed_precision; None: each weight gathered in its own dtype). offload: FSDP2's
     CPUOffloadPolicy (`offload_policy`), the shards (and their gradients) in host memory, pinned on CUDA, each unit
     copied to `device` when it is gathered; on CPU they are where they were (the same numbers). A model without
-    trainable weights (the reference copy) is sharded alike and holds no gradient."""
+    trainable weights (the reference copy) is sharded alike and holds no gradient. ignored_params: parameters
+    FSDP2 leaves whole on each rank (expert parallelism's routed experts, each rank's own:
+    train/expert_parallel.py); modules already sharded (fully_shard on another mesh) keep their own units."""
     if ranks.world == 1:
         return model
     if parallel == "ddp":
@@ -142,9 +145,10 @@ def data_parallel_wrapper(model, parallel: str, ranks: Ranks, device: torch.devi
     mesh = init_device_mesh(device.type, (ranks.world,))
     policy = mixed_precision if mixed_precision is not None else MixedPrecisionPolicy()
     placement = offload_policy(device, offload)
+    extra = {"ignored_params": set(ignored_params)} if ignored_params else {}
     for unit in model.shard_units():
-        fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=placement)
-    return fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=placement)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=placement, **extra)
+    return fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=placement, **extra)
 
 
 def full_state(model, optimizer, is_sharded: bool, *, trainable_only: bool = False):

@@ -3,13 +3,22 @@
 - The mesh: the ranks as a 2-D device mesh ("data", "expert") of world / N by N (init_device_mesh); an expert
   group is N consecutive ranks (inside a node under torchrun), and each rank's experts are replicated on the
   world / N ranks of its "data" column.
-- Data parallelism: DDP over everything but the routed experts (DDP ignores them: it would broadcast rank 0's and
-  average them). A rank's experts receive, through the all-to-all's backward, the gradients of the losses of every
-  rank of its group; `clip_gradients` sums them over the replicas and divides by the world size (what DDP's
-  average gives the dense weights), then clips by the norm over every parameter of the run (each expert counted
-  once) before the optimizer steps. FSDP2 with expert parallelism is refused for now (`check_expert_parallel`).
+- Data parallelism under --parallel ddp: DDP over everything but the routed experts (DDP ignores them: it would
+  broadcast rank 0's and average them). A rank's experts receive, through the all-to-all's backward, the gradients
+  of the losses of every rank of its group; `ExpertGradients` sums them over the replicas and divides by the world
+  size (what DDP's average gives the dense weights), then clips by the norm over every parameter of the run (each
+  expert counted once) before the optimizer steps.
+- Under --parallel fsdp2 (`shard_experts`): FSDP2 shards everything but the routed experts over all the ranks.
+  With one expert group (N = world) the experts are FSDP2's `ignored_params`, whole on their rank, and their
+  gradients are handled as under DDP (divided by the world size). With several (N < world) each rank's experts are
+  a unit of their own, sharded over its "data" column of replicas (fully_shard on mesh["data"]), whose reduce-
+  scatter sums the replicas' gradients and divides by the world size (set_gradient_divide_factor), so the average
+  is the single process's. The clipping norm sums every rank's local squares (dense shards, expert shards or
+  whole local experts: each element lives on exactly one rank) in one all-reduce.
 - Checkpoints: the experts are gathered into the whole layout (the official per-expert checkpoint and whole AdamW
-  state), and a resumed run cuts its own slice again.
+  state), and a resumed run cuts its own slice again (and FSDP2 re-shards it). A checkpoint resumes on the world
+  size and --expert-parallel it was written with (train/checkpoint.py and train/resume.py refuse others, naming
+  both).
 - Metrics: `expert_rank_load_max`, the busiest expert rank's rows over the mean rank's, beside the router's balance.
 """
 
@@ -26,7 +35,7 @@ FLAG = "--expert-parallel"
 def check_expert_parallel(config, model, world: int) -> None:
     """Refuse, naming the flag, an --expert-parallel the run cannot take: N must divide the ranks and the model's
     routed experts, the model must have routed experts, and the run must be one expert parallelism supports here
-    (DDP, eager rollouts on a fixed schedule). `model`: the policy's skeleton."""
+    (eager rollouts on a fixed schedule; --parallel ddp or fsdp2 alike). `model`: the policy's skeleton."""
     size = config.run.expert_parallel
     if size == 1:
         return
@@ -40,9 +49,6 @@ def check_expert_parallel(config, model, world: int) -> None:
     if experts % size:
         raise ValueError(f"{FLAG} {size} must divide the model's {experts} routed experts (each rank of a group "
                          "holds an equal share).")
-    if config.run.parallel != "ddp":
-        raise ValueError(f"{FLAG} {size} runs with --parallel ddp (DDP over the dense weights, the experts split "
-                         "over each expert group); --parallel fsdp2 with expert parallelism is not supported yet.")
     if config.rollout.compile is True:
         raise ValueError(f"{FLAG} {size}: the expert all-to-alls run eagerly (their sizes are read on the host); "
                          "use --compile false or auto.")
@@ -59,7 +65,8 @@ def _moe_layers(model):
 
 
 def expert_group(size: int, ranks, device: torch.device) -> ExpertGroup | None:
-    """This rank's ExpertGroup on the ("data", "expert") mesh of the run's ranks, or None for size 1."""
+    """This rank's ExpertGroup on the ("data", "expert") mesh of the run's ranks, or None for size 1. Its
+    `data_mesh` is the mesh's "data" column (the replicas of this rank's experts), over which FSDP2 shards them."""
     if size == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
@@ -67,7 +74,32 @@ def expert_group(size: int, ranks, device: torch.device) -> ExpertGroup | None:
     mesh = init_device_mesh(device.type, (ranks.world // size, size), mesh_dim_names=("data", "expert"))
     replicas = ranks.world // size
     return ExpertGroup(size, mesh.get_local_rank("expert"), mesh.get_group("expert"),
-                       mesh.get_group("data") if replicas > 1 else None, replicas, ranks.world)
+                       mesh.get_group("data") if replicas > 1 else None, replicas, ranks.world, data_mesh=mesh["data"])
+
+
+def shard_experts(model, group: ExpertGroup | None, mixed_precision=None, device=None, offload: bool = False) -> set:
+    """Under --parallel fsdp2, before the rest of `model` is sharded (train/distributed.data_parallel_wrapper):
+    each rank's routed experts sharded over their replicas (several expert groups), or left whole (one group).
+    offload: their shards on the host (FSDP2's CPUOffloadPolicy, as train/distributed.offload_policy places the rest;
+    whole experts cannot be, which train/distributed.check_offload refuses). Returns the parameters the rest's
+    fully_shard must ignore (the whole experts; empty otherwise)."""
+    if group is None:
+        return set()
+    layers = expert_parallel_modules(model)
+    if group.replicas == 1:
+        return {p for m in layers for p in m.parameters()}
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from dllm_fast.train.distributed import offload_policy
+
+    policy = mixed_precision if mixed_precision is not None else MixedPrecisionPolicy()
+    placement = offload_policy(device if device is not None else torch.device("cpu"), offload)
+    for layer in layers:
+        fully_shard(layer, mesh=group.data_mesh, mp_policy=policy, offload_policy=placement)
+        # the reduce-scatter sums over the replicas; each rank's gradient already holds its group's losses, so
+        # dividing by every rank gives the single process's mean (the dense weights' average over the world)
+        layer.set_gradient_divide_factor(float(group.world))
+    return set()
 
 
 def distribute(model, group: ExpertGroup | None):
@@ -75,13 +107,21 @@ def distribute(model, group: ExpertGroup | None):
     return model if group is None else distribute_experts(model, group)
 
 
-def expert_parallel_note(model, group: ExpertGroup, uncompiled: bool) -> str:
-    """The setup line of a run under expert parallelism (uncompiled: --compile auto left the rollouts eager)."""
+def expert_parallel_note(model, group: ExpertGroup, uncompiled: bool, sharded: bool = False) -> str:
+    """The setup line of a run under expert parallelism (uncompiled: --compile auto left the rollouts eager;
+    sharded: under FSDP2)."""
     layer = expert_parallel_modules(model)[0]
     return (f"--expert-parallel {group.size}: each rank holds {layer.local_experts} of the {layer.num_experts} "
             f"routed experts of every MoE layer ({group.replicas} expert group{'s' if group.replicas > 1 else ''} of "
-            f"{group.size} ranks; tokens move to their experts by all-to-all, DDP averages the rest)"
+            f"{group.size} ranks; tokens move to their experts by all-to-all, "
+            + (_fsdp2_experts(group) if sharded else "DDP averages the rest") + ")"
             + ("; rollouts eager (--compile auto)" if uncompiled else ""))
+
+
+def _fsdp2_experts(group: ExpertGroup) -> str:
+    if group.replicas == 1:
+        return "FSDP2 shards the rest; each rank's experts stay whole on it"
+    return f"FSDP2 shards the rest; each rank's experts are sharded over their {group.replicas} replicas"
 
 
 def ignore_experts_in_ddp(model) -> None:
@@ -101,14 +141,16 @@ class ExpertGradients:
     docstring): called as torch.nn.utils.clip_grad_norm_(parameters, max_norm), it returns the norm before
     clipping."""
 
-    def __init__(self, model, group: ExpertGroup):
-        self.group, self.experts = group, _expert_parameter_ids(model)
+    def __init__(self, model, group: ExpertGroup, sharded: bool = False):
+        self.group, self.experts, self.sharded = group, _expert_parameter_ids(model), sharded
 
     @torch.no_grad()
     def __call__(self, parameters, max_norm: float) -> torch.Tensor:
         import torch.distributed as dist
 
         parameters = [p for p in parameters if p.requires_grad]
+        if self.sharded:
+            return self._sharded(parameters, max_norm)
         experts = [p for p in parameters if id(p) in self.experts]
         for p in experts:
             if p.grad is None:  # no row reached this rank's experts: its share of the sum is zero
@@ -135,6 +177,47 @@ class ExpertGradients:
         return norm
 
 
+    def _sharded(self, parameters, max_norm: float) -> torch.Tensor:
+        """Under FSDP2: the whole experts' gradients divided by the world size (FSDP2's reduce-scatter did it for
+        the dense weights and for experts sharded over their replicas), then the norm over every rank's local
+        elements, each counted once, in one all-reduce over the run's ranks."""
+        import torch.distributed as dist
+
+        for p in parameters:
+            if id(p) in self.experts and not _is_dtensor(p):
+                if p.grad is None:  # no row reached this rank's experts: its share of the sum is zero
+                    p.grad = torch.zeros_like(p)
+                p.grad.div_(self.group.world)
+        grads = [_local(p.grad) for p in parameters if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        reference = grads[0]
+        square = sum((torch.linalg.vector_norm(g).to(reference.dtype) ** 2 for g in grads),
+                     torch.zeros((), dtype=reference.dtype, device=reference.device))
+        dist.all_reduce(square)
+        norm = torch.sqrt(square)
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s rule
+        for g in grads:
+            g.mul_(coefficient.to(g.dtype))
+        return norm
+
+
+def _is_dtensor(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: writing it writes the DTensor), or the tensor itself."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def _whole_local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's whole slice of experts: an FSDP2 shard over the replicas all-gathered, or the tensor itself."""
+    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
+
+
 # -- checkpoints ------------------------------------------------------------------------------------------------
 
 def whole_state(model, optimizer, group: ExpertGroup) -> tuple[dict, dict]:
@@ -145,6 +228,39 @@ def whole_state(model, optimizer, group: ExpertGroup) -> tuple[dict, dict]:
     for name in [n for n, p in model.named_parameters() if id(p) in experts]:
         state[name] = whole_experts(state[name], group).cpu()
     return state, _optimizer_state(optimizer, experts, lambda value: whole_experts(value, group).cpu())
+
+
+def whole_sharded_state(model, optimizer, model_state: dict, optimizer_state: dict, group: ExpertGroup,
+                        writer: bool) -> tuple[dict, dict]:
+    """Under FSDP2: the whole states train/distributed.full_state gathered (rank 0's; keyed by parameter name)
+    with the experts gathered from every rank into the whole layout (every rank of the run calls it, in the same
+    order; the writer's dicts are completed, the others' returned as they are)."""
+    named = [(name, p) for name, p in model.named_parameters() if id(p) in _expert_parameter_ids(model)]
+    for name, parameter in named:
+        whole = whole_experts(_whole_local(parameter.detach()), group).cpu()
+        if writer:
+            model_state[name] = whole
+        entry = optimizer.state.get(parameter, {})
+        for key in sorted(entry):
+            value = entry[key]
+            if torch.is_tensor(value) and value.dim() > 0:
+                gathered = whole_experts(_whole_local(value), group).cpu()
+                if writer:
+                    optimizer_state["state"][name][key] = gathered
+    return model_state, optimizer_state
+
+
+def local_sharded_state(model, optimizer_state: dict, group: ExpertGroup) -> dict:
+    """The inverse of whole_sharded_state for the optimizer (keyed by parameter name): the experts' entries cut
+    to this rank's slice (FSDP2 re-shards them over the replicas as it loads them)."""
+    names = {name for name, p in model.named_parameters() if id(p) in _expert_parameter_ids(model)}
+    state = {}
+    for name, entry in optimizer_state["state"].items():
+        if name in names:
+            entry = {key: (value[group.experts_of(value.shape[0])].clone()
+                           if torch.is_tensor(value) and value.dim() > 0 else value) for key, value in entry.items()}
+        state[name] = entry
+    return {**optimizer_state, "state": state}
 
 
 def local_state(model, optimizer, model_state: dict, optimizer_state: dict, group: ExpertGroup) -> tuple[dict,

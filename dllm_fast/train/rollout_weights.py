@@ -22,12 +22,12 @@ place next step: the same addresses, so a compiled rollout's CUDA graphs replay)
 after each rollout and allocated again at the next. Unmeasured (CPU), it is freed.
 
 Expert parallelism (the seam): modules that `shared(module)` names (by default those whose `rollout_shared`
-attribute is true) are not copied; the copy calls the policy's own modules. Under expert parallelism these are the
-routed experts (`Experts`), which each rank holds itself (E / N_e of them) and whose forward runs the all-to-alls:
-the copy then holds the dense weights only. A shared module must hold its parameters whole on the rank at rollout
-time (not as FSDP2 shards): where experts are also sharded across nodes (world > N_e), its expert-parallel wrapper
-unshards them for the rollout (or leaves them to this copy by not naming them shared). `GatheredWeights` refuses a
-shared module with sharded parameters.
+attribute is true and whose parameters are whole) are not copied; the copy calls the policy's own modules. Under
+expert parallelism with one expert group these are the routed experts (`Experts`), which each rank holds itself
+(E / N_e of them) and whose forward runs the all-to-alls: the copy then holds the dense weights only. With several
+groups (world > N_e) FSDP2 shards a rank's experts over their replicas: the copy then gathers them like the rest
+(one all-gather of their unit a step) and its plain copy of the expert module runs the same all-to-alls.
+`GatheredWeights` refuses a shared module with sharded parameters (a `shared` predicate that names one).
 
 On one process (no FSDP2) nothing changes: the rollout runs on the policy (or merged_lora's copy), as before.
 """
@@ -45,8 +45,10 @@ from dllm_fast.train.rollout_rule import ROLLOUT_MARGIN, PATHS, keep_copy, rollo
 
 def shared_with_the_copy(module: nn.Module) -> bool:
     """The seam's default: a module whose `rollout_shared` attribute is true (an expert-parallel wrapper of a rank's
-    own routed experts) is called by the copy as it is."""
-    return bool(getattr(module, "rollout_shared", False))
+    own routed experts) is called by the copy as it is, when it holds its parameters whole; sharded by FSDP2 (a
+    rank's experts over their replicas, when there are several expert groups) the copy holds them gathered, like
+    the dense weights, and its copy of the module runs the same all-to-alls."""
+    return bool(getattr(module, "rollout_shared", False)) and not any(_is_sharded(p) for p in module.parameters())
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:

@@ -32,7 +32,7 @@ from dllm_fast.train.config import TrainConfig, check_block_length, micro_batchi
 from dllm_fast.train.data import PromptStream
 from dllm_fast.train.distributed import Ranks, check_offload, data_parallel_wrapper, sharded
 from dllm_fast.train.expert_parallel import (ExpertGradients, check_expert_parallel, distribute, expert_group,
-                                             expert_parallel_note, ignore_experts_in_ddp)
+                                             expert_parallel_note, ignore_experts_in_ddp, shard_experts)
 from dllm_fast.train.metrics import METRICS, PLOT, MetricsLog
 from dllm_fast.train.optimizer import build_adamw
 from dllm_fast.train.pairs import PairSource, check_pairs_task
@@ -61,12 +61,10 @@ class RunSetup:
                                    else ("cpu" if config.run.device == "auto" else config.run.device))
         if self.device.type == "cuda" and ranks.world > 1:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if config.run.prompts_per_step % ranks.world:
-            raise ValueError(f"--prompts-per-step {config.run.prompts_per_step} must be a multiple of the "
-                             f"{ranks.world} ranks: each rank rolls out its own complete prompt groups.")
+        check_parallel(config, None, ranks.world)
         self.share = ranks.share(config.run.prompts_per_step)
         self.sharded = sharded(config.run.parallel, ranks)
-        check_offload(config, self.sharded)
+        check_offload(config, self.sharded, ranks.world)
         if config.run.parallel == "fsdp2" and ranks.world == 1:  # said before the run starts, whatever --progress
             warnings.warn("--parallel fsdp2 shards the weights across torchrun's ranks, and this is one process (not "
                           "under torchrun, or one rank): the run trains unsharded, as one process does under any "
@@ -77,9 +75,6 @@ class RunSetup:
             raise ValueError("--lora-merge-rollouts true under --parallel fsdp2 merges the adapters into the rollout "
                              "copy gathered once a step, which --rollout-weights sharded does without; use "
                              "--rollout-weights gathered (or auto), or --lora-merge-rollouts false.")
-        if self.sharded and config.rollout.threshold is not None:
-            raise ValueError("--threshold decoding takes a different number of model calls on each rank, which "
-                             "FSDP2's sharded forwards cannot; use a fixed schedule (--diffusion-steps) or DDP.")
         for name in (METRICS, PLOT, CONFIG, CHECKPOINT):  # a link out of the directory, or the wrong kind: refused
             run_dir.expect(name, directory=name == CHECKPOINT)
         previous_checkpoint(config, run_dir)
@@ -101,7 +96,7 @@ class RunSetup:
         # The model, its tokenizer and the task's prompts agree before any weight is read.
         self.source, self.tokenizer, skeleton = model_and_tokenizer_plan(config)
         check_sizes(config, skeleton, self.device, ranks, self.objective.needs_reference, self.precision)
-        check_expert_parallel(config, skeleton, ranks.world)
+        check_parallel(config, skeleton, ranks.world)
         if config.run.expert_parallel > 1 and self.generate_config.compile:  # --compile auto: eager all-to-alls
             self.generate_config = dataclasses.replace(self.generate_config, compile=False)
         check_block_length(config, skeleton)
@@ -165,7 +160,8 @@ class Run:
         base = distribute(base, self.expert_group)
         if self.expert_group is not None:
             self.setup_notes.append(expert_parallel_note(base, self.expert_group, setup.generate_config.compile
-                                                         != config.generate_config(self.device.type).compile))
+                                                         != config.generate_config(self.device.type).compile,
+                                                         sharded=self.sharded))
         # The reference policy: the initial weights, frozen. With LoRA, the objective disables the adapters instead.
         # LoRA's initial adapters are drawn from --seed alone, the same on every rank: FSDP2 shards each rank's own
         # tensors (DDP would broadcast rank 0's), and the ranks' random streams (seeded by rank) go on untouched.
@@ -176,15 +172,21 @@ class Run:
         # Under FSDP2 the policy (a LoRA run's frozen base with its adapters) and the reference copy are sharded
         # alike, gathered in the compute dtype on CUDA; the reference trains nothing, so it has no optimizer state.
         mixed_precision = sharded_mixed_precision(self.precision, self.device.type)
-        if self.expert_group is not None:
+        if self.expert_group is not None and not self.sharded:
             ignore_experts_in_ddp(self.model)
+        # under FSDP2 a rank's routed experts are left whole, or sharded over their replicas (train/expert_parallel.py);
         # --fsdp-offload: the policy's shards on the host; --reference-offload: the reference's (no optimizer state)
+        offload = config.run.fsdp_offload
+        ignored = shard_experts(self.model, self.expert_group, mixed_precision, self.device, offload) \
+            if self.sharded else set()
         self.model = data_parallel_wrapper(self.model, config.run.parallel, ranks, self.device,
-                                           mixed_precision=mixed_precision, offload=config.run.fsdp_offload)
+                                           mixed_precision=mixed_precision, offload=offload, ignored_params=ignored)
         if self.sharded and self.ref_model is not None:
+            reference_offload = config.run.fsdp_offload or config.run.reference_offload
+            ignored = shard_experts(self.ref_model, self.expert_group, mixed_precision, self.device, reference_offload)
             self.ref_model = data_parallel_wrapper(self.ref_model, config.run.parallel, ranks, self.device,
-                                                   mixed_precision=mixed_precision,
-                                                   offload=config.run.fsdp_offload or config.run.reference_offload)
+                                                   mixed_precision=mixed_precision, offload=reference_offload,
+                                                   ignored_params=ignored)
         self.core = unwrap_model(self.model)
         self.rollout_weights = None  # under FSDP2: the gathered copy rollouts run on (train/rollout_weights.py)
         if self.sharded:
@@ -313,7 +315,8 @@ class Run:
 
     def update(self, batch: RolloutBatch, update: InnerUpdate) -> dict:
         """One inner update: the objective's gradient, clipping, an AdamW step and the schedule."""
-        clip = ExpertGradients(self.model, self.expert_group) if self.expert_group is not None else None
+        clip = (ExpertGradients(self.model, self.expert_group, sharded=self.sharded)
+                if self.expert_group is not None else None)
         optimization = train_step.Optimization(self.trainable, self.optimizer, self.config.optim.grad_clip,
                                                self.schedule, clip=clip)
         out, norm = train_step.run_update(self.objective, self.model, batch, update, batching=self.batching,
@@ -324,6 +327,21 @@ class Run:
 
 # ---------------------------------------------------------------------------------------------------------
 # Setup helpers
+
+
+def check_parallel(config: TrainConfig, skeleton, world: int) -> None:
+    """Refuse, naming the flags, a --parallel / --expert-parallel the run cannot take on `world` ranks: prompts
+    that do not split over the ranks, threshold decoding under FSDP2, and what expert parallelism refuses
+    (train/expert_parallel.check_expert_parallel; with `skeleton`, the policy's, None before it is known). What
+    passes here is what the planner plans (python_tests/test_parallel_agreement.py)."""
+    if config.run.prompts_per_step % world:
+        raise ValueError(f"--prompts-per-step {config.run.prompts_per_step} must be a multiple of the "
+                         f"{world} ranks: each rank rolls out its own complete prompt groups.")
+    if sharded(config.run.parallel, Ranks(0, world)) and config.rollout.threshold is not None:
+        raise ValueError("--threshold decoding takes a different number of model calls on each rank, which "
+                         "FSDP2's sharded forwards cannot; use a fixed schedule (--diffusion-steps) or DDP.")
+    if skeleton is not None:
+        check_expert_parallel(config, skeleton, world)
 
 
 def previous_checkpoint(config: TrainConfig, run_dir: RunDirectory) -> bool:
