@@ -135,13 +135,14 @@ def test_the_engine_gradient_equals_fp64_autograd_through_per_block_scoring(sepa
 
 @pytest.mark.slow
 def test_memory_is_flat_in_n_t():
-    """The engine's peak at n_t = 32 is at most 1.05 times its peak at n_t = 1 (torch's allocator, as
-    test_likelihood_memory measures it): the gradients and one micro-batch's two-stream graph, whatever n_t."""
+    """The engine's peak at n_t = 8 is at most 1.05 times its peak at n_t = 1 (torch's allocator, as
+    test_likelihood_memory measures it): the gradients and one micro-batch's two-stream graph, whatever n_t. (8 draws
+    against 1: a graph or a buffer kept per draw, or per micro-batch, would be at least 8 of them.)"""
     model = sdar(dtype=torch.float32, vocab_size=16384, mask_token_id=16383, eos_token_id=16382, eot_token_id=None)
     sequences = torch.randint(0, 16000, (N, P + L), generator=torch.Generator().manual_seed(0))
     advantages = torch.tensor([1.0, -0.5, 0.25, -0.75])
     peaks = {}
-    for n_t in (1, 32):
+    for n_t in (1, 8):
         masks = sample_masks(sequences, prompt_length=P, n_t=n_t, sampler="block_elbo", count="all",
                              block_length=4, generator=torch.Generator().manual_seed(n_t))
 
@@ -159,7 +160,7 @@ def test_memory_is_flat_in_n_t():
             run()
         peaks[n_t] = allocated.peak
     gradients = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert gradients <= peaks[1] and peaks[32] <= 1.05 * peaks[1], peaks
+    assert gradients <= peaks[1] and peaks[8] <= 1.05 * peaks[1], peaks
 
 
 def exact_block_elbo(values, counted, blocks):

@@ -123,12 +123,14 @@ def test_compile_must_be_a_bool():
         dllm_fast.generate(model, ids, mask, gen_length=4, block_length=4, steps=2, compile="yes")
 
 
-@pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.slow
-def test_train_with_compile_true_compiles_its_rollouts_and_scoring(lora, tmp_path, fresh_dynamo, monkeypatch):
+def test_train_with_compile_true_compiles_its_rollouts_and_scoring(tmp_path, fresh_dynamo, monkeypatch):
     """--compile true reaches the trainer's rollouts and its scoring micro-batches (the engine's passes): both
-    compile, and the run is the run without it. With LoRA too: PEFT's wrapping leaves no hook dynamo cannot trace
-    (its input-embedding hook broke the 8B rollout's graph on the H200)."""
+    compile, and the run is the run without it. With LoRA: PEFT's wrapping leaves no hook dynamo cannot trace
+    (its input-embedding hook broke the 8B rollout's graph on the H200). (The run without LoRA takes the same
+    trainer path to the compiled step and engine; those compile without PEFT in
+    test_the_step_compiles_whole_once_per_kind_of_step and test_score_compiled.py.)"""
+    lora = True
     from test_trainer import quick_config
 
     from dllm_fast.likelihood import compiled as scoring_module
