@@ -124,8 +124,10 @@ PARALLEL_PLANS = {
                                                                         "8", "--reference-offload", "true"],
     "llada2-flash full, 8 H200": FLASH + ["--gpus", "8", "--gpu", "h200", "--prompts-per-step", "8", "--group-size",
                                          "8"],
+    # offload takes FSDP2's shards, and one expert group's experts are whole: two groups of 4, the experts sharded
     "llada2-flash full, 8 H200, offload": FLASH + ["--gpus", "8", "--gpu", "h200", "--prompts-per-step", "8",
-                                                  "--group-size", "8", "--fsdp-offload", "true"],
+                                                  "--group-size", "8", "--fsdp-offload", "true",
+                                                  "--expert-parallel", "4"],
     "llada-8b full, 8 H100": ["--model", "llada-8b", "--parallel", "fsdp2", "--gpus", "8", "--gpu", "h100",
                               "--prompts-per-step", "8", "--group-size", "8", "--prompt-length", "200",
                               "--gen-length", "256", "--block-length", "32", "--diffusion-steps", "128", "--cache",

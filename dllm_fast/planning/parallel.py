@@ -305,13 +305,16 @@ def _peak(phase: PhasePlan, memory: dict[str, int]) -> int:
 def _alternatives(phases, rank_memory, shape: Layout, settings: ParallelSettings, sizes: Sizes,
                   path: str) -> dict[str, int]:
     """The step's peak per GPU under settings that shrink the states (memory by this plan's categories, not
-    planned again): bf16 weights, gradients and AdamW state, FSDP2's offload, both."""
-    options = {"--weights-dtype bfloat16": (dataclasses.replace(sizes, trained=2, frozen=2), settings),
-               "--fsdp-offload true": (sizes, dataclasses.replace(settings, fsdp_offload=True)),
-               "--weights-dtype bfloat16 --fsdp-offload true": (dataclasses.replace(sizes, trained=2, frozen=2),
-                                                                dataclasses.replace(settings, fsdp_offload=True))}
-    if shape.reference.total and not settings.reference_on_host:
-        options["--reference-offload true"] = (sizes, dataclasses.replace(settings, reference_offload=True))
+    planned again): bf16 weights, gradients and AdamW state, FSDP2's offload, both. The offloads are left out under
+    one expert group, whose whole experts are not FSDP2's to offload (ParallelSettings refuses them)."""
+    bf16 = dataclasses.replace(sizes, trained=2, frozen=2)
+    options = {"--weights-dtype bfloat16": (bf16, settings)}
+    if not (settings.expert_parallel > 1 and settings.expert_parallel == settings.world):
+        offloaded = dataclasses.replace(settings, fsdp_offload=True)
+        options.update({"--fsdp-offload true": (sizes, offloaded),
+                        "--weights-dtype bfloat16 --fsdp-offload true": (bf16, offloaded)})
+        if shape.reference.total and not settings.reference_on_host:
+            options["--reference-offload true"] = (sizes, dataclasses.replace(settings, reference_offload=True))
     out = {}
     for label, (other_sizes, other) in options.items():
         if "--fsdp-offload" in label and settings.fsdp_offload:
