@@ -274,14 +274,22 @@ def fsdp_step(run, step: int) -> dict:
     return {f"lp{step}": lp.detach().clone(), f"norm{step}": norm}
 
 
-def fsdp_case(output_dir, ranks, lora: bool, size: int, resume: bool) -> dict:
+def offloaded_flags(model) -> list:
+    """Whether each of the model's FSDP2 parameters (the dense units' and the experts' own) lives on the host."""
+    groups = [unit._get_fsdp_state()._fsdp_param_group for unit in model.modules() if hasattr(unit, "_get_fsdp_state")]
+    return sorted({p.offload_to_cpu for group in groups if group is not None for p in group.fsdp_params})
+
+
+def fsdp_case(output_dir, ranks, lora: bool, size: int, resume: bool, offload: bool = False) -> dict:
     """The trainer's Run under `ranks` (FSDP2, expert groups of `size`; one process: neither): logits and greedy
     tokens of this rank's prompts (on the rollout's gathered copy, and on FSDP2's per-layer gathers), two updates'
     lp and norms, the trained weights after each. resume: a checkpoint after the first update, then a second Run
-    resumed from it takes the second update again (its weights: "resumed")."""
+    resumed from it takes the second update again (its weights: "resumed"). offload: --reference-offload true (the
+    reference's dense shards and its experts' shards over their replicas on the host: the same numbers on CPU)."""
     from dllm_fast.train.checkpoint import save_checkpoint
 
-    run = fp64_run(fsdp_config(output_dir, lora, size, ranks.world), ranks)
+    extra = {"reference_offload": True} if offload else {}
+    run = fp64_run(fsdp_config(output_dir, lora, size, ranks.world, **extra), ranks)
     eos = run.core.eos_token_id
     ids = fsdp_batch(0, eos).sequences[run.share.start * G:run.share.stop * G]
     copy = run.rollout_weights.gather() if run.rollout_weights is not None else run.core
@@ -291,6 +299,8 @@ def fsdp_case(output_dir, ranks, lora: bool, size: int, resume: bool) -> dict:
            "tokens": dllm_fast.generate(copy, prompts, torch.ones_like(prompts), **generate).completion_ids,
            "tokens_sharded": dllm_fast.generate(run.core, prompts, torch.ones_like(prompts), **generate).completion_ids,
            "notes": run.setup_notes}
+    if offload:
+        out["reference_offloaded"] = offloaded_flags(run.ref_model)
     if run.rollout_weights is not None:
         run.rollout_weights.release()
     out.update(fsdp_step(run, 0))
@@ -300,7 +310,7 @@ def fsdp_case(output_dir, ranks, lora: bool, size: int, resume: bool) -> dict:
     out.update(fsdp_step(run, 1))
     out["weights1"] = trained_weights(run)
     if resume:
-        again = fp64_run(fsdp_config(output_dir, lora, size, ranks.world, resume=True), ranks)
+        again = fp64_run(fsdp_config(output_dir, lora, size, ranks.world, resume=True, **extra), ranks)
         assert again.step == 1
         fsdp_step(again, 1)
         out["resumed"] = trained_weights(again)
@@ -319,6 +329,9 @@ def resume_refusal(output_dir, ranks, size: int) -> str:
 # What each launch checks: (parallel, expert group size, LoRA)
 CASES = {2: [("ddp", 2, False), ("ddp", 2, True), ("fsdp2", 2, False), ("fsdp2", 2, True)],
          4: [("ddp", 2, False), ("fsdp2", 2, False), ("fsdp2", 2, True), ("fsdp2", 4, False)]}
+# Cases run with --reference-offload true: two expert groups, whose experts are FSDP2 shards over their replicas
+# (the layout of the planner's 16-GPU llada2-flash plan; one group's whole experts cannot be offloaded)
+OFFLOADED = {(4, "fsdp2", 2, False)}
 
 
 def launch_worker(rank, world, rendezvous, result_dir, earlier):
@@ -340,7 +353,7 @@ def launch_worker(rank, world, rendezvous, result_dir, earlier):
             else:
                 resume = not lora and size == 2
                 results[parallel, size, lora] = fsdp_case(Path(result_dir) / f"run-{size}-{lora}", ranks, lora,
-                                                          size, resume)
+                                                          size, resume, (world, parallel, size, lora) in OFFLOADED)
         if earlier is not None:  # the 2-rank checkpoint at 4 ranks: same settings, another world; another -EP too
             results["refusals"] = [resume_refusal(earlier, ranks, 2), resume_refusal(earlier, ranks, 4)]
         torch.save(results, Path(result_dir) / f"rank{rank}.pt")
@@ -439,6 +452,9 @@ def test_fsdp2_with_expert_parallelism_equals_one_process(launches, single_runs,
     assert bool(experts) != lora  # trained in full, frozen (not trainable) under LoRA
     how = "stay whole on it" if size == world else f"are sharded over their {world // size} replicas"
     assert any(f"FSDP2 shards the rest; each rank's experts {how}" in note for note in got["notes"])
+    if (world, "fsdp2", size, lora) in OFFLOADED:  # --reference-offload true: every reference shard on the host
+        assert all(launches[0][world][rank]["fsdp2", size, lora]["reference_offloaded"] == [True]
+                   for rank in range(world))
 
 
 @pytest.mark.slow

@@ -464,6 +464,10 @@ def _fsdp2_notes(shape: Layout, settings: ParallelSettings, sizes: Sizes, out: P
     if out.alternatives:
         notes.append("what would fit (memory by this plan's categories, not planned again): " + "; ".join(
             f"{label}: peak {peak / 1e9:.1f} GB" for label, peak in out.alternatives.items()))
+        if settings.expert_parallel > 1 and settings.expert_parallel == settings.world:
+            notes.append(f"offload (--fsdp-offload or --reference-offload true) takes FSDP2's shards, and one expert "
+                         f"group keeps each rank's experts whole: plan it with several groups, e.g. --expert-parallel "
+                         f"{settings.world // 2} --fsdp-offload true")
     if wire is not None:
         notes.append(_links_note(wire, settings))
     return notes
