@@ -80,7 +80,28 @@ def one_run(objective: str, seed: int, steps: int, output_dir: str, options: dic
                 seconds=result.seconds,
                 seconds_per_step=statistics.fmean(r["step_seconds"] for r in steps_rows),
                 rollout_tokens_per_s=statistics.fmean(r["rollout_tokens_per_s"] for r in steps_rows),
-                update_pairs_per_s=statistics.fmean(r["update_pairs_per_s"] for r in steps_rows))
+                update_pairs_per_s=statistics.fmean(r["update_pairs_per_s"] for r in steps_rows),
+                curve=curve(steps_rows))
+
+
+CURVE_WINDOW = 25  # steps a point of a run's curve averages
+
+
+def curve(rows: list[dict]) -> list[dict]:
+    """A run's training curve, compact: per window of CURVE_WINDOW steps the mean of the rollouts' reward and
+    accuracy, the completion length, and the updates' loss, gradient norm, KL and clip statistics (what a run
+    that does not learn is diagnosed by)."""
+    def kept(key: str) -> bool:
+        return key in ("reward_mean", "reward_std", "accuracy", "completion_length") or any(
+            word in key for word in ("loss", "grad_norm", "kl", "clip", "ratio", "advantage"))
+
+    points = []
+    for start in range(0, len(rows), CURVE_WINDOW):
+        window = rows[start:start + CURVE_WINDOW]
+        keys = [k for k, v in window[0].items() if kept(k) and isinstance(v, (int, float))]
+        points.append(dict(step=window[-1]["step"], **{k: statistics.fmean(float(r[k]) for r in window if k in r)
+                                                      for k in keys}))
+    return points
 
 
 def summarize(runs: list[dict], objective_names: list[str]) -> list[dict]:
@@ -128,7 +149,7 @@ def main() -> None:
             args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {pool.submit(one_run, name, seed, args.steps, f"{scratch}/{name}-{seed}",
                                args.options.get(name), args.model): (name, seed)
-                   for name in args.objectives for seed in args.seeds}
+                   for seed in args.seeds for name in args.objectives}  # seed-major: a cut sweep has each objective
         for future in concurrent.futures.as_completed(futures):
             name, seed = futures[future]
             try:

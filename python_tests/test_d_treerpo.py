@@ -180,13 +180,99 @@ def test_train_refuses_tree_rollouts_the_settings_cannot_decode_before_any_work(
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow  # a few seconds (imports, the model's setup)
-def test_plan_refuses_it_naming_why(capsys):
+def counted_train_step(monkeypatch, config):
+    """One real `train` step of `config`, with every model forward counted (calls and tokens) by phase: the rollout
+    (train_step.roll_out) and the update (train_step.run_update: reference scoring without gradients, the inner
+    update with them). The evaluations' forwards are not counted. Returns (counts, the step's metrics row)."""
+    from dllm_fast.train import train
+    from dllm_fast.train import step as train_step
+
+    counts = {key: 0 for key in ("rollout", "rollout_tokens", "reference", "reference_tokens", "grad", "grad_tokens")}
+    phase = [None]
+
+    def in_phase(name, function):
+        def run(*args, **kwargs):
+            phase[0] = name
+            try:
+                return function(*args, **kwargs)
+            finally:
+                phase[0] = None
+        return run
+
+    forward = torch.nn.Module.__call__
+
+    def counted(self, *args, **kwargs):  # the planner's count: a forward pre-hook on the model (planning/step.py)
+        ids = args[0] if args else kwargs.get("input_ids")
+        if phase[0] is not None and torch.is_tensor(ids):
+            kind = "rollout" if phase[0] == "rollout" else "grad" if torch.is_grad_enabled() else "reference"
+            counts[kind] += 1
+            counts[kind + "_tokens"] += ids.numel()
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLaDAModel, "__call__", counted, raising=False)  # the embedded default's model
+    monkeypatch.setattr(train_step, "roll_out", in_phase("rollout", train_step.roll_out))
+    monkeypatch.setattr(train_step, "run_update", in_phase("update", train_step.run_update))
+    result = train(config)
+    return counts, [row for row in result.history if "step_seconds" in row][0]
+
+
+@pytest.mark.slow  # a planned step and a real one on the embedded default, about 20 s on 2 cores
+def test_plan_prices_the_tree_as_train_runs_it(monkeypatch, tmp_path):
+    """plan on the embedded default: its rollout is the tree train grows (one resumed generate call per level,
+    every level's nodes as rows: 12 forwards over 8 x 4 and 8 x 16 rows), and its updates score the 160 edges
+    once each (reference without gradients, the update with them), call for call and token for token with a real
+    train step of the same settings; the edges are the step's update pairs."""
+    from dllm_fast.planning.planner import plan_step
+    from dllm_fast.train import TrainConfig
+
+    config = TrainConfig(objective="d_treerpo", steps=1, eval_examples=2, output_dir=str(tmp_path / "run"),
+                         progress=False, plot=False, threads=1)
+    plan = plan_step(config, gpu=None, search=False)
+    counts, row = counted_train_step(monkeypatch, config)
+    shape = objectives.get("d_treerpo").tree_shape()
+    edges = config.run.prompts_per_step * shape.edges_per_prompt()
+    assert plan.shapes["rollouts"] == row["update_pairs"] == edges == 160
+    assert plan.shapes["tree"] == {"edges": 20, "leaves": 16}
+    rollout = plan.phases["rollout"].model_calls
+    assert plan.nfe == rollout["policy"] == counts["rollout"] == 12
+    assert rollout["policy_tokens"] == counts["rollout_tokens"] == 6 * (8 * 4 + 8 * 16) * (plan.prompt_length + 24)
+    reference = plan.phases["reference scoring"].model_calls
+    assert reference["reference"] + reference["policy"] == counts["reference"]
+    assert reference["reference_tokens"] + reference["policy_tokens"] == counts["reference_tokens"]
+    update = plan.phases["inner update"].model_calls
+    assert update["policy_grad"] == counts["grad"] and update["policy_grad_tokens"] == counts["grad_tokens"]
+    assert counts["reference_tokens"] >= edges * (plan.prompt_length + 24)  # every edge scored at least once
+
+
+def test_compile_auto_leaves_tree_rollouts_eager_on_cuda():
+    """--compile auto compiles rollouts on CUDA, but a tree's resumed calls run eagerly (generate refuses
+    resume under compile): auto must leave d_treerpo's rollouts eager, or train and plan refuse the default."""
+    from dllm_fast.train import TrainConfig
+    from dllm_fast.train.config import compiles_rollouts
+
+    assert not compiles_rollouts(TrainConfig(objective="d_treerpo"), "cuda")
+    assert compiles_rollouts(TrainConfig(objective="espo"), "cuda")
+    assert compiles_rollouts(TrainConfig(objective="d_treerpo", compile=True), "cuda")  # asked for: refused later
+
+
+@pytest.mark.slow  # a plan with the search, about a minute on a loaded 2-core machine
+def test_micro_batch_auto_fits_the_tree_step_by_the_plan():
+    """--micro-batch auto on a GPU is the planner's fit, for d_treerpo too now that plan prices its trees."""
+    from dllm_fast.planning.gpus import gpu
+    from dllm_fast.train import TrainConfig
+    from dllm_fast.train.micro_batch import fitted_micro_batch
+
+    fitted, note = fitted_micro_batch(TrainConfig(objective="d_treerpo"), gpu=gpu("h200"))
+    assert fitted >= 160 and "the largest the planner fits" in note
+
+
+@pytest.mark.slow  # a few seconds (the tiny model's setup and plan)
+def test_plan_refuses_trees_the_settings_cannot_decode_naming_the_setting(capsys):
     from dllm_fast.planning import cli
 
     with pytest.raises(SystemExit):
-        cli.main(["--objective", "d_treerpo", "--model", "tiny"])
-    assert "plan does not price --objective d_treerpo yet: its rollouts are trees" in capsys.readouterr().err
+        cli.main(["--objective", "d_treerpo", "--model", "tiny", "--threshold", "0.9", "--diffusion-steps", "none"])
+    assert "--objective d_treerpo with --model 'tiny': tree rollouts branch at fixed steps" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # a few seconds (imports, the model's setup)

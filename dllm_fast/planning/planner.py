@@ -130,8 +130,15 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
     batching = micro_batching(config, auto=DEFAULT_MICRO_BATCH)
     if engine == "two_pass":
         batching = dataclasses.replace(batching, one_pass=False)
-    if getattr(session.objective, "tree_shape", None) is not None:  # d_treerpo: refused, saying why
-        raise ValueError(tree_not_planned(config.objective.name, session.objective.tree_shape()))
+    shape = getattr(session.objective, "tree_shape", lambda: None)()
+    if shape is not None:  # d_treerpo: its trees decode as train checks them (rollout/tree.py), before any work
+        from dllm_fast.rollout.tree import check_tree_rollouts
+
+        try:
+            check_tree_rollouts(session.base, session.generate_config, shape)
+        except ValueError as error:
+            raise ValueError(f"--objective {config.objective.name} with --model {config.model.name!r}: "
+                             f"{error}") from None
     asked = batching
     batching = within_the_pairs(config, batching)
     n_t = session.objective.config.n_t
@@ -160,7 +167,9 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
                     dict(rollouts=getattr(rollout.batch, "rollouts", rollout.batch.num_rollouts),  # MDPO: not its rows
                          prompt_length=prompt_length,
                          completion_length=config.rollout.gen_length, n_t=n_t, pairs=rollout.batch.num_rollouts * n_t,
-                         micro_batch=batching.micro_batch, score_micro_batch=batching.scoring),
+                         micro_batch=batching.micro_batch, score_micro_batch=batching.scoring,
+                         **({} if shape is None else {"tree": dict(edges=shape.edges_per_prompt(),  # d_treerpo
+                                                                   leaves=shape.leaves_per_prompt())})),
                     rollout.nfe, session.weight_bytes, autocast=session.bf16, compiled=session.compile)
         plan.notes += _notes(plan, probes, n_t, session)
         if getattr(session.objective, "needs_step_predictions", False):  # MDPO's step record and step batch
@@ -169,6 +178,13 @@ def plan_step(config: TrainConfig, *, gpu: str | GPU | None = "h100", prompt_len
                               f"peak); the updates train on {rollout.batch.num_rollouts} step rows (the top-k steps "
                               "of each rollout); its reward of every step (K calls per rollout) is host work, not "
                               "planned")
+        if shape is not None:  # d_treerpo's tree and its edge batch
+            plan.notes.append(f"{config.objective.name}: a tree per prompt ({shape.root_children} root children, "
+                              f"branch {shape.branch}, {shape.contraction} levels: {shape.edges_per_prompt()} edges "
+                              f"and {shape.leaves_per_prompt()} leaves; --group-size is not used), one resumed "
+                              f"generate call per level ({rollout.nfe} forwards in all, on each level's nodes); the "
+                              f"updates score {rollout.batch.num_rollouts} edges once each, on the parent's canvas; "
+                              f"the leaves' rewards ({shape.leaves_per_prompt()} a prompt) are host work, not planned")
         if asked != batching:
             plan.notes.append(f"--micro-batch {asked.micro_batch} (scoring {asked.scoring}) is more than the step's "
                               f"{step_pairs(config)} (sequence, sample) pairs: planned at {batching.micro_batch} "
@@ -222,22 +238,13 @@ MAX_PLANNED_CALLS = 1024  # scoring and update micro-batches, over the inner upd
 UNBOUNDED_POSITIONS = 1 << 16  # for a model that states no max_sequence_length
 
 
-def tree_not_planned(name: str, shape) -> str:
-    """Why `plan` does not price a tree objective (d_treerpo), and what to do instead."""
-    return (f"plan does not price --objective {name} yet: its rollouts are trees of partial rollouts "
-            f"({shape.edges_per_prompt()} edges and {shape.leaves_per_prompt()} leaves per prompt, resumed level by "
-            "level: rollout/tree.py), which the planner's replay of one generate call per step cannot express, and "
-            "its edge batch reads values the planner's fake tensors do not hold. Measure a short train run instead "
-            "(metrics.jsonl: step_seconds and peak_memory_mib per phase).")
-
-
 def step_pairs(config: TrainConfig) -> int:
     """The (sequence, sample) pairs of one update of the step: n_t a rollout; for an objective whose samples follow
     from the rollout (fixed_n_t), a bound: a decoding state each denoising step at most, or one a completion
     position. An objective on stored preference pairs scores two completions a prompt."""
     objective = objectives.get(config.objective.name, **config.objective.options)
     objective_config, G = objective.config, config.rollout.gen_length
-    rollouts = config.run.prompts_per_step * (2 if objective.preference_pairs else config.run.group_size)
+    rollouts = config.run.prompts_per_step * rollouts_per_prompt(objective, config)
     if getattr(objective, "needs_step_predictions", False):  # MDPO trains on top-k step rows of each rollout
         rollouts *= objective_config.top_k_steps
     if not fixed_n_t(config):
@@ -245,6 +252,15 @@ def step_pairs(config: TrainConfig) -> int:
     steps = config.rollout.decoding_steps()  # ASS derives its own count
     forwards = G if config.rollout.threshold is not None or steps is None else steps
     return rollouts * (G if objective_config.sampler == "autoregressive" else forwards)
+
+
+def rollouts_per_prompt(objective, config: TrainConfig) -> int:
+    """The sequences an update scores per prompt: --group-size rollouts; two stored completions for an objective
+    on preference pairs (vrpo_dpo); a tree objective's edges (d_treerpo: every edge of the prompt's tree)."""
+    if objective.preference_pairs:
+        return 2
+    shape = getattr(objective, "tree_shape", lambda: None)()
+    return config.run.group_size if shape is None else shape.edges_per_prompt()
 
 
 def within_the_pairs(config: TrainConfig, batching: MicroBatching) -> MicroBatching:
@@ -276,7 +292,8 @@ def check_plannable(config: TrainConfig, prompt_length: int, model, batching: Mi
         raise ValueError(f"the rollout runs {forwards} denoising steps (--diffusion-steps, or --gen-length under "
                          f"--threshold), more than the {MAX_PLANNED_FORWARDS} a plan replays; plan fewer steps "
                          "(the rollout's time is about linear in them).")
-    rollouts, length = config.run.prompts_per_step * config.run.group_size, prompt_length + G
+    objective = objectives.get(config.objective.name, **config.objective.options)
+    rollouts, length = config.run.prompts_per_step * rollouts_per_prompt(objective, config), prompt_length + G
     if fixed_n_t(config):  # the rollout's decoding states (one per `shrink` steps), or one per position
         objective_config = objectives.get(config.objective.name, **config.objective.options).config
         samples = G if objective_config.sampler == "autoregressive" else -(-forwards // max(1, objective_config.shrink))

@@ -31,12 +31,23 @@ def summary(plan: Plan) -> str:
             f"; {c.objective.name} n_t={shapes['n_t']}, mu={c.objective.inner_updates}, {plan.engine} engine, "
             "micro-batch "
             f"{shapes['micro_batch']} (scoring {shapes['score_micro_batch']})\n"
-            f"{_prompts(plan)} x G={c.run.group_size} = {shapes['rollouts']} rollouts, prompt "
+            f"{_prompts(plan)} x {_per_prompt(plan)} = {shapes['rollouts']} {_rows(plan)}, prompt "
             f"{plan.prompt_length} + gen {rollout.gen_length} tokens (block {rollout.block_length}, {schedule}, cache "
             f"{rollout.cache}"
             f"{compiled})"
             f"; on {target}" + (f"\nper GPU of {plan.world}, {plan.parallel.upper()} (torchrun): every number "
                                 "below is one GPU's" if plan.world > 1 else ""))
+
+
+def _per_prompt(plan: Plan) -> str:
+    tree = plan.shapes.get("tree")
+    if tree is None:
+        return f"G={plan.config.run.group_size}"
+    return f"a tree of {tree['edges']} edges ({tree['leaves']} leaves)"
+
+
+def _rows(plan: Plan) -> str:
+    return "rollouts" if plan.shapes.get("tree") is None else "edges"
 
 
 def _prompts(plan: Plan) -> str:

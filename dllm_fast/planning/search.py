@@ -31,7 +31,7 @@ def largest_settings(session, plan, rollout, runs, probes, batching: MicroBatchi
     if probes[0] == probes[1]:  # a fixed n_t (the rollout's decoding states): not a setting to search
         n_slopes = dict.fromkeys(UPDATE_PHASES, 0.0)
         notes = [f"largest n_t: not searched, {config.objective.name}'s samples follow from the rollouts (its "
-                 "decoding states, or one per completion position)"]
+                 "decoding states, one per completion position, or one per tree edge)"]
     else:
         n_slopes = {name: max(0.0, (runs[probes[1]][name].peak - runs[probes[0]][name].peak) /
                               (probes[1] - probes[0])) for name in UPDATE_PHASES}
@@ -72,6 +72,10 @@ def largest_settings(session, plan, rollout, runs, probes, batching: MicroBatchi
     # group size: the rollout and the updates at a second group size
     if session.objective.preference_pairs:  # stored pairs: two completions per prompt, no group to grow
         notes.append(f"largest group size: not searched, {config.objective.name} trains on preference pairs")
+        return largest, notes
+    if getattr(session.objective, "tree_shape", None) is not None:  # d_treerpo: its tree's shape sets the rows
+        notes.append(f"largest group size: not searched, {config.objective.name}'s rollouts are a tree per prompt "
+                     "(its shape: the objective's tree_branch, tree_contraction and tree_root_children)")
         return largest, notes
     g0 = config.run.group_size
     g1 = g0 // 2 if g0 > 1 else 2

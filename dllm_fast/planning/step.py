@@ -242,7 +242,9 @@ class Session:
         input_ids = torch.randint(0, vocab, (prompts, prompt_length), generator=generator)
         if self.objective.preference_pairs:
             return self.pairs(input_ids, vocab, generator)
-        input_ids = input_ids.repeat_interleave(group_size, dim=0)
+        tree_shape = getattr(self.objective, "tree_shape", lambda: None)()
+        if tree_shape is None:
+            input_ids = input_ids.repeat_interleave(group_size, dim=0)
         attention_mask = torch.ones_like(input_ids)
         plan = PhasePlan("rollout")
         rollouts = self.generate_config
@@ -251,6 +253,8 @@ class Session:
         merge = c.lora.enabled and c.lora.merge_rollouts
         if merge:  # the merged copy roll_out samples through, its calls replayed like the policy's
             self._replay(merged_for_rollouts(self.policy, refresh=False))
+        if tree_shape is not None:  # d_treerpo: a tree per prompt, as train rolls it out (train/run.roll_out_tree)
+            return self.tree_rollout(input_ids, attention_mask, rollouts, tree_shape, plan, merge)
         # as train does: trajectory objectives (TraceRL) ask generate to record the decoding order
         result = train_step.roll_out(self.policy, input_ids, attention_mask, rollouts,
                                      generator=torch.Generator().manual_seed(c.run.seed + 1),
@@ -267,6 +271,24 @@ class Session:
                                               eos_token_id=self.base.eos_token_id,
                                               rollout_temperature=rollouts.temperature)
         return Rollout(plan, batch, int(result.nfe))
+
+    def tree_rollout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rollouts, shape,
+                     plan: PhasePlan, merge: bool) -> Rollout:
+        """d_treerpo's rollout (rollout/tree.py): one tree of `shape` per prompt, one generate call per level
+        resumed from the level above (generate(resume=...)), then its edges as train batches them
+        (objectives.tree_batch): a sequence an edge, scored once on its parent's canvas (the tree_edge sampler).
+        The leaves' rewards grow with their index (the leaves of a node are contiguous), so that siblings' values
+        differ at every level and every edge has a nonzero advantage (the most work, as alternating rewards give
+        a group rollout)."""
+        c = self.config
+        tree = train_step.roll_out(self.policy, input_ids, attention_mask, rollouts,
+                                   generator=torch.Generator().manual_seed(c.run.seed + 1), record_unmask_step=False,
+                                   hooks=self._hooks({"rollout": plan}), merge_adapters=merge, tree=shape)
+        leaves = tree.leaves.shape[0]
+        rewards = torch.arange(leaves, dtype=torch.float32) / leaves
+        batch = objectives.tree_batch(tree, rewards, eos_token_id=self.base.eos_token_id,
+                                      mask_token_id=self.base.mask_token_id, train_step=0)
+        return Rollout(plan, batch, int(tree.forwards))
 
     def pairs(self, input_ids: torch.Tensor, vocab: int, generator: torch.Generator) -> Rollout:
         """A step of stored preference pairs (train/pairs.py): a chosen and a rejected completion of gen_length
@@ -367,8 +389,9 @@ def probe_n_t(config: TrainConfig, rollouts: int, micro_batch: int) -> tuple[int
     if fixed_n_t(config):
         n_t = objectives.get(config.objective.name, **config.objective.options).config.n_t
         return n_t, n_t
-    low = valid_n_t(config, -(-2 * micro_batch // max(rollouts, 1)))
-    return low, valid_n_t(config, 4 * low)
+    wanted = -(-2 * micro_batch // max(rollouts, 1))
+    low = valid_n_t(config, wanted) or valid_n_t(config, wanted, down=True)  # n_t capped (tree_edge: 1): the cap
+    return low, valid_n_t(config, 4 * low) or low
 
 
 def two_pass_line(batching: MicroBatching) -> MicroBatching:

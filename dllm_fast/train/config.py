@@ -397,7 +397,7 @@ def compiles_rollouts(config: TrainConfig, device_type: str) -> bool:
     replay a step without the host's per-kernel dispatch: 3.07x on dual-cache rollouts of the `small` preset on an
     H200; on CPU there is no launch overhead to save and compiling costs seconds)."""
     auto = config.rollout.compile == AUTO and device_type == "cuda" and not records_step_predictions(config)
-    return config.rollout.compile is True or auto
+    return config.rollout.compile is True or (auto and not rolls_out_trees(config))
 
 
 def records_step_predictions(config: TrainConfig) -> bool:
@@ -407,6 +407,14 @@ def records_step_predictions(config: TrainConfig) -> bool:
 
     return getattr(objectives.get(config.objective.name, **config.objective.options), "needs_step_predictions",
                    False)
+
+
+def rolls_out_trees(config: TrainConfig) -> bool:
+    """Whether the objective's rollouts are trees of resumed calls (d_treerpo, rollout/tree.py), which run eagerly:
+    --compile auto then leaves them uncompiled (a compiled call keeps its buffers for the whole call)."""
+    from dllm_fast import objectives
+
+    return getattr(objectives.get(config.objective.name, **config.objective.options), "tree_shape", None) is not None
 
 
 def compiles_scoring(config: TrainConfig) -> bool:

@@ -390,9 +390,6 @@ def auto_micro_batch(config: TrainConfig, device: torch.device, ranks: Ranks) ->
     planner's fit (dllm_fast.train.micro_batch), the smallest over the ranks so that all cut pairs alike."""
     if device.type != "cuda":
         return DEFAULT_MICRO_BATCH, f"--micro-batch auto: {DEFAULT_MICRO_BATCH} on {device.type}"
-    if hasattr(objectives.get(config.objective.name, **config.objective.options), "tree_shape"):
-        return DEFAULT_MICRO_BATCH, (f"--micro-batch auto: {DEFAULT_MICRO_BATCH} (the planner does not price "
-                                     f"--objective {config.objective.name}'s tree rollouts)")
     from dllm_fast.train.micro_batch import fitted_micro_batch
 
     micro_batch, note = fitted_micro_batch(config, device)
