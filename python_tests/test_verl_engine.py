@@ -492,24 +492,16 @@ def _two_rank_worker(rank, port, out, name, split):
         dist.destroy_process_group()
 
 
-# wd1 on two FSDP2 ranks: a known failure, open: its first update's gradient norm is 13.938 on two ranks, 13.861 in
-# one process (fp64), with whole groups on each rank as with the regathered halves (the same 13.938362207200669 in
-# both), while one rank equals the trainer (test_a_verl_step_is_the_trainers_step[wd1]): not the regathering.
-WD1_TWO_RANKS = pytest.mark.xfail(strict=True, reason="wd1's two-rank FSDP2 gradient differs from the one-process "
-                                                      "trainer's by 0.6%, with or without the regathering")
-
-
-@pytest.mark.parametrize("name,split", [("espo", False), ("espo", True),
-                                        pytest.param("wd1", False, marks=WD1_TWO_RANKS),
-                                        pytest.param("wd1", True, marks=WD1_TWO_RANKS)])
+@pytest.mark.parametrize("name,split", [("espo", False), ("espo", True), ("wd1", False), ("wd1", True)])
 @pytest.mark.skipif(os.environ.get("DLLM_FAST_VERL_TWO_RANKS") != "1",
                     reason="two verl processes cost about 25 s of CPU; set DLLM_FAST_VERL_TWO_RANKS=1 to run")
 def test_two_ranks_give_the_trainers_step_on_the_whole_batch(tmp_path, name, split):
     """FSDP2 over two gloo ranks, each with one prompt group, or (split) each with half of every group, as verl
     V1's dispatch leaves them, which the engine regathers into one whole group per rank: verl's averaged gradient
     and global clipping give the trainer's step on the whole batch in one process (each rank's objective is its
-    groups' mean; wd1's group softmax sees each whole group, but see WD1_TWO_RANKS), over two updates (the second
-    on the old policy's log-probs, which travel with the rows)."""
+    groups' mean; wd1's group softmax sees each whole group, and its prompt perturbation draws the same on a rank
+    whose prompts are all short: `batch.row_masks`), over two updates (the second on the old policy's log-probs,
+    which travel with the rows)."""
     from dllm_fast.testing.ranks import run_ranks
 
     with socket.socket() as sock:

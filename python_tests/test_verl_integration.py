@@ -635,6 +635,28 @@ def test_a_rows_masks_do_not_depend_on_the_batch_it_is_in(name):
     assert not torch.equal(other.masked, masks.masked)
 
 
+@pytest.mark.parametrize("name", ["wd1", "diffu_grpo", "spg", "espo"])
+def test_a_rows_masks_do_not_depend_on_how_far_its_batch_pads_the_prompts(name):
+    """verl's V1 rows carry their prompts unpadded, so a rank holding only short prompts pads them less than one
+    process holding the whole batch: the masks on a row's own tokens are the same either way (wd1, diffu-GRPO and
+    SPG perturb the prompt, a draw per prompt position; the padding is never masked)."""
+    objective = objectives.get(name)
+    model = types.SimpleNamespace(eos_token_id=9)
+    data = v1_rows()
+    whole = verl_batch.rows_from_verl(data, eos_token_id=9, device=torch.device("cpu"), grouped=False)
+    short = [r for r, uid in enumerate(data["uid"]) if uid == "p0"]  # the prompts one token shorter
+    part = verl_batch.rows_from_verl(_split(data, short), eos_token_id=9, device=torch.device("cpu"), grouped=False)
+    assert part.batch.prompt_length == whole.batch.prompt_length - 1 and part.keys == [whole.keys[r] for r in short]
+    ours = verl_batch.row_masks(objective, part.batch, part.keys, seed=5, model=model)
+    theirs = verl_batch.row_masks(objective, whole.batch, whole.keys, seed=5, model=model)
+    assert not theirs.masked[short][:, :, 0].any()  # the padding position
+    assert torch.equal(ours.masked, theirs.masked[short][:, :, 1:])
+    assert torch.equal(ours.weight, theirs.weight[short]) and torch.equal(ours.t, theirs.t[short])
+    theirs.check_sequences(whole.batch.sequences)  # the fingerprints are the padded rows'
+    if name != "espo":
+        assert bool(ours.masked[:, :, :part.batch.prompt_length].any())  # the prompts are perturbed
+
+
 def test_per_token_values_sum_to_the_elbo_and_sit_where_verl_reads_them():
     objective = objectives.get("espo")
     rows = verl_batch.rows_from_verl(verl_rows(), eos_token_id=9, device=torch.device("cpu"), grouped=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from dllm_fast.contracts import RolloutBatch, block_length, completion_mask
 from dllm_fast.integrations.verl.batch_keys import EXTRA_FIELDS_KEY, FORWARDS_KEY, UNMASK_STEP_KEY
 from dllm_fast.integrations.verl.losses import sequence_advantages
 from dllm_fast.likelihood import MonteCarloMasks
+from dllm_fast.likelihood.masks import sequence_fingerprint
 from dllm_fast.likelihood.samplers import SAMPLERS
 from dllm_fast.objectives import Objective
 
@@ -351,27 +353,46 @@ def row_seed(seed: int, key: bytes) -> int:
 
 def row_masks(objective: Objective, batch: RolloutBatch, keys: list[bytes], *, seed: int, model) -> MonteCarloMasks:
     """The objective's masks for the batch's rows: each row's from its own generator (`row_seed(seed, key)`, keys
-    from `row_keys`), on the batch's device; a sampler that draws nothing replays the whole batch at once."""
+    from `row_keys`), on the batch's device; a sampler that draws nothing replays the whole batch at once.
+
+    Each row is drawn on its own tokens, without its prompt's left padding, and padded back: a row's masks must not
+    depend on which other rows share its batch, whose longest prompt sets the padding (under several
+    data-parallel ranks each rank pads to its own rows; a sampler that perturbs the prompt draws one number per
+    prompt position)."""
     eos = getattr(model, "eos_token_id", None)
     blocks = block_length(model)
     if not SAMPLERS[objective.config.sampler].random:
         return objective.draw_masks(batch, generator=torch.Generator(), eos_token_id=eos, model_block_length=blocks)
     parts = []
     for n, key in enumerate(keys):
-        row = _one_row(batch, n)
+        row, padding = _one_row(batch, n)
         generator = torch.Generator().manual_seed(row_seed(seed, key))
-        parts.append(objective.draw_masks(row, generator=generator, eos_token_id=eos, model_block_length=blocks))
+        masks = objective.draw_masks(row, generator=generator, eos_token_id=eos, model_block_length=blocks)
+        parts.append(_left_padded(masks, padding, batch.sequences[n:n + 1]))
     return cat_masks(parts)
 
 
-def _one_row(batch: RolloutBatch, n: int) -> RolloutBatch:
+def _one_row(batch: RolloutBatch, n: int) -> tuple[RolloutBatch, int]:
+    """Row n alone, its prompt's left padding dropped, and how many positions that padding took."""
     part = slice(n, n + 1)
-    return RolloutBatch(sequences=batch.sequences[part],
-                        attention_mask=None if batch.attention_mask is None else batch.attention_mask[part],
-                        prompt_length=batch.prompt_length, completion_mask=batch.completion_mask[part],
+    padding = 0
+    if batch.attention_mask is not None:
+        padding = int((~batch.attention_mask[n, :batch.prompt_length].bool()).sum())
+    return RolloutBatch(sequences=batch.sequences[part, padding:], attention_mask=None,
+                        prompt_length=batch.prompt_length - padding, completion_mask=batch.completion_mask[part],
                         rewards=batch.rewards[part], group_size=1,
                         unmask_step=None if batch.unmask_step is None else batch.unmask_step[part],
-                        forwards=batch.forwards)
+                        forwards=batch.forwards), padding
+
+
+def _left_padded(masks: MonteCarloMasks, padding: int, sequence: torch.Tensor) -> MonteCarloMasks:
+    """A row's masks drawn without its prompt padding, on the padded row `sequence` [1, S]: the padding is never
+    masked; the other fields index the completion or the sample and stay as drawn."""
+    if padding == 0:
+        return masks
+    masked = torch.nn.functional.pad(masks.masked, (padding, 0), value=False)
+    return dataclasses.replace(masks, masked=masked, prompt_length=masks.prompt_length + padding,
+                               fingerprint=None if masks.fingerprint is None else sequence_fingerprint(sequence))
 
 
 def cat_masks(parts: list[MonteCarloMasks]) -> MonteCarloMasks:
