@@ -65,13 +65,14 @@ def objective_settings(objective: str, gen_length: int = 24) -> dict:
 
 
 def one_run(objective: str, seed: int, steps: int, output_dir: str, options: dict | None = None,
-            model: str = "sudoku4") -> dict:
-    """A whole training run in this (fresh) process; its accuracies and mean speeds."""
+            model: str = "sudoku4", lr: float | None = None) -> dict:
+    """A whole training run in this (fresh) process; its accuracies and mean speeds. lr: the trainer's when None."""
     from dllm_fast.train import TrainConfig, train
 
+    learning_rate = {} if lr is None else {"lr": lr}
     config = TrainConfig(objective=objective, seed=seed, steps=steps, output_dir=output_dir, threads=1,
                          progress=False, eval_every=steps, objective_options=options or {},
-                         **{**model_settings(model), **objective_settings(objective)})
+                         **{**model_settings(model), **objective_settings(objective), **learning_rate})
     result = train(config)
     length = config.eval.gen_lengths[0]
     steps_rows = [row for row in result.history if "step_seconds" in row]
@@ -136,6 +137,7 @@ def main() -> None:
     parser.add_argument("--model", default="sudoku4", choices=MODELS, help="the embedded model to train")
     parser.add_argument("--options", type=json.loads, default={},
                         help="objective options as JSON, by objective name, e.g. '{\"spg\": {\"preset\": \"sudoku\"}}'")
+    parser.add_argument("--lr", type=float, default=None, help="every run's learning rate (default: the trainer's)")
     parser.add_argument("--name", default="training_cpu")
     add_results_dir_argument(parser)
     args = parser.parse_args()
@@ -148,7 +150,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch, concurrent.futures.ProcessPoolExecutor(
             args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {pool.submit(one_run, name, seed, args.steps, f"{scratch}/{name}-{seed}",
-                               args.options.get(name), args.model): (name, seed)
+                               args.options.get(name), args.model, args.lr): (name, seed)
                    for seed in args.seeds for name in args.objectives}  # seed-major: a cut sweep has each objective
         for future in concurrent.futures.as_completed(futures):
             name, seed = futures[future]
