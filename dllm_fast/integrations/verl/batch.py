@@ -28,9 +28,9 @@ rollout for the whole batch at once.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import Counter
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -363,36 +363,37 @@ def row_masks(objective: Objective, batch: RolloutBatch, keys: list[bytes], *, s
     blocks = block_length(model)
     if not SAMPLERS[objective.config.sampler].random:
         return objective.draw_masks(batch, generator=torch.Generator(), eos_token_id=eos, model_block_length=blocks)
+    paddings = ([0] * len(keys) if batch.attention_mask is None
+                else (batch.attention_mask[:, :batch.prompt_length] == 0).sum(-1).tolist())
     parts = []
-    for n, key in enumerate(keys):
-        row, padding = _one_row(batch, n)
+    for n, (key, padding) in enumerate(zip(keys, paddings)):
         generator = torch.Generator().manual_seed(row_seed(seed, key))
-        masks = objective.draw_masks(row, generator=generator, eos_token_id=eos, model_block_length=blocks)
-        parts.append(_left_padded(masks, padding, batch.sequences[n:n + 1]))
-    return cat_masks(parts)
+        masks = objective.draw_masks(_one_row(batch, n, padding), generator=generator, eos_token_id=eos,
+                                     model_block_length=blocks)
+        parts.append(_left_padded(masks, padding))
+    masks = cat_masks(parts)
+    if masks.fingerprint is None:
+        return masks
+    return dataclasses.replace(masks, fingerprint=sequence_fingerprint(batch.sequences))  # the padded rows'
 
 
-def _one_row(batch: RolloutBatch, n: int) -> tuple[RolloutBatch, int]:
-    """Row n alone, its prompt's left padding dropped, and how many positions that padding took."""
+def _one_row(batch: RolloutBatch, n: int, padding: int) -> RolloutBatch:
+    """Row n alone, without the `padding` positions of its prompt's left padding."""
     part = slice(n, n + 1)
-    padding = 0
-    if batch.attention_mask is not None:
-        padding = int((~batch.attention_mask[n, :batch.prompt_length].bool()).sum())
     return RolloutBatch(sequences=batch.sequences[part, padding:], attention_mask=None,
                         prompt_length=batch.prompt_length - padding, completion_mask=batch.completion_mask[part],
                         rewards=batch.rewards[part], group_size=1,
                         unmask_step=None if batch.unmask_step is None else batch.unmask_step[part],
-                        forwards=batch.forwards), padding
+                        forwards=batch.forwards)
 
 
-def _left_padded(masks: MonteCarloMasks, padding: int, sequence: torch.Tensor) -> MonteCarloMasks:
-    """A row's masks drawn without its prompt padding, on the padded row `sequence` [1, S]: the padding is never
-    masked; the other fields index the completion or the sample and stay as drawn."""
+def _left_padded(masks: MonteCarloMasks, padding: int) -> MonteCarloMasks:
+    """A row's masks drawn without its prompt padding, padded back: the padding is never masked; the other fields
+    index the completion or the sample and stay as drawn (the fingerprint is replaced by the caller)."""
     if padding == 0:
         return masks
-    masked = torch.nn.functional.pad(masks.masked, (padding, 0), value=False)
-    return dataclasses.replace(masks, masked=masked, prompt_length=masks.prompt_length + padding,
-                               fingerprint=None if masks.fingerprint is None else sequence_fingerprint(sequence))
+    return dataclasses.replace(masks, masked=torch.nn.functional.pad(masks.masked, (padding, 0), value=False),
+                               prompt_length=masks.prompt_length + padding)
 
 
 def cat_masks(parts: list[MonteCarloMasks]) -> MonteCarloMasks:
